@@ -1,0 +1,78 @@
+"""Sharding planners: which rank holds which piece of which document of a packed window.
+
+    plan = plan_shards(doc_lens, cp_size, strategy="flashcp", target_imbalance=1.05)
+
+Every strategy is a small function `(doc_lens, cp_size, **options) -> (ranks, info)` in a module
+of its own; `plan_shards` checks the input, runs it, normalises the shards and validates the
+result, so a strategy only has to decide placement.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Sequence
+from typing import Any
+
+from flashcp.plan.plan import Plan, Shard, normalize, shard_workload, validate
+
+# name -> "module:function"; imported on first use so that e.g. scipy loads only for "ilp".
+STRATEGIES: dict[str, str] = {
+    "per_seq": "flashcp.plan.per_seq:plan_per_seq",
+    "per_doc": "flashcp.plan.per_doc:plan_per_doc",
+    "whole_doc": "flashcp.plan.whole_doc:plan_whole_doc",
+    "flashcp": "flashcp.plan.hybrid:plan_flashcp",
+    "ilp": "flashcp.plan.ilp:plan_ilp",
+}
+
+
+def _strategy(name: str):
+    if name not in STRATEGIES:
+        raise ValueError(f"unknown strategy {name!r}; choose one of {', '.join(STRATEGIES)}")
+    module, func = STRATEGIES[name].split(":")
+    return getattr(importlib.import_module(module), func)
+
+
+def plan_shards(
+    doc_lens: Sequence[int],
+    cp_size: int,
+    strategy: str = "flashcp",
+    target_imbalance: float = 1.05,
+    **options: Any,
+) -> Plan:
+    """Plan one window of documents (lengths in packed order) over `cp_size` ranks.
+
+    The window length C = sum(doc_lens) must be divisible by `cp_size` so every rank can hold
+    exactly C / cp_size tokens; documents themselves may have any positive length.
+    `target_imbalance` (max / mean attention workload) is used by the strategies that balance
+    workload adaptively; the fixed-grid ones (per_seq, per_doc) ignore it.
+    """
+    lens = tuple(int(x) for x in doc_lens)
+    if not lens:
+        raise ValueError("doc_lens is empty: a window needs at least one document")
+    if any(x <= 0 or x != y for x, y in zip(lens, doc_lens)):
+        raise ValueError("doc_lens must be positive integers")
+    if not isinstance(cp_size, int) or cp_size < 1:
+        raise ValueError(f"cp_size must be a positive integer, got {cp_size!r}")
+    context = sum(lens)
+    if context % cp_size:
+        raise ValueError(
+            f"window length {context} is not divisible by cp_size {cp_size}: every rank must hold "
+            f"the same number of tokens (pad or trim the window to a multiple of {cp_size})"
+        )
+    if not target_imbalance >= 1.0:
+        raise ValueError(f"target_imbalance must be >= 1.0, got {target_imbalance}")
+    fn = _strategy(strategy)
+    params = inspect.signature(fn).parameters
+    if "target_imbalance" in params:
+        options["target_imbalance"] = target_imbalance
+    unknown = set(options) - set(params)
+    if unknown:
+        raise ValueError(f"strategy {strategy!r} takes no option(s) {sorted(unknown)}")
+    ranks, info = fn(lens, cp_size, **options)
+    plan = Plan(lens, cp_size, normalize(ranks), strategy, info)
+    validate(plan)
+    return plan
+
+
+__all__ = ["Plan", "Shard", "STRATEGIES", "plan_shards", "shard_workload"]
