@@ -1,0 +1,197 @@
+"""The KV exchange of context-parallel attention and its transpose for the gradients.
+
+Forward, each rank packs its local K and V side by side into one buffer of rows
+`[recv_size + T, 2, Hkv, D]` (received rows first, then its own T rows), sends the rows named by
+`dispatch.send_index` through a single collective that writes straight into the front of that
+buffer, then gathers every local shard's keys with one `index_select` over `dispatch.kv_index`:
+
+- "compact" and "full": one all-gather of `send_pad` rows per rank (zero padded). "compact" sends
+  only non-last-shard rows, "full" sends all rows; the code path is the same.
+- "needed": one all-to-all-v sending each peer exactly the prefix rows it attends to.
+
+Backward is the transpose: scatter-add the key/value gradients onto the buffer (a row used by
+several shards sums), send the received part back with the transposed collective
+(reduce-scatter, or the all-to-all-v with the splits swapped) and add what comes back onto the
+rows this rank sent. Nothing here reads device data on the host: every size comes from the
+dispatch metadata, so the exchange stays asynchronous on GPUs.
+
+`record_comm()` counts the rows and bytes every collective of this module moves, so tests can
+check them against the planner's predictions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from flashcp.dispatch import Dispatch
+
+# torch 2.13 renamed the flat-tensor collectives (the old names emit FutureWarnings there);
+# torch 2.11 and 2.12 only have all_gather_into_tensor / reduce_scatter_tensor.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass(frozen=True)
+class CommRecord:
+    """One collective as seen by the calling rank; rows are KV tokens (K and V of all heads)."""
+
+    op: str  # "all_gather" | "reduce_scatter" | "all_to_all"
+    pass_: str  # "forward" | "backward"
+    sent_rows: int  # rows this rank's data occupies on other ranks' side
+    recv_rows: int  # rows this rank receives from other ranks
+    row_bytes: int
+
+    @property
+    def sent_bytes(self) -> int:
+        return self.sent_rows * self.row_bytes
+
+    @property
+    def recv_bytes(self) -> int:
+        return self.recv_rows * self.row_bytes
+
+
+_recorders: list[list[CommRecord]] = []
+
+
+@contextmanager
+def record_comm() -> Iterator[list[CommRecord]]:
+    """Collect a `CommRecord` for every KV collective issued inside the `with` block."""
+    log: list[CommRecord] = []
+    _recorders.append(log)
+    try:
+        yield log
+    finally:
+        _recorders.remove(log)
+
+
+def _record(op: str, pass_: str, sent_rows: int, recv_rows: int, row: torch.Tensor) -> None:
+    if _recorders:
+        entry = CommRecord(op, pass_, sent_rows, recv_rows, row.numel() * row.element_size())
+        for log in _recorders:
+            log.append(entry)
+
+
+def _check_group(dispatch: Dispatch, group: dist.ProcessGroup | None) -> None:
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if (size, rank) != (dispatch.cp_size, dispatch.rank):
+        raise ValueError(
+            f"dispatch is for rank {dispatch.rank} of {dispatch.cp_size} but the process group "
+            f"has this process as rank {rank} of {size}"
+        )
+
+
+@dataclass
+class KVExchange:
+    """A launched forward exchange; `wait()` returns the filled `[recv | local]` KV buffer."""
+
+    buffer: torch.Tensor
+    send: torch.Tensor  # kept alive until the collective completes
+    work: dist.Work | None
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        return self.buffer
+
+
+def launch_kv_exchange(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dispatch: Dispatch,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+) -> KVExchange:
+    """Pack local K/V and start the forward collective (no autograd; see `gather_kv`).
+
+    With `cp_size == 1` there is nobody to talk to: no collective is issued and `group` is not
+    consulted (it may be None without an initialised process group).
+    """
+    solo = dispatch.cp_size == 1
+    if not solo:
+        _check_group(dispatch, group)
+    recv = dispatch.recv_size
+    work = None
+    with torch.no_grad():
+        buffer = k.new_empty(recv + k.shape[0], 2, *k.shape[1:])
+        local = buffer[recv:]
+        local[:, 0] = k
+        local[:, 1] = v
+        if dispatch.comm == "needed":
+            send = local.index_select(0, dispatch.send_index)
+            if not solo:
+                work = dist.all_to_all_single(
+                    buffer[:recv], send, dispatch.recv_splits, dispatch.send_splits, group=group, async_op=async_op
+                )
+                _record("all_to_all", "forward", sum(dispatch.send_splits), sum(dispatch.recv_splits), local[0])
+        else:
+            n_send, pad = dispatch.send_index.numel(), dispatch.send_pad
+            send = local.new_empty(pad, *local.shape[1:])
+            torch.index_select(local, 0, dispatch.send_index, out=send[:n_send])
+            send[n_send:].zero_()
+            if solo:
+                buffer[:recv] = send
+            elif pad:  # send_pad is the same on every rank: all agree to skip an empty exchange
+                work = _all_gather(buffer[:recv], send, group=group, async_op=async_op)
+                rows = (dispatch.cp_size - 1) * pad
+                _record("all_gather", "forward", rows, rows, local[0])
+    return KVExchange(buffer, send, work)
+
+
+class _GatherKV(torch.autograd.Function):
+    """Keys/values of all local shards from a launched exchange; backward runs the transpose."""
+
+    @staticmethod
+    def forward(ctx, k, v, exchange: KVExchange, kv_index: torch.Tensor, dispatch: Dispatch, group):
+        buffer = exchange.wait()
+        ctx.dispatch, ctx.group, ctx.local_rows = dispatch, group, k.shape[0]
+        ctx.save_for_backward(kv_index)
+        return buffer[:, 0].index_select(0, kv_index), buffer[:, 1].index_select(0, kv_index)
+
+    @staticmethod
+    def backward(ctx, dk_all, dv_all):
+        (kv_index,) = ctx.saved_tensors
+        dispatch, group = ctx.dispatch, ctx.group
+        recv = dispatch.recv_size
+        ref = dk_all if dk_all is not None else dv_all
+        grad = ref.new_zeros(recv + ctx.local_rows, 2, *ref.shape[1:])
+        for i, g in enumerate((dk_all, dv_all)):
+            if g is not None:
+                grad[:, i].index_add_(0, kv_index, g)
+        local = grad[recv:]
+        if dispatch.cp_size == 1:  # the "received" rows are this rank's own sent rows
+            local.index_add_(0, dispatch.send_index, grad[: dispatch.send_index.numel()])
+        elif dispatch.comm == "needed":
+            back = grad.new_empty(dispatch.send_index.numel(), *grad.shape[1:])
+            dist.all_to_all_single(back, grad[:recv], dispatch.send_splits, dispatch.recv_splits, group=group)
+            _record("all_to_all", "backward", sum(dispatch.recv_splits), sum(dispatch.send_splits), grad[0])
+            local.index_add_(0, dispatch.send_index, back)
+        elif dispatch.send_pad:
+            back = grad.new_empty(dispatch.send_pad, *grad.shape[1:])
+            _reduce_scatter(back, grad[:recv], group=group)
+            rows = (dispatch.cp_size - 1) * dispatch.send_pad
+            _record("reduce_scatter", "backward", rows, rows, grad[0])
+            local.index_add_(0, dispatch.send_index, back[: dispatch.send_index.numel()])
+        return local[:, 0], local[:, 1], None, None, None, None
+
+
+def gather_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    exchange: KVExchange,
+    kv_index: torch.Tensor,
+    dispatch: Dispatch,
+    group: dist.ProcessGroup | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Wait for `exchange` and return the key/value rows `kv_index` selects from `[recv | local]`.
+
+    Differentiable with respect to the local `k` and `v` (the ones passed to
+    `launch_kv_exchange`): their gradients include what other ranks computed for the rows this
+    rank sent them.
+    """
+    return _GatherKV.apply(k, v, exchange, kv_index, dispatch, group)

@@ -1,0 +1,230 @@
+"""One varlen attention interface over three interchangeable backends.
+
+    out = varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+
+`q [Tq, Hq, D]` and `k, v [Tk, Hkv, D]` pack S sequences back to back, delimited by the int32
+prefix sums `cu_seqlens_q / cu_seqlens_k [S+1]`. Sequence i's queries attend to its keys only.
+With `causal=True` the mask is aligned to the bottom right: query j of a sequence with Lq queries
+and Lk >= Lq keys sees keys 0 .. j + Lk - Lq. This is exactly what a context-parallel shard
+needs: its keys are its document prefix followed by its own tokens, so every query sees the whole
+prefix plus the causal part of the shard. GQA: Hq must be a multiple of Hkv; query head h uses
+key/value head h // (Hq / Hkv).
+
+Backends (all differentiable through autograd, all with the same semantics):
+- "flash_attn": `flash_attn.flash_attn_varlen_func` (CUDA, fp16/bf16, head dim <= 256);
+- "torch": `torch.nn.attention.varlen.varlen_attn` (CUDA, fp16/bf16, head dim % 8 == 0, <= 256);
+- "reference": plain PyTorch, any device and dtype (float64 included): the CPU path and the
+  oracle of the tests. It loops over sequences in Python and materialises each sequence's
+  score matrix, so it is meant for small problems.
+"auto" takes the first of these that accepts the inputs. Asking for a specific backend that
+cannot run raises `BackendUnavailable` naming the reason.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import math
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+class BackendUnavailable(RuntimeError):
+    """The requested attention backend cannot run these inputs (the message says why)."""
+
+
+@dataclass(frozen=True)
+class Backend:
+    """`reject(q, k)` returns why the backend cannot run these tensors, or None if it can."""
+
+    name: str
+    reject: Callable[[torch.Tensor, torch.Tensor], str | None]
+    run: Callable[..., torch.Tensor]
+
+
+def _reject_half_cuda(q: torch.Tensor, name: str) -> str | None:
+    if not q.is_cuda:
+        return f"{name} needs CUDA tensors, got device {q.device}"
+    if q.dtype not in _HALF:
+        return f"{name} supports float16/bfloat16 only, got {q.dtype}"
+    if q.shape[-1] > 256:
+        return f"{name} supports head dim <= 256, got {q.shape[-1]}"
+    return None
+
+
+# --- flash_attn ------------------------------------------------------------------------------
+
+
+def _flash_attn_reject(q: torch.Tensor, k: torch.Tensor) -> str | None:
+    if importlib.util.find_spec("flash_attn") is None:
+        return "flash-attn is not installed (pip install flash-attn)"
+    return _reject_half_cuda(q, "flash_attn")
+
+
+def _flash_attn_run(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+    from flash_attn import flash_attn_varlen_func
+
+    # flash-attn >= 2.1 aligns the causal mask to the bottom right and handles GQA natively.
+    return flash_attn_varlen_func(
+        q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=scale, causal=causal
+    )
+
+
+# --- torch varlen_attn -----------------------------------------------------------------------
+
+
+@lru_cache(maxsize=1)
+def _torch_varlen_params() -> frozenset[str] | None:
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return frozenset(inspect.signature(varlen_attn).parameters)
+
+
+def _torch_reject(q: torch.Tensor, k: torch.Tensor) -> str | None:
+    params = _torch_varlen_params()
+    if params is None:
+        return f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn"
+    # torch 2.10 only took `is_causal`; `scale` and `window_size` arrived in 2.11.
+    if not {"scale", "window_size"} <= params:
+        return f"torch {torch.__version__} varlen_attn lacks scale/window_size (needs torch >= 2.11)"
+    reason = _reject_half_cuda(q, "torch varlen_attn")
+    if reason is None and q.shape[-1] % 8:
+        reason = f"torch varlen_attn needs head dim divisible by 8, got {q.shape[-1]}"
+    if reason is None and torch.cuda.get_device_capability(q.device) < (8, 0):
+        reason = "torch varlen_attn (FlashAttention-2) needs an sm80+ GPU"
+    return reason
+
+
+def _torch_run(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+    from torch.nn.attention.varlen import varlen_attn
+
+    kwargs = {}
+    if q.shape[1] != k.shape[1]:
+        if "enable_gqa" in _torch_varlen_params():  # torch >= 2.12
+            kwargs["enable_gqa"] = True
+        else:  # torch 2.11: give every query head its own copy of its key/value head
+            group = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    # window (-1, 0) is causal attention aligned to the bottom right.
+    window = (-1, 0) if causal else (-1, -1)
+    return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=window, **kwargs)
+
+
+# --- reference -------------------------------------------------------------------------------
+
+
+def _reference_run(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+    """Exact masked softmax attention, one sequence at a time, all heads at once.
+
+    Computes in float64 for float64 inputs and in float32 otherwise. A query row with no visible
+    key (only possible when a sequence has fewer keys than queries) outputs zeros, like the
+    flash kernels.
+    """
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]
+    group = hq // hkv
+    bounds_q, bounds_k = cu_q.tolist(), cu_k.tolist()
+    outs = []
+    for s in range(len(bounds_q) - 1):
+        q0, q1, k0, k1 = bounds_q[s], bounds_q[s + 1], bounds_k[s], bounds_k[s + 1]
+        lq, lk = q1 - q0, k1 - k0
+        if lq == 0:
+            continue
+        # [Hkv, group, Lq, D] x [Hkv, 1, D, Lk] -> [Hkv, group, Lq, Lk]
+        qs = q[q0:q1].to(compute).reshape(lq, hkv, group, d).permute(1, 2, 0, 3)
+        ks = k[k0:k1].to(compute).permute(1, 0, 2).unsqueeze(1)
+        vs = v[k0:k1].to(compute).permute(1, 0, 2).unsqueeze(1)
+        scores = (qs @ ks.transpose(-1, -2)) * scale
+        if causal:
+            visible = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
+            # The most negative finite value rather than -inf: a row with no visible key then
+            # softmaxes to finite values (zeroed below) instead of NaNs that would poison the
+            # backward pass.
+            scores = scores.masked_fill(~visible, torch.finfo(compute).min)
+            probs = torch.softmax(scores, dim=-1).masked_fill(~visible.any(-1, keepdim=True), 0.0)
+        else:
+            probs = torch.softmax(scores, dim=-1)
+        outs.append((probs @ vs).permute(2, 0, 1, 3).reshape(lq, hq, d))
+    if not outs:
+        return q.new_zeros(q.shape)
+    return torch.cat(outs).to(q.dtype)
+
+
+BACKENDS: dict[str, Backend] = {
+    b.name: b
+    for b in (
+        Backend("flash_attn", _flash_attn_reject, _flash_attn_run),
+        Backend("torch", _torch_reject, _torch_run),
+        Backend("reference", lambda q, k: None, _reference_run),
+    )
+}
+
+
+def resolve_backend(name: str, q: torch.Tensor, k: torch.Tensor) -> Backend:
+    """The backend `name` ("auto" picks the first that accepts the inputs) or a clear error."""
+    if name == "auto":  # "reference" accepts everything, so this always finds one
+        backend = next(b for b in BACKENDS.values() if b.reject(q, k) is None)
+        if backend.name == "reference" and q.is_cuda:
+            _warn_slow_cuda(str(q.dtype))
+        return backend
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose auto or one of {', '.join(BACKENDS)}")
+    backend = BACKENDS[name]
+    reason = backend.reject(q, k)
+    if reason is not None:
+        raise BackendUnavailable(f"attention backend {name!r} unavailable: {reason}")
+    return backend
+
+
+@lru_cache(maxsize=None)
+def _warn_slow_cuda(dtype: str) -> None:
+    warnings.warn(
+        f"no flash attention backend accepts {dtype} CUDA tensors; using the slow reference kernel",
+        stacklevel=3,
+    )
+
+
+def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k) -> None:
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(f"q, k, v must be [tokens, heads, head_dim], got {q.shape}, {k.shape}, {v.shape}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v shapes differ: {k.shape} vs {v.shape}")
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"q head dim {q.shape[2]} != k head dim {k.shape[2]}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"query heads {q.shape[1]} must be a multiple of key/value heads {k.shape[1]}")
+    if not q.dtype == k.dtype == v.dtype:
+        raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    if cu_seqlens_q.shape != cu_seqlens_k.shape or cu_seqlens_q.dim() != 1:
+        raise ValueError(
+            f"cu_seqlens_q {tuple(cu_seqlens_q.shape)} and cu_seqlens_k {tuple(cu_seqlens_k.shape)} "
+            "must both be [num_sequences + 1]"
+        )
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Attention of packed variable-length sequences (see the module docstring); returns [Tq, Hq, D]."""
+    _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    chosen = resolve_backend(backend, q, k)
+    return chosen.run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale)

@@ -1,0 +1,254 @@
+"""Predicted time of one context-parallel attention layer, per CP system, from its sharding.
+
+What is modelled: one attention layer's KV exchange, attention kernels and the data movement
+around them, on N GPUs of one NVLink node. Everything else in a training step (projections,
+MLP, optimizer) is identical across systems because every system gives every rank C / N tokens,
+so speedups between systems are ratios of these layer times (as in the paper's Fig. 5-7).
+
+Collective systems (one varlen kernel per rank over its shards, keys = document prefix + shard):
+- llama3:  `per_seq` plan, all-gather of every rank's whole KV (full);
+- per_doc: `per_doc` plan, full all-gather;
+- flashcp: `flashcp` plan, compact all-gather of non-last-shard KV only;
+- flashcp_needed: `flashcp` plan, all-to-all-v of exactly the prefix KV each rank attends to.
+  inference = comm + max over ranks (KV copies + forward kernel)
+  training  = inference + max over ranks (backward kernel + gradient copies) + transposed comm
+  (reduce-scatter of dKV, or all-to-all-v back). The collective synchronises the ranks, so each
+  pass waits for its slowest rank. KV copies are what our implementation moves through HBM:
+  pack local KV, gather the send rows, gather every shard's keys (forward); the backward
+  scatter-adds and returns them (ASSUMED 1.5x the forward bytes: read-modify-write).
+
+Ring systems (P2P ring with blockwise kernels, step-synchronous):
+- ring:   every document cut into N contiguous pieces, rank r holds piece r; at step j rank r
+  attends its pieces to rank r-j's (causal at j = 0, full blocks after, idle when r < j);
+- zigzag: every document cut into 2N chunks, rank r holds chunks r and 2N-1-r (the Per-Doc
+  layout); at step j > 0 with source s = (r - j) mod N, rank r attends both its chunks to s's
+  head chunk if s < r, else its tail chunk to both of s's chunks (balanced work every step).
+  Each step is one varlen call (so it pays the per-call overhead and the short blocks' tile
+  waste), overlapped with sending the current KV block to the next rank:
+  step time = max(slowest rank's kernel + partial-result merge, P2P of one KV block).
+  Merge (ASSUMED): the forward rescales and accumulates the fp32 output with the block's
+  log-sum-exp in elementwise passes moving `merge_bytes_per_elem` bytes per output element;
+  the backward accumulates dQ, dK, dV in fp32 (`grad_acc_bytes_per_elem`) and sends KV plus the
+  fp32 dK/dV partial sums around the ring, and one last step returns dK/dV to their owner.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+import numpy as np
+
+from flashcp.costmodel.comm import CommModel
+from flashcp.costmodel.kernel import KernelModel
+from flashcp.plan.per_doc import per_doc_shards
+from flashcp.plan.plan import Plan
+
+# system -> (planner strategy, KV communication mode)
+COLLECTIVE_SYSTEMS: dict[str, tuple[str, str]] = {
+    "llama3": ("per_seq", "full"),
+    "per_doc": ("per_doc", "full"),
+    "flashcp": ("flashcp", "compact"),
+    "flashcp_needed": ("flashcp", "needed"),
+}
+RING_SYSTEMS = ("ring", "zigzag")
+SYSTEMS = (*COLLECTIVE_SYSTEMS, *RING_SYSTEMS)
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """Heads and element size of the attention layer being modelled."""
+
+    heads: int = 32
+    kv_heads: int | None = None  # defaults to `heads` (MHA, as in the paper's Eq. 4)
+    head_dim: int = 128
+    dtype_bytes: int = 2  # bf16
+
+    @property
+    def n_kv(self) -> int:
+        return self.kv_heads or self.heads
+
+    @property
+    def kv_row_bytes(self) -> int:
+        """Bytes of one token's K and V over all KV heads."""
+        return 2 * self.n_kv * self.head_dim * self.dtype_bytes
+
+
+@dataclass(frozen=True)
+class MemoryCosts:
+    """Data-movement constants (ASSUMED, H100-class; override to match a measured machine)."""
+
+    hbm_gbps: float = 2600.0  # achieved copy bandwidth (H100 SXM peak is 3350 GB/s)
+    merge_bytes_per_elem: float = 32.0  # ring forward: fp32 out/lse rescale-and-add passes
+    grad_acc_bytes_per_elem: float = 12.0  # ring backward: fp32 read + read + write per gradient
+    ring_grad_bytes: int = 4  # ring backward sends fp32 dK/dV partial sums
+    bwd_copy_ratio: float = 1.5  # collective systems: backward copy bytes / forward copy bytes
+
+    def ms(self, nbytes: float) -> float:
+        return nbytes / (self.hbm_gbps * 1e9) * 1e3
+
+
+@dataclass
+class StepTime:
+    """One attention layer's time split into the paper's Fig. 6 categories (ms)."""
+
+    comm_fwd: float = 0.0  # exposed (not overlapped) forward KV communication
+    comm_bwd: float = 0.0  # exposed backward communication (reduce-scatter / ring dKV)
+    attn_fwd: float = 0.0
+    attn_bwd: float = 0.0
+    other_fwd: float = 0.0  # KV copies, ring merges
+    other_bwd: float = 0.0
+    per_rank_fwd: list[float] = field(default_factory=list)  # kernel time of every rank
+    per_rank_bwd: list[float] = field(default_factory=list)
+
+    @property
+    def inference(self) -> float:
+        return self.comm_fwd + self.attn_fwd + self.other_fwd
+
+    @property
+    def training(self) -> float:
+        return self.inference + self.comm_bwd + self.attn_bwd + self.other_bwd
+
+    def as_dict(self) -> dict[str, float]:
+        out = {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("per_rank")}
+        out.update(inference=self.inference, training=self.training)
+        return out
+
+
+class CostModel:
+    """Kernel + collective + memory model of one CP attention layer; see the module docstring."""
+
+    def __init__(self, kernel: KernelModel, comm: CommModel, memory: MemoryCosts | None = None):
+        self.kernel = kernel
+        self.comm = comm
+        self.memory = memory or MemoryCosts()
+
+    # --- per-rank kernels --------------------------------------------------------------------
+
+    def rank_attention_ms(self, plan: Plan, shape: AttentionShape) -> tuple[list[float], list[float]]:
+        """Forward and backward kernel time of every rank's single varlen call under `plan`."""
+        fwd, bwd = [], []
+        for shards in plan.ranks:
+            q = np.array([s.length for s in shards])
+            k = np.array([s.start + s.length for s in shards])
+            counts = self.kernel.counts(q, k, shape.heads, True, shape.head_dim)
+            fwd.append(self.kernel.fwd.time_ms(*counts))
+            bwd.append(self.kernel.bwd.time_ms(*counts))
+        return fwd, bwd
+
+    # --- collective systems ------------------------------------------------------------------
+
+    def collective_step(self, plan: Plan, comm: str, shape: AttentionShape) -> StepTime:
+        """Step time of an all-gather (full / compact) or all-to-all-v (needed) system."""
+        n, row = plan.cp_size, shape.kv_row_bytes
+        fwd, bwd = self.rank_attention_ms(plan, shape)
+        local = plan.tokens_per_rank
+        if comm == "full":
+            send = [local] * n
+        elif comm in ("compact", "needed"):
+            send = plan.send_tokens()
+        else:
+            raise ValueError(f"unknown comm mode {comm!r}; choose full, compact or needed")
+        key_rows = [sum(s.start + s.length for s in shards) for shards in plan.ranks]
+        if comm == "needed":
+            link = max(plan.needed_tokens()) * row
+            comm_fwd = comm_bwd = self.comm.all_to_all_ms(link, n) if n > 1 else 0.0
+        else:
+            pad = max(send)
+            comm_fwd = self.comm.all_gather_ms(pad * row, n) if n > 1 else 0.0
+            comm_bwd = self.comm.reduce_scatter_ms(pad * row, n) if n > 1 else 0.0
+        copy = [self.memory.ms(2 * row * (local + send[r] + key_rows[r])) for r in range(n)]
+        r_f = int(np.argmax(np.add(fwd, copy)))
+        bwd_copy = [c * self.memory.bwd_copy_ratio for c in copy]
+        r_b = int(np.argmax(np.add(bwd, bwd_copy)))
+        return StepTime(
+            comm_fwd, comm_bwd, fwd[r_f], bwd[r_b], copy[r_f], bwd_copy[r_b], list(fwd), list(bwd)
+        )
+
+    # --- ring systems ------------------------------------------------------------------------
+
+    def ring_step(self, doc_lens: tuple[int, ...], cp_size: int, layout: str, shape: AttentionShape) -> StepTime:
+        """Step time of P2P ring attention with the `ring` or `zigzag` layout."""
+        n = cp_size
+        calls = ring_calls(doc_lens, n, layout)  # calls[j][r] = (q_lens, k_lens, causal)
+        mem, row = self.memory, shape.kv_row_bytes
+        block = sum(doc_lens) // n * row  # KV bytes every rank forwards each step
+        out = StepTime(per_rank_fwd=[0.0] * n, per_rank_bwd=[0.0] * n)
+        for j, step in enumerate(calls):
+            send_f = self.comm.ring_step_ms(block, n) if j < n - 1 and n > 1 else 0.0
+            send_b = self.comm.ring_step_ms(block * (1 + mem.ring_grad_bytes / shape.dtype_bytes), n) if n > 1 else 0.0
+            best_f = best_b = (0.0, 0.0, 0.0)  # (total, kernel, merge) of the slowest rank
+            for r, (q, k, causal) in enumerate(step):
+                if q.size == 0:
+                    continue
+                counts = self.kernel.counts(q, k, shape.heads, causal, shape.head_dim)
+                kf, kb = self.kernel.fwd.time_ms(*counts), self.kernel.bwd.time_ms(*counts)
+                out.per_rank_fwd[r] += kf
+                out.per_rank_bwd[r] += kb
+                q_elems, k_elems = q.sum() * shape.heads * shape.head_dim, k.sum() * shape.n_kv * shape.head_dim
+                merge = mem.ms(q_elems * mem.merge_bytes_per_elem) if j > 0 else 0.0
+                acc = mem.ms((q_elems + 2 * k_elems) * mem.grad_acc_bytes_per_elem)
+                best_f = max(best_f, (kf + merge, kf, merge))
+                best_b = max(best_b, (kb + acc, kb, acc))
+            out.attn_fwd += best_f[1]
+            out.other_fwd += best_f[2]
+            out.comm_fwd += max(0.0, send_f - best_f[0])
+            out.attn_bwd += best_b[1]
+            out.other_bwd += best_b[2]
+            out.comm_bwd += max(0.0, send_b - best_b[0])
+        if n > 1:  # the dK/dV partial sums travel one more hop back to their owner
+            out.comm_bwd += self.comm.ring_step_ms(block * mem.ring_grad_bytes / shape.dtype_bytes, n)
+        return out
+
+    # --- all systems -------------------------------------------------------------------------
+
+    def step(self, system: str, shape: AttentionShape, plans: dict[str, Plan]) -> StepTime:
+        """Step time of `system`, given the window's plans keyed by planner strategy."""
+        if system in COLLECTIVE_SYSTEMS:
+            strategy, comm = COLLECTIVE_SYSTEMS[system]
+            if strategy not in plans:
+                raise KeyError(f"system {system!r} needs a {strategy!r} plan of the window")
+            return self.collective_step(plans[strategy], comm, shape)
+        if system in RING_SYSTEMS:
+            any_plan = next(iter(plans.values()))
+            return self.ring_step(any_plan.doc_lens, any_plan.cp_size, system, shape)
+        raise ValueError(f"unknown system {system!r}; choose one of {', '.join(SYSTEMS)}")
+
+
+def ring_calls(doc_lens: tuple[int, ...], n: int, layout: str) -> list[list[tuple[np.ndarray, np.ndarray, bool]]]:
+    """Per ring step j and rank r, the blockwise varlen call (q_lens, k_lens, causal) it runs."""
+    if layout == "ring":
+        # piece[d, r]: rank r's contiguous share of document d (remainders to the first ranks)
+        lens = np.asarray(doc_lens)[:, None]
+        piece = lens // n + (np.arange(n)[None, :] < lens % n)
+        steps = []
+        for j in range(n):
+            row = []
+            for r in range(n):
+                if r < j:
+                    row.append((np.zeros(0, int), np.zeros(0, int), False))
+                else:
+                    row.append((piece[:, r], piece[:, r - j], j == 0))
+            steps.append(row)
+        return steps
+    if layout == "zigzag":
+        ranks, _ = per_doc_shards(tuple(doc_lens), range(len(doc_lens)), n)
+        head = np.zeros((len(doc_lens), n), int)  # chunk r of each document
+        tail = np.zeros((len(doc_lens), n), int)  # chunk 2N-1-r
+        for r, shards in enumerate(ranks):
+            for c, s in enumerate(shards):  # per_doc_shards appends head then tail per document
+                (head if c % 2 == 0 else tail)[s.doc, r] = s.length
+        steps = []
+        for j in range(n):
+            row = []
+            for r in range(n):
+                both = head[:, r] + tail[:, r]
+                src = (r - j) % n
+                if j == 0:
+                    row.append((both, both, True))
+                elif src < r:
+                    row.append((both, head[:, src], False))
+                else:
+                    row.append((tail[:, r], head[:, src] + tail[:, src], False))
+            steps.append(row)
+        return steps
+    raise ValueError(f"unknown ring layout {layout!r}; choose ring or zigzag")

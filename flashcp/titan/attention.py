@@ -1,0 +1,88 @@
+"""FlashCP as TorchTitan's inner attention, swapped into a stock model from outside.
+
+TorchTitan's `GQAttention` projects q/k/v, applies RoPE and hands `(q, k, v, attention_masks=...)`
+to its `inner_attention` module; the decoder passes the same `attention_masks` object to every
+layer. FlashCP uses that channel: the trainer puts one `CPStep` (this rank's dispatch for the
+current window, the CP process group and the communication mode) in `attention_masks`, and
+`FlashCPAttention` runs `cp_varlen_attention` on it. The model file stays TorchTitan's; only the
+inner-attention config of each layer is replaced (`use_flashcp_attention`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torchtitan.protocols.module import Module
+
+from flashcp.attention.cp import cp_varlen_attention
+from flashcp.dispatch import Dispatch
+
+
+@dataclass(frozen=True)
+class CPStep:
+    """What every attention layer needs for one window: set once per step by the trainer."""
+
+    dispatch: Dispatch  # this CP rank's dispatch, already on the compute device
+    group: dist.ProcessGroup | None  # the CP group; None when cp_size == 1
+
+
+class FlashCPAttention(Module):
+    """Document-masked causal attention over the CP window through FlashCP's KV exchange.
+
+    q/k/v arrive as `[1, T, heads, head_dim]` holding this rank's T tokens in the dispatch's
+    local order (under tensor parallelism: this rank's heads). One window per step, so B == 1.
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Module.Config):
+        backend: str = "auto"
+        """Varlen kernel: auto | flash_attn | torch | reference (see flashcp.attention.kernels)."""
+
+        overlap: bool = False
+        """Compute shards whose keys are all local while the KV exchange is in flight."""
+
+    def __init__(self, config: Config) -> None:
+        super().__init__()
+        self.backend = config.backend
+        self.overlap = config.overlap
+
+    def forward(
+        self,
+        q_BLNH: torch.Tensor,
+        k_BLNH: torch.Tensor,
+        v_BLNH: torch.Tensor,
+        *,
+        attention_masks: CPStep,
+        scale: float | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        if not isinstance(attention_masks, CPStep):
+            raise TypeError(
+                "FlashCPAttention needs the trainer's CPStep as attention_masks, got "
+                f"{type(attention_masks).__name__}: train this model with FlashCPTrainer"
+            )
+        if q_BLNH.shape[0] != 1:
+            raise ValueError(f"FlashCP attention takes one window per step (batch 1), got {q_BLNH.shape[0]}")
+        step = attention_masks
+        out = cp_varlen_attention(
+            q_BLNH[0],
+            k_BLNH[0],
+            v_BLNH[0],
+            step.dispatch,
+            step.group,
+            comm=step.dispatch.comm,
+            backend=self.backend,
+            softmax_scale=scale,
+            overlap=self.overlap,
+        )
+        return out.unsqueeze(0)
+
+
+def use_flashcp_attention(model_config, backend: str = "auto", overlap: bool = False) -> None:
+    """Replace the inner attention of every layer of a TorchTitan decoder config, in place."""
+    for layer in model_config.layers:
+        attention = getattr(layer, "attention", None)
+        if attention is not None:
+            attention.inner_attention = FlashCPAttention.Config(backend=backend, overlap=overlap)

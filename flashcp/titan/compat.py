@@ -1,0 +1,153 @@
+"""Every torch / TorchTitan version shim of the integration, in one place.
+
+TorchTitan 0.3.0 targets CUDA and torch >= 2.14. FlashCP also trains on CPU (gloo) for development
+and CI, and on GPU machines that ship an older torch. `prepare()` must run before any other
+TorchTitan module is imported (the `flashcp.titan` package does it on import); each shim below
+names the versions that need it, so it can be deleted when those versions are dropped.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import types
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+_prepared = False
+
+
+def prepare() -> None:
+    """Apply all shims once; idempotent."""
+    global _prepared
+    if _prepared:
+        return
+    _add_set_timeout()
+    _add_data_parallel_mesh_dims()
+    _default_device_to_cpu()
+    _prepared = True
+
+
+def _add_set_timeout() -> None:
+    # torch < 2.14 has no `torch.distributed.set_timeout`; TorchTitan 0.3.0 calls it after step 1.
+    # `ProcessGroup.set_timeout` exists on 2.11..2.13 and does the same.
+    if hasattr(dist, "set_timeout"):
+        return
+
+    def set_timeout(timeout: timedelta, group: dist.ProcessGroup | None = None) -> None:
+        pg = group if group is not None else dist.distributed_c10d._get_default_group()
+        pg.set_timeout(timeout)
+
+    dist.set_timeout = set_timeout
+
+
+def _add_data_parallel_mesh_dims() -> None:
+    # torch 2.11 lacks `torch.distributed.fsdp.DataParallelMeshDims`, which
+    # torchtitan/distributed/fsdp.py imports at module level. It is only used by the
+    # "full_dtensor" / "spmd_types" backends, which FlashCP does not use on torch < 2.14.
+    import torch.distributed.fsdp as fsdp
+
+    if not hasattr(fsdp, "DataParallelMeshDims"):
+
+        class DataParallelMeshDims:  # noqa: D401 - placeholder type, never constructed here
+            """Placeholder for torch >= 2.12's FSDP mesh-dims descriptor."""
+
+            def __init__(self, *args, **kwargs) -> None:
+                raise RuntimeError(
+                    "DataParallelMeshDims needs torch >= 2.12; use "
+                    "parallelism.spmd_backend = 'partial_dtensor'"
+                )
+
+        fsdp.DataParallelMeshDims = DataParallelMeshDims
+
+
+def _default_device_to_cpu() -> None:
+    # All TorchTitan versions: `torchtitan.tools.utils` sets `device_type = available or "cuda"`
+    # at import time and many modules copy it when they are imported, so on a machine without
+    # an accelerator everything would target torch.cuda. Point it at the CPU before anyone copies
+    # it, with a device module that has the memory / naming calls the metrics use.
+    if _available_accelerator():
+        return
+    copied = [m for m in ("torchtitan.trainer", "torchtitan.components.metrics") if m in sys.modules]
+    if copied:
+        raise RuntimeError(
+            f"flashcp.titan must be imported before {copied[0]}: TorchTitan copies its device "
+            "type at import time"
+        )
+    import torchtitan.tools.utils as tt_utils
+
+    tt_utils.device_type = "cpu"
+    tt_utils.device_module = _cpu_device_module()
+
+
+def _available_accelerator() -> bool:
+    return torch._utils._get_available_device_type() is not None
+
+
+def _cpu_device_module() -> types.SimpleNamespace:
+    """torch.cpu plus the calls TorchTitan's memory monitor makes, backed by the process RSS."""
+
+    def memory_stats(device=None) -> dict[str, int]:
+        peak = _rss_peak_bytes()
+        return {"active_bytes.all.peak": peak, "reserved_bytes.all.peak": peak}
+
+    def get_device_properties(device=None) -> types.SimpleNamespace:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return types.SimpleNamespace(name="cpu", total_memory=total)
+
+    calls = {name: getattr(torch.cpu, name) for name in dir(torch.cpu) if not name.startswith("_")}
+    # torch.cpu.current_device() returns the string "cpu"; the barrier TorchTitan issues after
+    # step 1 passes it as a device id, which must be an int.
+    calls["current_device"] = lambda: 0
+    return types.SimpleNamespace(
+        **calls,
+        get_device_name=lambda device=None: "cpu",
+        get_device_properties=get_device_properties,
+        memory_stats=memory_stats,
+        reset_peak_memory_stats=_reset_rss_peak,
+        empty_cache=lambda: None,
+        memory=types.SimpleNamespace(),
+    )
+
+
+def _rss_peak_bytes() -> int:
+    """Peak resident set size of this process (Linux VmHWM), or -1 where unknown."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return -1
+
+
+def _reset_rss_peak() -> None:
+    # Writing 5 to clear_refs resets VmHWM to the current RSS (Linux >= 4.0); harmless elsewhere.
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def force_sum_reduction_on_gloo(model: torch.nn.Module) -> None:
+    """FSDP2 on gloo: reduce with SUM instead of PREMUL_SUM, which gloo lacks (all torch versions).
+
+    TorchTitan already sets the gradient divide factor to 1, so the numbers are identical.
+    """
+    if dist.get_backend() != "gloo":
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)
+
+
+def default_spmd_backend() -> str:
+    """`parallelism.spmd_backend` default: "spmd_types" needs torch >= 2.14 for meshes > 1."""
+    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+    return "spmd_types" if (major, minor) >= (2, 14) else "partial_dtensor"

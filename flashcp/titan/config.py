@@ -1,0 +1,474 @@
+"""TOML job files for `train.py`: schema, CLI overrides and every check that needs no process group.
+
+    cfg = load_job("train_configs/debug_cpu.toml", ["--training.steps", "20"])
+    check_layout(cfg, world_size=4)
+    python -m flashcp.titan.config --check train_configs/debug_cpu.toml --world-size 4
+
+A job file has the sections of TorchTitan 0.3.0's `Trainer.Config` (job, model, data, training,
+optimizer, lr_scheduler, parallelism, checkpoint, metrics, activation_checkpoint, compile, comm)
+plus `[flashcp]`. Every key a job may set is declared in `SCHEMA` with its type, default and,
+where the set is closed, its allowed values; `flashcp.titan.job` maps the validated dict onto
+TorchTitan's dataclasses. Defaults equal TorchTitan's except where a comment says why not.
+
+All of this runs before any process is spawned and imports neither TorchTitan nor CUDA, so a bad
+file fails in about a second with one message naming the key and what it accepts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+from flashcp.titan.data import DataConfig
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "train_configs"
+DEFAULT_CONFIG = "default.toml"
+
+
+class ConfigError(ValueError):
+    """A job file, override or layout that cannot run; the message names the key."""
+
+
+@dataclass(frozen=True)
+class Key:
+    """One setting: its type, default (None: unset, the consumer decides) and allowed values."""
+
+    type: Any
+    default: Any = None
+    choices: tuple | None = None
+    doc: str = ""
+
+
+# Llama 3 flavors of TorchTitan 0.3.0 (torchtitan.models.llama3.llama3_configs):
+# flavor -> (dim, n_layers, n_heads, n_kv_heads, vocab_size). Used to check layouts before any
+# process starts; tests/titan/test_config.py keeps it equal to TorchTitan's table.
+LLAMA3_FLAVORS: dict[str, tuple[int, int, int, int, int]] = {
+    "debugmodel": (256, 6, 16, 16, 2048),
+    "1B": (2048, 16, 32, 8, 128256),
+    "3B": (3072, 28, 24, 8, 128256),
+    "8B": (4096, 32, 32, 8, 128256),
+    "70B": (8192, 80, 64, 8, 128256),
+    "405B": (16384, 126, 128, 8, 128256),
+}
+CUSTOM_MODEL_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim_multiplier", "multiple_of")
+STRATEGIES = ("flashcp", "per_doc", "per_seq", "whole_doc", "ilp")  # flashcp.plan.STRATEGIES
+COMM_MODES = ("compact", "full", "needed")  # flashcp.dispatch.COMM_MODES
+BACKENDS = ("auto", "flash_attn", "torch", "reference")  # flashcp.attention.kernels.BACKENDS + auto
+GPU_BACKENDS = ("flash_attn", "torch")
+DTYPES = ("bfloat16", "float32")
+
+
+def _data_keys() -> dict[str, Key]:
+    """`[data]` is the data pipeline's `DataConfig`, key for key."""
+    hints = typing.get_type_hints(DataConfig)
+    keys = {}
+    for f in dataclasses.fields(DataConfig):
+        hint = hints[f.name]
+        optional = type(None) in typing.get_args(hint)
+        base = next(a for a in typing.get_args(hint) if a is not type(None)) if optional else hint
+        keys[f.name] = Key(base, f.default)
+    return keys
+
+
+SCHEMA: dict[str, dict[str, Key]] = {
+    "job": {
+        "description": Key(str, ""),
+        "dump_folder": Key(str, "./outputs", doc="logs, TensorBoard files and checkpoints go here"),
+    },
+    "model": {
+        "name": Key(str, "llama3", ("llama3",)),
+        "flavor": Key(str, "debugmodel", (*LLAMA3_FLAVORS, "custom")),
+        "attention": Key(
+            str, "flashcp", ("flashcp", "flex", "varlen"),
+            "flashcp: FlashCP's op (CP through [flashcp]); flex / varlen: TorchTitan's own "
+            "attention, with TorchTitan's built-in CP for flex",
+        ),
+        # flavor = "custom" only; vocab_size defaults to the tokenizer's.
+        "dim": Key(int),
+        "n_layers": Key(int),
+        "n_heads": Key(int),
+        "n_kv_heads": Key(int),
+        "vocab_size": Key(int),
+        "ffn_dim_multiplier": Key(float),
+        "multiple_of": Key(int),
+        "rope_theta": Key(float, 500000.0),
+    },
+    "data": _data_keys(),
+    "training": {
+        # One window per data-parallel rank and micro step: FlashCP plans whole windows.
+        "local_batch_size": Key(int, 1),
+        "global_batch_size": Key(int, -1),
+        "seq_len": Key(int, 2048, doc="the context window C"),
+        "max_norm": Key(float, 1.0),
+        "steps": Key(int, 10000),
+        "dtype": Key(str, "float32", DTYPES),
+        "mixed_precision_param": Key(str, "bfloat16", DTYPES),
+        "mixed_precision_reduce": Key(str, "float32", ("float32",)),
+        "enable_cpu_offload": Key(bool, False),
+        "gc_freq": Key(int, 50),
+        "seed": Key(int),
+        "deterministic": Key(bool, False),
+    },
+    "optimizer": {
+        "name": Key(str, "AdamW", ("AdamW", "Adam")),
+        "lr": Key(float, 8e-4),
+        "beta1": Key(float, 0.9),
+        "beta2": Key(float, 0.95),
+        "eps": Key(float, 1e-8),
+        "weight_decay": Key(float, 0.1),
+        "implementation": Key(str, "fused", ("for-loop", "foreach", "fused")),
+    },
+    "lr_scheduler": {
+        "warmup_steps": Key(int, 200),
+        "decay_ratio": Key(float),
+        "decay_type": Key(str, "linear", ("linear", "sqrt", "cosine")),
+        "min_lr_factor": Key(float, 0.0),
+    },
+    "parallelism": {
+        "data_parallel_replicate_degree": Key(int, 1),
+        "data_parallel_shard_degree": Key(int, -1, doc="-1: the ranks left after the other degrees"),
+        "context_parallel_degree": Key(int, 1),
+        "tensor_parallel_degree": Key(int, 1),
+        "enable_sequence_parallel": Key(bool, True),
+        "fsdp_reshard_after_forward": Key(str, "default", ("default", "always", "never")),
+        "context_parallel_load_balancer": Key(str, "headtail", ("headtail", "ptrr"), "TorchTitan's CP only"),
+        # None: "partial_dtensor" on torch < 2.14 (the default "spmd_types" needs 2.14), else TorchTitan's.
+        "spmd_backend": Key(str, None, ("partial_dtensor", "full_dtensor", "spmd_types")),
+    },
+    "checkpoint": {
+        "enable": Key(bool, False),
+        "folder": Key(str, "checkpoint", doc="relative to job.dump_folder"),
+        "interval": Key(int, 500),
+        "keep_latest_k": Key(int, 10, doc="0 keeps all; 1 is not allowed (one may be mid-write)"),
+        "load_step": Key(int, -1, doc="-1: the latest complete checkpoint"),
+        # Full state in the last checkpoint too, so a finished run can be extended.
+        "last_save_model_only": Key(bool, False),
+        "async_mode": Key(str, "disabled", ("disabled", "async", "async_with_pinned_mem")),
+        "initial_load_path": Key(str),
+        "enable_first_step_checkpoint": Key(bool, False),
+    },
+    "metrics": {
+        "log_freq": Key(int, 10),
+        "enable_tensorboard": Key(bool, False),
+        "save_tb_folder": Key(str, "tb"),
+        "disable_color_printing": Key(bool, False),
+        "enable_wandb": Key(bool, False),
+        "peak_tflops": Key(float, doc="per-device peak for MFU; default: TorchTitan's GPU table, none on CPU"),
+    },
+    "activation_checkpoint": {
+        "mode": Key(str, "selective", ("none", "selective", "full")),
+    },
+    "compile": {
+        "enable": Key(bool, False),
+        "components": Key(list, ["model", "loss"]),
+        "backend": Key(str, "inductor"),
+    },
+    "comm": {
+        "init_timeout_seconds": Key(int, 300),
+        "train_timeout_seconds": Key(int, 100),
+    },
+    "flashcp": {
+        "strategy": Key(str, "flashcp", STRATEGIES, "how each window is sharded over the CP ranks"),
+        "target_imbalance": Key(float, 1.05, doc="max / mean attention workload the planner aims for"),
+        "comm": Key(str, "compact", COMM_MODES, "KV exchange: compact (FlashCP) | full (Llama3 CP) | needed"),
+        "backend": Key(str, "auto", BACKENDS, "varlen kernel; auto: flash_attn, torch, then reference"),
+        "overlap": Key(bool, False, doc="compute all-local shards while the KV exchange is in flight"),
+    },
+}
+
+
+def _type_name(t: Any) -> str:
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string", list: "a list"}[t]
+
+
+def _check_value(section: str, name: str, key: Key, value: Any) -> Any:
+    where = f"[{section}] {name}"
+    if key.type is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    ok = isinstance(value, key.type) and not (key.type is int and isinstance(value, bool))
+    if not ok:
+        raise ConfigError(f"{where} must be {_type_name(key.type)}, got {value!r} ({type(value).__name__})")
+    if key.type is float and not math.isfinite(value):
+        raise ConfigError(f"{where} must be finite, got {value!r}")
+    if key.type is list and not all(isinstance(v, str) for v in value):
+        raise ConfigError(f"{where} must be a list of strings, got {value!r}")
+    if key.choices is not None and value not in key.choices:
+        raise ConfigError(f"{where} must be one of {', '.join(map(str, key.choices))}; got {value!r}")
+    return value
+
+
+def validate(raw: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Types, choices and known names; returns every section with defaults filled in."""
+    for section, values in raw.items():
+        if section not in SCHEMA:
+            raise ConfigError(f"unknown section [{section}]; allowed sections: {', '.join(SCHEMA)}")
+        if not isinstance(values, dict):
+            raise ConfigError(f"[{section}] must be a table of settings, got {values!r}")
+        for name in values:
+            if name not in SCHEMA[section]:
+                raise ConfigError(
+                    f"unknown key [{section}] {name}; allowed keys: {', '.join(SCHEMA[section])}"
+                )
+    cfg: dict[str, dict[str, Any]] = {}
+    for section, keys in SCHEMA.items():
+        given = raw.get(section, {})
+        cfg[section] = {
+            name: _check_value(section, name, key, given[name]) if name in given else key.default
+            for name, key in keys.items()
+        }
+    cfg["_given"] = {section: sorted(values) for section, values in raw.items()}
+    _check_semantics(cfg)
+    return cfg
+
+
+def _positive(cfg: dict, section: str, *names: str, minimum: int = 1) -> None:
+    for name in names:
+        value = cfg[section][name]
+        if value is not None and value < minimum:
+            raise ConfigError(f"[{section}] {name} must be >= {minimum}, got {value}")
+
+
+def _check_semantics(cfg: dict) -> None:
+    """Checks that need several keys but no world size."""
+    model, train, par, fcp = cfg["model"], cfg["training"], cfg["parallelism"], cfg["flashcp"]
+    _positive(cfg, "training", "seq_len", "steps", "local_batch_size", "gc_freq")
+    _positive(cfg, "parallelism", "data_parallel_replicate_degree", "context_parallel_degree", "tensor_parallel_degree")
+    _positive(cfg, "checkpoint", "interval")
+    _positive(cfg, "metrics", "log_freq")
+    _positive(cfg, "lr_scheduler", "warmup_steps", minimum=0)
+    if par["data_parallel_shard_degree"] == 0 or par["data_parallel_shard_degree"] < -1:
+        raise ConfigError(f"[parallelism] data_parallel_shard_degree must be -1 or >= 1, got {par['data_parallel_shard_degree']}")
+    if cfg["checkpoint"]["keep_latest_k"] < 0 or cfg["checkpoint"]["keep_latest_k"] == 1:
+        raise ConfigError(
+            "[checkpoint] keep_latest_k must be 0 (keep all) or >= 2 (the newest may be mid-write), "
+            f"got {cfg['checkpoint']['keep_latest_k']}"
+        )
+    if not fcp["target_imbalance"] >= 1.0:
+        raise ConfigError(f"[flashcp] target_imbalance must be >= 1.0, got {fcp['target_imbalance']}")
+
+    custom = [k for k in CUSTOM_MODEL_KEYS if model[k] is not None]
+    if model["flavor"] == "custom":
+        missing = [k for k in ("dim", "n_layers", "n_heads") if model[k] is None]
+        if missing:
+            raise ConfigError(f"[model] flavor = 'custom' needs {', '.join(missing)}")
+        _positive(cfg, "model", "dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of")
+        n_kv = model["n_kv_heads"] or model["n_heads"]
+        if model["dim"] % model["n_heads"] or model["n_heads"] % n_kv:
+            raise ConfigError(
+                f"[model] dim ({model['dim']}) must be divisible by n_heads ({model['n_heads']}) and "
+                f"n_heads by n_kv_heads ({n_kv})"
+            )
+    elif custom:
+        raise ConfigError(
+            f"[model] {', '.join(custom)} only apply to flavor = 'custom'; flavor {model['flavor']!r} fixes them"
+        )
+
+    flashcp_given = "flashcp" in cfg["_given"]
+    if model["attention"] == "flashcp":
+        if train["local_batch_size"] != 1:
+            raise ConfigError(
+                "[training] local_batch_size must be 1 with FlashCP (one window per rank and micro step; "
+                f"use global_batch_size for more windows per step), got {train['local_batch_size']}"
+            )
+        if "context_parallel_load_balancer" in cfg["_given"].get("parallelism", []):
+            raise ConfigError(
+                "[parallelism] context_parallel_load_balancer is TorchTitan's CP; with model.attention = "
+                "'flashcp' the sharding is [flashcp] strategy"
+            )
+    elif flashcp_given:
+        raise ConfigError(
+            f"[flashcp] settings need model.attention = 'flashcp'; TorchTitan's {model['attention']!r} "
+            "attention cannot run FlashCP's sharding"
+        )
+    elif model["attention"] == "varlen" and par["context_parallel_degree"] > 1:
+        raise ConfigError(
+            "model.attention = 'varlen' has no CP in TorchTitan 0.3.0; use 'flashcp' or 'flex' with "
+            "context_parallel_degree > 1"
+        )
+    if par["spmd_backend"] not in (None, "partial_dtensor") and model["attention"] == "flashcp":
+        raise ConfigError(
+            "[parallelism] spmd_backend must be 'partial_dtensor' with FlashCP attention, "
+            f"got {par['spmd_backend']!r}"
+        )
+
+
+def model_dims(cfg: dict) -> tuple[int, int, int, int, int | None]:
+    """(dim, n_layers, n_heads, n_kv_heads, vocab_size or None = the tokenizer's) of the job's model."""
+    model = cfg["model"]
+    if model["flavor"] != "custom":
+        return LLAMA3_FLAVORS[model["flavor"]]
+    return model["dim"], model["n_layers"], model["n_heads"], model["n_kv_heads"] or model["n_heads"], model["vocab_size"]
+
+
+def degrees(cfg: dict, world_size: int) -> dict[str, int]:
+    """Parallel degrees for `world_size` ranks (dp_shard = -1 resolved); ConfigError if they do not fit."""
+    par = cfg["parallelism"]
+    rep, cp, tp = par["data_parallel_replicate_degree"], par["context_parallel_degree"], par["tensor_parallel_degree"]
+    shard = par["data_parallel_shard_degree"]
+    fixed = rep * cp * tp
+    if shard == -1:
+        if world_size % fixed:
+            raise ConfigError(
+                f"world size {world_size} is not divisible by data_parallel_replicate_degree ({rep}) x "
+                f"context_parallel_degree ({cp}) x tensor_parallel_degree ({tp}) = {fixed}"
+            )
+        shard = world_size // fixed
+    elif fixed * shard != world_size:
+        raise ConfigError(
+            f"[parallelism] degrees multiply to {fixed * shard} (replicate {rep} x shard {shard} x cp {cp} x "
+            f"tp {tp}) but the job has {world_size} ranks; set data_parallel_shard_degree = -1 or launch "
+            f"{fixed * shard} ranks (NGPU / NNODES)"
+        )
+    return {"dp_replicate": rep, "dp_shard": shard, "cp": cp, "tp": tp}
+
+
+def world_size_hint(cfg: dict) -> int | None:
+    """The rank count the layout fixes, or None when data_parallel_shard_degree = -1 leaves it open."""
+    par = cfg["parallelism"]
+    if par["data_parallel_shard_degree"] == -1:
+        return None
+    return (
+        par["data_parallel_replicate_degree"] * par["data_parallel_shard_degree"]
+        * par["context_parallel_degree"] * par["tensor_parallel_degree"]
+    )  # fmt: skip
+
+
+def check_layout(cfg: dict, world_size: int, has_cuda: bool | None = None) -> dict[str, int]:
+    """Everything that depends on the number of ranks and the machine; returns the degrees."""
+    deg = degrees(cfg, world_size)
+    cp, tp = deg["cp"], deg["tp"]
+    seq_len = cfg["training"]["seq_len"]
+    sp = tp if cfg["parallelism"]["enable_sequence_parallel"] else 1
+    divisor = sp * (2 * cp if cp > 1 else 1)  # TorchTitan 0.3.0's Trainer requires this
+    if seq_len % divisor:
+        raise ConfigError(
+            f"[training] seq_len ({seq_len}) must be divisible by {divisor} "
+            f"(= 2 x context_parallel_degree {cp}" + (f" x tensor_parallel_degree {tp} for sequence parallel" if sp > 1 else "")
+            + "): every CP rank holds seq_len / cp tokens"
+        )
+    _, _, n_heads, n_kv, _ = model_dims(cfg)
+    if n_heads % tp or n_kv % tp:
+        raise ConfigError(
+            f"[parallelism] tensor_parallel_degree ({tp}) must divide n_heads ({n_heads}) and n_kv_heads ({n_kv})"
+        )
+    global_bs = cfg["training"]["global_batch_size"]
+    dp = deg["dp_replicate"] * deg["dp_shard"]
+    if global_bs != -1 and (global_bs < 1 or global_bs % (dp * cfg["training"]["local_batch_size"])):
+        raise ConfigError(
+            f"[training] global_batch_size ({global_bs}) must be a positive multiple of local_batch_size x "
+            f"data-parallel degree ({cfg['training']['local_batch_size']} x {dp})"
+        )
+    if has_cuda is None:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    attention, backend = cfg["model"]["attention"], cfg["flashcp"]["backend"]
+    if not has_cuda:
+        if attention == "flashcp" and backend in GPU_BACKENDS:
+            raise ConfigError(
+                f"[flashcp] backend = {backend!r} needs CUDA and this machine has no GPU; use 'auto' or 'reference'"
+            )
+        if attention in ("flex", "varlen"):
+            raise ConfigError(
+                f"model.attention = {attention!r} cannot train on CPU (FlexAttention has no CPU backward, "
+                "varlen attention no CPU kernel); use 'flashcp'"
+            )
+    return deg
+
+
+# ----------------------------------------------------------------------------- files and CLI
+
+
+def resolve_config_path(name: str | None) -> Path:
+    """A job file by path, or by name (with or without .toml) inside train_configs/."""
+    name = name or DEFAULT_CONFIG
+    path = Path(name)
+    candidates = [path] if path.suffix == ".toml" else [path.with_suffix(".toml")]
+    if len(path.parts) == 1:
+        candidates.append(CONFIG_DIR / candidates[0].name)
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+    shipped = ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.toml")))
+    raise ConfigError(f"config {name!r} not found (as a path or in {CONFIG_DIR}); shipped configs: {shipped}")
+
+
+def _parse_value(text: str) -> Any:
+    """A CLI value as a TOML value (20, 1e-3, true, ["a"]) or else the plain string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_overrides(raw: dict[str, Any], args: list[str]) -> dict[str, Any]:
+    """TorchTitan-style `--section.key value` / `--section.key=value` overrides, in order."""
+    out = {section: dict(values) if isinstance(values, dict) else values for section, values in raw.items()}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or "." not in arg:
+            raise ConfigError(f"unexpected argument {arg!r}; overrides look like --section.key value")
+        name, _, value = arg[2:].partition("=")
+        if not _:
+            if i + 1 < len(args) and not args[i + 1].startswith("--"):
+                value, i = args[i + 1], i + 1
+            else:
+                value = "true"  # a bare flag switches a boolean on
+        section, _, key = name.partition(".")
+        if not section or not key or "." in key:
+            raise ConfigError(f"override {arg!r} must name one key as --section.key")
+        if not isinstance(out.get(section, {}), dict):
+            raise ConfigError(f"[{section}] is not a table")
+        out.setdefault(section, {})[key] = _parse_value(value)
+        i += 1
+    return out
+
+
+def load_job(path: str | Path, overrides: list[str] | None = None) -> dict[str, dict[str, Any]]:
+    """Read, override and validate a job file (see the module docstring)."""
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path} is not valid TOML: {e}") from e
+    except OSError as e:
+        raise ConfigError(f"cannot read {path}: {e}") from e
+    cfg = validate(apply_overrides(raw, overrides or []))
+    cfg["_path"] = str(path)
+    return cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Check a FlashCP job file without launching anything.")
+    parser.add_argument("--check", metavar="CONFIG", required=True, help="job file path or name in train_configs/")
+    parser.add_argument("--world-size", type=int, help="number of ranks to check the layout for")
+    args, overrides = parser.parse_known_args(argv)
+    try:
+        path = resolve_config_path(args.check)
+        cfg = load_job(path, overrides)
+        world = args.world_size or world_size_hint(cfg)
+        if world is None:
+            print(f"{path}: OK (data_parallel_shard_degree = -1: pass --world-size to check a layout)")
+            return 0
+        deg = check_layout(cfg, world)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"{path}: OK for {world} ranks: " + ", ".join(f"{k}={v}" for k, v in deg.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,181 @@
+"""TorchTitan's metrics plus what FlashCP changes: document-masked FLOPs, plan figures, progress.
+
+TorchTitan counts attention FLOPs as if every token attended to the whole sequence; with packed
+documents under a document mask a token only sees its own document's prefix, so the MFU here
+counts exactly the (query, key) pairs the mask keeps: sum over documents of d (d + 1) / 2.
+Each logged step also reports the sharding plans of the windows this rank trained on since the
+last log (workload imbalance, KV bytes received per layer under the compact and the full
+exchange, documents split across ranks, planning time) and a progress line with an ETA.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from torchtitan.components.metrics import MetricsProcessor
+from torchtitan.tools.logging import logger
+from torchtitan.tools.utils import device_type
+
+from flashcp.plan import Plan
+
+
+@dataclass
+class WindowStats:
+    """Sums over the windows one rank processed since the last log."""
+
+    windows: int = 0
+    attention_pairs: int = 0
+    plan_ms: float = 0.0
+    imbalance: list[float] = field(default_factory=list)
+    recv_bytes: dict[str, float] = field(default_factory=dict)  # comm mode -> bytes per layer
+    split_docs: int = 0
+    docs: int = 0
+
+
+def attention_pairs(doc_lens: list[int]) -> int:
+    """(query, key) pairs a causal document mask keeps: d (d + 1) / 2 per document."""
+    return sum(d * (d + 1) // 2 for d in doc_lens)
+
+
+def format_duration(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
+
+
+class FlashCPMetrics(MetricsProcessor):
+    """MetricsProcessor whose `log` reports document-masked MFU, FlashCP plan figures and an ETA.
+
+    The trainer sets `total_steps`, `dense_flops_per_token`, `attention_flops_per_pair` and
+    `kv_row_bytes` after building the model, and calls `record_window` for every window.
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(MetricsProcessor.Config):
+        peak_tflops: float | None = None
+        """Per-device peak for MFU; None: TorchTitan's GPU table (no MFU on CPU)."""
+
+    def __init__(self, config: Config, **kwargs: Any) -> None:
+        super().__init__(config, **kwargs)
+        if config.peak_tflops is not None:
+            self.peak_flops: float | None = config.peak_tflops * 1e12
+        else:
+            self.peak_flops = None if device_type == "cpu" else self.gpu_peak_flops
+        self.total_steps = 0
+        self.dense_flops_per_token = 0
+        self.attention_flops_per_pair = 0
+        self.kv_row_bytes = 0  # bytes of one token's K and V on one rank (heads / tp)
+        self.stats = WindowStats()
+        self._start: tuple[int, float] | None = None  # (step, time) of the first logged step
+
+    def record_window(self, plan: Plan, plan_ms: float) -> None:
+        """Account one window's plan (called once per micro step, on every rank)."""
+        s = self.stats
+        s.windows += 1
+        s.attention_pairs += attention_pairs(plan.doc_lens)
+        s.plan_ms += plan_ms
+        s.docs += len(plan.doc_lens)
+        if plan.cp_size > 1:
+            m = plan.metrics(num_kv_heads=1, head_dim=1, dtype_bytes=1)
+            s.imbalance.append(m["imbalance"])
+            s.split_docs += m["split_docs"]
+            for mode in ("full", "compact", "needed"):
+                rows = m[f"comm_{mode}_tokens"]
+                s.recv_bytes[mode] = s.recv_bytes.get(mode, 0.0) + rows * self.kv_row_bytes
+
+    def _flashcp_metrics(self) -> dict[str, float]:
+        s = self.stats
+        if not s.windows:
+            return {}
+        out = {
+            "flashcp/planning_ms": s.plan_ms / s.windows,
+            "flashcp/docs_per_window": s.docs / s.windows,
+        }
+        if s.imbalance:
+            out |= {
+                "flashcp/imbalance": sum(s.imbalance) / len(s.imbalance),
+                "flashcp/imbalance_max": max(s.imbalance),
+                "flashcp/split_docs": s.split_docs / s.windows,
+            }
+            for mode, total in s.recv_bytes.items():
+                out[f"flashcp/kv_recv_bytes_per_layer_{mode}"] = total / s.windows
+            if s.recv_bytes["full"]:
+                out["flashcp/comm_compact_over_full"] = s.recv_bytes["compact"] / s.recv_bytes["full"]
+        return out
+
+    def log(
+        self,
+        step: int,
+        global_avg_loss: float,
+        global_max_loss: float,
+        grad_norm: float,
+        extra_metrics: dict[str, Any] | None = None,
+    ) -> None:
+        now = time.perf_counter()
+        dt = now - self.time_last_log
+        devices = self.parallel_dims.non_data_parallel_size  # ranks that share one window
+        tps = self.ntokens_since_last_log / (dt * devices)
+        flops = (
+            self.dense_flops_per_token * self.ntokens_since_last_log
+            + self.attention_flops_per_pair * self.stats.attention_pairs
+        ) / (dt * devices)
+        mem = self.device_memory_monitor.get_peak_stats()
+        loading = self.data_loading_times
+        metrics = {
+            "loss_metrics/global_avg_loss": global_avg_loss,
+            "loss_metrics/global_max_loss": global_max_loss,
+            "grad_norm": grad_norm,
+            "throughput(tps)": tps,
+            "tflops": flops / 1e12,
+            "time_metrics/end_to_end(s)": dt / self.config.log_freq,
+            "time_metrics/data_loading(s)": sum(loading) / max(len(loading), 1),
+            "time_metrics/data_loading(%)": 100 * sum(loading) / dt,
+            "memory/max_active(GiB)": mem.max_active_gib,
+            "memory/max_reserved(GiB)": mem.max_reserved_gib,
+            "memory/max_reserved(%)": mem.max_reserved_pct,
+            **self._flashcp_metrics(),
+            **(extra_metrics or {}),
+        }
+        if self.peak_flops:
+            metrics["mfu(%)"] = 100 * flops / self.peak_flops
+        self.logger.log(metrics, step)
+        logger.info(self._console_line(step, metrics, now))
+
+        self.ntokens_since_last_log = 0
+        self.data_loading_times.clear()
+        self.stats = WindowStats()
+        self.time_last_log = time.perf_counter()
+        self.device_memory_monitor.reset_peak_stats()
+
+    def _console_line(self, step: int, m: dict[str, Any], now: float) -> str:
+        c = self.color
+        lr = next((v for k, v in m.items() if k.startswith("lr/")), None)
+        parts = [
+            f"{c.red}step: {step}/{self.total_steps}",
+            f"{c.green}loss: {m['loss_metrics/global_avg_loss']:8.5f}",
+            f"{c.orange}grad_norm: {m['grad_norm']:7.4f}",
+        ]
+        if lr is not None:
+            parts.append(f"lr: {lr:.2e}")
+        parts += [
+            f"{c.turquoise}memory: {m['memory/max_reserved(GiB)']:5.2f}GiB",
+            f"{c.blue}tps: {round(m['throughput(tps)']):,}",
+            f"{c.cyan}tflops: {m['tflops']:,.3f}",
+        ]
+        if "mfu(%)" in m:
+            parts.append(f"{c.magenta}mfu: {m['mfu(%)']:.2f}%")
+        if "flashcp/imbalance" in m:
+            parts.append(
+                f"{c.yellow}imbalance: {m['flashcp/imbalance']:.3f}  "
+                f"kv: {m.get('flashcp/comm_compact_over_full', 0.0):.2f}x full  "
+                f"plan: {m['flashcp/planning_ms']:.1f}ms"
+            )
+        if self._start is None:
+            self._start = (step, now)
+        elif step > self._start[0]:
+            rate = (now - self._start[1]) / (step - self._start[0])
+            parts.append(f"{c.white}{rate:.2f}s/step  eta: {format_duration(rate * (self.total_steps - step))}")
+        return "  ".join(parts) + c.reset

@@ -1,0 +1,115 @@
+"""A pool of gloo processes started once and reused by many multi-process test cases.
+
+Spawning processes and importing torch costs seconds, a collective on loopback gloo well under a
+millisecond, so tests start one pool per module and send it batches of cases:
+
+    with DistributedPool(world_size=4) as pool:
+        results = pool.run(fn, args, size=2)   # fn(rank, group, *args) on ranks 0..size-1
+
+`fn` must be importable by the workers (a module-level function of a test module). Ranks outside
+`size` sit the call out; the process group of the first `size` ranks is created at start-up for
+every size in `sizes`, since creating groups is itself a collective over all ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from datetime import timedelta
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, sizes: Sequence[int], tasks, results) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(1)
+    # A short collective timeout turns a rank that died mid-collective into an error, not a hang.
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+        timeout=timedelta(seconds=60),
+    )
+    groups = {n: dist.new_group(list(range(n))) if n < world_size else dist.group.WORLD for n in sizes}
+    results.put((rank, "ready", None))
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, args, size = task
+        try:
+            out = fn(rank, groups[size], *args) if rank < size else None
+            results.put((rank, "ok", out))
+        except Exception:  # the parent re-raises it with the worker's traceback
+            results.put((rank, "error", traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class DistributedPool:
+    """`world_size` spawned gloo workers; `run` executes one function on the first `size` ranks."""
+
+    def __init__(self, world_size: int, sizes: Sequence[int] | None = None, timeout: float = 300.0):
+        self.world_size, self.timeout = world_size, timeout
+        self.sizes = tuple(sorted(set(sizes or (world_size,))))
+        if max(self.sizes) > world_size:
+            raise ValueError(f"group sizes {self.sizes} exceed world size {world_size}")
+        ctx = mp.get_context("spawn")
+        self._tasks = [ctx.Queue() for _ in range(world_size)]
+        self._results = ctx.Queue()
+        port = _free_port()
+        self._procs = [
+            ctx.Process(
+                target=_worker,
+                args=(r, world_size, port, self.sizes, self._tasks[r], self._results),
+                daemon=True,
+            )
+            for r in range(world_size)
+        ]
+        for p in self._procs:
+            p.start()
+        self._collect("start-up")
+
+    def _collect(self, what: str) -> list[Any]:
+        out: list[Any] = [None] * self.world_size
+        errors = []
+        for _ in range(self.world_size):
+            rank, status, value = self._results.get(timeout=self.timeout)
+            if status == "error":
+                errors.append(f"rank {rank}:\n{value}")
+            out[rank] = value
+        if errors:
+            raise RuntimeError(f"{what} failed on {len(errors)} worker(s):\n" + "\n".join(errors))
+        return out
+
+    def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), size: int | None = None) -> list[Any]:
+        """Results of `fn(rank, group, *args)` for ranks 0..size-1 (default: all ranks)."""
+        size = self.world_size if size is None else size
+        if size not in self.sizes:
+            raise ValueError(f"no process group of size {size}; the pool was started with {self.sizes}")
+        for q in self._tasks:
+            q.put((fn, tuple(args), size))
+        return self._collect(getattr(fn, "__name__", "task"))[:size]
+
+    def close(self) -> None:
+        for q in self._tasks:
+            q.put(None)
+        for p in self._procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+
+    def __enter__(self) -> DistributedPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
