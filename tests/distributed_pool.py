@@ -14,7 +14,9 @@ every size in `sizes`, since creating groups is itself a collective over all ran
 from __future__ import annotations
 
 import os
+import queue
 import socket
+import time
 import traceback
 from datetime import timedelta
 from collections.abc import Callable, Sequence
@@ -79,11 +81,24 @@ class DistributedPool:
             p.start()
         self._collect("start-up")
 
+    def _next_result(self, what: str) -> tuple[int, str, Any]:
+        """The next worker reply; a worker that died or a call past `timeout` raises."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                return self._results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [(r, p.exitcode) for r, p in enumerate(self._procs) if not p.is_alive()]
+                if dead:
+                    raise RuntimeError(f"{what}: worker(s) exited (rank, exit code): {dead}") from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{what}: no reply within {self.timeout} s") from None
+
     def _collect(self, what: str) -> list[Any]:
         out: list[Any] = [None] * self.world_size
         errors = []
         for _ in range(self.world_size):
-            rank, status, value = self._results.get(timeout=self.timeout)
+            rank, status, value = self._next_result(what)
             if status == "error":
                 errors.append(f"rank {rank}:\n{value}")
             out[rank] = value

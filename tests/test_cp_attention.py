@@ -51,10 +51,13 @@ def run_cases(rank: int, group, cases: list[Case]):
     for case in cases:
         dispatch = case.plan.dispatch(rank, case.comm)
         idx = dispatch.token_index
-        q, k, v, g = (t[idx].clone() for t in window_tensors(case.plan.context, case.heads, case.dtype, case.seed))
+        window = window_tensors(case.plan.context, case.heads, case.dtype, case.seed)
+        q, k, v, g = (t[idx].clone() for t in window)
         q, k, v = (t.requires_grad_() for t in (q, k, v))
         with record_comm() as log:
-            out = cp_varlen_attention(q, k, v, dispatch, group, comm=case.comm, backend="reference", overlap=case.overlap)
+            out = cp_varlen_attention(
+                q, k, v, dispatch, group, comm=case.comm, backend="reference", overlap=case.overlap
+            )
             (out * g).sum().backward()
         results.append((idx, out.detach(), q.grad, k.grad, v.grad, list(log)))
     return results
@@ -92,12 +95,15 @@ def check_cases(pool: DistributedPool, cases: list[Case]) -> list[list]:
     return [[r[i][-1] for r in per_rank] for i in range(len(cases))]
 
 
-def all_cases(doc_lens, cp_size: int, **kw) -> list[Case]:
-    return [
-        Case(plan_shards(doc_lens, cp_size, strategy), comm, **kw)
-        for strategy in STRATEGIES
-        for comm in COMM_MODES
-    ]
+# The MILP is solved to a loose target under a time limit: these tests need its plans (shards
+# cut at arbitrary points), not their optimality.
+PLAN_OPTIONS = {"ilp": dict(target_imbalance=2.0, time_limit=1.0)}
+
+
+def all_cases(doc_lens, cp_size: int, strategies=tuple(STRATEGIES), **kw) -> list[Case]:
+    """Every (strategy, comm mode) pair on one window."""
+    plans = [plan_shards(doc_lens, cp_size, s, **PLAN_OPTIONS.get(s, {})) for s in strategies]
+    return [Case(plan, comm, **kw) for plan in plans for comm in COMM_MODES]
 
 
 @pytest.fixture(scope="module")
@@ -146,8 +152,11 @@ def windows(draw):
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(windows())
 def test_random_windows_match_single_process(pool, window):
+    """All strategies but "ilp", whose solver needs about a second per window (the fixed
+    windows above cover it)."""
     doc_lens, cp_size, heads, seed = window
-    check_cases(pool, all_cases(doc_lens, cp_size, heads=heads, seed=seed))
+    strategies = [s for s in STRATEGIES if s != "ilp"]
+    check_cases(pool, all_cases(doc_lens, cp_size, strategies, heads=heads, seed=seed))
 
 
 @pytest.mark.parametrize("cp_size", [2, 4])
@@ -168,22 +177,28 @@ def test_bytes_moved_equal_plan_prediction(pool, cp_size):
         what = f"{case.plan.strategy}/{case.comm}"
         fwd = [[r for r in log if r.pass_ == "forward"] for log in per_rank]
         bwd = [[r for r in log if r.pass_ == "backward"] for log in per_rank]
-        recv_rows = [sum(r.recv_rows for r in rs) for rs in fwd]
-        recv_bytes = [sum(r.recv_bytes for r in rs) for rs in fwd]
-        # One collective each way at most, and backward moves what forward moved, transposed.
+
+        def total(records, field):  # per rank
+            return [sum(getattr(r, field) for r in rs) for rs in records]
+
+        # One collective each way at most; backward moves what forward moved, transposed.
         assert all(len(rs) <= 1 for rs in fwd + bwd), what
-        assert [sum(r.sent_rows for r in rs) for rs in bwd] == recv_rows, what
-        assert [sum(r.recv_rows for r in rs) for rs in bwd] == [sum(r.sent_rows for r in rs) for rs in fwd], what
-        assert sum(r.sent_rows for rs in fwd for r in rs) == sum(recv_rows), what
+        assert total(bwd, "sent_rows") == total(fwd, "recv_rows"), what
+        assert total(bwd, "recv_rows") == total(fwd, "sent_rows"), what
+        assert sum(total(fwd, "sent_rows")) == sum(total(fwd, "recv_rows")), what
+        predicted = metrics[f"comm_{case.comm}_tokens"]
         if case.comm == "needed":
-            assert recv_rows == case.plan.needed_tokens(), what
-        assert max(recv_rows) == metrics[f"comm_{case.comm}_tokens"], what
-        assert max(recv_bytes) == metrics[f"comm_{case.comm}_bytes"], what
+            assert total(fwd, "recv_rows") == case.plan.needed_tokens(), what
+        else:  # an all-gather delivers the same padded buffer to every rank
+            assert total(fwd, "recv_rows") == [predicted] * cp_size, what
+        assert max(total(fwd, "recv_rows")) == predicted, what
+        assert max(total(fwd, "recv_bytes")) == metrics[f"comm_{case.comm}_bytes"], what
 
 
 def run_mismatched(rank: int, group, plan: Plan):
+    qkv = [torch.zeros(plan.tokens_per_rank, 1, 4) for _ in range(3)]
     try:
-        cp_varlen_attention(*(torch.zeros(plan.tokens_per_rank, 1, 4) for _ in range(3)), plan.dispatch(rank), group)
+        cp_varlen_attention(*qkv, plan.dispatch(rank), group)
     except ValueError as e:
         return str(e)
     return None

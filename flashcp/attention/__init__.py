@@ -4,4 +4,11 @@ from flashcp.attention.collectives import CommRecord, record_comm
 from flashcp.attention.cp import cp_varlen_attention
 from flashcp.attention.kernels import BACKENDS, BackendUnavailable, varlen_attention
 
-__all__ = ["BACKENDS", "BackendUnavailable", "CommRecord", "cp_varlen_attention", "record_comm", "varlen_attention"]
+__all__ = [
+    "BACKENDS",
+    "BackendUnavailable",
+    "CommRecord",
+    "cp_varlen_attention",
+    "record_comm",
+    "varlen_attention",
+]

@@ -126,9 +126,11 @@ def launch_kv_exchange(
             send = local.index_select(0, dispatch.send_index)
             if not solo:
                 work = dist.all_to_all_single(
-                    buffer[:recv], send, dispatch.recv_splits, dispatch.send_splits, group=group, async_op=async_op
-                )
-                _record("all_to_all", "forward", sum(dispatch.send_splits), sum(dispatch.recv_splits), local[0])
+                    buffer[:recv], send, dispatch.recv_splits, dispatch.send_splits,
+                    group=group, async_op=async_op,
+                )  # fmt: skip
+                sent, received = sum(dispatch.send_splits), sum(dispatch.recv_splits)
+                _record("all_to_all", "forward", sent, received, local[0])
         else:
             n_send, pad = dispatch.send_index.numel(), dispatch.send_pad
             send = local.new_empty(pad, *local.shape[1:])

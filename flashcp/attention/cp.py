@@ -109,14 +109,17 @@ def _local_split(dispatch: Dispatch) -> _Split:
     device = dispatch.kv_index.device
     cu_q, cu_k = dispatch.cu_seqlens_q.tolist(), dispatch.cu_seqlens_k.tolist()
     kv_index = dispatch.kv_index.cpu()
-    is_local = [bool((kv_index[cu_k[s] : cu_k[s + 1]] >= dispatch.recv_size).all()) for s in range(len(cu_q) - 1)]
+    is_local = [
+        bool((kv_index[cu_k[s] : cu_k[s + 1]] >= dispatch.recv_size).all()) for s in range(len(cu_q) - 1)
+    ]
 
     def subset(want: bool) -> _Shards:
         ids = [s for s, loc in enumerate(is_local) if loc == want]
         q_len = [cu_q[s + 1] - cu_q[s] for s in ids]
         k_len = [cu_k[s + 1] - cu_k[s] for s in ids]
-        rows = torch.cat([torch.arange(cu_q[s], cu_q[s + 1]) for s in ids]) if ids else torch.zeros(0, dtype=torch.long)
-        keys = torch.cat([kv_index[cu_k[s] : cu_k[s + 1]] for s in ids]) if ids else rows
+        none = torch.zeros(0, dtype=torch.long)
+        rows = torch.cat([torch.arange(cu_q[s], cu_q[s + 1]) for s in ids] or [none])
+        keys = torch.cat([kv_index[cu_k[s] : cu_k[s + 1]] for s in ids] or [none])
         if want:  # local-only shards read the local K/V directly
             keys = keys - dispatch.recv_size
         return _Shards(

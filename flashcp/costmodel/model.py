@@ -184,7 +184,8 @@ class CostModel:
                 kf, kb = self.kernel.fwd.time_ms(*counts), self.kernel.bwd.time_ms(*counts)
                 out.per_rank_fwd[r] += kf
                 out.per_rank_bwd[r] += kb
-                q_elems, k_elems = q.sum() * shape.heads * shape.head_dim, k.sum() * shape.n_kv * shape.head_dim
+                q_elems = float(q.sum()) * shape.heads * shape.head_dim
+                k_elems = float(k.sum()) * shape.n_kv * shape.head_dim
                 merge = mem.ms(q_elems * mem.merge_bytes_per_elem) if j > 0 else 0.0
                 acc = mem.ms((q_elems + 2 * k_elems) * mem.grad_acc_bytes_per_elem)
                 best_f = max(best_f, (kf + merge, kf, merge))

@@ -61,6 +61,7 @@ class _Blocks:
         self.doc = np.array(doc)
         self.start = np.array(start, dtype=np.float64)
         self.length = np.array(length, dtype=np.float64)
+        self.doc_len = np.array([doc_lens[d] for d in doc], dtype=np.float64)
         self.k = len(doc)
         # Block k's successor in its document, or -1 for a document's last block.
         self.next = np.where(np.r_[self.doc[1:] == self.doc[:-1], False], np.arange(1, self.k + 1), -1)
@@ -121,8 +122,17 @@ class _Model:
             work |= {h[k, j]: per_token[k] for k in range(b.k)} | {g[k, j]: per_token[k] for k in range(b.k)}
             work |= {q[k, j]: tail_extra[k] for k in range(b.k)}
             self.work_rows.append(work)
-        # Ranks are interchangeable: pin the first block's head to rank 0.
-        self.row({x[0, 0]: 1, p[0, 0]: 1}, 1, 1)
+        for j in range(n):
+            # At most one cut head per rank: enough for exact tokens (see the sequential fill).
+            self.row({p[k, j]: 1 for k in range(b.k)}, -np.inf, 1)
+        # Ranks are interchangeable: number them by the first block they touch, so rank j may
+        # touch block k only if rank j-1 touched an earlier block (and block 0 is on rank 0).
+        for j in range(1, n):
+            for k in range(b.k):
+                row = {x[k, j]: 1.0, p[k, j]: 1.0, q[k, j]: 1.0}
+                for f in (x, p, q):
+                    row |= {f[i, j - 1]: -1.0 for i in range(k)}
+                self.row(row, -np.inf, 0)
 
     def bounds_and_integrality(self) -> tuple[Bounds, np.ndarray]:
         b, v = self.b, self.idx
@@ -144,6 +154,17 @@ class _Model:
     def solve(self, cap: float | None, time_limit: float, mip_rel_gap: float):
         """Minimise Z with workloads <= cap (scaled), or, with cap None, minimise the largest workload."""
         rows = list(self.rows)
+        if cap is not None:
+            b, x, q, c = self.b, self.idx["x"], self.idx["q"], self.idx["c"]
+            end = b.start + b.length
+            whole_suffix = (b.doc_len - b.start) * (b.doc_len + b.start + 1) / 2 / self.mean
+            tail_suffix = (b.doc_len - end + 1) * (b.doc_len + end) / 2 / self.mean
+            for k in np.flatnonzero(b.next >= 0):
+                for j in range(self.n):
+                    if tail_suffix[k] > cap:
+                        rows.append(({c[k, j]: 1, x[k, j]: -1, q[k, j]: -1}, 0, np.inf))
+                    elif whole_suffix[k] > cap:
+                        rows.append(({c[k, j]: 1, x[k, j]: -1}, 0, np.inf))
         for work in self.work_rows:
             rows.append((work, -np.inf, cap) if cap is not None else (work | {self.wmax: -1}, -np.inf, 0))
         data, ri, ci = [], [], []

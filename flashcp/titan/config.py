@@ -157,6 +157,10 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "async_mode": Key(str, "disabled", ("disabled", "async", "async_with_pinned_mem")),
         "initial_load_path": Key(str),
         "enable_first_step_checkpoint": Key(bool, False),
+        "create_seed_checkpoint": Key(
+            bool, False, doc="save the initial model as step-0 on 1 rank and exit: identical initial "
+            "weights for any later layout (sharded init differs between layouts on CPU)",
+        ),
     },
     "metrics": {
         "log_freq": Key(int, 10),
@@ -254,6 +258,8 @@ def _check_semantics(cfg: dict) -> None:
             "[checkpoint] keep_latest_k must be 0 (keep all) or >= 2 (the newest may be mid-write), "
             f"got {cfg['checkpoint']['keep_latest_k']}"
         )
+    if cfg["checkpoint"]["create_seed_checkpoint"] and not cfg["checkpoint"]["enable"]:
+        raise ConfigError("[checkpoint] create_seed_checkpoint needs [checkpoint] enable = true")
     if not fcp["target_imbalance"] >= 1.0:
         raise ConfigError(f"[flashcp] target_imbalance must be >= 1.0, got {fcp['target_imbalance']}")
 
@@ -313,6 +319,10 @@ def model_dims(cfg: dict) -> tuple[int, int, int, int, int | None]:
 
 def degrees(cfg: dict, world_size: int) -> dict[str, int]:
     """Parallel degrees for `world_size` ranks (dp_shard = -1 resolved); ConfigError if they do not fit."""
+    if cfg["checkpoint"]["create_seed_checkpoint"]:
+        if world_size != 1:
+            raise ConfigError(f"[checkpoint] create_seed_checkpoint runs on 1 rank (NGPU=1), not {world_size}")
+        return {"dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 1}
     par = cfg["parallelism"]
     rep, cp, tp = par["data_parallel_replicate_degree"], par["context_parallel_degree"], par["tensor_parallel_degree"]
     shard = par["data_parallel_shard_degree"]
@@ -335,6 +345,8 @@ def degrees(cfg: dict, world_size: int) -> dict[str, int]:
 
 def world_size_hint(cfg: dict) -> int | None:
     """The rank count the layout fixes, or None when data_parallel_shard_degree = -1 leaves it open."""
+    if cfg["checkpoint"]["create_seed_checkpoint"]:
+        return 1
     par = cfg["parallelism"]
     if par["data_parallel_shard_degree"] == -1:
         return None

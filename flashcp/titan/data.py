@@ -26,7 +26,8 @@ Sources (`DataConfig.source`):
                README, are ignored) or a glob of .jsonl / .json / .parquet / .txt files, each
                optionally .gz / .bz2 / .xz, read through HF `datasets`; the text is in column
                `text_field`; a .txt file is one document (`txt_sample_by` = "paragraph" / "line")
-  "hf:NAME"    the hub dataset NAME (`hf_config`, `hf_split`), streamed; needs network
+  "hf:NAME"    the hub dataset NAME (`hf_config`, `hf_split`), streamed; needs network (a
+               local dataset directory also works); resuming re-reads the epoch up to the cursor
   "synthetic"  random token ids, document lengths drawn from `synthetic_lengths` (a distribution
                of `flashcp.data.lengths`, e.g. "wlbllm", "pile", or a JSON list of lengths):
                benchmarking at scale without text; `max_doc_tokens` applies to text only
@@ -80,6 +81,7 @@ from urllib.parse import urlparse
 import numpy as np
 import torch
 
+from flashcp import plan_shards
 from flashcp.titan.tokenizer import Tokenizer, load_tokenizer
 
 DATA_DIR = Path(__file__).resolve().parents[2] / "data"
@@ -140,7 +142,8 @@ class DataConfig:
 class DocSource(Protocol):
     """A sequence of token-id documents per epoch, restartable at any position."""
 
-    name: str  # identifies the data in state fingerprints
+    name: str  # names the data in error messages
+    ident: str  # identifies the data in state fingerprints (stable when files move)
 
     def epoch(self, epoch: int, start: int) -> Iterator[tuple[int, np.ndarray]]:
         """(position, tokens) of the non-empty documents of `epoch` from position `start` on."""
@@ -148,18 +151,23 @@ class DocSource(Protocol):
 
 
 class TextSource:
-    """Documents as text (from files or the hub), tokenised on the fly with BOS/EOS added."""
+    """Documents as text (from files or the hub), tokenised on the fly with BOS/EOS added.
+
+    `texts(epoch, start)` yields (row, text) from position `start` of the epoch's order, `row`
+    being where the document sits in the data (for error messages).
+    """
 
     def __init__(
         self,
         name: str,
-        texts: Callable[[int, int], Iterator[str | None]],
+        ident: str,
+        texts: Callable[[int, int], Iterator[tuple[int, str | None]]],
         tokenizer: Tokenizer,
         add_bos: bool,
         add_eos: bool,
         max_doc_tokens: int,
     ):
-        self.name = name
+        self.name, self.ident = name, ident
         self._max_tokens = max_doc_tokens
         self._texts = texts
         self._tok = tokenizer
@@ -168,12 +176,13 @@ class TextSource:
 
     def epoch(self, epoch: int, start: int) -> Iterator[tuple[int, np.ndarray]]:
         position = start
-        texts = iter(self._texts(epoch, start))
-        while chunk := list(itertools.islice(texts, _TOKENIZE_CHUNK)):
-            for ids in self._tok.encode_batch([text or "" for text in chunk]):
+        rows = iter(self._texts(epoch, start))
+        while chunk := list(itertools.islice(rows, _TOKENIZE_CHUNK)):
+            encoded = self._tok.encode_batch([text or "" for _, text in chunk])
+            for (row, _), ids in zip(chunk, encoded):
                 if len(ids) > self._max_tokens:
                     raise DataError(
-                        f"{self.name}: document {position} of epoch {epoch} has {len(ids)} tokens, more than "
+                        f"{self.name}: document {row} has {len(ids)} tokens, more than "
                         f"data.max_doc_tokens={self._max_tokens} (a mangled or non-text file? raise "
                         "the limit if such documents are intended)"
                     )
@@ -197,7 +206,8 @@ class SyntheticSource:
             length_sampler(distribution)
         except ValueError as e:
             raise DataError(f"data.synthetic_lengths: {e}") from e
-        self.name = f"synthetic:{distribution}"
+        self.name = f"synthetic documents with {distribution} lengths"
+        self.ident = f"synthetic:{distribution}"
         self._sampler = functools.partial(length_sampler, distribution)
         self._vocab = tokenizer.vocab_size
         self._bos = tokenizer.bos_id if add_bos else None
@@ -299,13 +309,14 @@ def load_files(files: list[Path], cfg: DataConfig):
     return ds
 
 
-def _dataset_texts(ds, shuffle: bool, seed: int) -> Callable[[int, int], Iterator[str | None]]:
+def _dataset_texts(ds, shuffle: bool, seed: int) -> Callable[[int, int], Iterator[tuple[int, str | None]]]:
     n = len(ds)
 
-    def texts(epoch: int, start: int) -> Iterator[str | None]:
+    def texts(epoch: int, start: int) -> Iterator[tuple[int, str | None]]:
         order = np.random.default_rng((seed, epoch)).permutation(n) if shuffle else np.arange(n)
         for a in range(start, n, _READ_CHUNK):
-            yield from ds[order[a : a + _READ_CHUNK].tolist()]["text"]
+            rows = order[a : a + _READ_CHUNK].tolist()
+            yield from zip(rows, ds[rows]["text"])
 
     return texts
 
@@ -326,8 +337,10 @@ def _check_hub_reachable(name: str) -> None:
         ) from e
 
 
-def _hub_texts(name: str, cfg: DataConfig) -> Callable[[int, int], Iterator[str | None]]:
-    _check_hub_reachable(name)
+def _hub_texts(name: str, cfg: DataConfig) -> Callable[[int, int], Iterator[tuple[int, str | None]]]:
+    """Stream a hub dataset (or a local dataset directory, through the same code, offline)."""
+    if not Path(name).exists():
+        _check_hub_reachable(name)
     import datasets
 
     try:
@@ -337,15 +350,17 @@ def _hub_texts(name: str, cfg: DataConfig) -> Callable[[int, int], Iterator[str 
     except Exception as e:  # network and hub errors come in many types; name the dataset
         raise DataError(f"cannot open hub dataset {name!r}: {type(e).__name__}: {e}") from e
 
-    def texts(epoch: int, start: int) -> Iterator[str | None]:
+    def texts(epoch: int, start: int) -> Iterator[tuple[int, str | None]]:
         stream = ds.shuffle(seed=cfg.seed, buffer_size=_HUB_SHUFFLE_BUFFER) if cfg.shuffle else ds
         stream.set_epoch(epoch)
-        for row in stream.skip(start):
+        # Resuming re-reads the epoch up to `start`: `IterableDataset.skip` after `shuffle`
+        # reshuffles the shards, so it would not continue the same order.
+        for position, row in enumerate(itertools.islice(stream, start, None), start):
             if cfg.text_field not in row:
                 raise DataError(
                     f"hub dataset {name!r} has no column {cfg.text_field!r} (columns: {list(row)})"
                 )
-            yield row[cfg.text_field]
+            yield position, row[cfg.text_field]
 
     return texts
 
@@ -359,17 +374,17 @@ def build_source(cfg: DataConfig, tokenizer: Tokenizer) -> DocSource:
     if cfg.source == "synthetic":
         return SyntheticSource(cfg.synthetic_lengths, tokenizer, cfg.add_bos, cfg.add_eos, cfg.seed)
     if cfg.source.startswith("hf:"):
-        name = cfg.source[3:]
-        texts = _hub_texts(name, cfg)
-        ident = f"hub:{name}:{cfg.hf_config}:{cfg.hf_split}"
+        hub_name = cfg.source[3:]
+        texts = _hub_texts(hub_name, cfg)
+        name, ident = f"hub dataset {hub_name!r}", f"hub:{hub_name}:{cfg.hf_config}:{cfg.hf_split}"
     else:
         files = data_files(str(DEFAULT_CORPUS) if cfg.source == "default" else cfg.source)
         ds = load_files(files, cfg)
         texts = _dataset_texts(ds, cfg.shuffle, cfg.seed)
         # Names and row count, not absolute paths: a moved dataset still resumes.
         digest = hashlib.sha1("\n".join(f.name for f in files).encode()).hexdigest()[:12]
-        ident = f"files:{len(files)}:{digest}:{len(ds)}"
-    return TextSource(ident, texts, tokenizer, cfg.add_bos, cfg.add_eos, cfg.max_doc_tokens)
+        name, ident = _describe(files), f"files:{len(files)}:{digest}:{len(ds)}"
+    return TextSource(name, ident, texts, tokenizer, cfg.add_bos, cfg.add_eos, cfg.max_doc_tokens)
 
 
 # ----------------------------------------------------------------------------- packing
@@ -580,8 +595,8 @@ class WindowLoader:
         if state["format"] != STATE_FORMAT:
             raise DataError(f"data loader state format {state['format']} is not {STATE_FORMAT}")
         saved, now = state["packing"], self._fingerprint
-        diff = [f"{k}: saved {saved.get(k)!r}, now {now.get(k)!r}" for k in sorted(set(saved) | set(now))
-                if saved.get(k) != now.get(k)]
+        changed = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
+        diff = [f"{k}: saved {saved.get(k)!r}, now {now.get(k)!r}" for k in changed]
         if diff:
             raise DataError("cannot resume the data loader, its packing changed (" + "; ".join(diff) + ")")
         self._stop_producer()
@@ -608,8 +623,6 @@ def build_loader(
     tokenizer: Tokenizer | None = None,
 ) -> WindowLoader:
     """The loader for one rank. `tokenizer` defaults to loading `cfg.tokenizer`."""
-    from flashcp import plan_shards
-
     if seq_len < 1 or cp_size < 1 or seq_len % cp_size:
         raise DataError(f"seq_len ({seq_len}) must be a positive multiple of cp_size ({cp_size})")
     if tokenizer is None:
@@ -618,7 +631,7 @@ def build_loader(
     planner([seq_len])  # a bad strategy or option fails here, at start-up, not in the producer
     source = build_source(cfg, tokenizer)
     fingerprint = {
-        "source": source.name,
+        "source": source.ident,
         # Strings and numbers only, so the state survives any checkpoint format unchanged.
         "tokenizer": f"{type(tokenizer).__name__} vocab={tokenizer.vocab_size} "
         f"bos={tokenizer.bos_id} eos={tokenizer.eos_id}",

@@ -126,7 +126,6 @@ class FlashCPMetrics(MetricsProcessor):
         loading = self.data_loading_times
         metrics = {
             "loss_metrics/global_avg_loss": global_avg_loss,
-            "loss_metrics/global_max_loss": global_max_loss,
             "grad_norm": grad_norm,
             "throughput(tps)": tps,
             "tflops": flops / 1e12,
@@ -141,6 +140,10 @@ class FlashCPMetrics(MetricsProcessor):
         }
         if self.peak_flops:
             metrics["mfu(%)"] = 100 * flops / self.peak_flops
+        if self.parallel_dims.cp == 1:
+            # TorchTitan divides each rank's loss by the whole window's token count, which under CP
+            # is not the rank's own count: the max over ranks is only meaningful without CP.
+            metrics["loss_metrics/global_max_loss"] = global_max_loss
         self.logger.log(metrics, step)
         logger.info(self._console_line(step, metrics, now))
 

@@ -51,10 +51,12 @@ def llama3_spec(model_cfg: dict[str, Any], flashcp_cfg: dict[str, Any], tokenize
         raise ConfigError(
             f"[model] vocab_size ({vocab}) is smaller than the tokenizer's vocabulary ({tokenizer_vocab})"
         )
+    # No pipeline parallelism, and checkpoints stay in DCP format (no HF conversion adapter).
+    spec = dataclasses.replace(spec, pipelining_fn=None, state_dict_adapter=None)
     if attention == "flashcp":
         use_flashcp_attention(spec.model, backend=flashcp_cfg["backend"], overlap=flashcp_cfg["overlap"])
-        return dataclasses.replace(spec, parallelize_fn=parallelize_flashcp, pipelining_fn=None)
-    return dataclasses.replace(spec, parallelize_fn=_parallelize_titan_cp, pipelining_fn=None)
+        return dataclasses.replace(spec, parallelize_fn=parallelize_flashcp)
+    return dataclasses.replace(spec, parallelize_fn=_parallelize_titan_cp)
 
 
 def _custom_llama3(model_cfg: dict[str, Any], vocab: int, attn_backend: str) -> Llama3Model.Config:

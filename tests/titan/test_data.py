@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import functools
 import gzip
+import hashlib
+import importlib.util
 import json
 from pathlib import Path
 
@@ -39,7 +41,7 @@ STRIDE = 1000  # token id = STRIDE * document + position, so documents stay shor
 class ListSource:
     """Documents held in memory, in the same order every epoch (a DocSource for property tests)."""
 
-    name = "list"
+    name = ident = "list"
 
     def __init__(self, lens: list[int]):
         self.docs = [STRIDE * i + np.arange(n, dtype=np.int64) for i, n in enumerate(lens)]
@@ -262,14 +264,34 @@ def test_shuffle_is_seeded_and_epochs_are_reshuffled(tmp_path, cache_dir, defaul
         return [int(part.split(".")[0]) for part in text.split("document number ")[1:]]
 
     order = firsts(0, 30)
-    assert order[:40] == firsts(0, 30)[:40]
-    assert order[:30] != firsts(1, 30)[:30]
+    assert order == firsts(0, 30) and order[:30] != firsts(1, 30)[:30]
     epoch0, epoch1 = order[:30], order[30:60]
     assert sorted(epoch0) == sorted(epoch1) == list(range(30)) and epoch0 != epoch1
 
 
+def test_streamed_dataset_resumes_exactly_under_a_new_dp_layout(tmp_path, cache_dir, default_tokenizer):
+    # "hf:" streams a hub dataset; a local dataset directory runs the same code offline.
+    (tmp_path / "docs").mkdir()
+    docs = [f"streamed document {i}." for i in range(40)]
+    (tmp_path / "docs" / "a.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
+
+    def loader(**kwargs):
+        cfg = DataConfig(source=f"hf:{tmp_path / 'docs'}", add_bos=False, cache_dir=cache_dir, prefetch=0)
+        return build_loader(cfg, 32, planner_kwargs=PLANNER, tokenizer=default_tokenizer, **kwargs)
+
+    reference = take(loader(), 24)
+    text = default_tokenizer.decode(torch.cat([b["input"] for b in reference]).tolist())
+    first_epoch = text.split("<|eos|>")[: len(docs)]
+    assert sorted(first_epoch) == sorted(docs) and first_epoch != docs  # shuffled, each once
+    saver = loader(dp_world=2)
+    take(saver, 7)
+    resumed = loader(dp_rank=1, dp_world=3)
+    resumed.load_state_dict(saver.state_dict())
+    assert same(next(resumed), reference[15]) and same(next(resumed), reference[18])
+
+
 def write_files(root: Path) -> dict[str, str]:
-    """One small file of every supported kind, each document tagged by its file."""
+    """One small file of every supported kind (and a README); returns each file's documents."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -333,6 +355,25 @@ def test_synthetic_documents_follow_the_named_distribution_and_resume_exactly(de
     resumed = synthetic(seq_len=4096, dp_rank=2, dp_world=3, tokenizer=default_tokenizer)
     resumed.load_state_dict(saver.state_dict())
     assert same(next(resumed), reference[12])
+
+
+def test_shipped_default_data_matches_its_manifest_and_rebuilds_byte_for_byte(tmp_path):
+    import platform
+
+    import tokenizers
+
+    manifest = json.loads((DEFAULT_CORPUS.parent / "manifest.json").read_text())
+    for name, digest in manifest["sha256"].items():
+        assert hashlib.sha256((DEFAULT_CORPUS.parent / name).read_bytes()).hexdigest() == digest, name
+    built_with = (manifest["python"], manifest["tokenizers"])
+    here = (platform.python_version(), tokenizers.__version__)
+    if here != built_with:
+        pytest.skip(f"data/default was built with Python, tokenizers {built_with}, this is {here}: a rebuild differs")
+    script = DEFAULT_CORPUS.parents[2] / "scripts" / "build_default_data.py"
+    spec = importlib.util.spec_from_file_location("build_default_data", script)
+    builder = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(builder)
+    assert builder.build(tmp_path)["sha256"] == manifest["sha256"]
 
 
 # ----------------------------------------------------------------------------- tokenizers

@@ -1,0 +1,90 @@
+"""A validated job (`flashcp.titan.config.load_job`) as TorchTitan's `Trainer.Config`.
+
+Each section maps onto the TorchTitan dataclass of the same name; `[model]` picks the Llama 3
+spec, `[data]` and `[flashcp]` configure the window loader and the attention, `[job]` the output
+folder. Building the config loads the tokenizer (to size the vocabulary) but starts nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torchtitan.components.loss import CrossEntropyLoss
+from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
+from torchtitan.components.optimizer.optimizer import ParamGroupConfig
+from torchtitan.config import TrainingConfig
+from torchtitan.config.configs import CommConfig, CompileConfig, DebugConfig, ParallelismConfig
+from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+
+from flashcp.titan import compat
+from flashcp.titan.components import Checkpointer, PipelineTokenizer, resolve_tokenizer, WindowDataLoader
+from flashcp.titan.data import DataConfig
+from flashcp.titan.metrics import FlashCPMetrics
+from flashcp.titan.model import llama3_spec
+from flashcp.titan.trainer import FlashCPSettings, FlashCPTrainer
+
+
+SEED_DEGREES = ("data_parallel_replicate", "data_parallel_shard", "context_parallel", "tensor_parallel")
+
+
+def trainer_config(cfg: dict[str, Any]) -> FlashCPTrainer.Config:
+    """Map every section of a validated job onto the trainer's config."""
+    data = DataConfig(**cfg["data"])
+    tokenizer = resolve_tokenizer(data.tokenizer)
+    flashcp_on = cfg["model"]["attention"] == "flashcp"
+    spec = llama3_spec(cfg["model"], cfg["flashcp"], tokenizer.vocab_size)
+    train, par, fcp = cfg["training"], dict(cfg["parallelism"]), cfg["flashcp"]
+    if cfg["checkpoint"]["create_seed_checkpoint"]:  # one rank, no sharding
+        par |= {f"{name}_degree": 1 for name in SEED_DEGREES}
+    cp = par["context_parallel_degree"]
+    return FlashCPTrainer.Config(
+        model_spec=spec,
+        dump_folder=cfg["job"]["dump_folder"],
+        tokenizer=PipelineTokenizer.Config(path=data.tokenizer),
+        dataloader=WindowDataLoader.Config(
+            data=data,
+            # TorchTitan's own CP shards windows itself: plan them trivially for one rank.
+            cp_size=cp if flashcp_on else 1,
+            planner=(
+                {"strategy": fcp["strategy"], "target_imbalance": fcp["target_imbalance"]}
+                if flashcp_on else {"strategy": "per_seq"}
+            ),
+        ),
+        loss=CrossEntropyLoss.Config(global_vocab_size=spec.model.vocab_size),
+        optimizer=_optimizer(cfg["optimizer"]),
+        lr_scheduler=LRSchedulersContainer.Config(**cfg["lr_scheduler"]),
+        training=TrainingConfig(
+            **{k: v for k, v in train.items() if k not in ("seed", "deterministic")},
+            # Every window has a different plan, so shapes are not static across steps.
+            disable_cuda_graphs=True,
+        ),
+        parallelism=ParallelismConfig(
+            **{k: v for k, v in par.items() if k != "spmd_backend"},
+            spmd_backend=par["spmd_backend"] or compat.default_spmd_backend(),
+        ),
+        checkpoint=Checkpointer.Config(
+            **cfg["checkpoint"], initial_load_model_only=cfg["checkpoint"]["initial_load_path"] is not None
+        ),
+        metrics=FlashCPMetrics.Config(**cfg["metrics"]),
+        activation_checkpoint=_activation_checkpoint(cfg["activation_checkpoint"]["mode"]),
+        compile=CompileConfig(**cfg["compile"]),
+        comm=CommConfig(**cfg["comm"]),
+        debug=DebugConfig(seed=train["seed"], deterministic=train["deterministic"]),
+        flashcp=FlashCPSettings(enable=flashcp_on, **fcp),
+    )
+
+
+def _optimizer(opt: dict[str, Any]) -> OptimizersContainer.Config:
+    kwargs = {
+        "lr": opt["lr"],
+        "betas": (opt["beta1"], opt["beta2"]),
+        "eps": opt["eps"],
+        "weight_decay": opt["weight_decay"],
+    }
+    group = ParamGroupConfig(pattern=r".*", optimizer_name=opt["name"], optimizer_kwargs=kwargs)
+    return OptimizersContainer.Config(param_groups=[group], implementation=opt["implementation"])
+
+
+def _activation_checkpoint(mode: str) -> SelectiveAC.Config | FullAC.Config | None:
+    return {"none": None, "selective": SelectiveAC.Config(), "full": FullAC.Config()}[mode]
+

@@ -1,0 +1,112 @@
+"""Check a job, then start `train.py` on every device of this node through torchrun.
+
+    python -m flashcp.titan.launch [--config NAME_OR_PATH] [--section.key value ...]
+
+Ranks per node: `NGPU`, else the visible GPUs, else (no GPU: gloo on CPU) the world size the
+job's layout fixes, or 2. Multi-node jobs pass torchrun's rendezvous through the environment:
+`NNODES`, `NODE_RANK`, `MASTER_ADDR`, `MASTER_PORT`, or `RDZV_ENDPOINT` (+ `RDZV_ID`,
+`RDZV_BACKEND`). `LOG_RANK` (default 0) picks the local ranks shown on the console; every
+rank's full log goes to `<dump_folder>/logs/`.
+
+The job file is validated for the resulting world size before anything is spawned, and a failed
+run ends with the failing rank's one-line reason instead of torchrun's traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from flashcp.titan.config import check_layout, ConfigError, load_job, resolve_config_path, world_size_hint
+
+TRAIN_PY = Path(__file__).resolve().parents[2] / "train.py"
+SHOWN_RANKS = os.environ.get("LOG_RANK", "0")  # local ranks whose output reaches the console
+
+
+def ranks_per_node(hint: int | None, nnodes: int) -> tuple[int, bool]:
+    """(ranks on this node, whether they use GPUs)."""
+    import torch
+
+    gpus = torch.cuda.device_count()
+    if os.environ.get("NGPU"):
+        return int(os.environ["NGPU"]), gpus > 0
+    if gpus:
+        return gpus, True
+    if hint is not None and hint % nnodes == 0:
+        return hint // nnodes, False
+    return 2, False
+
+
+def torchrun_args(nproc: int, nnodes: int, log_dir: str, argv: list[str]) -> list[str]:
+    env = os.environ
+    args = [f"--nproc_per_node={nproc}", f"--nnodes={nnodes}"]
+    if env.get("RDZV_ENDPOINT"):
+        args += [
+            f"--rdzv_endpoint={env['RDZV_ENDPOINT']}",
+            f"--rdzv_backend={env.get('RDZV_BACKEND', 'c10d')}",
+            f"--rdzv_id={env.get('RDZV_ID', 'flashcp')}",
+        ]
+    elif nnodes > 1 or env.get("MASTER_ADDR"):
+        args += [
+            f"--node_rank={env.get('NODE_RANK', '0')}",
+            f"--master_addr={env.get('MASTER_ADDR', '127.0.0.1')}",
+            f"--master_port={env.get('MASTER_PORT', '29500')}",
+        ]
+    else:
+        args.append("--standalone")
+    args += [f"--local-ranks-filter={SHOWN_RANKS}", "--tee=3", f"--log-dir={log_dir}"]
+    return [*args, str(TRAIN_PY), *argv]
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    config_name, overrides = None, []
+    i = 0
+    while i < len(argv):
+        if argv[i] == "--config" and i + 1 < len(argv):
+            config_name, i = argv[i + 1], i + 2
+        elif argv[i].startswith("--config="):
+            config_name, i = argv[i].split("=", 1)[1], i + 1
+        else:
+            overrides.append(argv[i])
+            i += 1
+    nnodes = int(os.environ.get("NNODES", "1"))
+    try:
+        path = resolve_config_path(config_name)
+        cfg = load_job(path, overrides)
+        nproc, on_gpu = ranks_per_node(world_size_hint(cfg), nnodes)
+        check_layout(cfg, nproc * nnodes, has_cuda=on_gpu)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    os.environ["FLASHCP_LAUNCHER"] = "1"
+    if not on_gpu:  # share the cores between the ranks instead of oversubscribing them
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    log_dir = os.path.join(cfg["job"]["dump_folder"], "logs")
+    print(f"flashcp: {path} on {nnodes} node(s) x {nproc} {'GPU' if on_gpu else 'CPU (gloo)'} rank(s)", flush=True)
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    try:
+        run(get_args_parser().parse_args(torchrun_args(nproc, nnodes, log_dir, [f"--config={path}", *overrides])))
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        message = failure.message  # a dict when torchelastic's @record wrote the error file
+        detail = message if isinstance(message, str) else message.get("message", "")
+        if failure.exitcode == 2:  # a job error train.py already explained in one line
+            print(f"error: {detail}", file=sys.stderr)
+            return 2
+        print(f"error: training failed on rank {rank} (exit code {failure.exitcode}): {detail}", file=sys.stderr)
+        stack = message.get("extraInfo", {}).get("py_callstack") if isinstance(message, dict) else None
+        if stack and str(failure.local_rank) not in SHOWN_RANKS.split(","):  # not already on the console
+            print(stack, file=sys.stderr)
+        print(f"full logs of every rank: {log_dir}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""TorchTitan's Trainer with a FlashCP context-parallel dimension.
+
+Everything else (meshes, FSDP/TP, optimizer, LR schedule, loss normalisation, checkpoints) is
+TorchTitan's; this subclass only changes how a batch reaches the model:
+
+1. The loader yields one packed window (`input`, `labels`, `doc_lens`) with its sharding `plan`,
+   the same on every rank of a CP group. `batch_generator` turns the plan into this rank's
+   `Dispatch` on the host, off the device's critical path.
+2. `post_dataloading_process` keeps this rank's tokens, labels and in-document positions in the
+   dispatch's `token_index` order and hands every attention layer the dispatch and CP group
+   (`CPStep`, through the decoder's `attention_masks` argument).
+3. Labels stay whole-window until then, so TorchTitan's count of valid tokens (summed over
+   data-parallel ranks only) is the global count; each rank's loss is its token sum over that
+   count and the reported loss is the sum over DP x CP ranks. CP = 1 and CP = N therefore give
+   the same loss and gradients on the same data.
+
+With `model.attention` set to TorchTitan's flex attention instead, batches go through
+TorchTitan's own path (document positions, its block masks and its built-in CP), so both CP
+implementations can be compared inside one application.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torchtitan.components.dataloader import DataloaderExhaustedError
+from torchtitan.trainer import Trainer
+
+from flashcp.titan.attention import CPStep
+from flashcp.titan.components import WindowDataLoader
+from flashcp.titan.metrics import FlashCPMetrics
+
+
+@dataclass(kw_only=True, slots=True)
+class FlashCPSettings:
+    """The job's `[flashcp]` section (see flashcp.titan.config.SCHEMA)."""
+
+    enable: bool = True
+    strategy: str = "flashcp"
+    target_imbalance: float = 1.05
+    comm: str = "compact"
+    backend: str = "auto"
+    overlap: bool = False
+
+
+def document_positions(doc_lens: list[int]) -> torch.Tensor:
+    """Each token's position inside its own document (RoPE and TorchTitan's document masks)."""
+    lens = torch.tensor(doc_lens)
+    starts = torch.cumsum(lens, 0) - lens
+    return torch.arange(int(lens.sum())) - torch.repeat_interleave(starts, lens)
+
+
+class FlashCPTrainer(Trainer):
+    @dataclass(kw_only=True, slots=True)
+    class Config(Trainer.Config):
+        flashcp: FlashCPSettings = field(default_factory=FlashCPSettings)
+
+    def __init__(self, config: Config) -> None:
+        super().__init__(config)
+        self.flashcp = config.flashcp
+        dims = self.parallel_dims
+        if dims.cp_enabled:
+            cp_mesh = dims.get_mesh("cp")
+            self.cp_rank, self.cp_group = cp_mesh.get_local_rank(), cp_mesh.get_group()
+        else:
+            self.cp_rank, self.cp_group = 0, None
+        self._configure_metrics()
+
+    def _configure_metrics(self) -> None:
+        """Tell the metrics what one token and one attended (query, key) pair cost."""
+        metrics = self.metrics_processor
+        if not isinstance(metrics, FlashCPMetrics):
+            return
+        model = self.model_config
+        attention = model.first_attention
+        n_heads, n_kv = attention.n_heads, attention.n_kv_heads or attention.n_heads
+        head_dim = model.dim // n_heads
+        per_pair = 12 * len(model.layers) * n_heads * head_dim  # QK^T and PV, forward + backward
+        metrics.total_steps = self.config.training.steps
+        metrics.attention_flops_per_pair = per_pair
+        # TorchTitan's per-token count includes full (unmasked) attention over seq_len keys.
+        metrics.dense_flops_per_token = metrics.num_flops_per_token - per_pair * self.config.training.seq_len
+        dtype_bytes = torch.finfo(getattr(torch, self.config.training.mixed_precision_param)).bits // 8
+        metrics.kv_row_bytes = 2 * (n_kv // self.parallel_dims.tp) * head_dim * dtype_bytes
+
+    def batch_generator(
+        self, data_iterable: Iterable[dict[str, Any]]
+    ) -> Iterator[tuple[dict[str, Any], torch.Tensor]]:
+        """Windows from the loader as TorchTitan's `(input_dict, labels)`, with this rank's dispatch."""
+        data_iterator = iter(data_iterable)
+        while True:
+            start = time.perf_counter()
+            try:
+                batch = next(data_iterator)
+            except StopIteration as ex:
+                raise DataloaderExhaustedError() from ex
+            self.metrics_processor.data_loading_times.append(time.perf_counter() - start)
+            input_dict, labels = self._window_inputs(batch)
+            self.metrics_processor.ntokens_since_last_log += labels.numel()
+            yield input_dict, labels
+
+    def _window_inputs(self, batch: dict[str, Any]) -> tuple[dict[str, Any], torch.Tensor]:
+        plan = batch["plan"]
+        input_dict: dict[str, Any] = {"input": batch["input"][None]}
+        start = time.perf_counter()
+        if self.flashcp.enable:
+            input_dict["dispatch"] = plan.dispatch(self.cp_rank, self.flashcp.comm)
+        else:
+            input_dict["positions"] = document_positions(batch["doc_lens"])[None]
+        plan_ms = batch.get("plan_ms", 0.0) + (time.perf_counter() - start) * 1e3
+        if isinstance(self.metrics_processor, FlashCPMetrics):
+            self.metrics_processor.record_window(plan, plan_ms)
+        return input_dict, batch["labels"][None]
+
+    def post_dataloading_process(
+        self, input_dict: dict[str, Any], labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        if not self.flashcp.enable:
+            return super().post_dataloading_process(input_dict, labels)
+        dispatch = input_dict["dispatch"].to(self.device)
+        inputs = input_dict["input"][:, dispatch.token_index]
+        labels = labels[:, dispatch.token_index]
+        self.ntokens_seen += labels.numel()
+        extra = {"positions": dispatch.positions[None], "attention_masks": CPStep(dispatch, self.cp_group)}
+        return inputs, labels, extra
+
+    def close(self) -> None:
+        if isinstance(getattr(self, "dataloader", None), WindowDataLoader):
+            self.dataloader.close()
+        super().close()

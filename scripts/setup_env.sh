@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Create .venv (python >= 3.10) with FlashCP and its training / test dependencies, if missing.
+#
+#   scripts/setup_env.sh            # idempotent: does nothing when .venv already works
+#
+# torch is installed first and explicitly: on a machine without GPUs the CPU build of
+# torch==2.13.0 (a plain `torch` would pull a multi-GB CUDA build); where a GPU build of torch
+# is already importable (e.g. a system site-packages venv on a GPU machine) it is kept as is.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${FLASHCP_VENV:-$ROOT/.venv}"
+PYTHON="${PYTHON:-python3}"
+
+if [[ -x "$VENV/bin/python" ]] && "$VENV/bin/python" -c "import torch, torchtitan, tensorboard, tokenizers, pytest" 2>/dev/null; then
+    exit 0
+fi
+
+if [[ ! -x "$VENV/bin/python" ]]; then
+    echo "setup_env: creating $VENV" >&2
+    "$PYTHON" -m venv --system-site-packages "$VENV"
+fi
+PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
+
+if "$VENV/bin/python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+    echo "setup_env: keeping the installed GPU build of torch" >&2
+elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    echo "setup_env: GPUs found but no CUDA torch importable; installing torch==2.13.0 (CUDA build)" >&2
+    "${PIP[@]}" "torch==2.13.0"
+else
+    echo "setup_env: installing torch==2.13.0 (CPU build)" >&2
+    "${PIP[@]}" "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu \
+        || "${PIP[@]}" "torch==2.13.0"
+fi
+
+echo "setup_env: installing flashcp[train,test]" >&2
+"${PIP[@]}" -e "$ROOT[train,test]"
+"$VENV/bin/python" -c "import torch, torchtitan; print('setup_env: torch', torch.__version__)" >&2

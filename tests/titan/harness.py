@@ -1,0 +1,108 @@
+"""Run the FlashCP trainer inside a test process: a tiny job, its losses, no torchrun.
+
+    cfg = tiny_job(tmp_path, training={"steps": 4})
+    losses = train(cfg)                      # {step: loss}, on this process's world
+    losses = train(cfg, stop_after=2)        # as if the job were killed after step 2
+
+In the pytest process `single_rank()` provides a world of one gloo rank; in a DistributedPool
+worker the pool's process group is reused (TorchTitan skips its own init when one exists).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import gc
+import os
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import flashcp.titan  # noqa: F401  (TorchTitan shims before TorchTitan is imported)
+import torch.distributed as dist
+
+from flashcp.titan.config import check_layout, validate
+
+TINY: dict[str, dict[str, Any]] = {
+    "model": {"flavor": "custom", "dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "multiple_of": 32},
+    "data": {"prefetch": 0},
+    "training": {"seq_len": 256, "steps": 4, "mixed_precision_param": "float32", "seed": 0},
+    "optimizer": {"lr": 3e-3, "implementation": "foreach"},
+    "lr_scheduler": {"warmup_steps": 1},
+    "parallelism": {"data_parallel_shard_degree": 1},
+    "flashcp": {"backend": "reference", "strategy": "per_doc"},  # TEMP until hybrid lands
+    "metrics": {"log_freq": 1},
+    "activation_checkpoint": {"mode": "none"},
+}
+
+
+def tiny_job(dump: Path, **sections: dict[str, Any] | None) -> dict:
+    """The tiny job with `sections` merged over it (None drops a section), validated; output under `dump`."""
+    raw = copy.deepcopy(TINY)
+    raw["job"] = {"dump_folder": str(dump)}
+    for name, values in sections.items():
+        if values is None:
+            raw.pop(name, None)
+        else:
+            raw.setdefault(name, {}).update(values)
+    return validate(raw)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def single_rank() -> Iterator[None]:
+    """Environment of a one-rank torchrun job; tears down whatever process group a run left."""
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}  # fmt: skip
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        gc.enable()  # TorchTitan's trainer takes over garbage collection
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def train(cfg: dict, stop_after: int | None = None, seed_checkpoint: bool = False) -> dict[int, float]:
+    """Train `cfg` on the current world; {step: loss} of the steps this run logged."""
+    from flashcp.titan.job import trainer_config
+    from flashcp.titan.trainer import FlashCPTrainer
+
+    check_layout(cfg, int(os.environ["WORLD_SIZE"]), has_cuda=False)
+    trainer = FlashCPTrainer(trainer_config(cfg))
+    losses: dict[int, float] = {}
+    log = trainer.metrics_processor.log
+
+    def record(step: int, loss: float, *args: Any, **kwargs: Any) -> None:
+        losses[step] = loss
+        log(step, loss, *args, **kwargs)
+
+    trainer.metrics_processor.log = record
+    if stop_after is not None:
+        trainer.should_continue_training = lambda: trainer.step < stop_after
+    try:
+        if seed_checkpoint:
+            trainer.checkpointer.save(curr_step=0, last_step=True)
+        else:
+            trainer.train()
+    finally:
+        trainer.close()
+    return losses
+
+
+def train_on_pool_rank(rank: int, group: Any, cfg: dict) -> dict[int, float]:
+    """DistributedPool task: one rank of a multi-rank run of `cfg`."""
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(dist.get_world_size())})
+    return train(cfg)

@@ -1,0 +1,192 @@
+"""Job files: the shipped configs validate, every kind of mistake is rejected naming its key, the
+schema agrees with TorchTitan 0.3.0, and overrides parse like TorchTitan's CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from harness import TINY, tiny_job
+
+from flashcp.titan.config import (
+    CONFIG_DIR,
+    LLAMA3_FLAVORS,
+    SCHEMA,
+    ConfigError,
+    apply_overrides,
+    check_layout,
+    load_job,
+    resolve_config_path,
+    validate,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize(
+    "name, world, has_cuda, expect",
+    [
+        ("default", 2, False, {"dp_shard": 1, "cp": 2, "tp": 1}),
+        ("debug_cpu", 4, False, {"dp_shard": 2, "cp": 2, "tp": 1}),
+        ("llama8b_128k", 8, True, {"dp_shard": 1, "cp": 8, "tp": 1}),
+        ("llama70b_128k", 64, True, {"dp_shard": 2, "cp": 4, "tp": 8}),
+    ],
+)
+def test_shipped_configs_validate(name, world, has_cuda, expect):
+    cfg = load_job(resolve_config_path(name))
+    degrees = check_layout(cfg, world, has_cuda=has_cuda)
+    assert {k: degrees[k] for k in expect} == expect
+
+
+def test_shipped_gpu_configs_refuse_a_cpu_machine():
+    cfg = load_job(resolve_config_path("llama8b_128k"))
+    with pytest.raises(ConfigError, match=r"\[flashcp\] backend = 'flash_attn' needs CUDA"):
+        check_layout(cfg, 8, has_cuda=False)
+
+
+@pytest.mark.parametrize(
+    "sections, message",
+    [
+        ({"trainig": {"steps": 3}}, r"unknown section \[trainig\]; allowed sections: job, model"),
+        ({"training": {"stepz": 3}}, r"unknown key \[training\] stepz; allowed keys: .*steps"),
+        ({"training": {"steps": "20"}}, r"\[training\] steps must be an integer, got '20'"),
+        ({"training": {"steps": True}}, r"\[training\] steps must be an integer"),
+        ({"optimizer": {"lr": "fast"}}, r"\[optimizer\] lr must be a number"),
+        ({"flashcp": {"strategy": "zigzag"}}, r"\[flashcp\] strategy must be one of flashcp, per_doc, per_seq"),
+        ({"flashcp": {"comm": "ring"}}, r"\[flashcp\] comm must be one of compact, full, needed"),
+        ({"flashcp": {"target_imbalance": 0.9}}, r"target_imbalance must be >= 1.0"),
+        ({"training": {"local_batch_size": 2}}, r"local_batch_size must be 1 with FlashCP"),
+        ({"checkpoint": {"keep_latest_k": 1}}, r"keep_latest_k must be 0 .* or >= 2"),
+        ({"model": {"attention": "flex"}, "flashcp": {"comm": "full"}}, r"\[flashcp\] settings need model.attention"),
+        ({"model": {"flavor": "8B", "dim": 64}}, r"\[model\] dim, .* only apply to flavor = 'custom'; flavor '8B' fixes them"),
+        ({"model": {"dim": 30}}, r"dim \(30\) must be divisible by n_heads \(4\)"),
+        ({"parallelism": {"spmd_backend": "spmd_types"}}, r"spmd_backend must be 'partial_dtensor' with FlashCP"),
+        ({"parallelism": {"context_parallel_load_balancer": "ptrr"}}, r"context_parallel_load_balancer is TorchTitan's CP"),
+        ({"data": {"overflow": 3}}, r"\[data\] overflow must be a string"),
+        ({"checkpoint": {"create_seed_checkpoint": True}}, r"create_seed_checkpoint needs \[checkpoint\] enable"),
+    ],
+)
+def test_bad_files_name_the_key(tmp_path, sections, message):
+    with pytest.raises(ConfigError, match=message):
+        tiny_job(tmp_path, **sections)
+
+
+@pytest.mark.parametrize(
+    "sections, world, message",
+    [
+        ({"parallelism": {"data_parallel_shard_degree": 2, "context_parallel_degree": 2}}, 6,
+         r"degrees multiply to 4 .* but the job has 6 ranks"),
+        ({"parallelism": {"data_parallel_shard_degree": -1, "context_parallel_degree": 4}}, 6,
+         r"world size 6 is not divisible by .* = 4"),
+        ({"parallelism": {"context_parallel_degree": 4}, "training": {"seq_len": 260}}, 4,
+         r"seq_len \(260\) must be divisible by 8"),
+        ({"parallelism": {"tensor_parallel_degree": 4}, "model": {"n_kv_heads": 2}}, 4,
+         r"tensor_parallel_degree \(4\) must divide n_heads \(4\) and n_kv_heads \(2\)"),
+        ({"training": {"global_batch_size": 3}, "parallelism": {"data_parallel_shard_degree": 2}}, 2,
+         r"global_batch_size \(3\) must be a positive multiple"),
+        ({"flashcp": {"backend": "torch"}}, 1, r"backend = 'torch' needs CUDA"),
+        ({"model": {"attention": "flex"}, "flashcp": None}, 1, r"'flex' cannot train on CPU"),
+        ({"model": {"attention": "varlen"}, "flashcp": None, "parallelism": {"context_parallel_degree": 2}}, 2,
+         r"'varlen' has no CP in TorchTitan"),
+    ],
+)
+def test_impossible_layouts(tmp_path, sections, world, message):
+    with pytest.raises(ConfigError, match=message):
+        check_layout(tiny_job(tmp_path, **sections), world, has_cuda=False)
+
+
+def test_overrides_parse_like_torchtitan():
+    raw = apply_overrides(
+        {"training": {"steps": 10}},
+        ["--training.steps", "20", "--optimizer.lr=1e-3", "--flashcp.strategy", "per_doc",
+         "--metrics.enable_tensorboard", "--compile.components", '["model"]'],
+    )  # fmt: skip
+    assert raw == {
+        "training": {"steps": 20},
+        "optimizer": {"lr": 1e-3},
+        "flashcp": {"strategy": "per_doc"},
+        "metrics": {"enable_tensorboard": True},
+        "compile": {"components": ["model"]},
+    }
+    for bad in (["steps", "3"], ["--steps", "3"], ["--a.b.c", "1"]):
+        with pytest.raises(ConfigError, match="--section.key"):
+            apply_overrides({}, bad)
+
+
+def test_config_lookup_by_name_or_path(tmp_path):
+    assert resolve_config_path("debug_cpu") == CONFIG_DIR / "debug_cpu.toml"
+    assert resolve_config_path(None) == CONFIG_DIR / "default.toml"
+    own = tmp_path / "mine.toml"
+    own.write_text("[training]\nsteps = 3\n")
+    assert load_job(resolve_config_path(str(own)))["training"]["steps"] == 3
+    with pytest.raises(ConfigError, match="'nope' not found .* shipped configs: .*debug_cpu"):
+        resolve_config_path("nope")
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[training\n")
+    with pytest.raises(ConfigError, match="is not valid TOML"):
+        load_job(broken)
+
+
+def test_llama3_flavors_match_torchtitan():
+    from torchtitan.models.llama3 import llama3_configs
+
+    for flavor, (dim, n_layers, n_heads, n_kv, vocab) in LLAMA3_FLAVORS.items():
+        model = llama3_configs[flavor](attn_backend="flex")
+        attention = model.layers[0].attention
+        assert (model.dim, len(model.layers), attention.n_heads, attention.n_kv_heads or attention.n_heads,
+                model.vocab_size) == (dim, n_layers, n_heads, n_kv, vocab), flavor  # fmt: skip
+
+
+# Keys whose default deliberately differs from TorchTitan's (see the comments in SCHEMA).
+OWN_DEFAULTS = {("training", "local_batch_size"), ("checkpoint", "last_save_model_only"),
+                ("parallelism", "spmd_backend")}  # fmt: skip
+
+
+def test_schema_defaults_and_names_match_torchtitan():
+    """Every TOML key that maps onto a TorchTitan field exists there with the same default."""
+    from torchtitan.components.checkpoint import CheckpointManager
+    from torchtitan.components.metrics import MetricsProcessor
+    from torchtitan.components.optimizer import LRSchedulersContainer
+    from torchtitan.config import TrainingConfig
+    from torchtitan.config.configs import CommConfig, CompileConfig, ParallelismConfig
+
+    targets = {
+        "training": TrainingConfig, "parallelism": ParallelismConfig, "checkpoint": CheckpointManager.Config,
+        "metrics": MetricsProcessor.Config, "lr_scheduler": LRSchedulersContainer.Config,
+        "compile": CompileConfig, "comm": CommConfig,
+    }  # fmt: skip
+    own_keys = {("training", "seed"), ("training", "deterministic"), ("metrics", "peak_tflops")}
+    for section, cls in targets.items():
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        for name, key in SCHEMA[section].items():
+            if (section, name) in own_keys:
+                continue
+            assert name in fields, f"[{section}] {name} is not a field of {cls.__name__}"
+            f = fields[name]
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            if (section, name) not in OWN_DEFAULTS:
+                assert key.default == default, f"[{section}] {name}: {key.default!r} vs TorchTitan {default!r}"
+
+
+def test_every_tiny_section_is_in_the_schema(tmp_path):
+    cfg = tiny_job(tmp_path)
+    assert set(TINY) <= set(SCHEMA)
+    assert cfg["model"]["dim"] == 32 and cfg["flashcp"]["strategy"] == "flashcp"
+
+
+def test_check_cli_exit_codes():
+    run = [sys.executable, "-m", "flashcp.titan.config", "--check", "debug_cpu"]
+    ok = subprocess.run(run, cwd=ROOT, capture_output=True, text=True)
+    assert ok.returncode == 0 and "OK for 4 ranks" in ok.stdout, ok.stderr
+    bad = subprocess.run([*run, "--training.steps", "x"], cwd=ROOT, capture_output=True, text=True)
+    assert bad.returncode == 2
+    assert bad.stderr.strip() == "error: [training] steps must be an integer, got 'x' (str)"
+
+
+def test_validate_fills_defaults():
+    cfg = validate({})
+    assert cfg["flashcp"] == {key: SCHEMA["flashcp"][key].default for key in SCHEMA["flashcp"]}
+    assert cfg["training"]["seq_len"] == 2048
