@@ -34,12 +34,16 @@ def run(config_name: str | None, overrides: list[str]) -> None:
     import torch
     from torchtitan.tools.logging import init_logger, logger
 
+    from flashcp.titan.data import DataError
     from flashcp.titan.job import trainer_config
+    from flashcp.titan.tokenizer import TokenizerError
     from flashcp.titan.trainer import FlashCPTrainer
 
     init_logger()
     try:
         config = trainer_config(cfg)
+    except (ConfigError, DataError, TokenizerError):
+        raise
     except ValueError as e:  # TorchTitan's own config checks
         raise ConfigError(str(e)) from e
     logger.info(f"job {cfg['_path']}: {cfg['job']['description']}")

@@ -52,6 +52,7 @@ SHARED_PROFILES = ROOT.parent / "shared" / "data" / "gpu_profiles"
 RESULTS = ROOT / "benchmarks" / "results"
 DATASETS = ("wlbllm", "pile", "redpajama")
 BASELINES = ("llama3", "per_doc", "ring", "zigzag")
+FLASHCP = ("flashcp", "flashcp_needed", "flashcp_overlap")  # the default (compact) first
 LABELS = {
     "llama3": "Llama3 CP",
     "per_doc": "Per-Doc CP",
@@ -59,6 +60,7 @@ LABELS = {
     "zigzag": "Ring-Attn (Zigzag)",
     "flashcp": "FlashCP (compact)",
     "flashcp_needed": "FlashCP (needed)",
+    "flashcp_overlap": "FlashCP (compact+overlap)",
 }
 PAPER_SPEEDUP = {"llama3": 1.38, "per_doc": 1.63, "ring": 1.97, "zigzag": 2.14}  # 8xH100, 128K, averages
 
@@ -70,7 +72,7 @@ def evaluate(model: CostModel, dataset: str, context: int, cp_size: int, heads: 
              args: argparse.Namespace) -> dict:
     """Mean layer-time breakdown (ms) of every system over `args.windows` packed windows."""
     windows = pack_windows(length_sampler(dataset, seed=args.seed), context, args.windows)
-    strategies = sorted({s for s, _ in COLLECTIVE_SYSTEMS.values()})
+    strategies = sorted({s for s, _, _ in COLLECTIVE_SYSTEMS.values()})
     sums = {h: {sys_: {} for sys_ in SYSTEMS} for h in heads}
     plan_s = {s: 0.0 for s in strategies}
     for doc_lens in windows:
@@ -152,18 +154,20 @@ def fig5(args: argparse.Namespace) -> dict:
     model, _ = load_model(args)
     heads, sizes = (16, 32), (4, 8)
     results = [evaluate(model, d, args.context, n, heads, args) for d in DATASETS for n in sizes]
-    systems = [*BASELINES, "flashcp", "flashcp_needed"]
+    systems = [*BASELINES, *FLASHCP]
     table = {}
     print(f"\nFig. 5 (modelled): layer time normalised to Llama3 CP, C = {args.context}, "
           f"{args.windows} windows per dataset; speedup of FlashCP (compact) over each baseline")
     for mode in ("inference", "training"):
-        print(f"\n{mode}:  dataset    H  N  " + "  ".join(f"{b:>8s}" for b in BASELINES) + "   fcp-needed/fcp")
+        print(f"\n{mode}:  dataset    H  N  " + "  ".join(f"{b:>8s}" for b in BASELINES)
+              + "   | needed / compact, overlap / compact")
         for r in results:
             for h in heads:
                 sp = speedups(r, h, mode)
                 table[f"{mode}/{r['dataset']}/H{h}/N{r['cp_size']}"] = sp
                 print(f"{'':11s}{r['dataset']:10s} {h:2d} {r['cp_size']:2d}  "
-                      + "  ".join(f"{sp[b]:8.2f}" for b in BASELINES) + f"   {1 / sp['flashcp_needed']:8.2f}")
+                      + "  ".join(f"{sp[b]:8.2f}" for b in BASELINES)
+                      + f"   | {1 / sp['flashcp_needed']:6.2f} {1 / sp['flashcp_overlap']:6.2f}")
     avg = {m: {b: float(np.mean([v[b] for k, v in table.items() if k.startswith(m)])) for b in systems}
            for m in ("inference", "training")}
     avg["all"] = {b: float(np.mean([v[b] for v in table.values()])) for b in systems}
@@ -185,7 +189,8 @@ def fig5(args: argparse.Namespace) -> dict:
             width = 0.8 / len(systems)
             for s_i, s in enumerate(systems):
                 # normalised to Llama3 CP: llama3 time / system time
-                vals = [table[f"{mode}/{d}/H{h}/N{n}"]["llama3"] / table[f"{mode}/{d}/H{h}/N{n}"][s] for h, n in configs]
+                cells = [table[f"{mode}/{d}/H{h}/N{n}"] for h, n in configs]
+                vals = [c["llama3"] / c[s] for c in cells]
                 ax.bar(x + (s_i - len(systems) / 2 + 0.5) * width, vals, width, label=LABELS[s])
             ax.axhline(1.0, color="k", lw=0.6)
             ax.set_xticks(x, [f"H={h}, N={n}" for h, n in configs])
@@ -203,16 +208,22 @@ def fig6(args: argparse.Namespace) -> dict:
     model, _ = load_model(args)
     h, n = args.heads, 8
     results = {d: evaluate(model, d, args.context, n, (h,), args) for d in ("wlbllm", "pile")}
-    parts = [("comm_fwd", "KV all-gather / A2A / exposed P2P"), ("comm_bwd", "dKV reduce-scatter / exposed P2P"),
-             ("attn", "attention kernels"), ("other", "copies / ring merges")]
-    systems = ["llama3", "per_doc", "flashcp", "flashcp_needed", "zigzag", "ring"]
+    parts = [
+        ("comm_fwd", "KV all-gather / A2A / exposed P2P"),
+        ("comm_bwd", "dKV reduce-scatter / exposed P2P"),
+        ("attn", "attention kernels"),
+        ("other", "copies / ring merges"),
+    ]
+    systems = ["llama3", "per_doc", *FLASHCP, "zigzag", "ring"]
     print(f"\nFig. 6 (modelled): training layer-time breakdown (ms), N = {n}, H = {h}, C = {args.context}")
     table = {}
     for d, r in results.items():
         for s in systems:
             t = r["heads"][str(h)][s]
-            row = {"comm_fwd": t["comm_fwd"], "comm_bwd": t["comm_bwd"], "attn": t["attn_fwd"] + t["attn_bwd"],
-                   "other": t["other_fwd"] + t["other_bwd"], "total": t["training"]}
+            row = {
+                "comm_fwd": t["comm_fwd"], "comm_bwd": t["comm_bwd"], "attn": t["attn_fwd"] + t["attn_bwd"],
+                "other": t["other_fwd"] + t["other_bwd"], "total": t["training"],
+            }  # fmt: skip
             table[f"{d}/{s}"] = row
             print(f"  {d:8s} {LABELS[s]:20s} " + "  ".join(f"{k} {v:7.2f}" for k, v in row.items()))
         comm = {s: table[f"{d}/{s}"]["comm_fwd"] + table[f"{d}/{s}"]["comm_bwd"] for s in systems}
@@ -250,7 +261,8 @@ def fig7(args: argparse.Namespace) -> dict:
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
     for ax, m in zip(axes, table):
         for b in BASELINES:
-            ax.plot([c // 1024 for c in contexts], [table[m][c][b] for c in contexts], "o-", label=f"over {LABELS[b]}")
+            ys = [table[m][c][b] for c in contexts]
+            ax.plot([c // 1024 for c in contexts], ys, "o-", label=f"over {LABELS[b]}")
         ax.axhline(1.0, color="k", lw=0.6)
         ax.set_xlabel("context window (K tokens)")
         ax.set_ylabel("FlashCP speedup")
@@ -288,7 +300,8 @@ def fig3(args: argparse.Namespace) -> dict:
             fwd, bwd = kernel.forward_ms(*call, h), kernel.backward_ms(*call, h)
             flops = 4 * h * 128 * sum(q * (k - q) + q * q / 2 for q, k in zip(*call))
             out[f"{name}/{label}"] = {"fwd_ms": fwd, "fwd_bwd_ms": fwd + bwd, "tflops": flops / fwd / 1e9}
-            print(f"  {name:9s} {label:8s} fwd {fwd:7.3f}  fwd+bwd {fwd + bwd:7.3f}  {flops / fwd / 1e9:6.1f} TFLOP/s")
+            print(f"  {name:9s} {label:8s} fwd {fwd:7.3f}  fwd+bwd {fwd + bwd:7.3f}  "
+                  f"{flops / fwd / 1e9:6.1f} TFLOP/s")
     # Achieved TFLOP/s against shard length: a rank's 16K tokens as whole docs of length s, and
     # as s-token Per-Doc chunks taken from 8 x s documents (prefixes spread over the document).
     lengths = [64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
@@ -346,7 +359,7 @@ def validate(args: argparse.Namespace) -> dict:
         e = fwd_err[ratio == r]
         if e.size >= 4:
             out["bias_by_k_over_q"][str(r)] = float(e.mean())
-            print(f"    k/q = {r:4.2f}: n={e.size:3d} bias {e.mean():+.3f} rms {np.sqrt(np.mean(e ** 2)):.3f}")
+            print(f"    k/q = {r:4.2f}: n={e.size:3d} bias {e.mean():+.3f} rms {np.sqrt(np.mean(e**2)):.3f}")
     # Held-out checks: refit without a group of samples and predict it.
     groups = {
         "short shards with long prefix (cp=8)": lambda s: s.k_lens[0] > s.q_lens[0] * 4,
@@ -365,8 +378,8 @@ def validate(args: argparse.Namespace) -> dict:
         row = {"n": len(test), "rms": float(np.sqrt(np.mean(err**2))), "bias": float(err.mean()),
                "rms_large": float(np.sqrt(np.mean(err[big] ** 2))) if big.any() else None}
         out["held_out"][name] = row
-        print(f"  held out {name}: n={row['n']} rms {row['rms']:.3f} bias {row['bias']:+.3f}"
-              + (f", calls >= 2048 blocks rms {row['rms_large']:.3f}" if row["rms_large"] is not None else ""))
+        large = "" if row["rms_large"] is None else f", calls >= 2048 blocks rms {row['rms_large']:.3f}"
+        print(f"  held out {name}: n={row['n']} rms {row['rms']:.3f} bias {row['bias']:+.3f}{large}")
     print("\nCollectives: model time at the measured sizes vs the measured time")
     out["comm"] = {}
     for t in load_collective_tables(args.collectives or [SHARED_PROFILES]):
@@ -377,24 +390,15 @@ def validate(args: argparse.Namespace) -> dict:
         print(f"  {t.op:14s} N={t.n_ranks}: max rel err {err:.2e}; 1 MiB (below the table) -> {small:.1f} us")
     if args.measured:
         measured = load_kernel_samples([args.measured], args.profile_heads)
-        for key, get in (("fwd", lambda s: model.kernel.forward_ms(s.q_lens, s.k_lens, s.heads, True, s.head_dim)),):
-            err = np.array([np.log(get(s) / s.fwd_ms) for s in measured])
-            out[f"measured_{key}"] = {"n": len(err), "rms": float(np.sqrt(np.mean(err**2))), "bias": float(err.mean())}
-            print(f"\nmeasured per-rank {key} ({args.measured}): n={len(err)} rms {out[f'measured_{key}']['rms']:.3f} "
-                  f"bias {out[f'measured_{key}']['bias']:+.3f}")
-        both = [s for s in measured if s.fwd_bwd_ms is not None]
-        if both:
-            err = np.array([np.log((model.kernel.forward_ms(s.q_lens, s.k_lens, s.heads, True, s.head_dim)
-                                    + model.kernel.backward_ms(s.q_lens, s.k_lens, s.heads, True, s.head_dim))
-                                   / s.fwd_bwd_ms) for s in both])
-            out["measured_fwd_bwd"] = {"n": len(err), "rms": float(np.sqrt(np.mean(err**2))), "bias": float(err.mean())}
-            print(f"measured per-rank fwd+bwd: n={len(err)} rms {out['measured_fwd_bwd']['rms']:.3f} "
-                  f"bias {out['measured_fwd_bwd']['bias']:+.3f}")
+        out["measured"] = compare_measured(model, measured)
+        for key, row in out["measured"].items():
+            print(f"measured per-rank {key} ({args.measured}): n={row['n']} rms {row['rms']:.3f} "
+                  f"bias {row['bias']:+.3f}")
     else:
         print("\nno --measured per-rank table given: per-rank GPU timings (fwd, fwd+bwd) are still owed")
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 4))
-    counts = np.array([call_counts(s.q_lens, s.k_lens, s.heads, True, k.block_q, k.block_k, s.head_dim) for s in samples])
+    counts = np.array([k.counts(s.q_lens, s.k_lens, s.heads, True, s.head_dim) for s in samples])
     pred = np.array([k.fwd.time_ms(*c) for c in counts])
     meas = np.array([s.fwd_ms for s in samples])
     sc = ax.scatter(meas, pred, c=np.log2(counts[:, 0]), s=12, cmap="viridis")
@@ -409,6 +413,17 @@ def validate(args: argparse.Namespace) -> dict:
     return out
 
 
+def compare_measured(model: CostModel, measured: list) -> dict[str, dict]:
+    """Log errors of the model against measured per-rank calls, forward and forward+backward."""
+    k = model.kernel
+    fwd = {id(s): k.forward_ms(s.q_lens, s.k_lens, s.heads, True, s.head_dim) for s in measured}
+    rows = {"fwd": [np.log(fwd[id(s)] / s.fwd_ms) for s in measured]}
+    rows["fwd_bwd"] = [np.log((fwd[id(s)] + k.backward_ms(s.q_lens, s.k_lens, s.heads, True, s.head_dim))
+                              / s.fwd_bwd_ms) for s in measured if s.fwd_bwd_ms is not None]
+    return {key: {"n": len(e), "rms": float(np.sqrt(np.mean(np.square(e)))), "bias": float(np.mean(e))}
+            for key, e in rows.items() if e}
+
+
 def sensitivity(args: argparse.Namespace) -> dict:
     """Headline training speedups (N = 8, H = 32) when the least certain assumptions move."""
     base, _ = load_model(args)
@@ -418,12 +433,12 @@ def sensitivity(args: argparse.Namespace) -> dict:
         "per-block cost x0.25": replace_kernel(base, cta=0.25),
         "per-block cost x0": replace_kernel(base, cta=0.0),
         "bwd/fwd 3.5 (not 2.5)": CostModel(replace(base.kernel, bwd=fwd.scaled(3.5)), base.comm, base.memory),
-        "HBM copies 2x faster": CostModel(base.kernel, base.comm, replace(base.memory, hbm_gbps=2 * base.memory.hbm_gbps)),
-        "ring merge bytes / 4": CostModel(base.kernel, base.comm,
-                                          replace(base.memory, merge_bytes_per_elem=base.memory.merge_bytes_per_elem / 4)),
+        "HBM copies 2x faster": with_memory(base, hbm_gbps=2 * base.memory.hbm_gbps),
+        "ring merge bytes / 4": with_memory(base, merge_bytes_per_elem=base.memory.merge_bytes_per_elem / 4),
     }
     out = {}
-    print(f"\nSensitivity (modelled training speedup of FlashCP, N = 8, H = {args.heads}, C = {args.context}):")
+    print(f"\nSensitivity (modelled training speedup of FlashCP, N = 8, H = {args.heads}, "
+          f"C = {args.context}):")
     print(f"  {'variant':24s} {'dataset':10s} " + " ".join(f"{b:>8s}" for b in BASELINES))
     for name, model in variants.items():
         for d in DATASETS:
@@ -434,6 +449,10 @@ def sensitivity(args: argparse.Namespace) -> dict:
     return out
 
 
+def with_memory(model: CostModel, **changes) -> CostModel:
+    return CostModel(model.kernel, model.comm, replace(model.memory, **changes))
+
+
 def replace_kernel(model: CostModel, cta: float) -> CostModel:
     """The model with per-block costs scaled by `cta` (tile costs unchanged)."""
     k = model.kernel
@@ -442,21 +461,23 @@ def replace_kernel(model: CostModel, cta: float) -> CostModel:
     return CostModel(replace(k, fwd=fwd, bwd=bwd), model.comm, model.memory)
 
 
-COMMANDS = {"fig3": fig3, "fig5": fig5, "fig6": fig6, "fig7": fig7, "validate": validate, "sensitivity": sensitivity}
+COMMANDS = {
+    "fig3": fig3, "fig5": fig5, "fig6": fig6, "fig7": fig7, "validate": validate, "sensitivity": sensitivity,
+}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("figure", choices=[*COMMANDS, "all"])
     p.add_argument("--collectives", action="append", type=Path, help="nccl-tests output / CSV (file or dir)")
-    p.add_argument("--kernel", action="append", type=Path, help="attention profile / per-rank CSV (file or dir)")
+    p.add_argument("--kernel", action="append", type=Path, help="attention profile / per-rank CSV")
     p.add_argument("--measured", type=Path, help="validate: measured per-rank table to compare against")
     p.add_argument("--profile-heads", type=int, default=64, help="query heads of the per-doc profile at tp=1")
-    p.add_argument("--bwd-ratio", type=float, default=2.5, help="backward / forward kernel cost when unmeasured")
+    p.add_argument("--bwd-ratio", type=float, default=2.5, help="backward / forward cost when unmeasured")
     p.add_argument("--windows", type=int, default=100, help="packed windows per dataset and configuration")
     p.add_argument("--context", type=int, default=131072)
     p.add_argument("--heads", type=int, default=32, help="fig3 / fig6 / fig7 / sensitivity head count")
-    p.add_argument("--kv-heads", type=int, help="KV heads (default: as many as query heads, MHA as in the paper)")
+    p.add_argument("--kv-heads", type=int, help="KV heads (default: = query heads, MHA as in the paper)")
     p.add_argument("--target-imbalance", type=float, default=1.05)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)

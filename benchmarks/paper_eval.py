@@ -17,12 +17,13 @@ HERE = Path(__file__).resolve().parent
 
 # figure -> (script under benchmarks/, arguments placed before the user's, description)
 ENTRIES: dict[str, tuple[str, list[str], str]] = {
+    "attention-gpu": ("attention.py", ["--preset", "paper"], "Fig. 3 + per-rank critical path (measured, GPU)"),
     "fig3-model": ("costmodel.py", ["fig3"], "kernel efficiency, whole vs Per-Doc shards (modelled, CPU)"),
     "fig5": ("costmodel.py", ["fig5"], "speedup per dataset x heads x N at 128K (modelled, CPU)"),
     "fig6": ("costmodel.py", ["fig6"], "training latency breakdown, N=8 (modelled, CPU)"),
     "fig7": ("costmodel.py", ["fig7"], "speedup across context sizes 64K-128K, wlbllm (modelled, CPU)"),
     "model-validate": ("costmodel.py", ["validate"], "cost-model fit residuals and held-out checks (CPU)"),
-    "model-sensitivity": ("costmodel.py", ["sensitivity"], "headline speedups under perturbed assumptions (CPU)"),
+    "model-sensitivity": ("costmodel.py", ["sensitivity"], "speedups under perturbed assumptions (CPU)"),
 }
 
 

@@ -11,7 +11,12 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${FLASHCP_VENV:-$ROOT/.venv}"
 PYTHON="${PYTHON:-python3}"
 
-if [[ -x "$VENV/bin/python" ]] && "$VENV/bin/python" -c "import torch, torchtitan, tensorboard, tokenizers, pytest" 2>/dev/null; then
+# Installed distributions are looked up without importing them (importing torchtitan takes seconds).
+if [[ -x "$VENV/bin/python" ]] && "$VENV/bin/python" -c "
+import importlib.metadata as m
+for name in ('torch', 'torchtitan', 'triton', 'tensorboard', 'tokenizers', 'sentencepiece', 'datasets', 'pytest', 'hypothesis'):
+    m.version(name)
+" 2>/dev/null; then
     exit 0
 fi
 

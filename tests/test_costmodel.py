@@ -44,8 +44,8 @@ def nccl_text(op: str, n: int, rows: list[tuple[int, float]], header: bool = Tru
     for size, busbw in rows:
         algbw = busbw * n / (n - 1)
         us = size / (algbw * 1e3)
-        lines.append(f"  {size:>10d}  {size // 2:>10d}  half  {redop}  -1  {us:.2f}  {algbw:.2f}  {busbw:.2f}  0"
-                     f"  {us:.2f}  {algbw:.2f}  {busbw:.2f}  0")
+        cols = f"{us:.2f}  {algbw:.2f}  {busbw:.2f}  0"
+        lines.append(f"  {size:>10d}  {size // 2:>10d}  half  {redop}  -1  {cols}  {cols}")
     lines += ["# Out of bounds values : 0 OK", "# Avg bus bandwidth    : 1.0", "#"]
     return "\n".join(lines) + "\n"
 
@@ -55,8 +55,8 @@ SYNTH_ROWS = [(8 << 20, 100.0), (16 << 20, 170.0), (64 << 20, 280.0), (512 << 20
 
 @lru_cache(maxsize=1)
 def synthetic_comm(ns=(2, 4, 8)) -> CommModel:
-    tables = [parse_nccl_tests(nccl_text(op, n, SYNTH_ROWS), f"{op}{n}") for op in ("all_gather", "reduce_scatter")
-              for n in ns]
+    ops = ("all_gather", "reduce_scatter")
+    tables = [parse_nccl_tests(nccl_text(op, n, SYNTH_ROWS), f"{op}{n}") for op in ops for n in ns]
     return CommModel(tables)
 
 
@@ -138,7 +138,8 @@ def test_comm_time_matches_measured_times_in_the_shared_tables():
         pytest.skip(f"shared GPU profiles not in this checkout ({SHARED_PROFILES} missing)")
     for path in SHARED_PROFILES.glob("nccl_*.txt"):
         table = parse_nccl_tests(path.read_text(), str(path))
-        measured_us = [float(ln.split()[5]) for ln in path.read_text().splitlines() if ln.strip()[:1].isdigit()]
+        rows = [ln.split() for ln in path.read_text().splitlines() if ln.strip()[:1].isdigit()]
+        measured_us = [float(r[5]) for r in rows]
         modelled_us = [collective_ms(table, s) * 1e3 for s in table.sizes]
         np.testing.assert_allclose(modelled_us, measured_us, rtol=0.01)  # busbw is printed to 4 digits
 
@@ -220,7 +221,7 @@ def test_bad_per_doc_profile_rejected(text, problem):
 
 
 def test_bad_kernel_table_rejected(tmp_path):
-    with pytest.raises(ProfileError, match="same number"):
+    with pytest.raises(ProfileError, match="same number of sequences"):
         parse_kernel_csv("heads,q_lens,k_lens,fwd_ms\n8,1 2,3,0.1", "bad.csv")
     with pytest.raises(ProfileError, match="k_len >= q_len"):
         parse_kernel_csv("heads,q_lens,k_lens,fwd_ms\n8,5,3,0.1", "bad.csv")
@@ -338,12 +339,30 @@ def test_compact_comm_is_the_all_gather_of_the_largest_send():
     assert t.comm_bwd == pytest.approx(model.comm.reduce_scatter_ms(4000 * shape.kv_row_bytes, 2))
 
 
+def test_overlap_hides_the_all_gather_behind_local_only_shards():
+    # Rank 0: document 0 whole (local-only) + the tail of document 1 (needs rank 1's head).
+    # Rank 1: only shards that start their documents, so it has nothing to overlap.
+    plan = make_plan([6000, 4000, 6000], [[(0, 0, 6000), (1, 2000, 2000)], [(1, 0, 2000), (2, 0, 6000)]])
+    model, shape = synthetic_model(), AttentionShape(heads=16)
+    plain = model.collective_step(plan, "compact", shape)
+    over = model.collective_step(plan, "compact", shape, overlap=True)
+    k, ag = model.kernel, model.comm.all_gather_ms(2000 * shape.kv_row_bytes, 2)
+    copy = model.memory.ms(2 * shape.kv_row_bytes * 18000)  # both ranks: 8000 local + send + keys
+    extra = model.memory.ms(6 * shape.q_row_bytes * 8000)  # gathers of q and the two outputs
+    rank0 = max(ag, k.forward_ms([6000], [6000], 16)) + k.forward_ms([2000], [4000], 16) + copy + extra
+    rank1 = ag + k.forward_ms([2000, 6000], [2000, 6000], 16) + copy
+    assert over.inference == pytest.approx(max(rank0, rank1))
+    assert plain.inference == pytest.approx(ag + max(plain.per_rank_fwd) + copy)
+    assert over.comm_bwd == plain.comm_bwd  # the backward is not overlapped
+
+
 def test_slowest_rank_sets_the_attention_time():
     plan = make_plan([6000, 2000], [[(0, 0, 4000)], [(0, 4000, 2000), (1, 0, 2000)]])
     model = synthetic_model()
     t = model.collective_step(plan, "full", AttentionShape(heads=8))
     assert t.attn_fwd == max(t.per_rank_fwd) and t.per_rank_fwd[1] > t.per_rank_fwd[0]
-    assert t.training == pytest.approx(sum(v for k, v in t.as_dict().items() if k not in ("inference", "training")))
+    parts = {k: v for k, v in t.as_dict().items() if k not in ("inference", "training")}
+    assert t.training == pytest.approx(sum(parts.values()))
 
 
 @settings(max_examples=60, deadline=None)

@@ -3,8 +3,9 @@
 Each case plans a window in the parent, runs `cp_varlen_attention` forward and backward on every
 rank of a pool started once for the module, maps each rank's rows back through `token_index`
 and compares output and dq/dk/dv with the reference kernel run over the whole window with one
-sequence per document. Tolerances: float64 rtol 1e-9 / atol 1e-11 (only summation order
-differs); float32 rtol 1e-4 / atol 2e-5 against the float64 oracle.
+sequence per document. Tolerances: float64 rtol 1e-10 / atol 1e-12 (only summation order
+differs; observed errors are ~2e-15); float32 rtol 1e-4 / atol 1e-5 against the float64 oracle
+(observed ~1.2e-6 absolute).
 
 The same runs record the rows every collective moves (`record_comm`), which must equal the
 planner's `comm_*_tokens` / `comm_*_bytes` predictions.
@@ -17,7 +18,7 @@ from typing import NamedTuple
 import pytest
 import torch
 from distributed_pool import DistributedPool
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flashcp import plan_shards
@@ -25,7 +26,7 @@ from flashcp.attention import cp_varlen_attention, record_comm, varlen_attention
 from flashcp.dispatch import COMM_MODES
 from flashcp.plan import STRATEGIES, Plan
 
-TOL = {torch.float64: dict(rtol=1e-9, atol=1e-11), torch.float32: dict(rtol=1e-4, atol=2e-5)}
+TOL = {torch.float64: dict(rtol=1e-10, atol=1e-12), torch.float32: dict(rtol=1e-4, atol=1e-5)}
 
 
 class Case(NamedTuple):
@@ -149,7 +150,7 @@ def windows(draw):
     return doc_lens, cp_size, heads, draw(st.integers(0, 2**16))
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=25, deadline=None)
 @given(windows())
 def test_random_windows_match_single_process(pool, window):
     """All strategies but "ilp", whose solver needs about a second per window (the fixed

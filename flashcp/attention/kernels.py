@@ -61,10 +61,19 @@ def _reject_half_cuda(q: torch.Tensor, name: str) -> str | None:
 # --- flash_attn ------------------------------------------------------------------------------
 
 
-def _flash_attn_reject(q: torch.Tensor, k: torch.Tensor) -> str | None:
+@lru_cache(maxsize=1)
+def _flash_attn_import_error() -> str | None:
     if importlib.util.find_spec("flash_attn") is None:
         return "flash-attn is not installed (pip install flash-attn)"
-    return _reject_half_cuda(q, "flash_attn")
+    try:
+        from flash_attn import flash_attn_varlen_func  # noqa: F401
+    except ImportError as e:  # e.g. built against another torch
+        return f"flash-attn is installed but does not import: {e}"
+    return None
+
+
+def _flash_attn_reject(q: torch.Tensor, k: torch.Tensor) -> str | None:
+    return _flash_attn_import_error() or _reject_half_cuda(q, "flash_attn")
 
 
 def _flash_attn_run(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
@@ -98,9 +107,14 @@ def _torch_reject(q: torch.Tensor, k: torch.Tensor) -> str | None:
     reason = _reject_half_cuda(q, "torch varlen_attn")
     if reason is None and q.shape[-1] % 8:
         reason = f"torch varlen_attn needs head dim divisible by 8, got {q.shape[-1]}"
-    if reason is None and torch.cuda.get_device_capability(q.device) < (8, 0):
+    if reason is None and _capability(q.device.index) < (8, 0):
         reason = "torch varlen_attn (FlashAttention-2) needs an sm80+ GPU"
     return reason
+
+
+@lru_cache(maxsize=None)
+def _capability(index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 def _torch_run(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):

@@ -39,7 +39,9 @@ def collective_ms(table: CollectiveTable, size: float) -> float:
     if size < table.sizes[0]:
         t = table.times_ms()
         slope = (t[1] - t[0]) / (table.sizes[1] - table.sizes[0])
-        return max(t[0] - slope * (table.sizes[0] - size), 0.0) if slope > 0 else float(t[0] * size / table.sizes[0])
+        if slope <= 0:  # no latency visible in the two smallest sizes: scale the smallest time
+            return float(t[0] * size / table.sizes[0])
+        return max(t[0] - slope * (table.sizes[0] - size), 0.0)
     algbw = interpolated_busbw(table, size) * n / (n - 1)
     return size / (algbw * 1e9) * 1e3
 
@@ -50,7 +52,7 @@ class CommModel:
     def __init__(self, tables: Iterable[CollectiveTable]):
         self.tables = {(t.op, t.n_ranks): t for t in tables}
         if not self.tables:
-            raise ProfileError("no collective tables given: need nccl-tests all_gather / reduce_scatter output")
+            raise ProfileError("no collective tables given: need nccl-tests all_gather / reduce_scatter runs")
 
     def table(self, op: str, n_ranks: int) -> CollectiveTable:
         try:

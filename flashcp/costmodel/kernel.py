@@ -75,7 +75,8 @@ class PassCost:
     def time_ms(self, n_cta: float, n_tiles: float) -> float:
         if n_cta <= 0:
             return 0.0
-        return self.launch_ms + (self.cta_ms * n_cta + self.tile_ms * n_tiles) * (1.0 + self.half_ctas / n_cta)
+        work = self.cta_ms * n_cta + self.tile_ms * n_tiles
+        return self.launch_ms + work * (1.0 + self.half_ctas / n_cta)
 
     def scaled(self, ratio: float) -> PassCost:
         """The same kernel doing `ratio` times the work per block and per tile."""
@@ -95,7 +96,9 @@ class KernelModel:
         if self.block_q % self.block_k:
             raise ValueError(f"block_q {self.block_q} must be a multiple of block_k {self.block_k}")
 
-    def counts(self, q_lens, k_lens, heads: int, causal: bool = True, head_dim: int = 128) -> tuple[float, float]:
+    def counts(
+        self, q_lens, k_lens, heads: int, causal: bool = True, head_dim: int = 128
+    ) -> tuple[float, float]:
         return call_counts(q_lens, k_lens, heads, causal, self.block_q, self.block_k, head_dim)
 
     def forward_ms(self, q_lens, k_lens, heads: int, causal: bool = True, head_dim: int = 128) -> float:
@@ -130,7 +133,9 @@ def fit_pass(n_cta: np.ndarray, n_tiles: np.ndarray, ms: np.ndarray) -> PassCost
     if len(ms) < 4:
         raise ProfileError(f"need at least 4 timed calls to fit the kernel model, got {len(ms)}")
     if np.unique(np.round(np.log(n_tiles / n_cta), 6)).size < 2:
-        raise ProfileError("the timed calls all have the same tiles per block: cannot separate block and tile costs")
+        raise ProfileError(
+            "the timed calls all have the same tiles per block: cannot separate block and tile costs"
+        )
 
     def solve(h: float) -> tuple[float, np.ndarray]:
         occ = 1.0 + h / n_cta
@@ -161,7 +166,10 @@ def fit_pass(n_cta: np.ndarray, n_tiles: np.ndarray, ms: np.ndarray) -> PassCost
 
 
 def fit_kernel_model(
-    samples: Sequence[KernelSample], bwd_ratio: float = DEFAULT_BWD_RATIO, block_q: int = 128, block_k: int = 128
+    samples: Sequence[KernelSample],
+    bwd_ratio: float = DEFAULT_BWD_RATIO,
+    block_q: int = 128,
+    block_k: int = 128,
 ) -> tuple[KernelModel, dict[str, FitReport]]:
     """Fit forward (and, when measured, backward) costs; returns the model and its residuals."""
     if not samples:

@@ -9,7 +9,12 @@ Collective systems (one varlen kernel per rank over its shards, keys = document 
 - llama3:  `per_seq` plan, all-gather of every rank's whole KV (full);
 - per_doc: `per_doc` plan, full all-gather;
 - flashcp: `flashcp` plan, compact all-gather of non-last-shard KV only;
-- flashcp_needed: `flashcp` plan, all-to-all-v of exactly the prefix KV each rank attends to.
+- flashcp_needed: `flashcp` plan, all-to-all-v of exactly the prefix KV each rank attends to;
+- flashcp_overlap: `flashcp` plan, compact all-gather, with the shards whose keys are all local
+  (whole documents, first shards) computed while the all-gather is in flight: a rank finishes
+  the forward at max(all-gather, local-only kernel) + the other shards' kernel, paying a second
+  kernel call and the gathers of queries and outputs. The backward is ASSUMED not to overlap
+  (the reduce-scatter is counted in full), which is conservative.
   inference = comm + max over ranks (KV copies + forward kernel)
   training  = inference + max over ranks (backward kernel + gradient copies) + transposed comm
   (reduce-scatter of dKV, or all-to-all-v back). The collective synchronises the ranks, so each
@@ -43,12 +48,13 @@ from flashcp.costmodel.kernel import KernelModel
 from flashcp.plan.per_doc import per_doc_shards
 from flashcp.plan.plan import Plan
 
-# system -> (planner strategy, KV communication mode)
-COLLECTIVE_SYSTEMS: dict[str, tuple[str, str]] = {
-    "llama3": ("per_seq", "full"),
-    "per_doc": ("per_doc", "full"),
-    "flashcp": ("flashcp", "compact"),
-    "flashcp_needed": ("flashcp", "needed"),
+# system -> (planner strategy, KV communication mode, overlap local-only shards with the comm)
+COLLECTIVE_SYSTEMS: dict[str, tuple[str, str, bool]] = {
+    "llama3": ("per_seq", "full", False),
+    "per_doc": ("per_doc", "full", False),
+    "flashcp": ("flashcp", "compact", False),
+    "flashcp_needed": ("flashcp", "needed", False),
+    "flashcp_overlap": ("flashcp", "compact", True),
 }
 RING_SYSTEMS = ("ring", "zigzag")
 SYSTEMS = (*COLLECTIVE_SYSTEMS, *RING_SYSTEMS)
@@ -71,6 +77,11 @@ class AttentionShape:
     def kv_row_bytes(self) -> int:
         """Bytes of one token's K and V over all KV heads."""
         return 2 * self.n_kv * self.head_dim * self.dtype_bytes
+
+    @property
+    def q_row_bytes(self) -> int:
+        """Bytes of one token's query (or attention output) over all query heads."""
+        return self.heads * self.head_dim * self.dtype_bytes
 
 
 @dataclass(frozen=True)
@@ -128,16 +139,22 @@ class CostModel:
         """Forward and backward kernel time of every rank's single varlen call under `plan`."""
         fwd, bwd = [], []
         for shards in plan.ranks:
-            q = np.array([s.length for s in shards])
-            k = np.array([s.start + s.length for s in shards])
-            counts = self.kernel.counts(q, k, shape.heads, True, shape.head_dim)
-            fwd.append(self.kernel.fwd.time_ms(*counts))
-            bwd.append(self.kernel.bwd.time_ms(*counts))
+            f, b = self._call_ms(shards, shape)
+            fwd.append(f)
+            bwd.append(b)
         return fwd, bwd
+
+    def _call_ms(self, shards, shape: AttentionShape) -> tuple[float, float]:
+        q = np.array([s.length for s in shards], dtype=np.int64)
+        k = np.array([s.start + s.length for s in shards], dtype=np.int64)
+        counts = self.kernel.counts(q, k, shape.heads, True, shape.head_dim)
+        return self.kernel.fwd.time_ms(*counts), self.kernel.bwd.time_ms(*counts)
 
     # --- collective systems ------------------------------------------------------------------
 
-    def collective_step(self, plan: Plan, comm: str, shape: AttentionShape) -> StepTime:
+    def collective_step(
+        self, plan: Plan, comm: str, shape: AttentionShape, overlap: bool = False
+    ) -> StepTime:
         """Step time of an all-gather (full / compact) or all-to-all-v (needed) system."""
         n, row = plan.cp_size, shape.kv_row_bytes
         fwd, bwd = self.rank_attention_ms(plan, shape)
@@ -157,16 +174,43 @@ class CostModel:
             comm_fwd = self.comm.all_gather_ms(pad * row, n) if n > 1 else 0.0
             comm_bwd = self.comm.reduce_scatter_ms(pad * row, n) if n > 1 else 0.0
         copy = [self.memory.ms(2 * row * (local + send[r] + key_rows[r])) for r in range(n)]
-        r_f = int(np.argmax(np.add(fwd, copy)))
         bwd_copy = [c * self.memory.bwd_copy_ratio for c in copy]
         r_b = int(np.argmax(np.add(bwd, bwd_copy)))
-        return StepTime(
-            comm_fwd, comm_bwd, fwd[r_f], bwd[r_b], copy[r_f], bwd_copy[r_b], list(fwd), list(bwd)
-        )
+        if overlap and comm_fwd > 0:
+            done, r_f, fwd, copy = self._overlapped_forward(plan, shape, comm_fwd, copy)
+            exposed = done - fwd[r_f] - copy[r_f]
+        else:
+            r_f = int(np.argmax(np.add(fwd, copy)))
+            exposed = comm_fwd
+        return StepTime(exposed, comm_bwd, fwd[r_f], bwd[r_b], copy[r_f], bwd_copy[r_b], list(fwd), list(bwd))
+
+    def _overlapped_forward(self, plan: Plan, shape: AttentionShape, comm_ms: float, copy: list[float]):
+        """Forward finish time with local-only shards run under the collective, per rank."""
+        finish, fwd, copies = [], [], []
+        for r, shards in enumerate(plan.ranks):
+            # Plans merge adjacent pieces, so a shard's keys are all local iff it starts its document.
+            local = [s for s in shards if s.start == 0]
+            remote = [s for s in shards if s.start > 0]
+            if not local or not remote:  # nothing to overlap: the plain path
+                f_all, _ = self._call_ms(shards, shape)
+                finish.append(comm_ms + f_all + copy[r])
+                fwd.append(f_all)
+                copies.append(copy[r])
+                continue
+            f_local, _ = self._call_ms(local, shape)
+            f_remote, _ = self._call_ms(remote, shape)
+            extra = self.memory.ms(2 * 3 * shape.q_row_bytes * plan.tokens_per_rank)  # gather q, out; cat
+            finish.append(max(comm_ms, f_local) + f_remote + copy[r] + extra)
+            fwd.append(f_local + f_remote)
+            copies.append(copy[r] + extra)
+        r = int(np.argmax(finish))
+        return finish[r], r, fwd, copies
 
     # --- ring systems ------------------------------------------------------------------------
 
-    def ring_step(self, doc_lens: tuple[int, ...], cp_size: int, layout: str, shape: AttentionShape) -> StepTime:
+    def ring_step(
+        self, doc_lens: tuple[int, ...], cp_size: int, layout: str, shape: AttentionShape
+    ) -> StepTime:
         """Step time of P2P ring attention with the `ring` or `zigzag` layout."""
         n = cp_size
         calls = ring_calls(doc_lens, n, layout)  # calls[j][r] = (q_lens, k_lens, causal)
@@ -175,7 +219,8 @@ class CostModel:
         out = StepTime(per_rank_fwd=[0.0] * n, per_rank_bwd=[0.0] * n)
         for j, step in enumerate(calls):
             send_f = self.comm.ring_step_ms(block, n) if j < n - 1 and n > 1 else 0.0
-            send_b = self.comm.ring_step_ms(block * (1 + mem.ring_grad_bytes / shape.dtype_bytes), n) if n > 1 else 0.0
+            grad_block = block * (1 + mem.ring_grad_bytes / shape.dtype_bytes)  # KV + fp32 dK/dV
+            send_b = self.comm.ring_step_ms(grad_block, n) if n > 1 else 0.0
             best_f = best_b = (0.0, 0.0, 0.0)  # (total, kernel, merge) of the slowest rank
             for r, (q, k, causal) in enumerate(step):
                 if q.size == 0:
@@ -205,17 +250,19 @@ class CostModel:
     def step(self, system: str, shape: AttentionShape, plans: dict[str, Plan]) -> StepTime:
         """Step time of `system`, given the window's plans keyed by planner strategy."""
         if system in COLLECTIVE_SYSTEMS:
-            strategy, comm = COLLECTIVE_SYSTEMS[system]
+            strategy, comm, overlap = COLLECTIVE_SYSTEMS[system]
             if strategy not in plans:
                 raise KeyError(f"system {system!r} needs a {strategy!r} plan of the window")
-            return self.collective_step(plans[strategy], comm, shape)
+            return self.collective_step(plans[strategy], comm, shape, overlap)
         if system in RING_SYSTEMS:
             any_plan = next(iter(plans.values()))
             return self.ring_step(any_plan.doc_lens, any_plan.cp_size, system, shape)
         raise ValueError(f"unknown system {system!r}; choose one of {', '.join(SYSTEMS)}")
 
 
-def ring_calls(doc_lens: tuple[int, ...], n: int, layout: str) -> list[list[tuple[np.ndarray, np.ndarray, bool]]]:
+def ring_calls(
+    doc_lens: tuple[int, ...], n: int, layout: str
+) -> list[list[tuple[np.ndarray, np.ndarray, bool]]]:
     """Per ring step j and rank r, the blockwise varlen call (q_lens, k_lens, causal) it runs."""
     if layout == "ring":
         # piece[d, r]: rank r's contiguous share of document d (remainders to the first ranks)

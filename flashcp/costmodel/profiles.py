@@ -63,7 +63,7 @@ class CollectiveTable:
     def __post_init__(self) -> None:
         where = f"{self.source}: {self.op} on {self.n_ranks} ranks"
         if self.op not in COLLECTIVE_OPS:
-            raise ProfileError(f"{self.source}: unknown collective {self.op!r}; expected one of {COLLECTIVE_OPS}")
+            raise ProfileError(f"{self.source}: unknown collective {self.op!r}; expected {COLLECTIVE_OPS}")
         if self.n_ranks < 2:
             raise ProfileError(f"{where}: a collective table needs n_ranks >= 2")
         if len(self.sizes) < 2 or len(self.sizes) != len(self.busbw):
@@ -148,7 +148,8 @@ def parse_collective_csv(text: str, source: str = "<csv>") -> list[CollectiveTab
     tables = []
     for (op, n), pts in groups.items():
         pts.sort()
-        tables.append(CollectiveTable(op, n, np.array([p[0] for p in pts]), np.array([p[1] for p in pts]), source))
+        sizes, busbw = np.array(pts, dtype=float).T
+        tables.append(CollectiveTable(op, n, sizes, busbw, source))
     return tables
 
 
@@ -182,12 +183,13 @@ def parse_per_doc_csv(
         tp = _number(row["tp"], int, source, lineno, "tp")
         ms = _number(row["duration_per_doc"], float, source, lineno, "duration_per_doc")
         if profile_heads % tp:
-            raise ProfileError(f"{source}:{lineno}: tp={tp} does not divide the profile's {profile_heads} heads")
+            raise ProfileError(f"{source}:{lineno}: tp={tp} does not divide {profile_heads} profile heads")
         q = length // cp
         k = int((0.5 + 0.5 / cp) * length)
         if q < 1:
             raise ProfileError(f"{source}:{lineno}: L={length} is shorter than cp={cp}")
-        samples.append(KernelSample((q,), (k,), profile_heads // tp, head_dim, ms, None, f"{source}:{lineno}"))
+        where = f"{source}:{lineno}"
+        samples.append(KernelSample((q,), (k,), profile_heads // tp, head_dim, ms, None, where))
     return samples
 
 
@@ -200,7 +202,7 @@ def parse_kernel_csv(text: str, source: str = "<kernel csv>") -> list[KernelSamp
         q = tuple(_number(x, int, source, lineno, "q_lens") for x in row["q_lens"].split())
         k = tuple(_number(x, int, source, lineno, "k_lens") for x in row["k_lens"].split())
         if not q or len(q) != len(k):
-            raise ProfileError(f"{source}:{lineno}: q_lens and k_lens must list the same number (>0) of sequences")
+            raise ProfileError(f"{source}:{lineno}: q_lens and k_lens must list the same number of sequences")
         if any(qi > ki for qi, ki in zip(q, k)):
             raise ProfileError(f"{source}:{lineno}: a causal sequence needs k_len >= q_len")
         fwd = _number(row["fwd_ms"], float, source, lineno, "fwd_ms")
@@ -273,7 +275,7 @@ def _csv_rows(text: str, source: str, required: tuple[str, ...]) -> list[tuple[i
     header = tuple(h.strip() for h in (reader.fieldnames or ()))
     missing = [c for c in required if c not in header]
     if missing:
-        raise ProfileError(f"{source}: missing column(s) {', '.join(missing)}; header is {','.join(header)!r}")
+        raise ProfileError(f"{source}: missing column(s) {', '.join(missing)}; the header is {header}")
     rows = [(i + 2, {k.strip(): (v or "").strip() for k, v in r.items() if k}) for i, r in enumerate(reader)]
     rows = [(i, r) for i, r in rows if any(r.values())]
     if not rows:
@@ -285,7 +287,8 @@ def _number(text: str, kind: type, source: str, lineno: int, column: str):
     try:
         value = kind(text)
     except (TypeError, ValueError):
-        raise ProfileError(f"{source}:{lineno}: column {column} has {text!r}, not a {kind.__name__}") from None
+        problem = f"column {column} has {text!r}, not a {kind.__name__}"
+        raise ProfileError(f"{source}:{lineno}: {problem}") from None
     if not (math.isfinite(value) and value > 0):
         raise ProfileError(f"{source}:{lineno}: column {column} must be positive, got {text!r}")
     return value

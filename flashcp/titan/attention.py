@@ -65,19 +65,18 @@ class FlashCPAttention(Module):
             )
         if q_BLNH.shape[0] != 1:
             raise ValueError(f"FlashCP attention takes one window per step (batch 1), got {q_BLNH.shape[0]}")
-        step = attention_masks
-        out = cp_varlen_attention(
-            q_BLNH[0],
-            k_BLNH[0],
-            v_BLNH[0],
-            step.dispatch,
-            step.group,
-            comm=step.dispatch.comm,
-            backend=self.backend,
-            softmax_scale=scale,
-            overlap=self.overlap,
-        )
+        out = _attention(q_BLNH[0], k_BLNH[0], v_BLNH[0], attention_masks, self.backend, scale, self.overlap)
         return out.unsqueeze(0)
+
+
+# Outside compiled graphs (compile.enable compiles each block): the op's sizes, index tensors and
+# collectives change with every window's plan, so tracing it would recompile at every step.
+@torch.compiler.disable
+def _attention(q, k, v, step: CPStep, backend: str, scale: float | None, overlap: bool) -> torch.Tensor:
+    return cp_varlen_attention(
+        q, k, v, step.dispatch, step.group, comm=step.dispatch.comm, backend=backend,
+        softmax_scale=scale, overlap=overlap,
+    )  # fmt: skip
 
 
 def use_flashcp_attention(model_config, backend: str = "auto", overlap: bool = False) -> None:

@@ -258,8 +258,9 @@ def _check_semantics(cfg: dict) -> None:
             "[checkpoint] keep_latest_k must be 0 (keep all) or >= 2 (the newest may be mid-write), "
             f"got {cfg['checkpoint']['keep_latest_k']}"
         )
-    if cfg["checkpoint"]["create_seed_checkpoint"] and not cfg["checkpoint"]["enable"]:
-        raise ConfigError("[checkpoint] create_seed_checkpoint needs [checkpoint] enable = true")
+    for name in ("create_seed_checkpoint", "initial_load_path"):
+        if cfg["checkpoint"][name] and not cfg["checkpoint"]["enable"]:
+            raise ConfigError(f"[checkpoint] {name} needs [checkpoint] enable = true")
     if not fcp["target_imbalance"] >= 1.0:
         raise ConfigError(f"[flashcp] target_imbalance must be >= 1.0, got {fcp['target_imbalance']}")
 

@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 from torchtitan.config import TORCH_DTYPE_MAP
-from torchtitan.distributed.compile import apply_compile
 from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
 from torchtitan.models.common import ComplexRoPE, compute_ffn_hidden_dim, Embedding, Linear, RMSNorm
 from torchtitan.models.llama3 import model_registry, parallelize_llama
@@ -98,7 +97,10 @@ def parallelize_flashcp(model: torch.nn.Module, *, parallel_dims, training, para
     if ac_config is not None:
         ac_config.build(dump_folder=dump_folder).apply(model)
     if compile_config.enable and "model" in compile_config.components:
-        apply_compile(model, compile_config=compile_config, parallel_dims=parallel_dims)
+        # Per block like TorchTitan's apply_compile, but not fullgraph: each block breaks its graph
+        # around FlashCP's attention op, which runs eagerly (see flashcp.titan.attention).
+        for block in model.layers.values():
+            block.compile(backend=compile_config.backend, fullgraph=False)
     names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
     apply_fsdp_to_decoder(
         model,

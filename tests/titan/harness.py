@@ -31,7 +31,7 @@ TINY: dict[str, dict[str, Any]] = {
     "optimizer": {"lr": 3e-3, "implementation": "foreach"},
     "lr_scheduler": {"warmup_steps": 1},
     "parallelism": {"data_parallel_shard_degree": 1},
-    "flashcp": {"backend": "reference", "strategy": "per_doc"},  # TEMP until hybrid lands
+    "flashcp": {"backend": "reference"},
     "metrics": {"log_freq": 1},
     "activation_checkpoint": {"mode": "none"},
 }

@@ -67,6 +67,7 @@ def test_shipped_gpu_configs_refuse_a_cpu_machine():
         ({"parallelism": {"context_parallel_load_balancer": "ptrr"}}, r"context_parallel_load_balancer is TorchTitan's CP"),
         ({"data": {"overflow": 3}}, r"\[data\] overflow must be a string"),
         ({"checkpoint": {"create_seed_checkpoint": True}}, r"create_seed_checkpoint needs \[checkpoint\] enable"),
+        ({"checkpoint": {"initial_load_path": "/x"}}, r"initial_load_path needs \[checkpoint\] enable"),
     ],
 )
 def test_bad_files_name_the_key(tmp_path, sections, message):

@@ -87,10 +87,39 @@ def test_seed_checkpoint_fixes_initial_weights(tmp_path, rank):
     seed = checkpoint_job(tmp_path / "seed", checkpoint={"create_seed_checkpoint": True})
     train(seed, seed_checkpoint=True)
     assert (tmp_path / "seed/checkpoint/step-0/.metadata").is_file()
-    a = train(tiny_job(tmp_path / "a", checkpoint={"initial_load_path": str(tmp_path / "seed/checkpoint/step-0")}))
-    b = train(tiny_job(tmp_path / "b", checkpoint={"initial_load_path": str(tmp_path / "seed/checkpoint/step-0")},
-                       training={"seed": 7}))  # fmt: skip
+    start = {"enable": True, "initial_load_path": str(tmp_path / "seed/checkpoint/step-0")}
+    a = train(tiny_job(tmp_path / "a", checkpoint=start))
+    b = train(tiny_job(tmp_path / "b", checkpoint=start, training={"seed": 7}))
     assert a == b  # the weights come from the seed; the data order does not depend on training.seed
+
+
+def test_attention_is_swapped_from_outside(tmp_path):
+    """FlashCP replaces only the inner attention; TorchTitan's own attention keeps its CP path."""
+    from torchtitan.models.common.attention import FlexAttention
+
+    from flashcp.titan.attention import FlashCPAttention
+    from flashcp.titan.job import trainer_config
+    from flashcp.titan.model import parallelize_flashcp
+
+    ours = trainer_config(tiny_job(tmp_path, flashcp={"backend": "reference", "overlap": True},
+                                   parallelism={"context_parallel_degree": 2}))  # fmt: skip
+    inner = [layer.attention.inner_attention for layer in ours.model_spec.model.layers]
+    assert all(isinstance(a, FlashCPAttention.Config) and a.backend == "reference" and a.overlap for a in inner)
+    assert ours.model_spec.parallelize_fn is parallelize_flashcp
+    assert ours.dataloader.cp_size == 2 and ours.dataloader.planner["strategy"] == "flashcp"
+    assert ours.training.local_batch_size == 1 and ours.training.disable_cuda_graphs
+
+    theirs = trainer_config(tiny_job(tmp_path, model={"attention": "flex"}, flashcp=None,
+                                     parallelism={"context_parallel_degree": 2}))  # fmt: skip
+    assert isinstance(theirs.model_spec.model.layers[0].attention.inner_attention, FlexAttention.Config)
+    assert theirs.model_spec.parallelize_fn is not parallelize_flashcp and not theirs.flashcp.enable
+    assert theirs.dataloader.cp_size == 1  # TorchTitan shards the window itself
+
+
+def test_document_positions_restart_per_document():
+    from flashcp.titan.trainer import document_positions
+
+    assert document_positions([3, 1, 2]).tolist() == [0, 1, 2, 0, 0, 1]
 
 
 def test_metrics_count_document_masked_pairs():
