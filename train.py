@@ -61,7 +61,9 @@ def run(config_name: str | None, overrides: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--config", help="job file path or name in train_configs/ (default: default.toml)")
     args, overrides = parser.parse_known_args(argv)
 

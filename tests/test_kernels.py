@@ -89,6 +89,22 @@ def test_reference_matches_dense_attention(problem):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=name)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_reference_sequences_longer_than_a_query_block(causal):
+    """Sequences spanning several reference query blocks (and a few rows more or fewer keys)."""
+    q_lens, k_lens = [1100, 3, 700], [1500, 3, 650]
+    q, k, v = _problem(q_lens, k_lens, 2, 1, 4)
+    weight = torch.randn(sum(q_lens), 2, 4, dtype=torch.float64)
+
+    def ref(q, k, v):
+        return varlen_attention(q, k, v, _cu(q_lens), _cu(k_lens), 1100, 1500, causal=causal)
+
+    got = _grads(ref, q, k, v, weight)
+    want = _grads(lambda q, k, v: dense_attention(q, k, v, q_lens, k_lens, causal), q, k, v, weight)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=name)
+
+
 def test_shard_with_prefix_equals_rows_of_whole_document():
     """The CP property: a query shard over (prefix + itself) reproduces the document's rows."""
     length, start, size = 37, 11, 9

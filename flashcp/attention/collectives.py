@@ -21,6 +21,7 @@ check them against the planner's predictions.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -69,9 +70,10 @@ def record_comm() -> Iterator[list[CommRecord]]:
         _recorders.remove(log)
 
 
-def _record(op: str, pass_: str, sent_rows: int, recv_rows: int, row: torch.Tensor) -> None:
+def _record(op: str, pass_: str, sent_rows: int, recv_rows: int, like: torch.Tensor) -> None:
+    """Log one collective; the callers count rows from the tensors handed to the collective."""
     if _recorders:
-        entry = CommRecord(op, pass_, sent_rows, recv_rows, row.numel() * row.element_size())
+        entry = CommRecord(op, pass_, sent_rows, recv_rows, like.element_size() * math.prod(like.shape[1:]))
         for log in _recorders:
             log.append(entry)
 
@@ -129,8 +131,9 @@ def launch_kv_exchange(
                     buffer[:recv], send, dispatch.recv_splits, dispatch.send_splits,
                     group=group, async_op=async_op,
                 )  # fmt: skip
-                sent, received = sum(dispatch.send_splits), sum(dispatch.recv_splits)
-                _record("all_to_all", "forward", sent, received, local[0])
+                me = dispatch.rank
+                sent, received = len(send) - dispatch.send_splits[me], recv - dispatch.recv_splits[me]
+                _record("all_to_all", "forward", sent, received, send)
         else:
             n_send, pad = dispatch.send_index.numel(), dispatch.send_pad
             send = local.new_empty(pad, *local.shape[1:])
@@ -140,8 +143,7 @@ def launch_kv_exchange(
                 buffer[:recv] = send
             elif pad:  # send_pad is the same on every rank: all agree to skip an empty exchange
                 work = _all_gather(buffer[:recv], send, group=group, async_op=async_op)
-                rows = (dispatch.cp_size - 1) * pad
-                _record("all_gather", "forward", rows, rows, local[0])
+                _record("all_gather", "forward", (dispatch.cp_size - 1) * len(send), recv - len(send), send)
     return KVExchange(buffer, send, work)
 
 
@@ -171,13 +173,14 @@ class _GatherKV(torch.autograd.Function):
         elif dispatch.comm == "needed":
             back = grad.new_empty(dispatch.send_index.numel(), *grad.shape[1:])
             dist.all_to_all_single(back, grad[:recv], dispatch.send_splits, dispatch.recv_splits, group=group)
-            _record("all_to_all", "backward", sum(dispatch.recv_splits), sum(dispatch.send_splits), grad[0])
+            me = dispatch.rank
+            sent, received = recv - dispatch.recv_splits[me], len(back) - dispatch.send_splits[me]
+            _record("all_to_all", "backward", sent, received, back)
             local.index_add_(0, dispatch.send_index, back)
         elif dispatch.send_pad:
             back = grad.new_empty(dispatch.send_pad, *grad.shape[1:])
             _reduce_scatter(back, grad[:recv], group=group)
-            rows = (dispatch.cp_size - 1) * dispatch.send_pad
-            _record("reduce_scatter", "backward", rows, rows, grad[0])
+            _record("reduce_scatter", "backward", recv - len(back), (dispatch.cp_size - 1) * len(back), back)
             local.index_add_(0, dispatch.send_index, back[: dispatch.send_index.numel()])
         return local[:, 0], local[:, 1], None, None, None, None
 

@@ -28,15 +28,19 @@ from flashcp.attention.kernels import varlen_attention
 from flashcp.dispatch import Dispatch
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, dispatch: Dispatch, comm: str) -> None:
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dispatch: Dispatch, comm: str) -> None:
     if dispatch.comm != comm:
         raise ValueError(
             f"dispatch was built for comm={dispatch.comm!r} but comm={comm!r} was requested: "
             f"build it with plan.dispatch(rank, comm={comm!r})"
         )
     rows = dispatch.token_index.numel()
-    if q.shape[0] != rows or k.shape[0] != rows:
-        raise ValueError(f"q and k must hold this rank's {rows} tokens, got {q.shape[0]} and {k.shape[0]}")
+    if {q.shape[0], k.shape[0], v.shape[0]} != {rows}:
+        raise ValueError(
+            f"q, k, v must hold this rank's {rows} tokens, got {q.shape[0]}, {k.shape[0]}, {v.shape[0]}"
+        )
+    if k.shape != v.shape:
+        raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
     if dispatch.kv_index.device != q.device:
         raise ValueError(
             f"dispatch tensors are on {dispatch.kv_index.device} but q is on {q.device}: "
@@ -61,7 +65,7 @@ def cp_varlen_attention(
     `q [T, Hq, D]`, `k, v [T, Hkv, D]` are this rank's rows; `dispatch = plan.dispatch(rank, comm)`
     (on q's device); `group` is the CP process group. Returns `[T, Hq, D]` in the same row order.
     """
-    _check(q, k, dispatch, comm)
+    _check(q, k, v, dispatch, comm)
     if overlap:
         split = _local_split(dispatch)
         if split.local.rows.numel() and split.remote.rows.numel():

@@ -14,8 +14,8 @@ Backends (all differentiable through autograd, all with the same semantics):
 - "flash_attn": `flash_attn.flash_attn_varlen_func` (CUDA, fp16/bf16, head dim <= 256);
 - "torch": `torch.nn.attention.varlen.varlen_attn` (CUDA, fp16/bf16, head dim % 8 == 0, <= 256);
 - "reference": plain PyTorch, any device and dtype (float64 included): the CPU path and the
-  oracle of the tests. It loops over sequences in Python and materialises each sequence's
-  score matrix, so it is meant for small problems.
+  oracle of the tests. It loops over sequences and blocks of 512 queries in Python and
+  materialises each block's score matrix, so it is meant for small problems.
 "auto" takes the first of these that accepts the inputs. Asking for a specific backend that
 cannot run raises `BackendUnavailable` naming the reason.
 """
@@ -134,42 +134,54 @@ def _torch_run(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
 
 # --- reference -------------------------------------------------------------------------------
 
+_REFERENCE_BLOCK = 512  # query rows per step: bounds memory and skips keys above the diagonal
+
 
 def _reference_run(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
-    """Exact masked softmax attention, one sequence at a time, all heads at once.
+    """Exact masked softmax attention, one sequence (and block of queries) at a time.
 
-    Computes in float64 for float64 inputs and in float32 otherwise. A query row with no visible
-    key (only possible when a sequence has fewer keys than queries) outputs zeros, like the
-    flash kernels.
+    Computes in float64 for float64 inputs and in float32 otherwise. A causal query block only
+    reads the keys its last query can see. A query row with no visible key (only possible when a
+    sequence has fewer keys than queries) outputs zeros, like the flash kernels.
     """
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-    hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]
-    group = hq // hkv
     bounds_q, bounds_k = cu_q.tolist(), cu_k.tolist()
     outs = []
     for s in range(len(bounds_q) - 1):
         q0, q1, k0, k1 = bounds_q[s], bounds_q[s + 1], bounds_k[s], bounds_k[s + 1]
-        lq, lk = q1 - q0, k1 - k0
-        if lq == 0:
-            continue
-        # [Hkv, group, Lq, D] x [Hkv, 1, D, Lk] -> [Hkv, group, Lq, Lk]
-        qs = q[q0:q1].to(compute).reshape(lq, hkv, group, d).permute(1, 2, 0, 3)
-        ks = k[k0:k1].to(compute).permute(1, 0, 2).unsqueeze(1)
-        vs = v[k0:k1].to(compute).permute(1, 0, 2).unsqueeze(1)
-        scores = (qs @ ks.transpose(-1, -2)) * scale
-        if causal:
-            visible = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
-            # The most negative finite value rather than -inf: a row with no visible key then
-            # softmaxes to finite values (zeroed below) instead of NaNs that would poison the
-            # backward pass.
-            scores = scores.masked_fill(~visible, torch.finfo(compute).min)
-            probs = torch.softmax(scores, dim=-1).masked_fill(~visible.any(-1, keepdim=True), 0.0)
-        else:
-            probs = torch.softmax(scores, dim=-1)
-        outs.append((probs @ vs).permute(2, 0, 1, 3).reshape(lq, hq, d))
+        shift = (k1 - k0) - (q1 - q0)  # causal: query i of the sequence sees keys 0 .. i + shift
+        for b0 in range(q0, q1, _REFERENCE_BLOCK):
+            b1 = min(q1, b0 + _REFERENCE_BLOCK)
+            if causal:
+                end = k0 + min(k1 - k0, max(0, b1 - q0 + shift))
+                outs.append(_attend(q[b0:b1], k[k0:end], v[k0:end], b0 - q0 + shift, scale, compute))
+            else:
+                outs.append(_attend(q[b0:b1], k[k0:k1], v[k0:k1], None, scale, compute))
     if not outs:
         return q.new_zeros(q.shape)
     return torch.cat(outs).to(q.dtype)
+
+
+def _attend(q, k, v, diagonal: int | None, scale: float, compute: torch.dtype) -> torch.Tensor:
+    """softmax(q k^T * scale) v for one block, all heads at once; causal if `diagonal` is set
+    (query row i then sees keys 0 .. i + diagonal)."""
+    lq, lk, (hq, d), hkv = q.shape[0], k.shape[0], q.shape[1:], k.shape[1]
+    # [Hkv, group, Lq, D] x [Hkv, 1, D, Lk] -> [Hkv, group, Lq, Lk]
+    qs = q.to(compute).reshape(lq, hkv, hq // hkv, d).permute(1, 2, 0, 3)
+    ks = k.to(compute).permute(1, 0, 2).unsqueeze(1)
+    vs = v.to(compute).permute(1, 0, 2).unsqueeze(1)
+    scores = (qs @ ks.transpose(-1, -2)) * scale
+    if diagonal is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:
+        rows = torch.arange(lq, device=q.device).unsqueeze(1) + diagonal
+        visible = torch.arange(lk, device=q.device).unsqueeze(0) <= rows
+        # The most negative finite value rather than -inf: a row with no visible key then
+        # softmaxes to finite values (zeroed below) instead of NaNs that would poison the
+        # backward pass.
+        scores = scores.masked_fill(~visible, torch.finfo(compute).min)
+        probs = torch.softmax(scores, dim=-1).masked_fill(~visible.any(-1, keepdim=True), 0.0)
+    return (probs @ vs).permute(2, 0, 1, 3).reshape(lq, hq, d)
 
 
 BACKENDS: dict[str, Backend] = {

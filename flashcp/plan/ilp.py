@@ -1,204 +1,170 @@
-"""Exact sharding by mixed-integer programming: the reference the heuristic is judged against.
+"""Sharding by mixed-integer programming: the yardstick the heuristic planner is judged against.
 
-Every document is cut into blocks of `block` tokens (its last block may be shorter, so no
-length has to divide anything) and the solver assigns blocks to ranks. Only whole blocks would
-rarely give every rank exactly C/N tokens, so any block may also be cut once, at an integer
-point the solver chooses, into a head on one rank and a tail on another; every block is a
-candidate for that cut and an equal-token plan always exists when `block <= C/N`.
+The compact all-gather (Eq. 5) sends every token that is not in its document's last shard, so a
+plan is, for each document d, (1) the rank that holds its last shard and where that shard starts,
+and (2) how the tokens before it (its *prefix*, all of them sent) are spread over ranks. Documents
+are cut into blocks of `block` tokens (the last block of a document may be shorter, so no length
+has to divide anything). Variables, for document d, block k = [s, s + l) of it and rank j:
 
-Variables, per block k = [s, s + l) of its document and rank j:
-  x[k,j] in {0,1}   rank j holds the whole block
-  p[k,j], q[k,j]    rank j holds the head / the tail of a cut block; h[k,j], g[k,j] their tokens
-  c[k,j] in [0,1]   the piece of rank j ending block k lies in a non-last shard of its document
-  m[k,j] >= 0       tokens that piece contributes to rank j's compact send buffer
+  y[d,j] in {0,1}    rank j holds d's last shard                 sum_j y[d,j] = 1
+  z[k] in {0,1}      block k is inside its document's last shard  z[k] <= z[k+1]; z = 1 on d's last block
+  v[k,j] >= 0        z[k] * y[d,j], exactly:                      sum_j v[k,j] = z[k], v[k,j] <= y[d,j]
+  u[k,j] integer     prefix tokens of block k on rank j           sum_j u[k,j] = l (1 - z[k])
 
-Constraints:
-  coverage    sum_j x + p = 1 and sum_j x + q = 1 (each block whole on one rank, or cut once);
-              sum_j h + g = l * sum_j p;  p <= h <= (l-1) p,  q <= g <= (l-1) q,  p + q <= 1
-  tokens      sum_k l x + h + g = C/N for every rank (Eq. 2, exact)
-  balance     W_j <= R * mean workload, where the mean is fixed by the window alone
-  compact     a piece is non-last iff its document continues on another rank later (Eq. 5):
-              c[k] >= (x + q)[k] - x[k+1] and c[k] >= (x + q)[k] + c[k+1] - 1 along each
-              document; m >= l x + g - l (1 - c); every head counts in full (its tail is
-              elsewhere); comm_j = sum_k h + m <= Z
-Objective: minimise Z, the largest per-rank compact send buffer, subject to the balance bound.
+  tokens      sum_k l v[k,j] + u[k,j] = C / N                      (Eq. 2, exact)
+  balance     sum_k W_k v[k,j] + c_k u[k,j] <= R * mean workload    (Eq. 3 as a bound; the mean is
+              fixed by the window, so "imbalance <= R" is linear)
+  comm        sum_k u[k,j] <= Z;   objective: minimise Z, the largest compact send buffer
 
-A whole block costs its exact workload (start, length fixed). A cut block's pieces have
-quadratic workloads, linearised conservatively: the head is charged the chord h * mean cost
-per token of the block (an upper bound, the head holds its cheaper tokens) and the tail the
-tangent at half the block, chord + l^2/8 (also an upper bound). So every rank's true workload
-is at most its modelled one, a plan the solver accepts meets the target for real, and the
-modelling slack is at most block^2/8 per cut. If the target is infeasible at this granularity
-the solver instead minimises the largest workload (plus 1e-3 x the comm ratio to break ties)
-and `info["target_met"]` is False.
+W_k is block k's exact causal workload and c_k = s + (l + 1) / 2 its mean cost per token. A block
+on one rank is charged exactly; a prefix block shared by several ranks is charged at c_k per token,
+which is within l^2/8 of each piece's true cost whatever order the pieces take. The pieces of a
+shared block are laid out in rank order, alternating direction from block to block so a rank's
+neighbouring pieces merge, with the last shard's owner last before its last shard (so they merge
+too, and the plan sends at most what the model counts). If that charge leaves a rank above the
+target, the bound is lowered by the miss and the model solved again (at most 3 times): a plan the
+strategy reports with `target_met` really meets the target. If no plan meets the target at this
+granularity, it minimises the largest workload instead (plus 1e-3 x the comm ratio to break ties).
 
-This is the optimality study's yardstick, not a training-time planner: solve times grow quickly
-with the number of blocks. Needs scipy (HiGHS through `scipy.optimize.milp`).
+Any block whose suffix [s, end of document) alone exceeds the workload bound cannot start a last
+shard (z[k] = 0), which is what makes long documents cheap to rule out; ranks are numbered by the
+first document whose last shard they hold, removing the N! relabelings of each plan.
+
+For the optimality study, not for training: solve time grows quickly with blocks and documents.
+Needs scipy (HiGHS through `scipy.optimize.milp`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 from scipy import sparse
-from scipy.optimize import Bounds, LinearConstraint, milp
+from scipy.optimize import Bounds, LinearConstraint, OptimizeResult, milp
 
 from flashcp.plan.plan import Shard, shard_workload
 
+_MAX_RESOLVES = 3
 
-class _Blocks:
-    """The block grid of a window: block k covers tokens [start[k], start[k] + length[k]) of doc[k]."""
 
-    def __init__(self, doc_lens: tuple[int, ...], block: int) -> None:
-        doc, start, length = [], [], []
-        for d, n in enumerate(doc_lens):
-            for s in range(0, n, block):
-                doc.append(d)
-                start.append(s)
-                length.append(min(block, n - s))
-        self.doc = np.array(doc)
-        self.start = np.array(start, dtype=np.float64)
-        self.length = np.array(length, dtype=np.float64)
-        self.doc_len = np.array([doc_lens[d] for d in doc], dtype=np.float64)
-        self.k = len(doc)
-        # Block k's successor in its document, or -1 for a document's last block.
-        self.next = np.where(np.r_[self.doc[1:] == self.doc[:-1], False], np.arange(1, self.k + 1), -1)
+@contextlib.contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+    """Route C-level stdout to stderr: the HiGHS bundled with scipy can print debug lines there,
+    which would corrupt machine-readable output (e.g. `python -m flashcp.plan --json`)."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 class _Model:
-    """Variable layout and constraint rows of the sharding MILP for one window."""
+    """The MILP of one window at one block granularity (workloads scaled by the mean)."""
 
-    FAMILIES = ("x", "p", "q", "h", "g", "c", "m")
+    def __init__(self, doc_lens: tuple[int, ...], n: int, block: int) -> None:
+        self.doc_lens, self.n = doc_lens, n
+        self.tokens_per_rank = sum(doc_lens) // n
+        self.mean = sum(shard_workload(0, x) for x in doc_lens) / n
+        doc, start, length = [], [], []
+        for d, size in enumerate(doc_lens):
+            for s in range(0, size, block):
+                doc.append(d)
+                start.append(s)
+                length.append(min(block, size - s))
+        self.doc, self.start, self.length = np.array(doc), np.array(start), np.array(length)
+        self.last = np.r_[self.doc[1:] != self.doc[:-1], True]  # a document's last block
+        n_docs, k = len(doc_lens), len(doc)
+        self.y = np.arange(n_docs * n).reshape(n_docs, n)
+        self.z = np.arange(k) + self.y.size
+        self.v = np.arange(k * n).reshape(k, n) + self.z[-1] + 1
+        self.u = self.v + k * n
+        self.comm = self.u.size + self.u[0, 0]  # Z: largest send buffer
+        self.wmax = self.comm + 1  # largest workload, for the fallback objective
+        self.nvar = self.wmax + 1
+        s, l = self.start.astype(float), self.length.astype(float)
+        self.work = (2 * s + l + 1) * l / 2 / self.mean
+        self.cost = (s + (l + 1) / 2) / self.mean
+        size = np.array(doc_lens, dtype=float)[self.doc]
+        self.suffix_work = (size - s) * (size + s + 1) / 2 / self.mean
+        self.rows = self._rows()
 
-    def __init__(self, blocks: _Blocks, n: int, tokens_per_rank: int, mean_work: float) -> None:
-        self.b, self.n, self.t, self.mean = blocks, n, tokens_per_rank, mean_work
-        kn = blocks.k * n
-        self.idx = {f: np.arange(i * kn, (i + 1) * kn).reshape(blocks.k, n) for i, f in enumerate(self.FAMILIES)}
-        self.z = len(self.FAMILIES) * kn  # largest send buffer
-        self.wmax = self.z + 1  # largest workload (scaled by the mean), used when the target is infeasible
-        self.nvar = self.z + 2
-        self.rows: list[tuple[dict[int, float], float, float]] = []
-
-    def row(self, coefs: dict[int, float], lo: float, hi: float) -> None:
-        self.rows.append((coefs, lo, hi))
-
-    def build(self) -> None:
-        b, n, v = self.b, self.n, self.idx
-        x, p, q, h, g, c, m = (v[f] for f in self.FAMILIES)
-        length = b.length
-        # Workload per block (exact when whole), per token of a cut piece (chord), and the tail's
-        # tangent offset, all scaled by the mean workload to keep coefficients near 1.
-        whole = (2 * b.start + length + 1) * length / 2 / self.mean
-        per_token = (b.start + (length + 1) / 2) / self.mean
-        tail_extra = length**2 / 8 / self.mean
-        inf = np.inf
-        for k in range(b.k):
-            self.row({**{x[k, j]: 1 for j in range(n)}, **{p[k, j]: 1 for j in range(n)}}, 1, 1)
-            self.row({**{x[k, j]: 1 for j in range(n)}, **{q[k, j]: 1 for j in range(n)}}, 1, 1)
-            cover = {h[k, j]: 1.0 for j in range(n)} | {g[k, j]: 1.0 for j in range(n)}
-            self.row(cover | {p[k, j]: -length[k] for j in range(n)}, 0, 0)
-            for j in range(n):
-                self.row({h[k, j]: 1, p[k, j]: -(length[k] - 1)}, -inf, 0)
-                self.row({h[k, j]: 1, p[k, j]: -1}, 0, inf)
-                self.row({g[k, j]: 1, q[k, j]: -(length[k] - 1)}, -inf, 0)
-                self.row({g[k, j]: 1, q[k, j]: -1}, 0, inf)
-                self.row({p[k, j]: 1, q[k, j]: 1}, -inf, 1)
-                nxt = b.next[k]
-                if nxt >= 0:
-                    self.row({c[k, j]: 1, x[k, j]: -1, q[k, j]: -1, x[nxt, j]: 1}, 0, inf)
-                    if b.next[nxt] >= 0:
-                        self.row({c[k, j]: 1, x[k, j]: -1, q[k, j]: -1, c[nxt, j]: -1}, -1, inf)
-                    self.row({m[k, j]: 1, x[k, j]: -length[k], g[k, j]: -1, c[k, j]: -length[k]}, -length[k], inf)
+    def _rows(self) -> list[tuple[dict[int, float], float, float]]:
+        n, y, z, v, u, inf = self.n, self.y, self.z, self.v, self.u, np.inf
+        rows = [({y[d, j]: 1 for j in range(n)}, 1, 1) for d in range(len(self.doc_lens))]
+        for k, (d, l) in enumerate(zip(self.doc, self.length)):
+            rows.append(({**{v[k, j]: 1 for j in range(n)}, z[k]: -1}, 0, 0))
+            rows += [({v[k, j]: 1, y[d, j]: -1}, -inf, 0) for j in range(n)]
+            rows.append(({**{u[k, j]: 1 for j in range(n)}, z[k]: l}, l, l))
+            if not self.last[k]:
+                rows.append(({z[k]: 1, z[k + 1]: -1}, -inf, 0))
         for j in range(n):
-            tokens = {x[k, j]: length[k] for k in range(b.k)} | {h[k, j]: 1.0 for k in range(b.k)}
-            self.row(tokens | {g[k, j]: 1.0 for k in range(b.k)}, self.t, self.t)
-            comm = {h[k, j]: 1.0 for k in range(b.k)} | {m[k, j]: 1.0 for k in range(b.k)}
-            self.row(comm | {self.z: -1}, -inf, 0)
-        self.work_rows = []
-        for j in range(n):
-            work = {x[k, j]: whole[k] for k in range(b.k)}
-            work |= {h[k, j]: per_token[k] for k in range(b.k)} | {g[k, j]: per_token[k] for k in range(b.k)}
-            work |= {q[k, j]: tail_extra[k] for k in range(b.k)}
-            self.work_rows.append(work)
-        for j in range(n):
-            # At most one cut head per rank: enough for exact tokens (see the sequential fill).
-            self.row({p[k, j]: 1 for k in range(b.k)}, -np.inf, 1)
-        # Ranks are interchangeable: number them by the first block they touch, so rank j may
-        # touch block k only if rank j-1 touched an earlier block (and block 0 is on rank 0).
-        for j in range(1, n):
-            for k in range(b.k):
-                row = {x[k, j]: 1.0, p[k, j]: 1.0, q[k, j]: 1.0}
-                for f in (x, p, q):
-                    row |= {f[i, j - 1]: -1.0 for i in range(k)}
-                self.row(row, -np.inf, 0)
+            tokens = {v[k, j]: l for k, l in enumerate(self.length)} | {u[k, j]: 1 for k in range(len(self.doc))}
+            rows.append((tokens, self.tokens_per_rank, self.tokens_per_rank))
+            rows.append(({**{u[k, j]: 1 for k in range(len(self.doc))}, self.comm: -1}, -inf, 0))
+            if j:  # rank j holds a last shard of document d only if rank j-1 holds one of an earlier one
+                rows += [({y[d, j]: 1, **{y[e, j - 1]: -1 for e in range(d)}}, -inf, 0) for d in range(len(self.doc_lens))]
+        return rows
 
-    def bounds_and_integrality(self) -> tuple[Bounds, np.ndarray]:
-        b, v = self.b, self.idx
-        lo, hi = np.zeros(self.nvar), np.ones(self.nvar)
-        integral = np.zeros(self.nvar)
-        for f in ("x", "p", "q", "h", "g"):
-            integral[v[f].ravel()] = 1
-        splittable = (b.length > 1)[:, None]
-        for f in ("p", "q"):
-            hi[v[f]] = np.broadcast_to(splittable, v[f].shape)
-        for f in ("h", "g"):
-            hi[v[f]] = np.broadcast_to(np.where(splittable, b.length[:, None] - 1, 0), v[f].shape)
-        not_last = (b.next >= 0)[:, None]
-        hi[v["c"]] = np.broadcast_to(not_last, v["c"].shape)
-        hi[v["m"]] = np.broadcast_to(np.where(not_last, b.length[:, None], 0), v["m"].shape)
-        hi[self.z] = hi[self.wmax] = np.inf
-        return Bounds(lo, hi), integral
-
-    def solve(self, cap: float | None, time_limit: float, mip_rel_gap: float):
-        """Minimise Z with workloads <= cap (scaled), or, with cap None, minimise the largest workload."""
+    def solve(self, cap: float | None, time_limit: float, mip_rel_gap: float) -> OptimizeResult:
+        """Minimise Z with every workload <= cap; with cap None minimise the largest workload."""
         rows = list(self.rows)
+        for j in range(self.n):
+            work = {self.v[k, j]: w for k, w in enumerate(self.work)} | {self.u[k, j]: c for k, c in enumerate(self.cost)}
+            rows.append((work, -np.inf, cap) if cap is not None else ({**work, self.wmax: -1}, -np.inf, 0))
+        coefs = [(r, i, a) for r, (row, _, _) in enumerate(rows) for i, a in row.items()]
+        r, i, a = zip(*coefs)
+        matrix = sparse.csr_array((a, (r, i)), shape=(len(rows), self.nvar))
+        lo, hi = np.zeros(self.nvar), np.ones(self.nvar)
+        hi[self.u] = self.length[:, None]
+        lo[self.z] = self.last
         if cap is not None:
-            b, x, q, c = self.b, self.idx["x"], self.idx["q"], self.idx["c"]
-            end = b.start + b.length
-            whole_suffix = (b.doc_len - b.start) * (b.doc_len + b.start + 1) / 2 / self.mean
-            tail_suffix = (b.doc_len - end + 1) * (b.doc_len + end) / 2 / self.mean
-            for k in np.flatnonzero(b.next >= 0):
-                for j in range(self.n):
-                    if tail_suffix[k] > cap:
-                        rows.append(({c[k, j]: 1, x[k, j]: -1, q[k, j]: -1}, 0, np.inf))
-                    elif whole_suffix[k] > cap:
-                        rows.append(({c[k, j]: 1, x[k, j]: -1}, 0, np.inf))
-        for work in self.work_rows:
-            rows.append((work, -np.inf, cap) if cap is not None else (work | {self.wmax: -1}, -np.inf, 0))
-        data, ri, ci = [], [], []
-        for r, (coefs, _, _) in enumerate(rows):
-            ri += [r] * len(coefs)
-            ci += list(coefs)
-            data += list(coefs.values())
-        a = sparse.csr_array((data, (ri, ci)), shape=(len(rows), self.nvar))
-        cons = LinearConstraint(a, [lo for _, lo, _ in rows], [hi for _, _, hi in rows])
-        obj = np.zeros(self.nvar)
+            hi[self.z] = np.where(self.last, 1, self.suffix_work <= cap)
+        hi[self.comm] = hi[self.wmax] = np.inf
+        integral = np.zeros(self.nvar)
+        integral[np.r_[self.y.ravel(), self.z, self.u.ravel(), self.comm]] = 1
+        objective = np.zeros(self.nvar)
         if cap is not None:
-            obj[self.z] = 1.0
+            objective[self.comm] = 1.0
         else:
-            obj[self.wmax] = 1.0
-            obj[self.z] = 1e-3 / self.t
-        bounds, integral = self.bounds_and_integrality()
-        opts = {"time_limit": time_limit, "mip_rel_gap": mip_rel_gap}
-        return milp(obj, constraints=cons, integrality=integral, bounds=bounds, options=opts)
+            objective[self.wmax] = 1.0
+            objective[self.comm] = 1e-3 / self.tokens_per_rank
+        with _stdout_to_stderr():
+            return milp(
+                objective,
+                constraints=LinearConstraint(matrix, [x for _, x, _ in rows], [x for _, _, x in rows]),
+                integrality=integral,
+                bounds=Bounds(lo, hi),
+                options={"time_limit": time_limit, "mip_rel_gap": mip_rel_gap},
+            )
 
     def shards(self, sol: np.ndarray) -> list[list[Shard]]:
-        b, v = self.b, self.idx
         ranks: list[list[Shard]] = [[] for _ in range(self.n)]
-        for k in range(b.k):
-            d, s, length = int(b.doc[k]), int(b.start[k]), int(b.length[k])
-            owner = np.flatnonzero(sol[v["x"][k]] > 0.5)
-            if len(owner):
-                ranks[owner[0]].append(Shard(d, s, length))
+        owner = np.argmax(sol[self.y], axis=1)
+        for k, (d, s, l) in enumerate(zip(self.doc.tolist(), self.start.tolist(), self.length.tolist())):
+            if sol[self.z[k]] > 0.5:
+                ranks[owner[d]].append(Shard(d, s, l))
                 continue
-            head = int(np.argmax(sol[v["p"][k]]))
-            tail = int(np.argmax(sol[v["q"][k]]))
-            cut = int(round(sol[v["h"][k, head]]))
-            ranks[head].append(Shard(d, s, cut))
-            ranks[tail].append(Shard(d, s + cut, length - cut))
+            amounts = np.rint(sol[self.u[k]]).astype(int)
+            order = list(range(self.n)) if k % 2 == 0 else list(range(self.n - 1, -1, -1))
+            if not self.last[k] and sol[self.z[k + 1]] > 0.5:
+                order.remove(owner[d])
+                order.append(owner[d])
+            for j in order:
+                ranks[j].append(Shard(d, s, int(amounts[j])))
+                s += int(amounts[j])
         return ranks
+
+
+def _imbalance(ranks: list[list[Shard]], mean: float) -> float:
+    return max(sum(shard_workload(s.start, s.length) for s in shards) for shards in ranks) / mean
 
 
 def plan_ilp(
@@ -211,40 +177,55 @@ def plan_ilp(
 ) -> tuple[list[list[Shard]], dict[str, Any]]:
     """Least compact communication subject to max/mean workload <= `target_imbalance`.
 
-    `block` is the sharding granularity in tokens (default C / (8 N), at most C / N);
-    `time_limit` bounds each solver call in seconds. The best plan found is returned;
-    `info` says whether it is proven optimal, the relative MIP gap, the solver's lower bound on
-    the largest send buffer (tokens), the solve time and whether the target was met.
+    `block` is the granularity in tokens (default C / (16 N)); `time_limit` bounds all solver
+    calls together, in seconds (the infeasible-target fallback gets at least a tenth of it).
+    Returns the best plan found; `info` says whether the last solve was proven optimal
+    (`optimal`, `mip_gap`; after `resolves` > 0 that is for the lowered bound), the first solve's
+    lower bound on the largest send buffer in tokens (`comm_bound_tokens`), the solve time and
+    whether the plan meets the target (`target_met`, from the plan's true workloads).
     """
     n = cp_size
     per_rank = sum(doc_lens) // n
-    block = max(1, per_rank // 8) if block is None else block
-    if not isinstance(block, int) or not 1 <= block <= per_rank:
-        raise ValueError(f"ilp block must be an integer in [1, C/N = {per_rank}], got {block!r}")
+    block = max(1, per_rank // 16) if block is None else block
+    if not isinstance(block, int) or block < 1:
+        raise ValueError(f"ilp block must be a positive integer, got {block!r}")
     if not time_limit > 0:
         raise ValueError(f"ilp time_limit must be positive, got {time_limit}")
-    mean_work = sum(shard_workload(0, x) for x in doc_lens) / n
-    model = _Model(_Blocks(doc_lens, block), n, per_rank, mean_work)
-    model.build()
+    model = _Model(doc_lens, n, block)
     t0 = time.perf_counter()
-    res = model.solve(target_imbalance, time_limit, mip_rel_gap)
-    target_met = res.x is not None
-    if res.status == 2:  # proven infeasible: balance as well as this granularity allows instead
-        res = model.solve(None, time_limit, mip_rel_gap)
-    solve_s = time.perf_counter() - t0
-    if res.x is None:
-        raise RuntimeError(
-            f"ilp found no plan within {time_limit:g} s ({res.message}); "
-            "raise time_limit or use a coarser block"
-        )
+
+    def left() -> float:
+        return time_limit - (time.perf_counter() - t0)
+
+    cap, resolves, best, bound = target_imbalance, 0, None, None
+    while True:
+        res = model.solve(cap, left(), mip_rel_gap)
+        if bound is None and res.x is not None:
+            bound = float(res.mip_dual_bound)  # a lower bound for the untightened model only
+        if res.x is None:
+            break
+        ranks = model.shards(res.x)
+        best = ranks, res
+        miss = _imbalance(ranks, model.mean) - target_imbalance
+        if miss <= 0 or resolves == _MAX_RESOLVES or left() <= 0:
+            break
+        cap -= miss * (1 + 1e-6)
+        resolves += 1
+    if best is None and res.status == 2:  # target infeasible: balance as well as blocks allow instead
+        res = model.solve(None, max(left(), 0.1 * time_limit), mip_rel_gap)
+        best = None if res.x is None else (model.shards(res.x), res)
+    if best is None:
+        raise RuntimeError(f"ilp found no plan in {time_limit:g} s ({res.message}); raise time_limit or coarsen block")
+    ranks, res = best
+    imbalance = _imbalance(ranks, model.mean)
     info = {
         "optimal": res.status == 0,
-        "mip_gap": float(res.mip_gap) if res.mip_gap is not None else None,
-        "comm_bound_tokens": float(res.mip_dual_bound) if target_met else None,
-        "solve_s": solve_s,
-        "target_met": target_met,
+        "mip_gap": None if res.mip_gap is None else float(res.mip_gap),
+        "comm_bound_tokens": bound,
+        "solve_s": time.perf_counter() - t0,
+        "target_met": imbalance <= target_imbalance,
+        "resolves": resolves,
         "block": block,
-        "num_blocks": model.b.k,
-        "status": res.message,
+        "num_blocks": len(model.doc),
     }
-    return model.shards(res.x), info
+    return ranks, info

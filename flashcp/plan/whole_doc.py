@@ -97,7 +97,7 @@ def place_documents(doc_lens: tuple[int, ...], docs: Iterable[int], fill: RankFi
                 if last:
                     if predicted < best_load:
                         best, best_load = r, predicted
-                elif best < 0 or (sent[r], predicted) < (best_sent, best_load):
+                elif best < 0 or sent[r] < best_sent or (sent[r] == best_sent and predicted < best_load):
                     best, best_sent, best_load = r, sent[r], predicted
         if best < 0:
             # No rank wants it whole: overflow the rank with the most room, within its spare...

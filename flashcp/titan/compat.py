@@ -51,8 +51,8 @@ def _add_data_parallel_mesh_dims() -> None:
 
     if not hasattr(fsdp, "DataParallelMeshDims"):
 
-        class DataParallelMeshDims:  # noqa: D401 - placeholder type, never constructed here
-            """Placeholder for torch >= 2.12's FSDP mesh-dims descriptor."""
+        class DataParallelMeshDims:
+            """Placeholder for torch >= 2.12's FSDP mesh-dims descriptor (never constructed here)."""
 
             def __init__(self, *args, **kwargs) -> None:
                 raise RuntimeError(
@@ -148,6 +148,6 @@ def force_sum_reduction_on_gloo(model: torch.nn.Module) -> None:
 
 
 def default_spmd_backend() -> str:
-    """`parallelism.spmd_backend` default: "spmd_types" needs torch >= 2.14 for meshes > 1."""
+    """TorchTitan 0.3.0's default `spmd_backend`, "spmd_types", needs torch >= 2.14 for meshes > 1."""
     major, minor = (int(x) for x in torch.__version__.split(".")[:2])
     return "spmd_types" if (major, minor) >= (2, 14) else "partial_dtensor"

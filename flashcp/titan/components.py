@@ -92,8 +92,7 @@ class WindowDataLoader(BaseDataLoader):
         return self.loader.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if state_dict:  # empty when the checkpoint was saved without loader state
-            self.loader.load_state_dict(state_dict)
+        self.loader.load_state_dict(state_dict)
 
     def close(self) -> None:
         self.loader.close()

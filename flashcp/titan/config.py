@@ -30,6 +30,9 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
+from flashcp.attention.kernels import BACKENDS as KERNELS
+from flashcp.dispatch import COMM_MODES
+from flashcp.plan import STRATEGIES
 from flashcp.titan.data import DataConfig
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "train_configs"
@@ -61,11 +64,11 @@ LLAMA3_FLAVORS: dict[str, tuple[int, int, int, int, int]] = {
     "70B": (8192, 80, 64, 8, 128256),
     "405B": (16384, 126, 128, 8, 128256),
 }
-CUSTOM_MODEL_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim_multiplier", "multiple_of")
-STRATEGIES = ("flashcp", "per_doc", "per_seq", "whole_doc", "ilp")  # flashcp.plan.STRATEGIES
-COMM_MODES = ("compact", "full", "needed")  # flashcp.dispatch.COMM_MODES
-BACKENDS = ("auto", "flash_attn", "torch", "reference")  # flashcp.attention.kernels.BACKENDS + auto
-GPU_BACKENDS = ("flash_attn", "torch")
+CUSTOM_MODEL_KEYS = (
+    "dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim_multiplier", "multiple_of"
+)  # fmt: skip
+BACKENDS = ("auto", *KERNELS)
+GPU_BACKENDS = tuple(name for name in KERNELS if name != "reference")
 DTYPES = ("bfloat16", "float32")
 
 
@@ -168,7 +171,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "save_tb_folder": Key(str, "tb"),
         "disable_color_printing": Key(bool, False),
         "enable_wandb": Key(bool, False),
-        "peak_tflops": Key(float, doc="per-device peak for MFU; default: TorchTitan's GPU table, none on CPU"),
+        "peak_tflops": Key(float, doc="per-device peak for MFU (default: TorchTitan's GPU table; CPU: none)"),
     },
     "activation_checkpoint": {
         "mode": Key(str, "selective", ("none", "selective", "full")),
@@ -183,7 +186,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "train_timeout_seconds": Key(int, 100),
     },
     "flashcp": {
-        "strategy": Key(str, "flashcp", STRATEGIES, "how each window is sharded over the CP ranks"),
+        "strategy": Key(str, "flashcp", tuple(STRATEGIES), "how each window is sharded over the CP ranks"),
         "target_imbalance": Key(float, 1.05, doc="max / mean attention workload the planner aims for"),
         "comm": Key(str, "compact", COMM_MODES, "KV exchange: compact (FlashCP) | full (Llama3 CP) | needed"),
         "backend": Key(str, "auto", BACKENDS, "varlen kernel; auto: flash_attn, torch, then reference"),
@@ -247,12 +250,14 @@ def _check_semantics(cfg: dict) -> None:
     """Checks that need several keys but no world size."""
     model, train, par, fcp = cfg["model"], cfg["training"], cfg["parallelism"], cfg["flashcp"]
     _positive(cfg, "training", "seq_len", "steps", "local_batch_size", "gc_freq")
-    _positive(cfg, "parallelism", "data_parallel_replicate_degree", "context_parallel_degree", "tensor_parallel_degree")
+    names = ("data_parallel_replicate_degree", "context_parallel_degree", "tensor_parallel_degree")
+    _positive(cfg, "parallelism", *names)
     _positive(cfg, "checkpoint", "interval")
     _positive(cfg, "metrics", "log_freq")
     _positive(cfg, "lr_scheduler", "warmup_steps", minimum=0)
-    if par["data_parallel_shard_degree"] == 0 or par["data_parallel_shard_degree"] < -1:
-        raise ConfigError(f"[parallelism] data_parallel_shard_degree must be -1 or >= 1, got {par['data_parallel_shard_degree']}")
+    shard = par["data_parallel_shard_degree"]
+    if shard == 0 or shard < -1:
+        raise ConfigError(f"[parallelism] data_parallel_shard_degree must be -1 or >= 1, got {shard}")
     if cfg["checkpoint"]["keep_latest_k"] < 0 or cfg["checkpoint"]["keep_latest_k"] == 1:
         raise ConfigError(
             "[checkpoint] keep_latest_k must be 0 (keep all) or >= 2 (the newest may be mid-write), "
@@ -278,7 +283,8 @@ def _check_semantics(cfg: dict) -> None:
             )
     elif custom:
         raise ConfigError(
-            f"[model] {', '.join(custom)} only apply to flavor = 'custom'; flavor {model['flavor']!r} fixes them"
+            f"[model] {', '.join(custom)} only apply to flavor = 'custom'; "
+            f"flavor {model['flavor']!r} fixes them"
         )
 
     flashcp_given = "flashcp" in cfg["_given"]
@@ -315,18 +321,21 @@ def model_dims(cfg: dict) -> tuple[int, int, int, int, int | None]:
     model = cfg["model"]
     if model["flavor"] != "custom":
         return LLAMA3_FLAVORS[model["flavor"]]
-    return model["dim"], model["n_layers"], model["n_heads"], model["n_kv_heads"] or model["n_heads"], model["vocab_size"]
+    n_kv = model["n_kv_heads"] or model["n_heads"]
+    return model["dim"], model["n_layers"], model["n_heads"], n_kv, model["vocab_size"]
 
 
 def degrees(cfg: dict, world_size: int) -> dict[str, int]:
     """Parallel degrees for `world_size` ranks (dp_shard = -1 resolved); ConfigError if they do not fit."""
     if cfg["checkpoint"]["create_seed_checkpoint"]:
         if world_size != 1:
-            raise ConfigError(f"[checkpoint] create_seed_checkpoint runs on 1 rank (NGPU=1), not {world_size}")
+            raise ConfigError(
+                f"[checkpoint] create_seed_checkpoint runs on 1 rank (NGPU=1), not {world_size}"
+            )
         return {"dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 1}
     par = cfg["parallelism"]
-    rep, cp, tp = par["data_parallel_replicate_degree"], par["context_parallel_degree"], par["tensor_parallel_degree"]
-    shard = par["data_parallel_shard_degree"]
+    rep, shard = par["data_parallel_replicate_degree"], par["data_parallel_shard_degree"]
+    cp, tp = par["context_parallel_degree"], par["tensor_parallel_degree"]
     fixed = rep * cp * tp
     if shard == -1:
         if world_size % fixed:
@@ -365,15 +374,16 @@ def check_layout(cfg: dict, world_size: int, has_cuda: bool | None = None) -> di
     sp = tp if cfg["parallelism"]["enable_sequence_parallel"] else 1
     divisor = sp * (2 * cp if cp > 1 else 1)  # TorchTitan 0.3.0's Trainer requires this
     if seq_len % divisor:
+        tp_part = f" x tensor_parallel_degree {tp} for sequence parallel" if sp > 1 else ""
         raise ConfigError(
-            f"[training] seq_len ({seq_len}) must be divisible by {divisor} "
-            f"(= 2 x context_parallel_degree {cp}" + (f" x tensor_parallel_degree {tp} for sequence parallel" if sp > 1 else "")
-            + "): every CP rank holds seq_len / cp tokens"
+            f"[training] seq_len ({seq_len}) must be divisible by {divisor} (= 2 x context_parallel_degree "
+            f"{cp}{tp_part}): every CP rank holds seq_len / cp tokens"
         )
     _, _, n_heads, n_kv, _ = model_dims(cfg)
     if n_heads % tp or n_kv % tp:
         raise ConfigError(
-            f"[parallelism] tensor_parallel_degree ({tp}) must divide n_heads ({n_heads}) and n_kv_heads ({n_kv})"
+            f"[parallelism] tensor_parallel_degree ({tp}) must divide n_heads ({n_heads}) "
+            f"and n_kv_heads ({n_kv})"
         )
     global_bs = cfg["training"]["global_batch_size"]
     dp = deg["dp_replicate"] * deg["dp_shard"]
@@ -390,7 +400,8 @@ def check_layout(cfg: dict, world_size: int, has_cuda: bool | None = None) -> di
     if not has_cuda:
         if attention == "flashcp" and backend in GPU_BACKENDS:
             raise ConfigError(
-                f"[flashcp] backend = {backend!r} needs CUDA and this machine has no GPU; use 'auto' or 'reference'"
+                f"[flashcp] backend = {backend!r} needs CUDA and this machine has no GPU; "
+                "use 'auto' or 'reference'"
             )
         if attention in ("flex", "varlen"):
             raise ConfigError(
@@ -465,7 +476,7 @@ def load_job(path: str | Path, overrides: list[str] | None = None) -> dict[str, 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Check a FlashCP job file without launching anything.")
-    parser.add_argument("--check", metavar="CONFIG", required=True, help="job file path or name in train_configs/")
+    parser.add_argument("--check", metavar="CONFIG", required=True, help="job file or name in train_configs/")
     parser.add_argument("--world-size", type=int, help="number of ranks to check the layout for")
     args, overrides = parser.parse_known_args(argv)
     try:

@@ -37,6 +37,8 @@ def trainer_config(cfg: dict[str, Any]) -> FlashCPTrainer.Config:
     if cfg["checkpoint"]["create_seed_checkpoint"]:  # one rank, no sharding
         par |= {f"{name}_degree": 1 for name in SEED_DEGREES}
     cp = par["context_parallel_degree"]
+    # FlashCP's parallelize follows TorchTitan's "partial_dtensor" recipe (DTensor for TP only).
+    spmd_backend = "partial_dtensor" if flashcp_on else compat.default_spmd_backend()
     return FlashCPTrainer.Config(
         model_spec=spec,
         dump_folder=cfg["job"]["dump_folder"],
@@ -60,7 +62,7 @@ def trainer_config(cfg: dict[str, Any]) -> FlashCPTrainer.Config:
         ),
         parallelism=ParallelismConfig(
             **{k: v for k, v in par.items() if k != "spmd_backend"},
-            spmd_backend=par["spmd_backend"] or compat.default_spmd_backend(),
+            spmd_backend=par["spmd_backend"] or spmd_backend,
         ),
         checkpoint=Checkpointer.Config(
             **cfg["checkpoint"], initial_load_model_only=cfg["checkpoint"]["initial_load_path"] is not None

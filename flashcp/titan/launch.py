@@ -85,13 +85,15 @@ def main(argv: list[str] | None = None) -> int:
     if not on_gpu:  # share the cores between the ranks instead of oversubscribing them
         os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     log_dir = os.path.join(cfg["job"]["dump_folder"], "logs")
-    print(f"flashcp: {path} on {nnodes} node(s) x {nproc} {'GPU' if on_gpu else 'CPU (gloo)'} rank(s)", flush=True)
+    device = "GPU" if on_gpu else "CPU (gloo)"
+    print(f"flashcp: {path} on {nnodes} node(s) x {nproc} {device} rank(s)", flush=True)
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
     try:
-        run(get_args_parser().parse_args(torchrun_args(nproc, nnodes, log_dir, [f"--config={path}", *overrides])))
+        args = torchrun_args(nproc, nnodes, log_dir, [f"--config={path}", *overrides])
+        run(get_args_parser().parse_args(args))
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         message = failure.message  # a dict when torchelastic's @record wrote the error file
@@ -99,9 +101,9 @@ def main(argv: list[str] | None = None) -> int:
         if failure.exitcode == 2:  # a job error train.py already explained in one line
             print(f"error: {detail}", file=sys.stderr)
             return 2
-        print(f"error: training failed on rank {rank} (exit code {failure.exitcode}): {detail}", file=sys.stderr)
+        print(f"error: rank {rank} failed (exit code {failure.exitcode}): {detail}", file=sys.stderr)
         stack = message.get("extraInfo", {}).get("py_callstack") if isinstance(message, dict) else None
-        if stack and str(failure.local_rank) not in SHOWN_RANKS.split(","):  # not already on the console
+        if stack and str(failure.local_rank) not in SHOWN_RANKS.split(","):  # else already on the console
             print(stack, file=sys.stderr)
         print(f"full logs of every rank: {log_dir}", file=sys.stderr)
         return 1

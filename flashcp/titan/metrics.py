@@ -180,5 +180,6 @@ class FlashCPMetrics(MetricsProcessor):
             self._start = (step, now)
         elif step > self._start[0]:
             rate = (now - self._start[1]) / (step - self._start[0])
-            parts.append(f"{c.white}{rate:.2f}s/step  eta: {format_duration(rate * (self.total_steps - step))}")
+            eta = format_duration(rate * (self.total_steps - step))
+            parts.append(f"{c.white}{rate:.2f}s/step  eta: {eta}")
         return "  ".join(parts) + c.reset

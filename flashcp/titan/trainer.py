@@ -5,7 +5,7 @@ TorchTitan's; this subclass only changes how a batch reaches the model:
 
 1. The loader yields one packed window (`input`, `labels`, `doc_lens`) with its sharding `plan`,
    the same on every rank of a CP group. `batch_generator` turns the plan into this rank's
-   `Dispatch` on the host, off the device's critical path.
+   `Dispatch`: index arithmetic on the host, a millisecond or two per window (logged).
 2. `post_dataloading_process` keeps this rank's tokens, labels and in-document positions in the
    dispatch's `token_index` order and hands every attention layer the dispatch and CP group
    (`CPStep`, through the decoder's `attention_masks` argument).
@@ -31,7 +31,7 @@ from torchtitan.components.dataloader import DataloaderExhaustedError
 from torchtitan.trainer import Trainer
 
 from flashcp.titan.attention import CPStep
-from flashcp.titan.components import WindowDataLoader
+from flashcp.titan.components import Checkpointer, PipelineTokenizer, WindowDataLoader
 from flashcp.titan.metrics import FlashCPMetrics
 
 
@@ -57,7 +57,16 @@ def document_positions(doc_lens: list[int]) -> torch.Tensor:
 class FlashCPTrainer(Trainer):
     @dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
+        """TorchTitan's config with FlashCP's components as defaults and the `[flashcp]` settings."""
+
+        tokenizer: PipelineTokenizer.Config = field(default_factory=PipelineTokenizer.Config)
+        dataloader: WindowDataLoader.Config = field(default_factory=WindowDataLoader.Config)
+        checkpoint: Checkpointer.Config = field(default_factory=Checkpointer.Config)
+        metrics: FlashCPMetrics.Config = field(default_factory=FlashCPMetrics.Config)
         flashcp: FlashCPSettings = field(default_factory=FlashCPSettings)
+
+    metrics_processor: FlashCPMetrics
+    dataloader: WindowDataLoader
 
     def __init__(self, config: Config) -> None:
         super().__init__(config)
@@ -73,8 +82,6 @@ class FlashCPTrainer(Trainer):
     def _configure_metrics(self) -> None:
         """Tell the metrics what one token and one attended (query, key) pair cost."""
         metrics = self.metrics_processor
-        if not isinstance(metrics, FlashCPMetrics):
-            return
         model = self.model_config
         attention = model.first_attention
         n_heads, n_kv = attention.n_heads, attention.n_kv_heads or attention.n_heads
@@ -111,9 +118,8 @@ class FlashCPTrainer(Trainer):
             input_dict["dispatch"] = plan.dispatch(self.cp_rank, self.flashcp.comm)
         else:
             input_dict["positions"] = document_positions(batch["doc_lens"])[None]
-        plan_ms = batch.get("plan_ms", 0.0) + (time.perf_counter() - start) * 1e3
-        if isinstance(self.metrics_processor, FlashCPMetrics):
-            self.metrics_processor.record_window(plan, plan_ms)
+        plan_ms = batch["plan_ms"] + (time.perf_counter() - start) * 1e3
+        self.metrics_processor.record_window(plan, plan_ms)
         return input_dict, batch["labels"][None]
 
     def post_dataloading_process(
@@ -129,6 +135,6 @@ class FlashCPTrainer(Trainer):
         return inputs, labels, extra
 
     def close(self) -> None:
-        if isinstance(getattr(self, "dataloader", None), WindowDataLoader):
+        if hasattr(self, "dataloader"):  # absent when __init__ failed before building it
             self.dataloader.close()
         super().close()

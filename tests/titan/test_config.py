@@ -55,18 +55,18 @@ def test_shipped_gpu_configs_refuse_a_cpu_machine():
         ({"training": {"steps": "20"}}, r"\[training\] steps must be an integer, got '20'"),
         ({"training": {"steps": True}}, r"\[training\] steps must be an integer"),
         ({"optimizer": {"lr": "fast"}}, r"\[optimizer\] lr must be a number"),
-        ({"flashcp": {"strategy": "zigzag"}}, r"\[flashcp\] strategy must be one of flashcp, per_doc, per_seq"),
+        ({"flashcp": {"strategy": "zigzag"}}, r"\[flashcp\] strategy must be one of .*per_doc, per_seq"),
         ({"flashcp": {"comm": "ring"}}, r"\[flashcp\] comm must be one of compact, full, needed"),
         ({"flashcp": {"target_imbalance": 0.9}}, r"target_imbalance must be >= 1.0"),
         ({"training": {"local_batch_size": 2}}, r"local_batch_size must be 1 with FlashCP"),
         ({"checkpoint": {"keep_latest_k": 1}}, r"keep_latest_k must be 0 .* or >= 2"),
-        ({"model": {"attention": "flex"}, "flashcp": {"comm": "full"}}, r"\[flashcp\] settings need model.attention"),
-        ({"model": {"flavor": "8B", "dim": 64}}, r"\[model\] dim, .* only apply to flavor = 'custom'; flavor '8B' fixes them"),
+        ({"model": {"attention": "flex"}, "flashcp": {}}, r"\[flashcp\] settings need model.attention"),
+        ({"model": {"flavor": "8B"}}, r"\[model\] dim, .* only apply to flavor = 'custom'; flavor '8B'"),
         ({"model": {"dim": 30}}, r"dim \(30\) must be divisible by n_heads \(4\)"),
-        ({"parallelism": {"spmd_backend": "spmd_types"}}, r"spmd_backend must be 'partial_dtensor' with FlashCP"),
-        ({"parallelism": {"context_parallel_load_balancer": "ptrr"}}, r"context_parallel_load_balancer is TorchTitan's CP"),
+        ({"parallelism": {"spmd_backend": "spmd_types"}}, r"spmd_backend must be 'partial_dtensor'"),
+        ({"parallelism": {"context_parallel_load_balancer": "ptrr"}}, r"load_balancer is TorchTitan's CP"),
         ({"data": {"overflow": 3}}, r"\[data\] overflow must be a string"),
-        ({"checkpoint": {"create_seed_checkpoint": True}}, r"create_seed_checkpoint needs \[checkpoint\] enable"),
+        ({"checkpoint": {"create_seed_checkpoint": True}}, r"create_seed_checkpoint needs .* enable"),
         ({"checkpoint": {"initial_load_path": "/x"}}, r"initial_load_path needs \[checkpoint\] enable"),
     ],
 )
@@ -90,7 +90,8 @@ def test_bad_files_name_the_key(tmp_path, sections, message):
          r"global_batch_size \(3\) must be a positive multiple"),
         ({"flashcp": {"backend": "torch"}}, 1, r"backend = 'torch' needs CUDA"),
         ({"model": {"attention": "flex"}, "flashcp": None}, 1, r"'flex' cannot train on CPU"),
-        ({"model": {"attention": "varlen"}, "flashcp": None, "parallelism": {"context_parallel_degree": 2}}, 2,
+        ({"model": {"attention": "varlen"}, "flashcp": None, "parallelism": {"context_parallel_degree": 2}},
+         2,
          r"'varlen' has no CP in TorchTitan"),
     ],
 )
@@ -169,7 +170,7 @@ def test_schema_defaults_and_names_match_torchtitan():
             f = fields[name]
             default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
             if (section, name) not in OWN_DEFAULTS:
-                assert key.default == default, f"[{section}] {name}: {key.default!r} vs TorchTitan {default!r}"
+                assert key.default == default, f"[{section}] {name}: {key.default!r} vs {default!r}"
 
 
 def test_every_tiny_section_is_in_the_schema(tmp_path):
