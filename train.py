@@ -1,6 +1,6 @@
 """One rank of a FlashCP training job (run_train.sh starts one per device through torchrun).
 
-    torchrun --nproc_per_node 2 train.py --config debug_cpu --training.steps 20
+    torchrun --nproc_per_node 4 train.py --config debug_cpu --training.steps 20
 
 The job file is read and checked against the launch's world size before any process group
 exists; then TorchTitan's trainer (with FlashCP's context-parallel dimension) runs it. Errors

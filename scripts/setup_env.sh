@@ -3,9 +3,9 @@
 #
 #   scripts/setup_env.sh            # idempotent: does nothing when .venv already works
 #
-# torch is installed first and explicitly: on a machine without GPUs the CPU build of
-# torch==2.13.0 (a plain `torch` would pull a multi-GB CUDA build); where a GPU build of torch
-# is already importable (e.g. a system site-packages venv on a GPU machine) it is kept as is.
+# torch is installed first and pinned: torch==2.13.0, the CPU build on machines without GPUs (an
+# unpinned `torch` would pull a multi-GB CUDA build); where a GPU build of torch is already
+# importable (the venv sees the system site-packages of a GPU machine) it is kept as is.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${FLASHCP_VENV:-$ROOT/.venv}"
@@ -14,7 +14,8 @@ PYTHON="${PYTHON:-python3}"
 # Installed distributions are looked up without importing them (importing torchtitan takes seconds).
 if [[ -x "$VENV/bin/python" ]] && "$VENV/bin/python" -c "
 import importlib.metadata as m
-for name in ('torch', 'torchtitan', 'triton', 'tensorboard', 'tokenizers', 'sentencepiece', 'datasets', 'pytest', 'hypothesis'):
+for name in ('torch', 'torchtitan', 'triton', 'tensorboard', 'tokenizers', 'sentencepiece',
+             'datasets', 'pytest', 'hypothesis'):
     m.version(name)
 " 2>/dev/null; then
     exit 0
@@ -28,13 +29,9 @@ PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
 
 if "$VENV/bin/python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
     echo "setup_env: keeping the installed GPU build of torch" >&2
-elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    echo "setup_env: GPUs found but no CUDA torch importable; installing torch==2.13.0 (CUDA build)" >&2
-    "${PIP[@]}" "torch==2.13.0"
 else
-    echo "setup_env: installing torch==2.13.0 (CPU build)" >&2
-    "${PIP[@]}" "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu \
-        || "${PIP[@]}" "torch==2.13.0"
+    echo "setup_env: installing torch==2.13.0" >&2
+    "${PIP[@]}" "torch==2.13.0"
 fi
 
 echo "setup_env: installing flashcp[train,test]" >&2

@@ -38,6 +38,8 @@ from flashcp.plan.whole_doc import GOAL_SHARE, RankFill, place_documents, rebala
 LAST_CHUNK_SHARE = 0.5
 # Per-Doc documents laid out by `balanced_head_tail`; further ones use `per_doc_shards`.
 FLEXIBLE = 4
+# Send buffers below this share of a rank's tokens are not worth another planning attempt.
+NEGLIGIBLE = 0.02
 
 
 def plan_flashcp(
@@ -61,13 +63,13 @@ def plan_flashcp(
         key = (not met, max(sent) if met else imbalance)
         if best is None or key < best[0]:
             best = (key, ranks, k)
-        if k == len(order):
+        if k == len(order) or extra:
             break
         following = min(len(order), k + max(1, k // 2))
         if met:
-            if extra or max(sent) <= window.sent_floor(following):
+            if max(sent) <= max(window.sent_floor(following), NEGLIGIBLE * window.per_rank):
                 break
-            extra = True
+            extra = True  # one more attempt, with one more document Per-Doc, then stop
         k = following
     (unmet, _), ranks, k = best
     return ranks, {"per_doc": sorted(order[:k]), "target_met": not unmet}
@@ -106,8 +108,8 @@ class _Window:
             return fill.shards, fill.work, fill.sent
         ranks, work, sent = self._hybrid(k)
         if max(work) > self.goal:
-            fill = RankFill([0] * self.n, sent=sent)
-            fill.shards, fill.work = ranks, work
+            fill = RankFill([0] * self.n)
+            fill.shards, fill.work, fill.sent = ranks, work, sent  # traded in place
             rebalance(self.doc_lens, fill, self.goal, self.trade_cap(sent, k))
         return ranks, work, sent
 
@@ -186,10 +188,11 @@ def balanced_head_tail(
     next the chunks just inside those, and so on; the innermost takes one middle piece. A rank
     whose chunks lie in [lo, hi) with a head of h tokens and a tail of t = tokens - h has
         2 W = h (2 lo + h + 1) + t (2 hi - t + 1) = tokens (2 hi + 1 - tokens) - 2 h (hi - lo - tokens),
-    linear in h, so h is solved exactly and clamped to [0, tokens]; what a clamped rank misses
-    ends on the innermost rank. Ranks whose wanted density (workload per token) is furthest from
-    the document's mean go outermost, where head and tail lie furthest apart and the reachable
-    workloads span the widest range. Equal tokens and workloads give Per-Doc's head-tail layout.
+    linear in h, so h is solved exactly, then rounded and clamped to [0, tokens]; what a rank gets
+    beyond (or short of) its target is shared out among the ranks nested inside it. Ranks whose
+    wanted density (workload per token) is furthest from the document's mean go outermost, where
+    head and tail lie furthest apart and the reachable workloads span the widest range. Equal
+    tokens and workloads give Per-Doc's head-tail layout.
     """
     n = len(tokens)
     assert sum(tokens) == length and min(tokens) >= 0, (tokens, length)
@@ -201,13 +204,16 @@ def balanced_head_tail(
     nest = ([outermost] if tokens[outermost] else []) + inner
     out: list[list[Shard]] = [[] for _ in range(n)]
     lo, hi = 0, length
+    excess = 0.0  # workload placed so far beyond what those ranks wanted
     for i, r in enumerate(nest):
         size, slack = tokens[r], hi - lo - tokens[r]
         head = size
         if i < len(nest) - 1 and slack:
-            head = round((size * (2 * hi + 1 - size) - 2 * work[r]) / (2 * slack))
+            target = work[r] - excess / (len(nest) - i)
+            head = round((size * (2 * hi + 1 - size) - 2 * target) / (2 * slack))
             head = min(size, max(0, head))
         tail = size - head
         out[r] = [Shard(doc, lo, head), Shard(doc, hi - tail, tail)]
+        excess += shard_workload(lo, head) + shard_workload(hi - tail, tail) - work[r]
         lo, hi = lo + head, hi - tail
     return out

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Sequence
 
 from flashcp.plan.plan import Shard, shard_workload
@@ -83,11 +83,13 @@ def place_documents(doc_lens: tuple[int, ...], docs: Iterable[int], fill: RankFi
     heapq.heapify(queue)
     rest_tokens = sum(doc_lens[d] for d in docs)
     rest_work = sum(shard_workload(0, doc_lens[d]) for d in docs)
+    shards = fill.shards
     while queue:
         neg, d, last = heapq.heappop(queue)
         length = -neg
+        cost = shard_workload(0, length)
         rest_tokens -= length
-        rest_work -= shard_workload(0, length)
+        rest_work -= cost
         density = rest_work / rest_tokens if rest_tokens else 0.0
         best, best_sent, best_load = -1, 0, math.inf
         for r in range(n):
@@ -104,8 +106,12 @@ def place_documents(doc_lens: tuple[int, ...], docs: Iterable[int], fill: RankFi
             over = [r for r in range(n) if room[r] + spare[r] >= length]
             if over:
                 best = max(over, key=lambda r: (room[r], -r))
-        if best >= 0:
-            fill.add(best, d, 0, length, last)
+        if best >= 0:  # (RankFill.add, inlined: this loop runs once per document)
+            shards[best].append(Shard(d, 0, length))
+            room[best] -= length
+            work[best] += cost
+            if not last:
+                sent[best] += length
             continue
         # ... or cut it: the tail fills the rank with the most room, the head is queued again.
         r = max(range(n), key=lambda r: (room[r] + spare[r], -r))
@@ -120,95 +126,138 @@ def place_documents(doc_lens: tuple[int, ...], docs: Iterable[int], fill: RankFi
 
 
 def rebalance(doc_lens: tuple[int, ...], fill: RankFill, goal: float, max_sent: float = math.inf) -> int:
-    """Trade documents between ranks (step 2 of the module docstring) until no rank exceeds `goal`.
+    """Trade pieces between ranks (step 2 of the module docstring) until no rank exceeds `goal`.
 
-    Token counts per rank are unchanged, and no trade may leave a rank sending more than
+    The busiest rank a gives part of one of its last pieces [s, e) of a document x (a whole
+    document has s = 0) for a whole document y of a rank b with room, which sends back the same
+    number of tokens from y's end (keeping y's head of g tokens, now sent):
+    - back trade: a gives x's last t tokens and keeps [s, e - t), now sent. Workload moved:
+      t (e - |y|). This is the trade of the module docstring when s = 0.
+    - front trade: a gives x's first d tokens [s, s + d) and keeps the rest, still x's last
+      piece; b sends all of them and y's head. Workload moved: d (s - g). Only worth it when
+      s is large, i.e. for the tail of a document already cut.
+    Token counts per rank are unchanged and no trade may leave a rank sending more than
     `max_sent` tokens. Returns the number of trades made.
     """
     n = len(fill.room)
     load = [b + w for b, w in zip(fill.bias, fill.work)]
-    sent = fill.sent
-    # Whole documents as (length, doc, rank), sorted: the partner search bisects by length.
+    # Whole documents as (length, doc, rank), sorted: partner searches bisect by length.
     whole = sorted(
         (s.length, s.doc, r)
         for r, shards in enumerate(fill.shards)
         for s in shards
         if s.start == 0 and s.length == doc_lens[s.doc]
     )
-    whole_lens = [x[0] for x in whole]
+    lens = [x[0] for x in whole]
     moves = 0
     for _ in range(MOVES_PER_RANK * n):
         a = max(range(n), key=lambda r: (load[r], -r))
         need = load[a] - goal
         if need <= 0:
             break
-        top = max(sent)
-        best = None
-        for lx, x, owner in reversed(whole):
-            if lx * lx < 4 * need:  # even the best partner (|y| = |x| / 2) moves too little
-                break
-            if owner == a:
-                found = _best_partner(lx, x, a, need, goal, whole, whole_lens, load, sent, top, max_sent)
-                if found is not None and (best is None or found[0] < best[0]):
-                    best = found
+        pieces = [s for s in fill.shards[a] if s.length > 1 and s.start + s.length == doc_lens[s.doc]]
+        search = _PartnerSearch(whole, lens, a, need, goal, load, fill.sent, max_sent)
+        best = min(
+            (t for piece in pieces for t in (search.back(piece), search.front(piece)) if t is not None),
+            default=None,
+        )
         if best is None:
             break
-        _, x, lx, y, ly, b, h, g = best
-        moved = _trade(fill, a, b, x, lx, y, ly, h, g)
+        moved = _trade(fill, a, *best[1:])
         load[a] -= moved
-        load[b] += moved
-        for item in ((lx, x, a), (ly, y, b)):
-            i = bisect_right(whole, item) - 1
-            del whole[i], whole_lens[i]
+        load[best[3]] += moved
+        if best[1].start == 0:  # x was whole on a
+            del whole[bisect_right(whole, (best[1].length, best[1].doc, a)) - 1]
+        y = best[2]
+        del whole[bisect_right(whole, (y.length, y.doc, best[3])) - 1]
+        lens[:] = [x[0] for x in whole]
         moves += 1
     return moves
 
 
-def _best_partner(lx, x, a, need, goal, whole, whole_lens, load, sent, top, max_sent):
-    """Cheapest trade of whole document x on rank a against a shorter whole document elsewhere.
+class _PartnerSearch:
+    """The cheapest trade for the busiest rank `a`, partner by partner (see `rebalance`).
 
-    With partner y, the trade moves the most workload at h = |x| - |y|, g = 0:
-    W(|x|) - W(|y|) - W(|x| - |y|) = |y| (|x| - |y|). So the partners that can move `need` have
-    lengths between the roots of |y| (|x| - |y|) = need, and the longest of them needs the
-    shortest heads: scan down from there.
+    A trade is (key, x piece on a, y on b, b, front, tokens moved); the key orders trades by
+    the largest send buffer they leave, then by the sent tokens they add.
     """
-    root = math.sqrt(lx * lx - 4 * need)
-    shortest = (lx - root) / 2
-    best = None
-    i = bisect_right(whole_lens, min(lx - 1, (lx + root) / 2))
-    scanned = 0
-    while i > 0 and scanned < PARTNER_SCAN:
-        i -= 1
-        ly, y, b = whole[i]
-        if ly < shortest:
-            break
-        room = goal - load[b]
-        if b == a or room < need:
-            continue
-        scanned += 1
-        dl = lx - ly
-        most = shard_workload(0, lx) - shard_workload(0, ly) - shard_workload(0, dl)
-        # The smallest h whose move still fits b's room (each token of h moves dl less).
-        h = dl + max(0, math.ceil((most - room) / dl))
-        g = h - dl
-        if most - dl * g < need or h >= lx or max(sent[a] + h, sent[b] + g) > max_sent:
-            continue
-        key = (max(top, sent[a] + h, sent[b] + g), h + g, y)
-        if best is None or key < best[0]:
-            best = (key, x, lx, y, ly, b, h, g)
-    return best
+
+    def __init__(self, whole, lens, a, need, goal, load, sent, max_sent) -> None:
+        self.whole, self.lens, self.a, self.need, self.goal = whole, lens, a, need, goal
+        self.load, self.sent, self.max_sent, self.top = load, sent, max_sent, max(sent)
+
+    def _partners(self, index: int, step: int):
+        """Whole documents of ranks with room for `need`, from `index` on in direction `step`."""
+        whole, found = self.whole, 0
+        while 0 <= index < len(whole) and found < PARTNER_SCAN:
+            ly, y, b = whole[index]
+            index += step
+            room = self.goal - self.load[b]
+            if b != self.a and room >= self.need:
+                found += 1
+                yield ly, y, b, room
+
+    def _keyed(self, x, y, ly, b, front, t, cost_a, cost_b):
+        sent = self.sent
+        if max(sent[self.a] + cost_a, sent[b] + cost_b) > self.max_sent:
+            return None
+        key = (max(self.top, sent[self.a] + cost_a, sent[b] + cost_b), cost_a + cost_b, x.doc, y, front)
+        return key, x, Shard(y, 0, ly), b, front, t
+
+    def back(self, x: Shard):
+        """Best back trade: t tokens from x's end move t (e - |y|), so |y| <= e - need / t."""
+        s, e = x.start, x.start + x.length
+        if e * e < 4 * self.need:  # t (e - |y|) with t <= |y| peaks at |y| = e / 2
+            return None
+        best = None
+        root = math.sqrt(e * e - 4 * self.need)
+        for ly, y, b, room in self._partners(bisect_right(self.lens, min(e - 1, (e + root) / 2)) - 1, -1):
+            if ly < (e - root) / 2 - 1:
+                break
+            t = min(ly, x.length - 1, int(room // (e - ly)))
+            if t <= 0 or t * (e - ly) < self.need:
+                continue
+            found = self._keyed(x, y, ly, b, False, t, x.length - t, ly - t)
+            if found is not None and (best is None or found[0] < best[0]):
+                best = found
+        return best
+
+    def front(self, x: Shard):
+        """Best front trade: d tokens from x's start move d (s - |y| + d) <= |y| s, so |y| >= need / s."""
+        s = x.start
+        if s * (x.length - 1) < self.need:
+            return None
+        best = None
+        for ly, y, b, room in self._partners(bisect_left(self.lens, self.need / s), 1):
+            cap = min(ly, x.length - 1)
+            # Largest d with d (s - ly + d) <= room.
+            c = s - ly
+            d = min(cap, int((-c + math.sqrt(c * c + 4 * room)) / 2))
+            if d <= 0 or d * (c + d) < self.need:
+                continue
+            found = self._keyed(x, y, ly, b, True, d, 0, ly)
+            if found is not None and (best is None or found[0] < best[0]):
+                best = found
+        return best
 
 
-def _trade(fill: RankFill, a, b, x, lx, y, ly, h, g) -> int:
-    """x's tail [h, |x|) goes from rank a to b and y's tail [g, |y|) from b to a; returns the
-    workload moved from a to b."""
-    fill.shards[a] = [s for s in fill.shards[a] if s.doc != x] + [Shard(x, 0, h), Shard(y, g, ly - g)]
-    fill.shards[b] = [s for s in fill.shards[b] if s.doc != y] + [Shard(x, h, lx - h)] + ([Shard(y, 0, g)] if g else [])
-    moved = shard_workload(h, lx - h) - shard_workload(g, ly - g)
+def _trade(fill: RankFill, a: int, x: Shard, y: Shard, b: int, front: bool, t: int) -> int:
+    """Apply a trade (see `rebalance`); returns the workload moved from a to b."""
+    g = y.length - t  # y's head, kept (and sent) by b
+    if front:
+        gives, keeps = Shard(x.doc, x.start, t), Shard(x.doc, x.start + t, x.length - t)
+    else:
+        gives, keeps = Shard(x.doc, x.start + x.length - t, t), Shard(x.doc, x.start, x.length - t)
+    fill.shards[a] = [s for s in fill.shards[a] if s != x] + [keeps, Shard(y.doc, g, t)]
+    fill.shards[b] = [s for s in fill.shards[b] if s != y] + [gives] + ([Shard(y.doc, 0, g)] if g else [])
+    moved = shard_workload(gives.start, t) - shard_workload(g, t)
     fill.work[a] -= moved
     fill.work[b] += moved
-    fill.sent[a] += h
-    fill.sent[b] += g
+    if front:
+        fill.sent[b] += t + g
+    else:
+        fill.sent[a] += keeps.length
+        fill.sent[b] += g
     return moved
 
 

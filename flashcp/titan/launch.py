@@ -24,13 +24,20 @@ TRAIN_PY = Path(__file__).resolve().parents[2] / "train.py"
 SHOWN_RANKS = os.environ.get("LOG_RANK", "0")  # local ranks whose output reaches the console
 
 
+def env_int(name: str, default: int) -> int:
+    value = os.environ.get(name) or str(default)
+    if not value.isdigit() or int(value) < 1:
+        raise ConfigError(f"environment variable {name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
 def ranks_per_node(hint: int | None, nnodes: int) -> tuple[int, bool]:
     """(ranks on this node, whether they use GPUs)."""
     import torch
 
     gpus = torch.cuda.device_count()
     if os.environ.get("NGPU"):
-        return int(os.environ["NGPU"]), gpus > 0
+        return env_int("NGPU", 1), gpus > 0
     if gpus:
         return gpus, True
     if hint is not None and hint % nnodes == 0:
@@ -71,8 +78,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             overrides.append(argv[i])
             i += 1
-    nnodes = int(os.environ.get("NNODES", "1"))
     try:
+        nnodes = env_int("NNODES", 1)
+        if nnodes > 1 and not (os.environ.get("MASTER_ADDR") or os.environ.get("RDZV_ENDPOINT")):
+            raise ConfigError(f"NNODES={nnodes} needs MASTER_ADDR (node 0's address) or RDZV_ENDPOINT")
         path = resolve_config_path(config_name)
         cfg = load_job(path, overrides)
         nproc, on_gpu = ranks_per_node(world_size_hint(cfg), nnodes)

@@ -1,4 +1,5 @@
-"""CP = 2 (and TP = 2) reproduces CP = 1: same initial weights (a seed checkpoint), same windows, same losses.
+"""CP = 2 (and TP = 2) reproduces CP = 1: same initial weights (a seed checkpoint), same windows,
+same losses; and a CP = 2 checkpoint resumes on one rank.
 
 The CP = 1 reference trains in this process; the CP = 2 runs train on a pool of two gloo ranks,
 once per sharding strategy and KV exchange. They differ only in floating-point summation order
@@ -52,3 +53,13 @@ def test_cp2_reproduces_cp1_losses(tmp_path, seed):
             worst = max(abs(losses[s] - reference[s]) for s in reference)
             print(f"CP={cp} TP={tp} {strategy}/{comm}: max |loss - CP=1 loss| = {worst:.1e}")
             assert worst <= TOLERANCE, (strategy, comm, cp, tp, losses, reference)
+
+    # The CP=2 run's last checkpoint resumes on one rank: weights, optimizer and the data cursor
+    # carry over to a different layout, so both continue with the same next windows.
+    longer = {"training": {"steps": STEPS + 2}, "checkpoint": seed}
+    with single_rank():
+        after_cp1 = train(tiny_job(tmp_path / "cp1", **longer))
+    with single_rank():
+        after_cp2 = train(tiny_job(tmp_path / "flashcp_compact_cp2_tp1", **longer))
+    assert sorted(after_cp2) == [STEPS + 1, STEPS + 2]
+    assert max(abs(after_cp2[s] - after_cp1[s]) for s in after_cp1) <= TOLERANCE

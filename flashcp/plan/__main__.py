@@ -1,0 +1,168 @@
+"""Compare sharding strategies on packed windows: balance, communication, fragmentation, speed.
+
+    python -m flashcp.plan --distribution pile --cp 8 --windows 200
+    python -m flashcp.plan --lengths 60000,40000,20000,11072 --cp 4 --strategy flashcp --json
+    python -m flashcp.plan --lengths-file my_lengths.json --context 65536 --strategy all --strategy ilp
+
+Windows come from one explicit window (--lengths), or are packed to --context tokens from a JSON
+pool of lengths (--lengths-file) or a named distribution (--distribution, default wlbllm). Each
+strategy plans every window through `flashcp.plan_shards`; the table (or --json) summarises,
+per strategy, the workload imbalance (max / mean), the compact and needed KV communication as
+ratios of the full all-gather, the documents split over several ranks, the shortest shard and
+the planning time in milliseconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+import numpy as np
+
+from flashcp.data.lengths import DISTRIBUTIONS, LengthPool, LengthSampler, length_sampler, pack_windows
+from flashcp.plan import STRATEGIES, plan_shards
+
+METRICS = ("imbalance", "comm_compact_ratio", "comm_needed_ratio", "split_docs", "min_shard_len", "plan_ms")
+DEFAULT_STRATEGIES = [s for s in STRATEGIES if s != "ilp"]
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line (usage stays available through --help)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _lengths(text: str) -> list[int]:
+    try:
+        lens = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--lengths must be comma-separated integers, got {text!r}") from None
+    if any(x < 1 for x in lens):
+        raise argparse.ArgumentTypeError("--lengths must all be positive")
+    return lens
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m flashcp.plan", description=__doc__.split("\n\n")[0])
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--lengths", type=_lengths, help="one window: comma-separated document lengths")
+    src.add_argument("--lengths-file", help="JSON list of document lengths, sampled with replacement")
+    src.add_argument("--distribution", help=f"named length distribution: {', '.join(DISTRIBUTIONS)} (default wlbllm)")
+    p.add_argument("--context", type=_positive, help="tokens per packed window (default 131072)")
+    p.add_argument("--windows", type=_positive, default=200, help="windows to pack (default 200)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument("--cp", type=_positive, default=8, help="context-parallel size N (default 8)")
+    p.add_argument(
+        "--strategy",
+        action="append",
+        choices=[*STRATEGIES, "all"],
+        help=f"strategy to run, repeatable (default all = {', '.join(DEFAULT_STRATEGIES)}; "
+        "ilp is slow and runs only when named)",
+    )
+    p.add_argument("--target-imbalance", type=float, default=1.05, help="target max/mean workload (default 1.05)")
+    p.add_argument("--ilp-block", type=_positive, help="ilp granularity in tokens (default C / (16 N))")
+    p.add_argument("--ilp-time-limit", type=float, default=60.0, help="ilp seconds per window (default 60)")
+    p.add_argument("--json", action="store_true", help="print one JSON object keyed by strategy")
+    return p
+
+
+def windows_from(args: argparse.Namespace) -> tuple[list[list[int]], str]:
+    """The windows to plan and a phrase naming where they came from."""
+    if args.lengths is not None:
+        if args.context is not None:
+            raise ValueError("--context applies to packed windows; --lengths is the window itself")
+        return [args.lengths], f"{len(args.lengths)} documents"
+    context = 131072 if args.context is None else args.context
+    if args.lengths_file is not None:
+        sampler = LengthSampler(LengthPool.from_json(args.lengths_file), args.seed, args.lengths_file)
+    else:
+        sampler = length_sampler(args.distribution or "wlbllm", args.seed)
+    return pack_windows(sampler, context, args.windows), f"{sampler.name} (seed {args.seed})"
+
+
+def evaluate(
+    windows: Sequence[Sequence[int]], cp: int, strategies: Sequence[str], target: float, ilp: dict[str, Any]
+) -> dict[str, dict[str, list[float]]]:
+    """Per strategy, each metric of `METRICS` for every window."""
+    out: dict[str, dict[str, list[float]]] = {}
+    for name in strategies:
+        per = out.setdefault(name, {m: [] for m in METRICS})
+        options = ilp if name == "ilp" else {}
+        for lens in windows:
+            t0 = time.perf_counter()
+            plan = plan_shards(lens, cp, strategy=name, target_imbalance=target, **options)
+            per["plan_ms"].append((time.perf_counter() - t0) * 1e3)
+            m = plan.metrics()
+            for key in METRICS[:-1]:
+                per[key].append(m[key])
+    return out
+
+
+def summarise(values: Sequence[float]) -> dict[str, float]:
+    a = np.asarray(values, dtype=float)
+    return {"mean": float(a.mean()), "p50": float(np.percentile(a, 50)), "p95": float(np.percentile(a, 95)), "max": float(a.max())}
+
+
+def render(summary: dict[str, dict[str, dict[str, float]]], header: str) -> str:
+    cols = ["strategy", "imbalance mean/p95/max", "compact comm", "needed comm", "split docs", "min shard p50", "plan ms mean/p95"]
+    rows = []
+    for name, s in summary.items():
+        imb, plan = s["imbalance"], s["plan_ms"]
+        rows.append([
+            name,
+            f"{imb['mean']:.3f} / {imb['p95']:.3f} / {imb['max']:.3f}",
+            f"{s['comm_compact_ratio']['mean']:.3f}",
+            f"{s['comm_needed_ratio']['mean']:.3f}",
+            f"{s['split_docs']['mean']:.1f}",
+            f"{s['min_shard_len']['p50']:.0f}",
+            f"{plan['mean']:.2f} / {plan['p95']:.2f}",
+        ])
+    width = [max(len(r[i]) for r in [cols, *rows]) for i in range(len(cols))]
+    lines = [header, "  ".join(c.ljust(w) for c, w in zip(cols, width))]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, width)) for r in rows]
+    lines.append("comm columns are means of the per-window ratio to the full all-gather (1.0 = Llama3 / Per-Doc CP)")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    strategies = list(dict.fromkeys(
+        s for name in (args.strategy or ["all"]) for s in (DEFAULT_STRATEGIES if name == "all" else [name])
+    ))
+    ilp = {"time_limit": args.ilp_time_limit} | ({"block": args.ilp_block} if args.ilp_block else {})
+    try:
+        windows, source = windows_from(args)
+        results = evaluate(windows, args.cp, strategies, args.target_imbalance, ilp)
+    except (ValueError, RuntimeError) as e:
+        parser.error(str(e))
+    summary = {name: {m: summarise(v) for m, v in per.items()} for name, per in results.items()}
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        docs = np.mean([len(w) for w in windows])
+        header = (
+            f"{len(windows)} window(s) of {sum(windows[0])} tokens from {source}, "
+            f"{docs:.1f} documents per window, CP size {args.cp}, target imbalance {args.target_imbalance}"
+        )
+        print(render(summary, header))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
