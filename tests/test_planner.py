@@ -19,11 +19,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from flashcp import Plan, plan_shards
+from flashcp import Plan, Shard, plan_shards
 from flashcp.dispatch import COMM_MODES
 from flashcp.plan import STRATEGIES
 from flashcp.plan.hybrid import balanced_head_tail
 from flashcp.plan.plan import shard_workload
+from flashcp.plan.whole_doc import RankFill, place_documents, rebalance
 
 HAS_ILP = (Path(__file__).resolve().parents[1] / "flashcp" / "plan" / "ilp.py").exists()
 HEURISTICS = [s for s in STRATEGIES if s != "ilp"]
@@ -120,7 +121,8 @@ def check_plan(plan: Plan) -> None:
     for shards in plan.ranks:
         assert list(shards) == sorted(shards), "shards not ordered by (doc, start)"
         for s in shards:
-            assert 0 <= s.doc < len(lens) and s.length > 0 and 0 <= s.start and s.start + s.length <= lens[s.doc]
+            assert 0 <= s.doc < len(lens) and s.length > 0 and 0 <= s.start
+            assert s.start + s.length <= lens[s.doc]
         for a, b in zip(shards, shards[1:]):
             assert not (a.doc == b.doc and a.start + a.length == b.start), "adjacent pieces not merged"
     expected = brute_metrics(plan)
@@ -271,12 +273,34 @@ def test_one_document_filling_the_window_goes_per_doc(n: int) -> None:
     assert plan.metrics()["imbalance"] <= per_doc["imbalance"] + 1e-9
 
 
-def test_whole_doc_splits_to_equalise_tokens() -> None:
-    """Fig. 4(2): unequal documents are cut so both ranks hold C/N tokens; only heads are sent."""
-    plan = make_plan("whole_doc", [3000, 1000, 1000, 3000], 2, 1.05)
+def test_whole_doc_splits_adaptively() -> None:
+    """Fig. 4(2): cutting only the longer document to equalise tokens leaves rank 0 with its
+    dense tail (imbalance 1.41); Whole-Doc also cuts the shorter one to balance the workload."""
+    naive = Plan((5000, 3000), 2, ((Shard(0, 1000, 4000),), (Shard(0, 0, 1000), Shard(1, 0, 3000))), "naive")
+    assert naive.metrics()["imbalance"] > 1.4
+    plan = make_plan("whole_doc", [5000, 3000], 2, 1.05)
     check_plan(plan)
     m = plan.metrics()
-    assert m["tokens"] == [4000, 4000] and m["imbalance"] <= 1.05
+    assert m["imbalance"] <= 1.05 and m["split_docs"] == 2
+
+
+@SETTINGS
+@given(window=windows(), target=st.sampled_from(TARGETS))
+def test_whole_doc_bookkeeping(window: tuple[list[int], int], target: float) -> None:
+    """Placement and trades keep their running totals equal to the shards', tokens exact, and a
+    trade never raises the largest workload."""
+    lens, n = window
+    lens = tuple(lens)
+    fill = RankFill([sum(lens) // n] * n)
+    place_documents(lens, range(len(lens)), fill)
+    before = max(fill.work)
+    mean = sum(shard_workload(0, x) for x in lens) / n
+    rebalance(lens, fill, mean * target)
+    for r, shards in enumerate(fill.shards):
+        assert fill.room[r] == 0 and sum(s.length for s in shards) == sum(lens) // n
+        assert fill.work[r] == sum(shard_workload(s.start, s.length) for s in shards)
+        assert fill.sent[r] == sum(s.length for s in shards if s.start + s.length < lens[s.doc])
+    assert max(fill.work) <= before
 
 
 def test_balanced_head_tail_meets_token_and_workload_targets() -> None:
@@ -288,7 +312,8 @@ def test_balanced_head_tail_meets_token_and_workload_targets() -> None:
     work = [sum(shard_workload(s.start, s.length) for s in shards) for shards in reference]
     out = balanced_head_tail(7, length, tokens, work, 0)
     covered = sorted((s.start, s.length) for shards in out for s in shards if s.length)
-    assert sum(x for _, x in covered) == length and all(a + b == c for (a, b), (c, _) in zip(covered, covered[1:]))
+    assert covered[0][0] == 0 and sum(x for _, x in covered) == length
+    assert all(a + b == c for (a, b), (c, _) in zip(covered, covered[1:])), "chunks overlap or leave gaps"
     for r, shards in enumerate(out):
         assert all(s.doc == 7 for s in shards)
         assert sum(s.length for s in shards) == tokens[r]
@@ -301,7 +326,8 @@ def test_balanced_head_tail_with_equal_targets_is_per_doc() -> None:
     out = balanced_head_tail(0, length, [200] * n, [shard_workload(0, length) / n] * n, 0)
     heads = sorted(shards[0].start for shards in out)
     assert heads == [0, 100, 200, 300]
-    assert {sum(shard_workload(s.start, s.length) for s in shards) for shards in out} == {shard_workload(0, length) // n}
+    work = {sum(shard_workload(s.start, s.length) for s in shards) for shards in out}
+    assert work == {shard_workload(0, length) // n}
 
 
 # ---------------------------------------------------------------------------------------------

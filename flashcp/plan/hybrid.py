@@ -7,15 +7,16 @@ How the two parts fit together is what decides the communication. Per-Doc docume
 over all ranks anyway, so they take the slack of the Whole-Doc part: their head-tail chunks
 get sizes solved per rank (`balanced_head_tail`) so that every rank ends with exactly C/N
 tokens and the mean workload. Whole-Doc documents then never have to be cut merely to make
-token counts exact, and the Whole-Doc part needs only rough balance. Two more details keep the
-largest send buffer small:
-- Ranks take Per-Doc tokens (all sent, bar one last chunk) in inverse proportion to what they
-  send already, and the rank holding the longest Per-Doc document's last chunk (never sent)
-  gets that chunk on top, sized to carry about half a rank's workload.
-- If the Whole-Doc part still needs trades (`whole_doc.rebalance`), a trade may not raise a
-  rank's sends by more than moving one more document to Per-Doc would cost (|d| / N); the loop
-  moves that document instead. Once the target is met the loop tries one more document in
-  Per-Doc when that could still lower the largest send buffer, and keeps the better plan.
+token counts exact, and the Whole-Doc part needs only rough balance. Three more details keep
+the largest send buffer small:
+- Ranks take as many Per-Doc tokens (all sent, but for one last chunk) as evens out what they
+  send, and the rank holding the longest Per-Doc document's last chunk (never sent) gets that
+  chunk on top, sized to carry about half a rank's workload.
+- If the Whole-Doc part still needs trades (`whole_doc.rebalance`), no trade may leave a rank
+  sending more than the largest buffer so far plus what moving the next document d to Per-Doc
+  would add (|d| / N): past that, the loop moves d instead.
+- Once the target is met, the loop makes one more attempt with the next document in Per-Doc
+  when that could still lower the largest send buffer, and keeps the better plan.
 
 Beyond the first few, Per-Doc documents use the plain layout of `per_doc_shards`: their
 chunks add balance nobody needs. A document that cannot stay whole on any rank (longer than
@@ -150,7 +151,8 @@ class _Window:
         taken[holder] -= bonus
         for j, d in enumerate(flexible):
             size = doc_lens[d]
-            part = list(taken) if j == len(flexible) - 1 else _apportion(taken, size - (bonus if j == 0 else 0))
+            rest = size - (bonus if j == 0 else 0)
+            part = list(taken) if j == len(flexible) - 1 else _apportion(taken, rest)
             taken = [t - p for t, p in zip(taken, part)]
             if j == 0:
                 part[holder] += bonus

@@ -67,9 +67,9 @@ def _stdout_to_stderr() -> Iterator[None]:
 
 
 class _Model:
-    """The MILP of one window at one block granularity (workloads scaled by the mean)."""
+    """The MILP of one window: last-shard blocks of `block` tokens, prefix slices of `prefix_block`."""
 
-    def __init__(self, doc_lens: tuple[int, ...], n: int, block: int) -> None:
+    def __init__(self, doc_lens: tuple[int, ...], n: int, block: int, prefix_block: int) -> None:
         self.doc_lens, self.n = doc_lens, n
         self.tokens_per_rank = sum(doc_lens) // n
         self.mean = sum(shard_workload(0, x) for x in doc_lens) / n
@@ -81,49 +81,60 @@ class _Model:
                 length.append(min(block, size - s))
         self.doc, self.start, self.length = np.array(doc), np.array(start), np.array(length)
         self.last = np.r_[self.doc[1:] != self.doc[:-1], True]  # a document's last block
-        n_docs, k = len(doc_lens), len(doc)
+        # Slices: block k's tokens in runs of prefix_block; slice i lies in block parent[i].
+        parent, s_start, s_len = [], [], []
+        for k, (s, l) in enumerate(zip(start, length)):
+            for a in range(s, s + l, prefix_block):
+                parent.append(k)
+                s_start.append(a)
+                s_len.append(min(prefix_block, s + l - a))
+        self.parent, self.s_start, self.s_len = np.array(parent), np.array(s_start), np.array(s_len)
+        n_docs, k, m = len(doc_lens), len(doc), len(parent)
         self.y = np.arange(n_docs * n).reshape(n_docs, n)
         self.z = np.arange(k) + self.y.size
         self.v = np.arange(k * n).reshape(k, n) + self.z[-1] + 1
-        self.u = self.v + k * n
-        self.comm = self.u.size + self.u[0, 0]  # Z: largest send buffer
+        self.u = np.arange(m * n).reshape(m, n) + self.v[-1, -1] + 1
+        self.comm = self.u[-1, -1] + 1  # Z: largest send buffer
         self.wmax = self.comm + 1  # largest workload, for the fallback objective
         self.nvar = self.wmax + 1
-        s, l = self.start.astype(float), self.length.astype(float)
-        self.work = (2 * s + l + 1) * l / 2 / self.mean
-        self.cost = (s + (l + 1) / 2) / self.mean
+        st, sl = self.s_start.astype(float), self.s_len.astype(float)
+        b, bl = self.start.astype(float), self.length.astype(float)
+        self.work = (2 * b + bl + 1) * bl / 2 / self.mean
+        self.cost = (st + (sl + 1) / 2) / self.mean
         size = np.array(doc_lens, dtype=float)[self.doc]
-        self.suffix_work = (size - s) * (size + s + 1) / 2 / self.mean
+        self.suffix_work = (size - b) * (size + b + 1) / 2 / self.mean
         self.rows = self._rows()
 
     def _rows(self) -> list[tuple[dict[int, float], float, float]]:
         n, y, z, v, u, inf = self.n, self.y, self.z, self.v, self.u, np.inf
-        rows = [({y[d, j]: 1 for j in range(n)}, 1, 1) for d in range(len(self.doc_lens))]
-        for k, (d, l) in enumerate(zip(self.doc, self.length)):
+        n_docs, slices = len(self.doc_lens), range(len(self.parent))
+        rows = [({y[d, j]: 1 for j in range(n)}, 1, 1) for d in range(n_docs)]
+        for k, d in enumerate(self.doc):
             rows.append(({**{v[k, j]: 1 for j in range(n)}, z[k]: -1}, 0, 0))
             rows += [({v[k, j]: 1, y[d, j]: -1}, -inf, 0) for j in range(n)]
-            rows.append(({**{u[k, j]: 1 for j in range(n)}, z[k]: l}, l, l))
             if not self.last[k]:
                 rows.append(({z[k]: 1, z[k + 1]: -1}, -inf, 0))
+        for i, (k, l) in enumerate(zip(self.parent, self.s_len)):
+            rows.append(({**{u[i, j]: 1 for j in range(n)}, z[k]: l}, l, l))
         for j in range(n):
-            tokens = {v[k, j]: l for k, l in enumerate(self.length)} | {u[k, j]: 1 for k in range(len(self.doc))}
+            tokens = {v[k, j]: l for k, l in enumerate(self.length)} | {u[i, j]: 1 for i in slices}
             rows.append((tokens, self.tokens_per_rank, self.tokens_per_rank))
-            rows.append(({**{u[k, j]: 1 for k in range(len(self.doc))}, self.comm: -1}, -inf, 0))
+            rows.append(({**{u[i, j]: 1 for i in slices}, self.comm: -1}, -inf, 0))
             if j:  # rank j holds a last shard of document d only if rank j-1 holds one of an earlier one
-                rows += [({y[d, j]: 1, **{y[e, j - 1]: -1 for e in range(d)}}, -inf, 0) for d in range(len(self.doc_lens))]
+                rows += [({y[d, j]: 1, **{y[e, j - 1]: -1 for e in range(d)}}, -inf, 0) for d in range(n_docs)]
         return rows
 
     def solve(self, cap: float | None, time_limit: float, mip_rel_gap: float) -> OptimizeResult:
         """Minimise Z with every workload <= cap; with cap None minimise the largest workload."""
         rows = list(self.rows)
         for j in range(self.n):
-            work = {self.v[k, j]: w for k, w in enumerate(self.work)} | {self.u[k, j]: c for k, c in enumerate(self.cost)}
+            work = {self.v[k, j]: w for k, w in enumerate(self.work)} | {self.u[i, j]: c for i, c in enumerate(self.cost)}
             rows.append((work, -np.inf, cap) if cap is not None else ({**work, self.wmax: -1}, -np.inf, 0))
         coefs = [(r, i, a) for r, (row, _, _) in enumerate(rows) for i, a in row.items()]
         r, i, a = zip(*coefs)
         matrix = sparse.csr_array((a, (r, i)), shape=(len(rows), self.nvar))
         lo, hi = np.zeros(self.nvar), np.ones(self.nvar)
-        hi[self.u] = self.length[:, None]
+        hi[self.u] = self.s_len[:, None]
         lo[self.z] = self.last
         if cap is not None:
             hi[self.z] = np.where(self.last, 1, self.suffix_work <= cap)
@@ -148,13 +159,14 @@ class _Model:
     def shards(self, sol: np.ndarray) -> list[list[Shard]]:
         ranks: list[list[Shard]] = [[] for _ in range(self.n)]
         owner = np.argmax(sol[self.y], axis=1)
-        for k, (d, s, l) in enumerate(zip(self.doc.tolist(), self.start.tolist(), self.length.tolist())):
-            if sol[self.z[k]] > 0.5:
-                ranks[owner[d]].append(Shard(d, s, l))
-                continue
-            amounts = np.rint(sol[self.u[k]]).astype(int)
-            order = list(range(self.n)) if k % 2 == 0 else list(range(self.n - 1, -1, -1))
-            if not self.last[k] and sol[self.z[k + 1]] > 0.5:
+        in_last = sol[self.z] > 0.5
+        for k in np.flatnonzero(in_last):
+            ranks[owner[self.doc[k]]].append(Shard(int(self.doc[k]), int(self.start[k]), int(self.length[k])))
+        for i in np.flatnonzero(~in_last[self.parent]):
+            k, d, s = self.parent[i], int(self.doc[self.parent[i]]), int(self.s_start[i])
+            amounts = np.rint(sol[self.u[i]]).astype(int)
+            order = list(range(self.n)) if i % 2 == 0 else list(range(self.n - 1, -1, -1))
+            if s + self.s_len[i] == self.start[k] + self.length[k] and not self.last[k] and in_last[k + 1]:
                 order.remove(owner[d])
                 order.append(owner[d])
             for j in order:
@@ -172,6 +184,7 @@ def plan_ilp(
     cp_size: int,
     target_imbalance: float = 1.05,
     block: int | None = None,
+    prefix_block: int | None = None,
     time_limit: float = 60.0,
     mip_rel_gap: float = 1e-4,
 ) -> tuple[list[list[Shard]], dict[str, Any]]:
@@ -187,11 +200,13 @@ def plan_ilp(
     n = cp_size
     per_rank = sum(doc_lens) // n
     block = max(1, per_rank // 16) if block is None else block
-    if not isinstance(block, int) or block < 1:
-        raise ValueError(f"ilp block must be a positive integer, got {block!r}")
+    prefix_block = max(1, block // 8) if prefix_block is None else prefix_block
+    for name, value in (("block", block), ("prefix_block", prefix_block)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"ilp {name} must be a positive integer, got {value!r}")
     if not time_limit > 0:
         raise ValueError(f"ilp time_limit must be positive, got {time_limit}")
-    model = _Model(doc_lens, n, block)
+    model = _Model(doc_lens, n, block, prefix_block)
     t0 = time.perf_counter()
 
     def left() -> float:
@@ -226,6 +241,7 @@ def plan_ilp(
         "target_met": imbalance <= target_imbalance,
         "resolves": resolves,
         "block": block,
+        "prefix_block": prefix_block,
         "num_blocks": len(model.doc),
     }
     return ranks, info

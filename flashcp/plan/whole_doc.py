@@ -11,12 +11,15 @@ before the last. The plan is built in two steps that both keep those pieces shor
    prediction charges that rank for the room it must still fill. A document that fits on no
    rank is cut: its tail fills the rank with the most room (the last piece is free) and its head
    is queued again as a piece that will be sent, placed on the rank that sends least.
-2. `rebalance`: while the busiest rank exceeds the goal it trades a whole document x for a
-   shorter whole document y of a rank with room. x moves but for a head of h tokens, y moves
-   but for a head of g = h - (|x| - |y|) tokens, so both ranks keep their token counts and the
-   workload moved, W(|x|) - W(h) - W(|y|) + W(g), falls by |x| - |y| per token of h. The move
-   costs h + g sent tokens, least when x and y are long and of similar length (h is then about
-   the workload moved divided by |x|): balance is bought with short heads.
+2. `rebalance`: while the busiest rank exceeds the goal it trades part of one of its documents
+   for the end of a shorter whole document y of a rank with room, token for token, so token
+   counts never change. Giving the last t tokens of a whole document x and keeping its head
+   moves t (|x| - |y|) workload; the kept head of x and the head y leaves behind are sent, so
+   the trade costs (|x| - t) + (|y| - t) tokens, least when x and y are long and of similar
+   length (then t is close to |y| and the heads are about the workload moved divided by |x|):
+   balance is bought with short heads. Both documents end up partially partitioned, as in the
+   paper's Fig. 4. A rank holding only the tail of a cut document trades the front of that
+   tail instead (see `rebalance`).
 
 `flashcp.plan.hybrid` uses the same two steps for the documents it keeps out of Per-Doc.
 """

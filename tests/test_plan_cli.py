@@ -1,0 +1,90 @@
+"""`python -m flashcp.plan`: table and JSON output, window sources, one-line errors (exit 2)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flashcp.plan import STRATEGIES
+from flashcp.plan.__main__ import DEFAULT_STRATEGIES, METRICS, main
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["--context", "4096", "--windows", "6", "--cp", "4"]
+
+
+def run_json(capsys: pytest.CaptureFixture[str], argv: list[str]) -> dict:
+    assert main([*argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_table_has_one_row_per_strategy(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--distribution", "pile", *SMALL]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("6 window(s) of 4096 tokens from pile (seed 0)")
+    assert lines[1].split()[0] == "strategy"
+    assert [line.split()[0] for line in lines[2:-1]] == DEFAULT_STRATEGIES
+    assert "ilp" not in DEFAULT_STRATEGIES and set(DEFAULT_STRATEGIES) == set(STRATEGIES) - {"ilp"}
+
+
+def test_json_summaries(capsys: pytest.CaptureFixture[str]) -> None:
+    out = run_json(capsys, ["--distribution", "redpajama", *SMALL, "--strategy", "per_doc", "--strategy", "flashcp"])
+    assert list(out) == ["per_doc", "flashcp"]
+    for summary in out.values():
+        assert set(summary) == set(METRICS)
+        for stats in summary.values():
+            assert set(stats) == {"mean", "p50", "p95", "max"}
+            assert stats["p50"] <= stats["p95"] <= stats["max"]
+        assert summary["imbalance"]["mean"] >= 1.0
+        assert 0.0 <= summary["comm_compact_ratio"]["mean"] <= 1.0
+    # Every Per-Doc rank but the first holds two non-last chunks: it sends all its tokens.
+    assert out["per_doc"]["comm_compact_ratio"]["max"] == 1.0
+    assert out["flashcp"]["split_docs"]["mean"] <= out["per_doc"]["split_docs"]["mean"]
+
+
+def test_sources_and_ilp(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    one = run_json(capsys, ["--lengths", "100,100", "--cp", "2", "--strategy", "ilp", "--strategy", "per_seq"])
+    assert one["ilp"]["comm_compact_ratio"]["max"] == 0.0 and one["ilp"]["imbalance"]["max"] == 1.0
+    assert one["per_seq"]["comm_compact_ratio"]["max"] > 0.0  # its chunk grid splits both documents
+    pool = tmp_path / "lens.json"
+    pool.write_text("[300, 500, 1200]")
+    out = run_json(capsys, ["--lengths-file", str(pool), *SMALL, "--strategy", "all"])
+    assert list(out) == DEFAULT_STRATEGIES
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--distribution", "zipf"], "unknown length distribution 'zipf'"),
+        (["--lengths", "1,2,3", "--cp", "4"], "not divisible by cp_size 4"),
+        (["--lengths", "1,x"], "comma-separated integers"),
+        (["--lengths", "4,4", "--context", "8"], "--context applies to packed windows"),
+        (["--lengths-file", "/nonexistent/lens.json"], "cannot read lengths file"),
+        (["--strategy", "ring"], "invalid choice: 'ring'"),
+        (["--cp", "0"], "positive integer"),
+        (["--lengths", "4,4", "--cp", "2", "--target-imbalance", "0.9"], "target_imbalance must be >= 1.0"),
+        (["--lengths", "4,4", "--cp", "2", "--strategy", "ilp", "--ilp-time-limit", "0"], "time_limit must be positive"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("python -m flashcp.plan: error:") and message in err
+
+
+def test_module_entry_point() -> None:
+    ok = subprocess.run(
+        [sys.executable, "-m", "flashcp.plan", "--lengths", "60,40,20,8", "--cp", "4", "--json"],
+        cwd=ROOT, capture_output=True, text=True, check=False,
+    )
+    assert ok.returncode == 0, ok.stderr
+    assert list(json.loads(ok.stdout)) == DEFAULT_STRATEGIES
+    bad = subprocess.run(
+        [sys.executable, "-m", "flashcp.plan", "--windows", "-3"], cwd=ROOT, capture_output=True, text=True, check=False
+    )
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr and bad.stderr.count("\n") == 1
