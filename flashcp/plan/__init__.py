@@ -9,6 +9,7 @@ result, so a strategy only has to decide placement.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 from collections.abc import Sequence
@@ -26,11 +27,14 @@ STRATEGIES: dict[str, str] = {
 }
 
 
-def _strategy(name: str):
+@functools.cache
+def _strategy(name: str) -> tuple[Any, frozenset[str]]:
+    """The strategy function and the option names it accepts (looked up once per name)."""
     if name not in STRATEGIES:
         raise ValueError(f"unknown strategy {name!r}; choose one of {', '.join(STRATEGIES)}")
     module, func = STRATEGIES[name].split(":")
-    return getattr(importlib.import_module(module), func)
+    fn = getattr(importlib.import_module(module), func)
+    return fn, frozenset(inspect.signature(fn).parameters)
 
 
 def plan_shards(
@@ -62,8 +66,7 @@ def plan_shards(
         )
     if not target_imbalance >= 1.0:
         raise ValueError(f"target_imbalance must be >= 1.0, got {target_imbalance}")
-    fn = _strategy(strategy)
-    params = inspect.signature(fn).parameters
+    fn, params = _strategy(strategy)
     if "target_imbalance" in params:
         options["target_imbalance"] = target_imbalance
     unknown = set(options) - set(params)
