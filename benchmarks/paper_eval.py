@@ -17,6 +17,7 @@ HERE = Path(__file__).resolve().parent
 
 # figure -> (script under benchmarks/, arguments placed before the user's, description)
 ENTRIES: dict[str, tuple[str, list[str], str]] = {
+    "planner": ("planner.py", [], "planner study + Table 2, heuristic vs ILP (measured, CPU)"),
     "attention-gpu": ("attention.py", ["--preset", "paper"], "Fig. 3 + per-rank critical path (measured, GPU)"),
     "fig3-model": ("costmodel.py", ["fig3"], "kernel efficiency, whole vs Per-Doc shards (modelled, CPU)"),
     "fig5": ("costmodel.py", ["fig5"], "speedup per dataset x heads x N at 128K (modelled, CPU)"),
