@@ -1,6 +1,6 @@
 """Planner benchmark: balance, communication, fragmentation and planning time of every strategy.
 
-    python benchmarks/planner.py            # full run: ~15 minutes on 2 CPU cores (mostly the MILP)
+    python benchmarks/planner.py            # full run: ~8 minutes on 2 CPU cores (mostly the MILP)
     python benchmarks/planner.py --quick    # smoke run, well under a minute (results to a temp dir)
 
 1. Sweep: windows packed from the wlbllm, pile and redpajama length distributions
@@ -48,7 +48,7 @@ PANELS = [
     ("comm_compact_ratio", "compact comm / full all-gather", "mean"),
     ("comm_needed_ratio", "needed comm / full all-gather", "mean"),
     ("split_docs", "documents split across ranks", "mean"),
-    ("plan_ms", "planning time (ms, log)", "mean"),
+    ("plan_ms", "planning time (ms, median, log)", "p50"),
 ]
 
 
@@ -77,7 +77,8 @@ def sweep(args: argparse.Namespace) -> tuple[list[dict], dict]:
         stats.setdefault(dataset, {})[str(context)] = workload_stats(dataset, context, windows, args.seed)
         results = evaluate(windows, n, DEFAULT_STRATEGIES, args.target_imbalance, {})
         summary = {s: {m: summarise(v) for m, v in per.items()} for s, per in results.items()}
-        rows.append({"dataset": dataset, "cp": n, "context": context, "windows": len(windows), "strategies": summary})
+        rows.append({"dataset": dataset, "cp": n, "context": context, "windows": len(windows),
+                     "strategies": summary})
     return rows, stats
 
 
@@ -91,7 +92,8 @@ def optimality(args: argparse.Namespace) -> dict:
     runs["per_doc"] = ("per_doc", args.target_imbalance, {})
     out = {}
     for label, (strategy, target, options) in runs.items():
-        rec: dict[str, list] = {"imbalance": [], "saving": [], "split_docs": [], "plan_s": [], "optimal": [], "target_met": []}
+        keys = ("imbalance", "saving", "split_docs", "plan_s", "optimal", "target_met")
+        rec: dict[str, list] = {k: [] for k in keys}
         for lens in progress(windows, label):
             t0 = time.perf_counter()
             plan = plan_shards(lens, n, strategy, target, **options)
@@ -124,10 +126,11 @@ def markdown(rows: list[dict], stats: dict, opt: dict, args: argparse.Namespace)
     lines = [
         "# Planner benchmark",
         "",
-        f"`python benchmarks/planner.py{' --quick' if args.quick else ''}`: {args.windows} windows per configuration, "
-        f"seed {args.seed}, target imbalance {args.target_imbalance}. Comm ratios are per-window means of the "
-        "largest per-rank KV receive relative to the full all-gather (1.0 = Llama3 / Per-Doc CP); planning "
-        "times are single-threaded CPU milliseconds through `plan_shards` (validation included).",
+        f"`python benchmarks/planner.py{' --quick' if args.quick else ''}`: {args.windows} windows per "
+        f"configuration, seed {args.seed}, target imbalance {args.target_imbalance}. Comm ratios are "
+        "per-window means of the largest per-rank KV receive relative to the full all-gather (1.0 = Llama3 / "
+        "Per-Doc CP); planning times are single-threaded CPU milliseconds through `plan_shards` (validation "
+        "included).",
         "",
         "## Workloads",
         "",
@@ -144,8 +147,8 @@ def markdown(rows: list[dict], stats: dict, opt: dict, args: argparse.Namespace)
         "",
         "## Strategies",
         "",
-        "| dataset | N | C | strategy | imbalance mean / p95 / max | compact comm | needed comm | split docs | "
-        "min shard p50 | plan ms mean / p95 |",
+        "| dataset | N | C | strategy | imbalance mean / p95 / max | compact comm | needed comm | "
+        "split docs | min shard p50 | plan ms p50 / p95 |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
@@ -153,9 +156,10 @@ def markdown(rows: list[dict], stats: dict, opt: dict, args: argparse.Namespace)
             imb, ms = s["imbalance"], s["plan_ms"]
             lines.append(
                 f"| {row['dataset']} | {row['cp']} | {row['context']} | {name} | "
-                f"{imb['mean']:.3f} / {imb['p95']:.3f} / {imb['max']:.3f} | {s['comm_compact_ratio']['mean']:.3f} | "
+                f"{imb['mean']:.3f} / {imb['p95']:.3f} / {imb['max']:.3f} | "
+                f"{s['comm_compact_ratio']['mean']:.3f} | "
                 f"{s['comm_needed_ratio']['mean']:.3f} | {s['split_docs']['mean']:.1f} | "
-                f"{s['min_shard_len']['p50']:.0f} | {ms['mean']:.2f} / {ms['p95']:.2f} |"
+                f"{s['min_shard_len']['p50']:.0f} | {ms['p50']:.2f} / {ms['p95']:.2f} |"
             )
     lines += [
         "",
@@ -165,8 +169,8 @@ def markdown(rows: list[dict], stats: dict, opt: dict, args: argparse.Namespace)
         f"average), ILP blocks of {opt['block']} tokens, {args.ilp_time_limit:g} s limit per window. "
         "Communication saving = 1 - compact comm ratio (mean over windows).",
         "",
-        "| planner | target | comm saving | imbalance mean / max | target met | split docs | proven optimal | "
-        "plan time mean / max (s) | paper: saving / imbalance |",
+        "| planner | target | comm saving | imbalance mean / max | target met | split docs | "
+        "proven optimal | plan ms mean / max | paper: saving / imbalance |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for label, r in opt["runs"].items():
@@ -175,13 +179,14 @@ def markdown(rows: list[dict], stats: dict, opt: dict, args: argparse.Namespace)
         optimal = "-" if r["proven_optimal"] is None else f"{r['proven_optimal']:.0%}"
         lines.append(
             f"| {label} | {r['target']} | {r['saving']['mean']:.1%} | {r['imbalance']['mean']:.3f} / "
-            f"{r['imbalance']['max']:.3f} | {r['target_met']:.0%} | {r['split_docs']['mean']:.1f} | {optimal} | "
-            f"{r['plan_s']['mean']:.3g} / {r['plan_s']['max']:.3g} | {paper_txt} |"
+            f"{r['imbalance']['max']:.3f} | {r['target_met']:.0%} | {r['split_docs']['mean']:.1f} | "
+            f"{optimal} | "
+            f"{1e3 * r['plan_s']['mean']:.2f} / {1e3 * r['plan_s']['max']:.2f} | {paper_txt} |"
         )
     return "\n".join(lines) + "\n"
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def plot(rows: list[dict], opt: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -190,35 +195,48 @@ def plot(rows: list[dict], path: Path) -> None:
     context = max(r["context"] for r in rows)
     picked = [r for r in rows if r["context"] == context]
     groups = [f"{r['dataset']}\nN={r['cp']}" for r in picked]
-    fig, axes = plt.subplots(1, len(PANELS), figsize=(4.2 * len(PANELS), 4.2))
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8.5))
     width = 0.8 / len(DEFAULT_STRATEGIES)
     x = np.arange(len(picked))
-    for ax, (metric, title, stat) in zip(axes, PANELS):
+    for ax, (metric, title, stat) in zip(axes.flat, PANELS):
         for i, name in enumerate(DEFAULT_STRATEGIES):
             ax.bar(x + (i - (len(DEFAULT_STRATEGIES) - 1) / 2) * width,
                    [r["strategies"][name][metric][stat] for r in picked], width, label=name)
-        ax.set_title(title, fontsize=10)
-        ax.set_xticks(x, groups, fontsize=7)
+        ax.set_title(f"{title}, C = {context}", fontsize=10)
+        ax.set_xticks(x, groups, fontsize=8)
         if metric == "plan_ms":
             ax.set_yscale("log")
-    axes[0].legend(fontsize=8)
-    fig.suptitle(f"Sharding strategies on packed windows, C = {context} (means over windows)")
+    axes.flat[0].legend(fontsize=8)
+    ax = axes.flat[5]
+    for label, r in opt["runs"].items():
+        ax.scatter(r["imbalance"]["mean"], r["saving"]["mean"], s=50, label=f"{label} (ours)")
+        paper = PAPER_TABLE2.get(r["strategy"])
+        if paper:
+            ax.scatter(paper["imbalance"], paper["saving"], s=50, marker="x", color="k")
+            ax.annotate(f"paper {label}", (paper["imbalance"], paper["saving"]), fontsize=8,
+                        xytext=(4, 4), textcoords="offset points")
+    ax.set_xlabel("workload imbalance (mean)")
+    ax.set_ylabel("communication saving (1 - compact ratio)")
+    ax.set_title(f"heuristic vs ILP: pile, N = {opt['cp']}, C = {opt['context']}", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.suptitle("Sharding strategies on packed windows (means over windows)")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="few windows, one context, small ILP study")
-    p.add_argument("--windows", type=int, default=200, help="windows per sweep configuration")
+    p.add_argument("--windows", type=int, default=1000, help="windows per sweep configuration")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--target-imbalance", type=float, default=1.05)
     p.add_argument("--ilp-windows", type=int, default=10)
     p.add_argument("--ilp-context", type=int, default=8192)
-    p.add_argument("--ilp-block", type=int, default=256)
+    p.add_argument("--ilp-block", type=int, default=256, help="last-shard granularity (prefixes: 1/8 of it)")
     p.add_argument("--ilp-time-limit", type=float, default=60.0)
-    p.add_argument("--out", type=Path, help="directory for planner.{md,json,png} (default benchmarks/results; "
+    p.add_argument("--out", type=Path, help="directory for planner.{md,json,png} (default "
+                   "benchmarks/results; "
                    "a temporary directory with --quick, so a smoke run never replaces the real results)")
     args = p.parse_args(argv)
     args.cp = [4, 8]
@@ -239,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     md = markdown(rows, stats, opt, args)
     (args.out / "planner.md").write_text(md)
-    plot(rows, args.out / "planner.png")
+    plot(rows, opt, args.out / "planner.png")
     print(md)
     print(f"wrote {args.out}/planner.{{md,json,png}} in {time.perf_counter() - t0:.0f} s")
     return 0

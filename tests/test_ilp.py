@@ -31,8 +31,8 @@ def brute_force_comm(lens: list[int], target: float) -> int | None:
     tokens = [(d, i) for d, size in enumerate(lens) for i in range(size)]
     best = None
     for mine in itertools.combinations(range(len(tokens)), len(tokens) // 2):
-        chosen = set(mine)
-        ranks = [[Shard(*tokens[t], 1) for t in range(len(tokens)) if (t in chosen) == (r == 0)] for r in range(2)]
+        rest = sorted(set(range(len(tokens))) - set(mine))
+        ranks = [[Shard(*tokens[t], 1) for t in group] for group in (mine, rest)]
         m = Plan(tuple(lens), 2, normalize(ranks), "brute").metrics()
         if m["imbalance"] <= target and (best is None or m["comm_compact_tokens"] < best):
             best = m["comm_compact_tokens"]
@@ -51,7 +51,7 @@ def test_worked_optimum_at_token_granularity() -> None:
 
 
 @settings(max_examples=15, deadline=None)
-@given(lens=st.lists(st.integers(1, 6), min_size=1, max_size=4).filter(lambda x: sum(x) % 2 == 0 and sum(x) <= 12))
+@given(lens=st.lists(st.integers(1, 6), min_size=1, max_size=4).filter(lambda x: sum(x) in range(2, 13, 2)))
 def test_token_granularity_ilp_matches_brute_force(lens: list[int]) -> None:
     """With 1-token blocks the model is exact: its optimum is the best of all 2-rank plans."""
     plan = plan_shards(lens, 2, "ilp", 1.1, block=1)
@@ -105,11 +105,11 @@ def test_packed_windows_meet_the_target() -> None:
 
 
 def test_time_limit_returns_the_best_plan_found() -> None:
-    """A 17-document window at 128-token blocks takes the solver tens of seconds to prove; with
-    2 s it returns its incumbent, flagged not optimal with a positive gap."""
-    lens = pack_windows(length_sampler("pile", seed=0), 8192, 4)[3]
-    assert len(lens) == 17
-    plan = plan_shards(lens, 4, "ilp", 1.05, block=128, time_limit=2.0)
+    """An 18-document window at 256-token blocks takes the solver most of a minute to prove
+    optimal; with 3 s it returns its incumbent, flagged not optimal with a positive gap."""
+    lens = pack_windows(length_sampler("pile", seed=0), 8192, 5)[4]
+    assert len(lens) == 18
+    plan = plan_shards(lens, 4, "ilp", 1.05, block=256, time_limit=3.0)
     assert not plan.info["optimal"] and plan.info["mip_gap"] > 0
 
 

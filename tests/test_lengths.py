@@ -10,7 +10,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flashcp.data import DISTRIBUTIONS, LengthPool, LengthSampler, LognormalMixture, length_sampler, pack_windows
+from flashcp.data import (
+    DISTRIBUTIONS,
+    LengthPool,
+    LengthSampler,
+    LognormalMixture,
+    length_sampler,
+    pack_windows,
+)
 
 WLBLLM_FILE = Path(__file__).resolve().parents[2] / "shared" / "data" / "lengths" / "wlbllm.json"
 
@@ -40,7 +47,11 @@ def test_overflowing_document_is_truncated_and_its_rest_dropped() -> None:
 
 
 @settings(max_examples=50, deadline=None)
-@given(pool=st.lists(st.integers(1, 300), min_size=1, max_size=20), context=st.integers(1, 1000), seed=st.integers(0, 99))
+@given(
+    pool=st.lists(st.integers(1, 300), min_size=1, max_size=20),
+    context=st.integers(1, 1000),
+    seed=st.integers(0, 99),
+)
 def test_packing_consumes_pool_documents_in_order(pool: list[int], context: int, seed: int) -> None:
     """Windows are the sampler's documents in order, each window's last one cut to fit."""
     windows = pack_windows(LengthSampler(LengthPool(tuple(pool)), seed), context, 3)

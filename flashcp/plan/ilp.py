@@ -2,35 +2,37 @@
 
 The compact all-gather (Eq. 5) sends every token that is not in its document's last shard, so a
 plan is, for each document d, (1) the rank that holds its last shard and where that shard starts,
-and (2) how the tokens before it (its *prefix*, all of them sent) are spread over ranks. Documents
-are cut into blocks of `block` tokens (the last block of a document may be shorter, so no length
-has to divide anything). Variables, for document d, block k = [s, s + l) of it and rank j:
+and (2) how the tokens before it (its *prefix*, all of them sent) are spread over ranks. Last
+shards start on a grid of `block` tokens; prefixes are spread in slices of `prefix_block` tokens.
+Grids restart at every document and the last block or slice of a document may be shorter, so no
+length has to divide anything. Variables, for document d, block k of it, slice i and rank j:
 
-  y[d,j] in {0,1}    rank j holds d's last shard                 sum_j y[d,j] = 1
-  z[k] in {0,1}      block k is inside its document's last shard  z[k] <= z[k+1]; z = 1 on d's last block
-  v[k,j] >= 0        z[k] * y[d,j], exactly:                      sum_j v[k,j] = z[k], v[k,j] <= y[d,j]
-  u[k,j] integer     prefix tokens of block k on rank j           sum_j u[k,j] = l (1 - z[k])
+  y[d,j] in {0,1}    rank j holds d's last shard                  sum_j y[d,j] = 1
+  z[k] in {0,1}      block k lies in its document's last shard     z[k] <= z[k+1]; z = 1 on d's last block
+  v[k,j] >= 0        z[k] * y[d,j], exactly:                       sum_j v[k,j] = z[k], v[k,j] <= y[d,j]
+  u[i,j] integer     prefix tokens of slice i on rank j            sum_j u[i,j] = len_i (1 - z[block of i])
 
-  tokens      sum_k l v[k,j] + u[k,j] = C / N                      (Eq. 2, exact)
-  balance     sum_k W_k v[k,j] + c_k u[k,j] <= R * mean workload    (Eq. 3 as a bound; the mean is
+  tokens      sum_k len_k v[k,j] + sum_i u[i,j] = C / N              (Eq. 2, exact)
+  balance     sum_k W_k v[k,j] + sum_i c_i u[i,j] <= R * mean work    (Eq. 3 as a bound: the mean is
               fixed by the window, so "imbalance <= R" is linear)
-  comm        sum_k u[k,j] <= Z;   objective: minimise Z, the largest compact send buffer
+  comm        sum_i u[i,j] <= Z;   objective: minimise Z, the largest compact send buffer (tokens)
 
-W_k is block k's exact causal workload and c_k = s + (l + 1) / 2 its mean cost per token. A block
-on one rank is charged exactly; a prefix block shared by several ranks is charged at c_k per token,
-which is within l^2/8 of each piece's true cost whatever order the pieces take. The pieces of a
-shared block are laid out in rank order, alternating direction from block to block so a rank's
-neighbouring pieces merge, with the last shard's owner last before its last shard (so they merge
-too, and the plan sends at most what the model counts). If that charge leaves a rank above the
-target, the bound is lowered by the miss and the model solved again (at most 3 times): a plan the
-strategy reports with `target_met` really meets the target. If no plan meets the target at this
-granularity, it minimises the largest workload instead (plus 1e-3 x the comm ratio to break ties).
+W_k is block k's exact causal workload and c_i the mean cost per token of slice i, exact for a
+slice on one rank. A slice shared by ranks is charged c_i per token, within len_i^2 / 8 of each
+piece's true cost; the pieces are laid out with the most loaded rank first (early tokens are
+cheaper), and the last shard's owner last before its last shard so the two merge (the plan then
+sends at most what the model counts). Should a rank still end above the target, the bound is
+lowered by the miss and the model solved again (at most 3 times), so `target_met` is the plan's
+true balance. If no plan meets the target at this granularity (a document's last block alone may
+be too heavy), the strategy minimises the largest workload instead, plus 1e-3 x the comm ratio.
 
-Any block whose suffix [s, end of document) alone exceeds the workload bound cannot start a last
-shard (z[k] = 0), which is what makes long documents cheap to rule out; ranks are numbered by the
-first document whose last shard they hold, removing the N! relabelings of each plan.
+A block whose suffix [start, end of document) alone exceeds the bound cannot be in a last shard
+(z[k] = 0), which rules long documents out cheaply; ranks are numbered by the first document
+whose last shard they hold, removing the N! relabelings of every plan.
 
-For the optimality study, not for training: solve time grows quickly with blocks and documents.
+The MILP optimises communication and balance only: its prefixes can be cut into many small
+shards. It is the optimality study's reference, not a training-time planner: solve time grows
+quickly with documents and blocks (seconds to a minute for 8K-token windows at 256-token blocks).
 Needs scipy (HiGHS through `scipy.optimize.milp`).
 """
 
@@ -121,14 +123,16 @@ class _Model:
             rows.append((tokens, self.tokens_per_rank, self.tokens_per_rank))
             rows.append(({**{u[i, j]: 1 for i in slices}, self.comm: -1}, -inf, 0))
             if j:  # rank j holds a last shard of document d only if rank j-1 holds one of an earlier one
-                rows += [({y[d, j]: 1, **{y[e, j - 1]: -1 for e in range(d)}}, -inf, 0) for d in range(n_docs)]
+                for d in range(n_docs):
+                    rows.append(({y[d, j]: 1, **{y[e, j - 1]: -1 for e in range(d)}}, -inf, 0))
         return rows
 
     def solve(self, cap: float | None, time_limit: float, mip_rel_gap: float) -> OptimizeResult:
         """Minimise Z with every workload <= cap; with cap None minimise the largest workload."""
         rows = list(self.rows)
         for j in range(self.n):
-            work = {self.v[k, j]: w for k, w in enumerate(self.work)} | {self.u[i, j]: c for i, c in enumerate(self.cost)}
+            work = {self.v[k, j]: w for k, w in enumerate(self.work)}
+            work |= {self.u[i, j]: c for i, c in enumerate(self.cost)}
             rows.append((work, -np.inf, cap) if cap is not None else ({**work, self.wmax: -1}, -np.inf, 0))
         coefs = [(r, i, a) for r, (row, _, _) in enumerate(rows) for i, a in row.items()]
         r, i, a = zip(*coefs)
@@ -157,21 +161,31 @@ class _Model:
             )
 
     def shards(self, sol: np.ndarray) -> list[list[Shard]]:
+        """The plan of a solution. A prefix slice shared by several ranks is charged at its mean
+        cost per token whatever the order of its pieces; the order decides the true costs (early
+        tokens are cheaper), so pieces are laid out heaviest rank first: the rank with the most
+        workload so far gets the cheapest positions. The owner of the document's last shard goes
+        last in the slice just before that shard, where its piece merges into the last shard."""
         ranks: list[list[Shard]] = [[] for _ in range(self.n)]
         owner = np.argmax(sol[self.y], axis=1)
         in_last = sol[self.z] > 0.5
+        amounts = np.rint(sol[self.u]).astype(int)
+        load = (sol[self.v].T @ self.work + amounts.T @ self.cost) * self.mean  # as charged
         for k in np.flatnonzero(in_last):
             ranks[owner[self.doc[k]]].append(Shard(int(self.doc[k]), int(self.start[k]), int(self.length[k])))
         for i in np.flatnonzero(~in_last[self.parent]):
-            k, d, s = self.parent[i], int(self.doc[self.parent[i]]), int(self.s_start[i])
-            amounts = np.rint(sol[self.u[i]]).astype(int)
-            order = list(range(self.n)) if i % 2 == 0 else list(range(self.n - 1, -1, -1))
-            if s + self.s_len[i] == self.start[k] + self.length[k] and not self.last[k] and in_last[k + 1]:
+            k, l = self.parent[i], int(self.s_len[i])
+            d, s, offset = int(self.doc[k]), int(self.s_start[i]), 0
+            order = sorted(np.flatnonzero(amounts[i]), key=lambda j: -load[j])
+            ends_prefix = s + l == self.start[k] + self.length[k] and not self.last[k] and in_last[k + 1]
+            if ends_prefix and owner[d] in order:
                 order.remove(owner[d])
                 order.append(owner[d])
             for j in order:
-                ranks[j].append(Shard(d, s, int(amounts[j])))
-                s += int(amounts[j])
+                a = int(amounts[i, j])
+                ranks[j].append(Shard(d, s + offset, a))
+                load[j] += a * (offset - (l - a) / 2)  # true cost minus charged cost
+                offset += a
         return ranks
 
 
@@ -190,7 +204,8 @@ def plan_ilp(
 ) -> tuple[list[list[Shard]], dict[str, Any]]:
     """Least compact communication subject to max/mean workload <= `target_imbalance`.
 
-    `block` is the granularity in tokens (default C / (16 N)); `time_limit` bounds all solver
+    `block` is the last-shard granularity in tokens (default C / (16 N)), `prefix_block` the
+    granularity prefixes are spread in (default block / 8); `time_limit` bounds all solver
     calls together, in seconds (the infeasible-target fallback gets at least a tenth of it).
     Returns the best plan found; `info` says whether the last solve was proven optimal
     (`optimal`, `mip_gap`; after `resolves` > 0 that is for the lowered bound), the first solve's
@@ -214,7 +229,7 @@ def plan_ilp(
 
     cap, resolves, best, bound = target_imbalance, 0, None, None
     while True:
-        res = model.solve(cap, left(), mip_rel_gap)
+        res = model.solve(cap, max(left(), 0.01), mip_rel_gap)
         if bound is None and res.x is not None:
             bound = float(res.mip_dual_bound)  # a lower bound for the untightened model only
         if res.x is None:
@@ -230,7 +245,9 @@ def plan_ilp(
         res = model.solve(None, max(left(), 0.1 * time_limit), mip_rel_gap)
         best = None if res.x is None else (model.shards(res.x), res)
     if best is None:
-        raise RuntimeError(f"ilp found no plan in {time_limit:g} s ({res.message}); raise time_limit or coarsen block")
+        raise RuntimeError(
+            f"ilp found no plan in {time_limit:g} s ({res.message}); raise time_limit or coarsen block"
+        )
     ranks, res = best
     imbalance = _imbalance(ranks, model.mean)
     info = {
