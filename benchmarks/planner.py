@@ -210,11 +210,10 @@ def plot(rows: list[dict], opt: dict, path: Path) -> None:
     ax = axes.flat[5]
     for label, r in opt["runs"].items():
         ax.scatter(r["imbalance"]["mean"], r["saving"]["mean"], s=50, label=f"{label} (ours)")
-        paper = PAPER_TABLE2.get(r["strategy"])
-        if paper:
-            ax.scatter(paper["imbalance"], paper["saving"], s=50, marker="x", color="k")
-            ax.annotate(f"paper {label}", (paper["imbalance"], paper["saving"]), fontsize=8,
-                        xytext=(4, 4), textcoords="offset points")
+    for name, paper in PAPER_TABLE2.items():
+        ax.scatter(paper["imbalance"], paper["saving"], s=50, marker="x", color="k")
+        ax.annotate(f"paper {name}", (paper["imbalance"], paper["saving"]), fontsize=8,
+                    xytext=(4, 4), textcoords="offset points")
     ax.set_xlabel("workload imbalance (mean)")
     ax.set_ylabel("communication saving (1 - compact ratio)")
     ax.set_title(f"heuristic vs ILP: pile, N = {opt['cp']}, C = {opt['context']}", fontsize=10)

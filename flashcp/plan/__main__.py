@@ -81,7 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--target-imbalance", type=float, default=1.05, help="target max/mean workload (default 1.05)"
     )
-    p.add_argument("--ilp-block", type=_positive, help="ilp granularity in tokens (default C / (16 N))")
+    p.add_argument(
+        "--ilp-block", type=_positive, help="ilp last-shard granularity in tokens (default C / (8 N))"
+    )
     p.add_argument("--ilp-time-limit", type=float, default=60.0, help="ilp seconds per window (default 60)")
     p.add_argument("--json", action="store_true", help="print one JSON object keyed by strategy")
     return p

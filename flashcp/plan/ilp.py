@@ -204,7 +204,7 @@ def plan_ilp(
 ) -> tuple[list[list[Shard]], dict[str, Any]]:
     """Least compact communication subject to max/mean workload <= `target_imbalance`.
 
-    `block` is the last-shard granularity in tokens (default C / (16 N)), `prefix_block` the
+    `block` is the last-shard granularity in tokens (default C / (8 N)), `prefix_block` the
     granularity prefixes are spread in (default block / 8); `time_limit` bounds all solver
     calls together, in seconds (the infeasible-target fallback gets at least a tenth of it).
     Returns the best plan found; `info` says whether the last solve was proven optimal
@@ -214,7 +214,7 @@ def plan_ilp(
     """
     n = cp_size
     per_rank = sum(doc_lens) // n
-    block = max(1, per_rank // 16) if block is None else block
+    block = max(1, per_rank // 8) if block is None else block
     prefix_block = max(1, block // 8) if prefix_block is None else prefix_block
     for name, value in (("block", block), ("prefix_block", prefix_block)):
         if not isinstance(value, int) or value < 1:
