@@ -159,6 +159,28 @@ def test_bad_inputs_are_named():
         varlen_attention(q, k, v, _cu([4]), _cu([4]), 4, 4, backend="triton")
 
 
+@pytest.mark.parametrize("has_flag", [False, True], ids=["torch-2.11", "torch-2.12+"])
+def test_torch_backend_passes_kv_heads_through(monkeypatch, has_flag):
+    """GQA reaches torch's varlen_attn with Hkv heads (no repeated K/V): 4x less KV for Llama 3 8B."""
+    import torch.nn.attention.varlen as varlen_module
+
+    from flashcp.attention import kernels
+
+    seen = {}
+
+    def fake_varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window_size, **kwargs):
+        seen.update(k_heads=k.shape[1], v_heads=v.shape[1], window=window_size, **kwargs)
+        return q.new_zeros(q.shape)
+
+    params = {"query", "key", "value", "scale", "window_size"} | ({"enable_gqa"} if has_flag else set())
+    monkeypatch.setattr(varlen_module, "varlen_attn", fake_varlen_attn)
+    monkeypatch.setattr(kernels, "_torch_varlen_params", lambda: frozenset(params))
+    q, k, v = _problem([5, 3], [9, 3], 8, 2, 16, dtype=torch.bfloat16)
+    kernels.BACKENDS["torch"].run(q, k, v, _cu([5, 3]), _cu([9, 3]), 5, 9, True, 0.25)
+    assert (seen["k_heads"], seen["v_heads"], seen["window"]) == (2, 2, (-1, 0))
+    assert seen.get("enable_gqa", False) is has_flag
+
+
 _gpu_backends = [
     pytest.param(
         name,

@@ -120,13 +120,12 @@ def _capability(index: int | None) -> tuple[int, int]:
 def _torch_run(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
     from torch.nn.attention.varlen import varlen_attn
 
-    kwargs = {}
-    if q.shape[1] != k.shape[1]:
-        if "enable_gqa" in _torch_varlen_params():  # torch >= 2.12
-            kwargs["enable_gqa"] = True
-        else:  # torch 2.11: give every query head its own copy of its key/value head
-            group = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    # GQA without copies: every torch since 2.11 hands K/V with fewer heads straight to aten's
+    # FlashAttention-2 (`_flash_attention_forward/_backward`), which shares each KV head among its
+    # query group and sums the group's dK/dV. torch >= 2.12 only asks for `enable_gqa=True` to
+    # skip a heads-equal check; torch 2.11 has neither flag nor check. `python -m flashcp.gpucheck`
+    # compares this path with the reference on every GPU it runs on ("native GQA" in its report).
+    kwargs = {"enable_gqa": True} if q.shape[1] != k.shape[1] and "enable_gqa" in _torch_varlen_params() else {}
     # window (-1, 0) is causal attention aligned to the bottom right.
     window = (-1, 0) if causal else (-1, -1)
     return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=window, **kwargs)
