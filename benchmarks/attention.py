@@ -196,7 +196,7 @@ def _gloo_worker(rank: int, n: int, port: int, plans: list[Plan], args, out) -> 
     results = []
     for i, plan in enumerate(plans):
         for comm in COMM_MODES:
-            d = plan.dispatch(rank, comm)
+            d = plan.dispatch(rank, comm, overlap=True)
             rows = d.token_index.numel()
             q = torch.randn(rows, h, dim, dtype=dtype, requires_grad=True)
             k, v = (torch.randn(rows, kv, dim, dtype=dtype, requires_grad=True) for _ in "kv")

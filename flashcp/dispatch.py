@@ -15,17 +15,60 @@ Communication modes differ only in what each rank sends and how the receive buff
 - "full": each rank sends all its rows (Llama3 / Per-Doc baselines); the buffer is the window.
 - "needed": each rank sends every peer exactly the prefix rows that peer attends to, through one
   all-to-all-v; the buffer is the peers' segments back to back (`recv_splits`).
+
+A dispatch is built on the host. On a GPU the trainer pins it (`pin_memory`) and copies it with
+`to(device)`, which is non-blocking, so the per-step copy never stalls the host; everything the
+attention op reads as Python numbers (lengths, splits, the overlap partition) is computed here,
+so the per-layer path never reads device memory back.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields, is_dataclass, replace
+from typing import Callable, TypeVar
 
 import torch
 
 from flashcp.plan.plan import Plan
 
 COMM_MODES = ("compact", "full", "needed")
+
+
+@dataclass(frozen=True)
+class ShardSubset:
+    """Some of a rank's shards as a varlen problem of their own (see `OverlapSplit`)."""
+
+    rows: torch.Tensor  # local query rows, in order
+    kv_index: torch.Tensor  # key rows: into [recv | local] for remote shards, into local K/V for local ones
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
+@dataclass(frozen=True)
+class OverlapSplit:
+    """The shards whose keys are all on this rank (computable before the KV exchange lands) and
+    the others, for `cp_varlen_attention(overlap=True)`."""
+
+    local: ShardSubset
+    remote: ShardSubset
+    inverse: torch.Tensor  # cat([local.rows, remote.rows])[inverse] == arange(T)
+
+
+_T = TypeVar("_T")
+
+
+def _map_tensors(obj: _T, fn: Callable[[torch.Tensor], torch.Tensor]) -> _T:
+    """A copy of dataclass `obj` with `fn` applied to every tensor, nested dataclasses included."""
+    changes = {}
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        if isinstance(value, torch.Tensor):
+            changes[f.name] = fn(value)
+        elif is_dataclass(value):
+            changes[f.name] = _map_tensors(value, fn)
+    return replace(obj, **changes)
 
 
 @dataclass(frozen=True)
@@ -47,14 +90,17 @@ class Dispatch:
     recv_splits: list[int]  # needed mode: rows received from each peer
     recv_size: int  # rows of the receive buffer
     kv_index: torch.Tensor  # [sum_k] rows of cat([recv_buffer, local_kv]) giving all keys
+    overlap: OverlapSplit | None = None  # built on request (`overlap=True`)
 
-    def to(self, device: torch.device | str) -> Dispatch:
-        moved = {
-            f.name: getattr(self, f.name).to(device)
-            for f in fields(self)
-            if isinstance(getattr(self, f.name), torch.Tensor)
-        }
-        return replace(self, **moved)
+    def to(self, device: torch.device | str, non_blocking: bool = True) -> Dispatch:
+        """This dispatch on `device`. The copies are asynchronous when the tensors are pinned."""
+        return _map_tensors(self, lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> Dispatch:
+        """A copy in page-locked host memory, so that `to(cuda)` overlaps with the host's work.
+
+        Needs an accelerator (torch refuses to pin memory without one)."""
+        return _map_tensors(self, torch.Tensor.pin_memory)
 
 
 def _expand(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -68,7 +114,8 @@ def _cumsum0(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([x.new_zeros(1), torch.cumsum(x, 0)])
 
 
-def build_dispatch(plan: Plan, rank: int, comm: str = "compact") -> Dispatch:
+def build_dispatch(plan: Plan, rank: int, comm: str = "compact", overlap: bool = False) -> Dispatch:
+    """Rank `rank`'s dispatch under `plan`; with `overlap`, also its `OverlapSplit`."""
     if comm not in COMM_MODES:
         raise ValueError(f"unknown comm mode {comm!r}; choose one of {', '.join(COMM_MODES)}")
     n, context, per_rank = plan.cp_size, plan.context, plan.tokens_per_rank
@@ -129,14 +176,15 @@ def build_dispatch(plan: Plan, rank: int, comm: str = "compact") -> Dispatch:
     kv_index = torch.where(owner[key_glob] == rank, recv_size + local_pos[key_glob], buf_pos[key_glob])
     if bool((kv_index < 0).any()):  # a prefix row no collective delivers: a planner bug
         raise AssertionError(f"rank {rank}: {comm} dispatch misses prefix rows of plan {plan.strategy}")
+    cu_q, cu_k = _cumsum0(my_len).to(torch.int32), _cumsum0(key_len).to(torch.int32)
     return Dispatch(
         rank=rank,
         cp_size=n,
         comm=comm,
         token_index=token_index,
         positions=positions,
-        cu_seqlens_q=_cumsum0(my_len).to(torch.int32),
-        cu_seqlens_k=_cumsum0(key_len).to(torch.int32),
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k,
         max_seqlen_q=int(my_len.max()),
         max_seqlen_k=int(key_len.max()),
         send_index=send_index,
@@ -145,7 +193,31 @@ def build_dispatch(plan: Plan, rank: int, comm: str = "compact") -> Dispatch:
         recv_splits=recv_splits,
         recv_size=recv_size,
         kv_index=kv_index,
+        overlap=_overlap_split(my_len, key_len, kv_index, recv_size) if overlap else None,
     )
+
+
+def _overlap_split(q_len: torch.Tensor, k_len: torch.Tensor, kv_index: torch.Tensor, recv_size: int) -> OverlapSplit:
+    """Partition the local shards by whether any of their keys arrive through the exchange."""
+    shards = torch.arange(len(q_len))
+    shard_of_row = torch.repeat_interleave(shards, q_len)
+    shard_of_key = torch.repeat_interleave(shards, k_len)
+    remote = torch.zeros(len(q_len), dtype=torch.bool)
+    remote[shard_of_key[kv_index < recv_size]] = True
+
+    def subset(mask: torch.Tensor, key_offset: int) -> ShardSubset:
+        lq, lk = q_len[mask], k_len[mask]
+        return ShardSubset(
+            rows=torch.nonzero(mask[shard_of_row]).flatten(),
+            kv_index=kv_index[mask[shard_of_key]] - key_offset,
+            cu_seqlens_q=_cumsum0(lq).to(torch.int32),
+            cu_seqlens_k=_cumsum0(lk).to(torch.int32),
+            max_seqlen_q=int(lq.max()) if len(lq) else 0,
+            max_seqlen_k=int(lk.max()) if len(lk) else 0,
+        )
+
+    local, far = subset(~remote, recv_size), subset(remote, 0)
+    return OverlapSplit(local, far, torch.argsort(torch.cat([local.rows, far.rows])))
 
 
 def _needed_masks(

@@ -50,7 +50,7 @@ def run_cases(rank: int, group, cases: list[Case]):
     """Worker: forward + backward of every case on this rank; rows are in local order."""
     results = []
     for case in cases:
-        dispatch = case.plan.dispatch(rank, case.comm)
+        dispatch = case.plan.dispatch(rank, case.comm, overlap=case.overlap)
         idx = dispatch.token_index
         window = window_tensors(case.plan.context, case.heads, case.dtype, case.seed)
         q, k, v, g = (t[idx].clone() for t in window)

@@ -15,6 +15,10 @@ several shards sums), send the received part back with the transposed collective
 rows this rank sent. Nothing here reads device data on the host: every size comes from the
 dispatch metadata, so the exchange stays asynchronous on GPUs.
 
+The collectives run through `Collectives`: torch.distributed for a process group, or any other
+implementation passed as the group (`flashcp.attention.simulate` runs all ranks of a CP group in
+one process on one device, which is how one GPU checks the whole op).
+
 `record_comm()` counts the rows and bytes every collective of this module moves, so tests can
 check them against the planner's predictions.
 """
@@ -25,6 +29,7 @@ import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -78,8 +83,59 @@ def _record(op: str, pass_: str, sent_rows: int, recv_rows: int, like: torch.Ten
             log.append(entry)
 
 
-def _check_group(dispatch: Dispatch, group: dist.ProcessGroup | None) -> None:
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
+class Collectives:
+    """The three collectives of the KV exchange over one CP group, on flat row-major buffers.
+
+    `all_gather` / `all_to_all` may run asynchronously (`async_op=True` returns an object with
+    `wait()`); `reduce_scatter` sums. Splits are row counts per peer, in rank order.
+    """
+
+    def size(self) -> int:
+        raise NotImplementedError
+
+    def rank(self) -> int:
+        raise NotImplementedError
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
+        raise NotImplementedError
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                   async_op: bool = False):  # fmt: skip
+        raise NotImplementedError
+
+
+class TorchCollectives(Collectives):
+    """`Collectives` over a torch.distributed process group (None: the default group)."""
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+
+    def size(self) -> int:
+        return dist.get_world_size(self.group)
+
+    def rank(self) -> int:
+        return dist.get_rank(self.group)
+
+    def all_gather(self, out, inp, async_op=False):
+        return _all_gather(out, inp, group=self.group, async_op=async_op)
+
+    def reduce_scatter(self, out, inp):
+        _reduce_scatter(out, inp, group=self.group)
+
+    def all_to_all(self, out, inp, out_splits, in_splits, async_op=False):
+        return dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group, async_op=async_op)
+
+
+def collectives(group: dist.ProcessGroup | Collectives | None) -> Collectives:
+    """The collectives of `group`: itself if it implements them, else torch.distributed's."""
+    return group if isinstance(group, Collectives) else TorchCollectives(group)
+
+
+def _check_group(dispatch: Dispatch, comms: Collectives) -> None:
+    size, rank = comms.size(), comms.rank()
     if (size, rank) != (dispatch.cp_size, dispatch.rank):
         raise ValueError(
             f"dispatch is for rank {dispatch.rank} of {dispatch.cp_size} but the process group "
@@ -93,7 +149,7 @@ class KVExchange:
 
     buffer: torch.Tensor
     send: torch.Tensor  # kept alive until the collective completes
-    work: dist.Work | None
+    work: Any  # the collective's handle (dist.Work for torch.distributed), None once complete
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
@@ -106,7 +162,7 @@ def launch_kv_exchange(
     k: torch.Tensor,
     v: torch.Tensor,
     dispatch: Dispatch,
-    group: dist.ProcessGroup | None = None,
+    group: dist.ProcessGroup | Collectives | None = None,
     async_op: bool = False,
 ) -> KVExchange:
     """Pack local K/V and start the forward collective (no autograd; see `gather_kv`).
@@ -115,8 +171,9 @@ def launch_kv_exchange(
     consulted (it may be None without an initialised process group).
     """
     solo = dispatch.cp_size == 1
+    comms = collectives(group)
     if not solo:
-        _check_group(dispatch, group)
+        _check_group(dispatch, comms)
     recv = dispatch.recv_size
     work = None
     with torch.no_grad():
@@ -127,10 +184,7 @@ def launch_kv_exchange(
         if dispatch.comm == "needed":
             send = local.index_select(0, dispatch.send_index)
             if not solo:
-                work = dist.all_to_all_single(
-                    buffer[:recv], send, dispatch.recv_splits, dispatch.send_splits,
-                    group=group, async_op=async_op,
-                )  # fmt: skip
+                work = comms.all_to_all(buffer[:recv], send, dispatch.recv_splits, dispatch.send_splits, async_op)
                 me = dispatch.rank
                 sent, received = len(send) - dispatch.send_splits[me], recv - dispatch.recv_splits[me]
                 _record("all_to_all", "forward", sent, received, send)
@@ -142,7 +196,7 @@ def launch_kv_exchange(
             if solo:
                 buffer[:recv] = send
             elif pad:  # send_pad is the same on every rank: all agree to skip an empty exchange
-                work = _all_gather(buffer[:recv], send, group=group, async_op=async_op)
+                work = comms.all_gather(buffer[:recv], send, async_op)
                 _record("all_gather", "forward", (dispatch.cp_size - 1) * len(send), recv - len(send), send)
     return KVExchange(buffer, send, work)
 
@@ -172,14 +226,14 @@ class _GatherKV(torch.autograd.Function):
             local.index_add_(0, dispatch.send_index, grad[: dispatch.send_index.numel()])
         elif dispatch.comm == "needed":
             back = grad.new_empty(dispatch.send_index.numel(), *grad.shape[1:])
-            dist.all_to_all_single(back, grad[:recv], dispatch.send_splits, dispatch.recv_splits, group=group)
+            collectives(group).all_to_all(back, grad[:recv], dispatch.send_splits, dispatch.recv_splits)
             me = dispatch.rank
             sent, received = recv - dispatch.recv_splits[me], len(back) - dispatch.send_splits[me]
             _record("all_to_all", "backward", sent, received, back)
             local.index_add_(0, dispatch.send_index, back)
         elif dispatch.send_pad:
             back = grad.new_empty(dispatch.send_pad, *grad.shape[1:])
-            _reduce_scatter(back, grad[:recv], group=group)
+            collectives(group).reduce_scatter(back, grad[:recv])
             _record("reduce_scatter", "backward", recv - len(back), (dispatch.cp_size - 1) * len(back), back)
             local.index_add_(0, dispatch.send_index, back[: dispatch.send_index.numel()])
         return local[:, 0], local[:, 1], None, None, None, None
@@ -191,7 +245,7 @@ def gather_kv(
     exchange: KVExchange,
     kv_index: torch.Tensor,
     dispatch: Dispatch,
-    group: dist.ProcessGroup | None = None,
+    group: dist.ProcessGroup | Collectives | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Wait for `exchange` and return the key/value rows `kv_index` selects from `[recv | local]`.
 

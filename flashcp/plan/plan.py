@@ -116,11 +116,12 @@ class Plan:
             "min_shard_len": min(s.length for s in shards),
         }
 
-    def dispatch(self, rank: int, comm: str = "compact") -> Dispatch:
-        """Index tensors rank `rank` needs to run attention under this plan (see `flashcp.dispatch`)."""
+    def dispatch(self, rank: int, comm: str = "compact", overlap: bool = False) -> Dispatch:
+        """Index tensors rank `rank` needs to run attention under this plan (see `flashcp.dispatch`);
+        `overlap=True` adds the partition `cp_varlen_attention(overlap=True)` runs on."""
         from flashcp.dispatch import build_dispatch
 
-        return build_dispatch(self, rank, comm)
+        return build_dispatch(self, rank, comm, overlap)
 
 
 def normalize(ranks: list[list[Shard]]) -> tuple[tuple[Shard, ...], ...]:

@@ -5,7 +5,8 @@ TorchTitan's; this subclass only changes how a batch reaches the model:
 
 1. The loader yields one packed window (`input`, `labels`, `doc_lens`) with its sharding `plan`,
    the same on every rank of a CP group. `batch_generator` turns the plan into this rank's
-   `Dispatch`: index arithmetic on the host, a millisecond or two per window (logged).
+   `Dispatch`: index arithmetic on the host, a millisecond or two per window (logged), into
+   pinned memory on GPUs so that its copy to the device is asynchronous.
 2. `post_dataloading_process` keeps this rank's tokens, labels and in-document positions in the
    dispatch's `token_index` order and hands every attention layer the dispatch and CP group
    (`CPStep`, through the decoder's `attention_masks` argument).
@@ -115,7 +116,9 @@ class FlashCPTrainer(Trainer):
         input_dict: dict[str, Any] = {"input": batch["input"][None]}
         start = time.perf_counter()
         if self.flashcp.enable:
-            input_dict["dispatch"] = plan.dispatch(self.cp_rank, self.flashcp.comm)
+            dispatch = plan.dispatch(self.cp_rank, self.flashcp.comm, overlap=self.flashcp.overlap)
+            # Pinned, so that post_dataloading_process's copy to the GPU does not block the host.
+            input_dict["dispatch"] = dispatch.pin_memory() if self.device.type == "cuda" else dispatch
         else:
             input_dict["positions"] = document_positions(batch["doc_lens"])[None]
         plan_ms = batch["plan_ms"] + (time.perf_counter() - start) * 1e3
@@ -127,7 +130,7 @@ class FlashCPTrainer(Trainer):
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
         if not self.flashcp.enable:
             return super().post_dataloading_process(input_dict, labels)
-        dispatch = input_dict["dispatch"].to(self.device)
+        dispatch = input_dict["dispatch"].to(self.device, non_blocking=True)
         inputs = input_dict["input"][:, dispatch.token_index]
         labels = labels[:, dispatch.token_index]
         self.ntokens_seen += labels.numel()
