@@ -30,7 +30,6 @@ import json
 import socket
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -42,10 +41,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from flashcp import plan_shards  # noqa: E402
-from flashcp.attention import cp_varlen_attention, varlen_attention  # noqa: E402
+from flashcp.attention import cp_varlen_attention  # noqa: E402
 from flashcp.attention.collectives import gather_kv, launch_kv_exchange  # noqa: E402
 from flashcp.data import length_sampler, pack_windows  # noqa: E402
 from flashcp.dispatch import COMM_MODES, Dispatch  # noqa: E402
+from flashcp.gpucheck.timing import Timer, time_varlen  # noqa: E402
 from flashcp.plan import STRATEGIES, Plan  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -60,53 +60,10 @@ PRESETS = {
 }
 
 
-class Timer:
-    """Best wall time (ms) of `repeats` runs after one warm-up, device synchronised.
-
-    The minimum, not the mean: it is the run least disturbed by other load on the machine.
-    """
-
-    def __init__(self, device: torch.device, repeats: int) -> None:
-        self.device, self.repeats = device, repeats
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    def __call__(self, fn: Callable[[], object]) -> float:
-        fn()
-        times = []
-        for _ in range(self.repeats):
-            self._sync()
-            t0 = time.perf_counter()
-            fn()
-            self._sync()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return min(times)
-
-
 def time_rank(dispatch: Dispatch, heads: int, kv_heads: int, args, timer: Timer) -> dict:
     """Forward and forward+backward time of one rank's kernel call on random q/k/v."""
-    device, dtype = timer.device, getattr(torch, args.dtype)
-    d = dispatch.to(device)
-    shape_q = (d.token_index.numel(), heads, args.head_dim)
-    shape_k = (d.kv_index.numel(), kv_heads, args.head_dim)
-    q = torch.randn(shape_q, device=device, dtype=dtype, requires_grad=True)
-    k, v = (torch.randn(shape_k, device=device, dtype=dtype, requires_grad=True) for _ in "kv")
-    grad = torch.randn_like(q)
-
-    def forward() -> torch.Tensor:
-        return varlen_attention(
-            q, k, v, d.cu_seqlens_q, d.cu_seqlens_k, d.max_seqlen_q, d.max_seqlen_k, backend=args.backend
-        )
-
-    def forward_backward() -> None:
-        forward().backward(grad)
-        q.grad = k.grad = v.grad = None
-
-    with torch.no_grad():
-        fwd = timer(forward)
-    return {"fwd_ms": fwd, "fwd_bwd_ms": timer(forward_backward)}
+    q_lens, k_lens = dispatch.cu_seqlens_q.diff().tolist(), dispatch.cu_seqlens_k.diff().tolist()
+    return time_varlen(q_lens, k_lens, heads, kv_heads, args.head_dim, getattr(torch, args.dtype), args.backend, timer)
 
 
 def run_plan(plan: Plan, heads: int, kv_heads: int, args, timer: Timer, csv_rows: list[str]) -> dict:

@@ -136,15 +136,27 @@ def _torch_run(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
 _REFERENCE_BLOCK = 512  # query rows per step: bounds memory and skips keys above the diagonal
 
 
-def _reference_run(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+def reference_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    causal: bool = True,
+    scale: float | None = None,
+    compute_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """Exact masked softmax attention, one sequence (and block of queries) at a time.
 
-    Computes in float64 for float64 inputs and in float32 otherwise. A causal query block only
-    reads the keys its last query can see. A query row with no visible key (only possible when a
-    sequence has fewer keys than queries) outputs zeros, like the flash kernels.
+    Computes in float64 for float64 inputs and in float32 otherwise, unless `compute_dtype` says
+    otherwise (the GPU check computes in half precision too, as the yardstick of how far a half
+    precision kernel may be from the exact result). A causal query block only reads the keys its
+    last query can see. A query row with no visible key (only possible when a sequence has fewer
+    keys than queries) outputs zeros, like the flash kernels.
     """
-    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-    bounds_q, bounds_k = cu_q.tolist(), cu_k.tolist()
+    compute = compute_dtype or (torch.float64 if q.dtype == torch.float64 else torch.float32)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     outs = []
     for s in range(len(bounds_q) - 1):
         q0, q1, k0, k1 = bounds_q[s], bounds_q[s + 1], bounds_k[s], bounds_k[s + 1]
@@ -159,6 +171,10 @@ def _reference_run(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
     if not outs:
         return q.new_zeros(q.shape)
     return torch.cat(outs).to(q.dtype)
+
+
+def _reference_run(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+    return reference_attention(q, k, v, cu_q, cu_k, causal, scale)
 
 
 def _attend(q, k, v, diagonal: int | None, scale: float, compute: torch.dtype) -> torch.Tensor:

@@ -1,0 +1,50 @@
+"""One command that verifies and measures FlashCP on whatever GPU is at hand.
+
+    python -m flashcp.gpucheck --out DIR [--device cuda|cpu] [--quick]
+
+Needs torch (>= 2.11) and numpy only: no torchtitan, no pytest, no network, so it runs on a bare
+GPU machine. It prints its progress, writes every row the moment it is measured (a run cut off
+still leaves its results) and ends within about 8 minutes on one H100. Sections:
+
+1. `exactness`: every attention backend that runs here, forward and backward, fp16 and bf16,
+   GQA ratios 1/4/8, against the reference kernel in float32 (bottom-right causal shards with
+   more keys than queries, 1-token documents, random shard mixes), with the tolerance and worst
+   error of each case; and whether passing KV heads through natively (GQA) is exact.
+2. `cp`: the CP op end to end, N in {2, 4, 8} ranks simulated in one process
+   (`flashcp.attention.simulate`), every strategy and comm mode, forward and backward against
+   single-device attention.
+3. `critical_path`: the slowest rank's forward and forward+backward kernel time per window at the
+   paper's setting (C = 128K, N in {4, 8}, 16 / 32 heads of dim 128, bf16, wlbllm and pile).
+4. `efficiency`: the paper's Fig. 3 (one 128K document vs 16 x 8K, whole vs Per-Doc shards) and
+   achieved TFLOP/s against shard length, per backend.
+5. `decoder`: a Llama 3 8B decoder layer forward+backward on 16K tokens with the FlashCP op:
+   attention vs dense time, peak memory.
+
+Files in DIR: summary.md, env.json, exactness.csv, cp.csv, critical_path.csv, efficiency.csv,
+decoder.json and kernel_calls.csv (every timed kernel call in the format the cost model reads:
+`python benchmarks/costmodel.py refit --gpucheck DIR`). `--device cpu --quick` runs every section
+at toy sizes and is part of the test suite.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashcp.attention.kernels import BACKENDS
+from flashcp.gpucheck import cp_check, critical_path, decoder, efficiency, exactness
+
+SECTIONS = {
+    "exactness": ("1. Kernel exactness", exactness.run),
+    "cp": ("2. CP op on simulated ranks", cp_check.run),
+    "critical_path": ("3. Per-rank critical path", critical_path.run),
+    "efficiency": ("4. Kernel efficiency", efficiency.run),
+    "decoder": ("5. Llama 3 8B decoder layer", decoder.run),
+}
+
+
+def backends_for(device: torch.device) -> list[str]:
+    """The fast backends that run half-precision inputs on `device`; the reference if there are none
+    (always so on a CPU)."""
+    probe = torch.zeros(1, 1, 64, device=device, dtype=torch.bfloat16)
+    fast = [name for name, b in BACKENDS.items() if name != "reference" and b.reject(probe, probe) is None]
+    return fast or ["reference"]

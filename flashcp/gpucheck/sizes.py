@@ -1,0 +1,61 @@
+"""How big each section of the check runs: the GPU sizes of the issue, and toy sizes for CPU.
+
+The full sizes are chosen so that the whole check ends within about 8 minutes on one H100; each
+section also has a time budget and stops adding cases when it is spent (saying so).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Sizes:
+    # 1. kernel exactness
+    exact_mixes: int  # random shard mixes per (backend, dtype, GQA ratio)
+    exact_max_tokens: int  # query tokens of one mix at most
+    exact_head_dim: int
+    exact_kv_heads: int
+    # 2. the CP op on simulated ranks
+    cp_context: int
+    cp_sizes: tuple[int, ...]
+    cp_heads: tuple[int, int, int]  # query heads, key/value heads, head dim
+    # 3. per-rank critical path
+    path_context: int
+    path_cp_sizes: tuple[int, ...]
+    path_heads: tuple[int, ...]
+    path_head_dim: int
+    path_windows: int  # per dataset, at most
+    # 4. kernel efficiency
+    eff_context: int
+    eff_cp: int
+    eff_heads: int
+    eff_shard_lens: tuple[int, ...]
+    # 5. decoder layer
+    layer_tokens: int
+    layer_dims: tuple[int, int, int, int]  # dim, query heads, key/value heads, SwiGLU hidden
+    # timing
+    repeats: int
+    budgets_s: dict[str, float]  # per section
+
+
+GPU = Sizes(
+    exact_mixes=200, exact_max_tokens=2048, exact_head_dim=128, exact_kv_heads=2,
+    cp_context=32768, cp_sizes=(2, 4, 8), cp_heads=(8, 2, 128),
+    path_context=131072, path_cp_sizes=(4, 8), path_heads=(16, 32), path_head_dim=128, path_windows=3,
+    eff_context=131072, eff_cp=8, eff_heads=32,
+    eff_shard_lens=(128, 256, 512, 1024, 2048, 4096, 8192, 16384),
+    layer_tokens=16384, layer_dims=(4096, 32, 8, 14336),
+    repeats=3,
+    budgets_s={"exactness": 70, "cp": 90, "critical_path": 150, "efficiency": 60, "decoder": 60},
+)  # fmt: skip
+
+QUICK = Sizes(
+    exact_mixes=6, exact_max_tokens=64, exact_head_dim=16, exact_kv_heads=1,
+    cp_context=256, cp_sizes=(2, 4, 8), cp_heads=(4, 2, 8),
+    path_context=1024, path_cp_sizes=(4,), path_heads=(2,), path_head_dim=16, path_windows=1,
+    eff_context=512, eff_cp=4, eff_heads=2, eff_shard_lens=(16, 64),
+    layer_tokens=256, layer_dims=(64, 4, 2, 128),
+    repeats=3,  # the best of 3: even toy timings on a busy CPU keep forward+backward above forward
+    budgets_s={"exactness": 60, "cp": 120, "critical_path": 60, "efficiency": 60, "decoder": 60},
+)  # fmt: skip
