@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv (python >= 3.10) with FlashCP and its training / test dependencies, if missing.
+# Create .venv (python >= 3.11) with FlashCP and its training / test dependencies, if missing.
 #
 #   scripts/setup_env.sh            # idempotent: does nothing when .venv already works
 #
@@ -21,7 +21,18 @@ for name in ('torch', 'torchtitan', 'triton', 'tensorboard', 'tokenizers', 'sent
     exit 0
 fi
 
+# torchtitan 0.3.0 requires Python >= 3.11: refuse an older interpreter before creating anything,
+# instead of failing deep inside pip (Ubuntu 22.04's python3 is 3.10).
 if [[ ! -x "$VENV/bin/python" ]]; then
+    found=$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null) || {
+        echo "setup_env: error: cannot run '$PYTHON'; set PYTHON to a Python >= 3.11 interpreter" >&2
+        exit 1
+    }
+    if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+        echo "setup_env: error: $PYTHON is Python $found but FlashCP (torchtitan 0.3.0) needs >= 3.11;" \
+             "install python3.11 or newer and run e.g. PYTHON=python3.11 ./run_train.sh" >&2
+        exit 1
+    fi
     echo "setup_env: creating $VENV" >&2
     "$PYTHON" -m venv --system-site-packages "$VENV"
 fi

@@ -97,14 +97,18 @@ def _torch_varlen_params() -> frozenset[str] | None:
     return frozenset(inspect.signature(varlen_attn).parameters)
 
 
-def _torch_reject(q: torch.Tensor, k: torch.Tensor) -> str | None:
+def _torch_version_problem() -> str | None:
     params = _torch_varlen_params()
     if params is None:
         return f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn"
     # torch 2.10 only took `is_causal`; `scale` and `window_size` arrived in 2.11.
     if not {"scale", "window_size"} <= params:
         return f"torch {torch.__version__} varlen_attn lacks scale/window_size (needs torch >= 2.11)"
-    reason = _reject_half_cuda(q, "torch varlen_attn")
+    return None
+
+
+def _torch_reject(q: torch.Tensor, k: torch.Tensor) -> str | None:
+    reason = _torch_version_problem() or _reject_half_cuda(q, "torch varlen_attn")
     if reason is None and q.shape[-1] % 8:
         reason = f"torch varlen_attn needs head dim divisible by 8, got {q.shape[-1]}"
     if reason is None and _capability(q.device.index) < (8, 0):
@@ -207,6 +211,30 @@ BACKENDS: dict[str, Backend] = {
         Backend("reference", lambda q, k: None, _reference_run),
     )
 }
+
+
+INSTALL_HINTS = {
+    "flash_attn": "flash-attn ships prebuilt wheels only for torch <= 2.10; for newer torch build it "
+    "against the installed one: pip install flash-attn --no-build-isolation (needs nvcc; see README)",
+    "torch": "torch's varlen_attn needs torch >= 2.11 and an sm80+ GPU (A100, H100 or newer)",
+}
+
+
+def gpu_backend_problem(name: str, device: int | None = None) -> str | None:
+    """Why backend `name` cannot run on GPU `device` of this machine (whatever the inputs), or None.
+
+    The pre-launch check calls this before any rank starts, so a job that names a backend the
+    machine lacks fails in a second instead of at its first attention call, after the model is
+    built."""
+    if name == "flash_attn":
+        reason = _flash_attn_import_error()
+    elif name == "torch":
+        reason = _torch_version_problem()
+        if reason is None and _capability(device) < (8, 0):
+            reason = "torch varlen_attn (FlashAttention-2) needs an sm80+ GPU"
+    else:
+        reason = None
+    return None if reason is None else f"{reason}; {INSTALL_HINTS[name]}"
 
 
 def resolve_backend(name: str, q: torch.Tensor, k: torch.Tensor) -> Backend:

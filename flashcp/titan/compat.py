@@ -8,6 +8,7 @@ names the versions that need it, so it can be deleted when those versions are dr
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 import types
@@ -27,6 +28,7 @@ def prepare() -> None:
     _add_set_timeout()
     _add_data_parallel_mesh_dims()
     _default_device_to_cpu()
+    _flash_attention_impl_only_if_installed()
     _prepared = True
 
 
@@ -80,6 +82,34 @@ def _default_device_to_cpu() -> None:
 
     tt_utils.device_type = "cpu"
     tt_utils.device_module = _cpu_device_module()
+
+
+# Modules torch.nn.attention.activate_flash_attention_impl imports for each implementation.
+_FLASH_IMPL_MODULES = {"FA3": "flash_attn_interface", "FA4": "flash_attn.cute.interface"}
+
+
+def _flash_attention_impl_only_if_installed() -> None:
+    # TorchTitan 0.3.0 (any torch): `VarlenAttention` (model.attention = "varlen") activates FA3 on
+    # sm90 and FA4 on sm100 whether or not their packages are installed, and FA3's
+    # (`flash_attn_interface`) exists only as a source build, so on an H100 the comparison path
+    # died at model construction. Ask for an implementation only when its module imports; otherwise
+    # torch's built-in FlashAttention-2 runs varlen attention.
+    import torchtitan.tools.utils as tt_utils
+
+    wanted = tt_utils.get_cuda_flash_attention_impl
+
+    def installed_impl() -> str | None:
+        impl = wanted()
+        return impl if impl is None or _importable(_FLASH_IMPL_MODULES.get(impl, "")) else None
+
+    tt_utils.get_cuda_flash_attention_impl = installed_impl
+
+
+def _importable(module: str) -> bool:
+    try:
+        return bool(module) and importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a parent package is missing
+        return False
 
 
 def _available_accelerator() -> bool:

@@ -25,12 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib
+import tomllib
 
 from flashcp.attention.kernels import BACKENDS as KERNELS
+from flashcp.attention.kernels import gpu_backend_problem
 from flashcp.dispatch import COMM_MODES
 from flashcp.plan import STRATEGIES
 from flashcp.titan.data import DataConfig
@@ -397,6 +395,11 @@ def check_layout(cfg: dict, world_size: int, has_cuda: bool | None = None) -> di
 
         has_cuda = torch.cuda.is_available()
     attention, backend = cfg["model"]["attention"], cfg["flashcp"]["backend"]
+    if has_cuda and attention == "flashcp" and backend in GPU_BACKENDS:
+        problem = gpu_backend_problem(backend)
+        if problem:
+            raise ConfigError(f"[flashcp] backend = {backend!r} cannot run on this machine: {problem}; "
+                              "or set backend = 'auto'")  # fmt: skip
     if not has_cuda:
         if attention == "flashcp" and backend in GPU_BACKENDS:
             raise ConfigError(

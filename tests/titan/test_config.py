@@ -41,10 +41,56 @@ def test_shipped_configs_validate(name, world, has_cuda, expect):
     assert {k: degrees[k] for k in expect} == expect
 
 
-def test_shipped_gpu_configs_refuse_a_cpu_machine():
-    cfg = load_job(resolve_config_path("llama8b_128k"))
+def test_a_named_gpu_backend_refuses_a_cpu_machine():
+    cfg = load_job(resolve_config_path("llama8b_128k"), ["--flashcp.backend", "flash_attn"])
     with pytest.raises(ConfigError, match=r"\[flashcp\] backend = 'flash_attn' needs CUDA"):
         check_layout(cfg, 8, has_cuda=False)
+
+
+@pytest.mark.parametrize(
+    "backend, capability, flash_attn_error, message",
+    [
+        ("flash_attn", (9, 0), "flash-attn is not installed (pip install flash-attn)",
+         r"backend = 'flash_attn' cannot run on this machine: flash-attn is not installed .*torch <= 2.10.*"
+         r"pip install flash-attn --no-build-isolation.*or set backend = 'auto'"),
+        ("torch", (7, 5), None, r"backend = 'torch' cannot run on this machine: .*needs an sm80\+ GPU"),
+        ("torch", (9, 0), None, None),
+        ("flash_attn", (9, 0), None, None),
+        ("auto", (7, 5), "flash-attn is not installed", None),  # auto takes what runs
+    ],
+)
+def test_named_gpu_backend_is_checked_before_launch(monkeypatch, backend, capability, flash_attn_error, message):
+    """On a GPU machine (capabilities monkeypatched here) a named backend must run there: the job
+    fails before any rank starts, not at its first attention call after the model is built."""
+    from flashcp.attention import kernels
+
+    monkeypatch.setattr(kernels, "_capability", lambda device=None: capability)
+    monkeypatch.setattr(kernels, "_flash_attn_import_error", lambda: flash_attn_error)
+    cfg = load_job(resolve_config_path("llama8b_128k"), ["--flashcp.backend", backend])
+    if message is None:
+        assert check_layout(cfg, 8, has_cuda=True)["cp"] == 8
+    else:
+        with pytest.raises(ConfigError, match=message):
+            check_layout(cfg, 8, has_cuda=True)
+
+
+def test_shipped_gpu_configs_pick_the_kernel_that_is_installed():
+    for name in ("llama8b_128k", "llama70b_128k"):
+        assert load_job(resolve_config_path(name))["flashcp"]["backend"] == "auto"
+
+
+@pytest.mark.parametrize("capability, impl", [((9, 0), "FA3"), ((10, 0), "FA4")])
+def test_titan_varlen_asks_for_flash_attention_3_or_4_only_when_installed(monkeypatch, tmp_path, capability, impl):
+    """TorchTitan's VarlenAttention activates FA3 on an H100 (FA4 on Blackwell); without the
+    source-built package that crashed model construction. Now it gets torch's FA2 instead."""
+    import torchtitan.tools.utils as tt_utils
+
+    monkeypatch.setattr(tt_utils, "has_cuda_capability", lambda major, minor: capability >= (major, minor))
+    assert tt_utils.get_cuda_flash_attention_impl() is None  # neither package is installed here
+    if impl == "FA3":  # once flash_attn_interface imports, FA3 is used
+        (tmp_path / "flash_attn_interface.py").write_text("")
+        monkeypatch.syspath_prepend(str(tmp_path))
+        assert tt_utils.get_cuda_flash_attention_impl() == "FA3"
 
 
 @pytest.mark.parametrize(
