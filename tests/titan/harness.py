@@ -106,3 +106,12 @@ def train_on_pool_rank(rank: int, group: Any, cfg: dict) -> dict[int, float]:
     """DistributedPool task: one rank of a multi-rank run of `cfg`."""
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(dist.get_world_size())})
     return train(cfg)
+
+
+def train_counting_exchanges(rank: int, group: Any, cfg: dict) -> tuple[dict[int, float], int]:
+    """DistributedPool task: a rank's losses and how many forward KV exchanges it issued."""
+    from flashcp.attention import record_comm
+
+    with record_comm() as log:
+        losses = train_on_pool_rank(rank, group, cfg)
+    return losses, sum(r.pass_ == "forward" for r in log)

@@ -11,16 +11,20 @@ from __future__ import annotations
 
 import pytest
 from distributed_pool import DistributedPool
-from harness import single_rank, tiny_job, train, train_on_pool_rank
+from harness import TINY, single_rank, tiny_job, train, train_counting_exchanges
 
 STEPS = 5
 TOLERANCE = 2e-5  # absolute, on losses of ~8.5 in float32 (observed: ~1e-6)
-CASES = [  # (strategy, KV exchange, cp, tp) on 2 ranks
-    ("flashcp", "compact", 2, 1),  # FlashCP
-    ("flashcp", "needed", 2, 1),
-    ("per_doc", "full", 2, 1),  # the Per-Doc CP baseline
-    ("per_seq", "full", 2, 1),  # the Llama3 CP baseline
-    ("flashcp", "compact", 1, 2),  # FlashCP's attention under tensor parallelism (heads split)
+CASES = [  # (strategy, KV exchange, cp, tp, activation checkpointing) on 2 ranks
+    ("flashcp", "compact", 2, 1, "none"),  # FlashCP
+    ("flashcp", "needed", 2, 1, "none"),
+    ("per_doc", "full", 2, 1, "none"),  # the Per-Doc CP baseline
+    ("per_seq", "full", 2, 1, "none"),  # the Llama3 CP baseline
+    ("flashcp", "compact", 1, 2, "none"),  # FlashCP's attention under tensor parallelism (heads split)
+    # Recompute re-runs the KV collective inside backward (the 128K configs use "full").
+    ("flashcp", "compact", 2, 1, "full"),
+    ("flashcp", "needed", 2, 1, "selective"),
+    ("per_doc", "full", 2, 1, "full"),
 ]
 
 
@@ -41,18 +45,23 @@ def test_cp2_reproduces_cp1_losses(tmp_path, seed):
     assert reference[STEPS] < reference[1]  # it trains
 
     with DistributedPool(world_size=2) as pool:
-        for strategy, comm, cp, tp in CASES:
+        for strategy, comm, cp, tp, ac in CASES:
             cfg = tiny_job(
-                tmp_path / f"{strategy}_{comm}_cp{cp}_tp{tp}",
+                tmp_path / f"{strategy}_{comm}_cp{cp}_tp{tp}" / ac,
                 checkpoint=seed,
                 training={"steps": STEPS},
                 parallelism={"context_parallel_degree": cp, "tensor_parallel_degree": tp},
                 flashcp={"strategy": strategy, "comm": comm},
+                activation_checkpoint={"mode": ac},
             )
-            losses = pool.run(train_on_pool_rank, (cfg,))[0]
+            losses, forward_exchanges = pool.run(train_counting_exchanges, (cfg,))[0]
             worst = max(abs(losses[s] - reference[s]) for s in reference)
-            print(f"CP={cp} TP={tp} {strategy}/{comm}: max |loss - CP=1 loss| = {worst:.1e}")
-            assert worst <= TOLERANCE, (strategy, comm, cp, tp, losses, reference)
+            print(f"CP={cp} TP={tp} {strategy}/{comm} AC {ac}: max |loss - CP=1 loss| = {worst:.1e}, "
+                  f"{forward_exchanges} forward KV exchanges")
+            assert worst <= TOLERANCE, (strategy, comm, cp, tp, ac, losses, reference)
+            if cp > 1:  # per layer and step: once, or twice when backward recomputes the forward
+                layers = TINY["model"]["n_layers"]
+                assert forward_exchanges == STEPS * layers * (1 if ac == "none" else 2), (ac, forward_exchanges)
 
     # The CP=2 run's last checkpoint resumes on one rank: weights, optimizer and the data cursor
     # carry over to a different layout, so both continue with the same next windows.
@@ -60,6 +69,6 @@ def test_cp2_reproduces_cp1_losses(tmp_path, seed):
     with single_rank():
         after_cp1 = train(tiny_job(tmp_path / "cp1", **longer))
     with single_rank():
-        after_cp2 = train(tiny_job(tmp_path / "flashcp_compact_cp2_tp1", **longer))
+        after_cp2 = train(tiny_job(tmp_path / "flashcp_compact_cp2_tp1" / "none", **longer))
     assert sorted(after_cp2) == [STEPS + 1, STEPS + 2]
     assert max(abs(after_cp2[s] - after_cp1[s]) for s in after_cp1) <= TOLERANCE
