@@ -5,6 +5,7 @@
     python benchmarks/costmodel.py fig7        # speedup across context sizes 64K..128K, wlbllm
     python benchmarks/costmodel.py fig3        # modelled kernel efficiency (whole vs Per-Doc shards)
     python benchmarks/costmodel.py validate    # fit residuals, cross-validation, comm vs tables
+    python benchmarks/costmodel.py refit --gpucheck DIR   # re-fit to a GPU check's timed calls
     python benchmarks/costmodel.py sensitivity # headline speedups under perturbed assumptions
     python benchmarks/costmodel.py all
 
@@ -12,7 +13,10 @@ Everything here is MODELLED, not measured: the model (flashcp.costmodel) is cali
 measured tables, by default the shared H100 FlashAttention per-document profile and the H200
 nccl-tests all-gather / reduce-scatter tables in ../shared/data/gpu_profiles. Pass your own
 with --collectives / --kernel (files or directories; formats in flashcp/costmodel/profiles.py),
-e.g. a per-rank kernel table measured on a GPU, to re-calibrate. `validate --measured T.csv`
+e.g. a per-rank kernel table measured on a GPU, to re-calibrate: `python -m flashcp.gpucheck --out
+DIR` writes DIR/kernel_calls.csv, `refit --gpucheck DIR` reports the re-fitted model's residuals
+(overall, per section, each section held out) and the shipped calibration's against it, and
+`--kernel DIR/kernel_calls.csv` makes every figure use the re-fitted kernel model. `validate --measured T.csv`
 compares the model with measured per-rank times.
 
 Windows are packed from the named length distributions (flashcp.data); every system sees the
@@ -23,6 +27,7 @@ Results go to benchmarks/results/costmodel_<figure>.{json,png}.
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import sys
 import time
@@ -43,7 +48,7 @@ from flashcp.costmodel import (  # noqa: E402
     ProfileError,
     load_cost_model,
 )
-from flashcp.costmodel.kernel import call_counts, fit_kernel_model  # noqa: E402
+from flashcp.costmodel.kernel import KernelModel, call_counts, fit_kernel_model  # noqa: E402
 from flashcp.costmodel.comm import collective_ms  # noqa: E402
 from flashcp.costmodel.profiles import load_collective_tables, load_kernel_samples  # noqa: E402
 from flashcp.data import length_sampler, pack_windows  # noqa: E402
@@ -390,7 +395,7 @@ def validate(args: argparse.Namespace) -> dict:
         print(f"  {t.op:14s} N={t.n_ranks}: max rel err {err:.2e}; 1 MiB (below the table) -> {small:.1f} us")
     if args.measured:
         measured = load_kernel_samples([args.measured], args.profile_heads)
-        out["measured"] = compare_measured(model, measured)
+        out["measured"] = compare_measured(model.kernel, measured)
         for key, row in out["measured"].items():
             print(f"measured per-rank {key} ({args.measured}): n={row['n']} rms {row['rms']:.3f} "
                   f"bias {row['bias']:+.3f}")
@@ -413,9 +418,8 @@ def validate(args: argparse.Namespace) -> dict:
     return out
 
 
-def compare_measured(model: CostModel, measured: list) -> dict[str, dict]:
-    """Log errors of the model against measured per-rank calls, forward and forward+backward."""
-    k = model.kernel
+def compare_measured(k: KernelModel, measured: list) -> dict[str, dict]:
+    """Log errors of a kernel model against measured per-rank calls, forward and forward+backward."""
     fwd = {id(s): k.forward_ms(s.q_lens, s.k_lens, s.heads, True, s.head_dim) for s in measured}
     rows = {"fwd": [np.log(fwd[id(s)] / s.fwd_ms) for s in measured]}
     rows["fwd_bwd"] = [np.log((fwd[id(s)] + k.backward_ms(s.q_lens, s.k_lens, s.heads, True, s.head_dim))
@@ -461,9 +465,53 @@ def replace_kernel(model: CostModel, cta: float) -> CostModel:
     return CostModel(replace(k, fwd=fwd, bwd=bwd), model.comm, model.memory)
 
 
+def refit(args: argparse.Namespace) -> dict:
+    """Re-fit the kernel model to the calls a GPU check timed (`--gpucheck DIR`), and report how
+    far the re-fitted model and the shipped calibration are from those measurements."""
+    if args.gpucheck is None:
+        raise ProfileError("refit needs --gpucheck DIR (the --out folder of python -m flashcp.gpucheck)")
+    table = args.gpucheck / "kernel_calls.csv"
+    if not table.is_file():
+        raise ProfileError(f"{table} not found: run python -m flashcp.gpucheck --out {args.gpucheck} on a GPU first")
+    measured = load_kernel_samples([table], args.profile_heads)
+    with table.open() as f:
+        sections = [row["section"] for row in csv.DictReader(f)]
+    env_file = args.gpucheck / "env.json"
+    env = json.loads(env_file.read_text()) if env_file.is_file() else {}
+    refitted, _ = fit_kernel_model(measured, args.bwd_ratio)
+    try:
+        shipped = compare_measured(load_model(args)[0].kernel, measured)
+    except ProfileError as e:  # the shipped calibration's tables are not beside this checkout
+        print(f"shipped calibration not compared: {e}")
+        shipped = {}
+    out = {"device": env.get("device"), "torch": env.get("torch"), "calls": len(measured),
+           "refit": compare_measured(refitted, measured), "shipped": shipped, "by_section": {}}  # fmt: skip
+    for section in sorted(set(sections)):
+        mine = [s for s, sec in zip(measured, sections) if sec == section]
+        rest = [s for s, sec in zip(measured, sections) if sec != section]
+        row = {"refit": compare_measured(refitted, mine)}
+        if len(rest) >= 8:  # held out: fitted on the other sections only
+            row["held_out"] = compare_measured(fit_kernel_model(rest, args.bwd_ratio)[0], mine)
+        out["by_section"][section] = row
+    print(f"kernel model vs {len(measured)} calls timed on {out['device']} (log error = log(predicted / measured))")
+    for name, res in [("re-fitted", out["refit"]), ("shipped calibration", out["shipped"])] + [
+        (f"{sec} ({kind})", res) for sec, row in out["by_section"].items() for kind, res in row.items()
+    ]:
+        print(f"  {name:36s} " + "  ".join(f"{k}: n={v['n']} rms {v['rms']:.3f} bias {v['bias']:+.3f}"
+                                              for k, v in res.items()))  # fmt: skip
+    k = refitted
+    out["refit_kernel"] = {"fwd": k.fwd.__dict__, "bwd": k.bwd.__dict__, "peak_tflops": k.peak_tflops()}
+    path = args.gpucheck / "costmodel_refit.json"
+    path.write_text(json.dumps(out, indent=1, default=float) + "\n")
+    print(f"wrote {path}")
+    return out
+
+
 COMMANDS = {
     "fig3": fig3, "fig5": fig5, "fig6": fig6, "fig7": fig7, "validate": validate, "sensitivity": sensitivity,
+    "refit": refit,
 }  # fmt: skip
+FIGURES = [name for name in COMMANDS if name != "refit"]  # what "all" runs: refit needs a GPU check's output
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -472,6 +520,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--collectives", action="append", type=Path, help="nccl-tests output / CSV (file or dir)")
     p.add_argument("--kernel", action="append", type=Path, help="attention profile / per-rank CSV")
     p.add_argument("--measured", type=Path, help="validate: measured per-rank table to compare against")
+    p.add_argument("--gpucheck", type=Path, help="refit: the --out folder of python -m flashcp.gpucheck")
     p.add_argument("--profile-heads", type=int, default=64, help="query heads of the per-doc profile at tp=1")
     p.add_argument("--bwd-ratio", type=float, default=2.5, help="backward / forward cost when unmeasured")
     p.add_argument("--windows", type=int, default=100, help="packed windows per dataset and configuration")
@@ -483,9 +532,12 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.windows < 1:
         p.error("--windows must be >= 1")
-    for name in (COMMANDS if args.figure == "all" else [args.figure]):
+    for name in (FIGURES if args.figure == "all" else [args.figure]):
         t0 = time.perf_counter()
-        COMMANDS[name](args)
+        try:
+            COMMANDS[name](args)
+        except ProfileError as e:
+            sys.exit(f"error: {e}")
         print(f"[{name}: {time.perf_counter() - t0:.1f} s]")
 
 

@@ -7,6 +7,9 @@ checkout has them (the test says why it skips otherwise).
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from functools import lru_cache
 from pathlib import Path
 
@@ -31,7 +34,8 @@ from flashcp.costmodel.profiles import (
 )
 from flashcp.plan.plan import Plan, Shard, validate
 
-SHARED_PROFILES = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "gpu_profiles"
+ROOT = Path(__file__).resolve().parents[1]
+SHARED_PROFILES = ROOT.parent / "shared" / "data" / "gpu_profiles"
 
 
 def nccl_text(op: str, n: int, rows: list[tuple[int, float]], header: bool = True) -> str:
@@ -409,3 +413,48 @@ def test_unknown_system_and_missing_plan_are_clear_errors():
         model.step("flashcp", AttentionShape(), {"per_seq": plan})
     with pytest.raises(ValueError, match="block_q 96 must be a multiple"):
         KernelModel(TRUE_FWD, TRUE_FWD, block_q=96, block_k=64)
+
+
+# --- re-fitting to a GPU check's output -------------------------------------------------------
+
+
+def _gpucheck_dir(tmp_path: Path) -> Path:
+    """A gpucheck --out folder whose kernel_calls.csv holds calls timed by the known TRUE_FWD."""
+    import csv as csv_module
+
+    from flashcp.gpucheck.timing import KERNEL_CALL_COLUMNS
+
+    out = tmp_path / "check"
+    out.mkdir()
+    with (out / "kernel_calls.csv").open("w", newline="") as f:
+        writer = csv_module.DictWriter(f, KERNEL_CALL_COLUMNS)
+        writer.writeheader()
+        for i, s in enumerate(synthetic_kernel_samples(with_bwd=True)):
+            writer.writerow({"section": ("critical_path", "efficiency")[i % 2], "backend": "torch", "dtype": "bfloat16",
+                             "heads": s.heads, "kv_heads": s.heads, "head_dim": s.head_dim,
+                             "q_lens": " ".join(map(str, s.q_lens)), "k_lens": " ".join(map(str, s.k_lens)),
+                             "fwd_ms": s.fwd_ms, "fwd_bwd_ms": s.fwd_bwd_ms})  # fmt: skip
+    (out / "env.json").write_text('{"device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0"}')
+    return out
+
+
+def test_refit_from_a_gpu_check_recovers_the_measured_kernel(tmp_path, capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("costmodel_bench", ROOT / "benchmarks" / "costmodel.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    check = _gpucheck_dir(tmp_path)
+    bench.main(["refit", "--gpucheck", str(check)])
+    result = json.loads((check / "costmodel_refit.json").read_text())
+    assert result["device"] == "NVIDIA H100 80GB HBM3" and result["calls"] == 30
+    assert result["refit"]["fwd"]["rms"] < 0.05 and result["refit"]["fwd_bwd"]["rms"] < 0.05
+    assert set(result["by_section"]) == {"critical_path", "efficiency"}
+    assert result["by_section"]["efficiency"]["held_out"]["fwd"]["rms"] < 0.1
+    assert "re-fitted" in capsys.readouterr().out
+
+
+def test_refit_without_a_check_folder_names_it(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "costmodel.py"), "refit", "--gpucheck",
+                           str(tmp_path)], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 1 and f"{tmp_path}/kernel_calls.csv not found" in proc.stderr
