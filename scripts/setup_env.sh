@@ -21,18 +21,24 @@ for name in ('torch', 'torchtitan', 'triton', 'tensorboard', 'tokenizers', 'sent
     exit 0
 fi
 
-# torchtitan 0.3.0 requires Python >= 3.11: refuse an older interpreter before creating anything,
-# instead of failing deep inside pip (Ubuntu 22.04's python3 is 3.10).
+# torchtitan 0.3.0 requires Python >= 3.11: check the interpreter before creating or installing
+# anything, instead of failing deep inside pip (Ubuntu 22.04's python3 is 3.10). A venv that exists
+# but did not pass the check above may be one an earlier run made with such a python3: check it.
+if [[ -x "$VENV/bin/python" ]]; then
+    py="$VENV/bin/python" fix="remove $VENV and rerun with PYTHON=python3.11 (or newer)"
+else
+    py="$PYTHON" fix="install python3.11 or 3.12 and rerun with e.g. PYTHON=python3.11 ./run_train.sh"
+fi
+version=$("$py" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null) || version=""
+if [[ ! "$version" =~ ^([0-9]+)\.([0-9]+)$ ]]; then
+    echo "setup_env: error: cannot run '$py'; $fix" >&2
+    exit 1
+fi
+if (( BASH_REMATCH[1] < 3 || (BASH_REMATCH[1] == 3 && BASH_REMATCH[2] < 11) )); then
+    echo "setup_env: error: $py is Python $version but FlashCP (torchtitan 0.3.0) needs >= 3.11; $fix" >&2
+    exit 1
+fi
 if [[ ! -x "$VENV/bin/python" ]]; then
-    found=$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null) || {
-        echo "setup_env: error: cannot run '$PYTHON'; set PYTHON to a Python >= 3.11 interpreter" >&2
-        exit 1
-    }
-    if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
-        echo "setup_env: error: $PYTHON is Python $found but FlashCP (torchtitan 0.3.0) needs >= 3.11;" \
-             "install python3.11 or newer and run e.g. PYTHON=python3.11 ./run_train.sh" >&2
-        exit 1
-    fi
     echo "setup_env: creating $VENV" >&2
     "$PYTHON" -m venv --system-site-packages "$VENV"
 fi

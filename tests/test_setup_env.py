@@ -1,5 +1,5 @@
-"""scripts/setup_env.sh refuses an interpreter older than torchtitan 0.3.0 needs, before creating
-anything (rather than failing deep inside pip)."""
+"""scripts/setup_env.sh refuses an interpreter older than torchtitan 0.3.0 needs before it creates or
+installs anything (rather than failing deep inside pip), also inside a venv an earlier run left."""
 
 from __future__ import annotations
 
@@ -7,34 +7,61 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _fake_python(tmp_path: Path, version: str) -> Path:
-    """An executable that answers like `python3` of `version` to the script's version probes."""
-    exe = tmp_path / f"python{version}"
-    major, minor = version.split(".")
-    exe.write_text(
+def _fake_python(path: Path, version: str) -> Path:
+    """An executable at `path` that answers the version probe like Python `version` and fails at
+    anything else (a venv's package check, `-m venv`, pip); it logs every call to `path`.log."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(
         "#!/bin/sh\n"
-        f'case "$2" in *version_info\\ \\<*) [ {minor} -ge 11 ] && [ {major} -ge 3 ]; exit $? ;; esac\n'
-        f'echo "{version}"\n'
+        f'echo "$*" >> "{path}.log"\n'
+        f'case "$*" in *version_info*) echo "{version}" ;; *) exit 1 ;; esac\n'
     )
-    exe.chmod(0o755)
-    return exe
+    path.chmod(0o755)
+    return path
+
+
+def _calls(python: Path) -> list[str]:
+    log = Path(f"{python}.log")
+    return log.read_text().splitlines() if log.exists() else []
 
 
 def _setup(tmp_path: Path, python: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHON": str(python), "FLASHCP_VENV": str(tmp_path / "venv")}
-    return subprocess.run(["bash", str(ROOT / "scripts/setup_env.sh")], env=env, capture_output=True, text=True,
-                          timeout=60)  # fmt: skip
+    script = str(ROOT / "scripts/setup_env.sh")
+    return subprocess.run(["bash", script], env=env, capture_output=True, text=True, timeout=60)
 
 
-def test_python_3_10_is_refused_before_anything_is_created(tmp_path):
-    proc = _setup(tmp_path, _fake_python(tmp_path, "3.10"))
+@pytest.mark.parametrize("version", ["3.10", "3.9"])
+def test_an_old_python_is_refused_before_anything_is_created(tmp_path, version):
+    python = _fake_python(tmp_path / "bin/python3", version)
+    proc = _setup(tmp_path, python)
     assert proc.returncode != 0
-    assert "is Python 3.10 but FlashCP (torchtitan 0.3.0) needs >= 3.11" in proc.stderr
-    assert "PYTHON=python3.11" in proc.stderr
+    assert f"{python} is Python {version} but FlashCP (torchtitan 0.3.0) needs >= 3.11" in proc.stderr
+    assert "PYTHON=python3.11" in proc.stderr and len(proc.stderr.splitlines()) == 1
     assert not (tmp_path / "venv").exists()
+    assert all("version_info" in call for call in _calls(python))  # no `-m venv`, no pip
+
+
+@pytest.mark.parametrize("version", ["3.11", "3.12"])
+def test_a_new_enough_python_goes_on_to_create_the_venv(tmp_path, version):
+    python = _fake_python(tmp_path / "bin/python3", version)
+    proc = _setup(tmp_path, python)  # fails after the check: the fake cannot make a venv
+    assert "needs >= 3.11" not in proc.stderr
+    assert any(call.startswith("-m venv") for call in _calls(python))
+
+
+def test_a_venv_left_by_an_old_python_is_refused_before_pip(tmp_path):
+    old = _fake_python(tmp_path / "venv/bin/python", "3.10")  # the first run made it, then pip failed
+    new = _fake_python(tmp_path / "bin/python3.11", "3.11")
+    proc = _setup(tmp_path, new)
+    assert proc.returncode != 0
+    assert f"{old} is Python 3.10" in proc.stderr and f"remove {tmp_path / 'venv'}" in proc.stderr
+    assert not any("pip" in call for call in _calls(old)) and _calls(new) == []
 
 
 def test_a_missing_interpreter_is_named(tmp_path):

@@ -8,7 +8,7 @@ names the versions that need it, so it can be deleted when those versions are dr
 
 from __future__ import annotations
 
-import importlib.util
+import functools
 import os
 import sys
 import types
@@ -28,7 +28,7 @@ def prepare() -> None:
     _add_set_timeout()
     _add_data_parallel_mesh_dims()
     _default_device_to_cpu()
-    _flash_attention_impl_only_if_installed()
+    _flash_attention_impl_only_if_it_activates()
     _prepared = True
 
 
@@ -84,32 +84,40 @@ def _default_device_to_cpu() -> None:
     tt_utils.device_module = _cpu_device_module()
 
 
-# Modules torch.nn.attention.activate_flash_attention_impl imports for each implementation.
-_FLASH_IMPL_MODULES = {"FA3": "flash_attn_interface", "FA4": "flash_attn.cute.interface"}
-
-
-def _flash_attention_impl_only_if_installed() -> None:
-    # TorchTitan 0.3.0 (any torch): `VarlenAttention` (model.attention = "varlen") activates FA3 on
-    # sm90 and FA4 on sm100 whether or not their packages are installed, and FA3's
-    # (`flash_attn_interface`) exists only as a source build, so on an H100 the comparison path
-    # died at model construction. Ask for an implementation only when its module imports; otherwise
-    # torch's built-in FlashAttention-2 runs varlen attention.
+def _flash_attention_impl_only_if_it_activates() -> None:
+    # TorchTitan 0.3.0 (torch 2.11..2.13): `VarlenAttention` (model.attention = "varlen") activates
+    # FA3 on sm90 and FA4 on sm100 whether or not their packages are there, and FA3's
+    # (`flash_attn_interface`) exists only as a source build, so on an H100 the comparison path died
+    # at model construction. The chooser now activates the implementation itself and reports it
+    # only when torch accepted it; otherwise torch's built-in FlashAttention-2 runs varlen attention.
     import torchtitan.tools.utils as tt_utils
 
     wanted = tt_utils.get_cuda_flash_attention_impl
 
-    def installed_impl() -> str | None:
+    def activated_impl() -> str | None:
         impl = wanted()
-        return impl if impl is None or _importable(_FLASH_IMPL_MODULES.get(impl, "")) else None
+        return impl if impl is None or _activates(impl) else None
 
-    tt_utils.get_cuda_flash_attention_impl = installed_impl
+    tt_utils.get_cuda_flash_attention_impl = activated_impl
 
 
-def _importable(module: str) -> bool:
+@functools.cache
+def _activates(impl: str) -> bool:
+    """Activate `impl` in torch's dispatcher as `VarlenAttention` would; whether torch accepted it.
+
+    Activation is the exact test: FA3's module must import (a build for another torch does not)
+    *and* register the `torch.ops.flash_attn_3` kernels torch dispatches to. Cached, so the layers
+    after the first do not retry and a fallback is logged once."""
+    from torch.nn.attention import activate_flash_attention_impl
+    from torchtitan.tools.logging import logger
+
     try:
-        return bool(module) and importlib.util.find_spec(module) is not None
-    except ModuleNotFoundError:  # a parent package is missing
+        activate_flash_attention_impl(impl)
+    except Exception as e:  # ImportError, or RuntimeError for a module without the kernels
+        logger.warning(f"{impl} cannot be activated ({type(e).__name__}: {e}); TorchTitan's varlen "
+                       "attention uses torch's built-in FlashAttention-2")  # fmt: skip
         return False
+    return True
 
 
 def _available_accelerator() -> bool:

@@ -59,7 +59,9 @@ def test_a_named_gpu_backend_refuses_a_cpu_machine():
         ("auto", (7, 5), "flash-attn is not installed", None),  # auto takes what runs
     ],
 )
-def test_named_gpu_backend_is_checked_before_launch(monkeypatch, backend, capability, flash_attn_error, message):
+def test_named_gpu_backend_is_checked_before_launch(
+    monkeypatch, backend, capability, flash_attn_error, message
+):
     """On a GPU machine (capabilities monkeypatched here) a named backend must run there: the job
     fails before any rank starts, not at its first attention call after the model is built."""
     from flashcp.attention import kernels
@@ -70,27 +72,24 @@ def test_named_gpu_backend_is_checked_before_launch(monkeypatch, backend, capabi
     if message is None:
         assert check_layout(cfg, 8, has_cuda=True)["cp"] == 8
     else:
-        with pytest.raises(ConfigError, match=message):
+        with pytest.raises(ConfigError, match=message) as err:
             check_layout(cfg, 8, has_cuda=True)
+        assert "\n" not in str(err.value)
+
+
+def test_a_named_torch_backend_needs_torch_2_11(monkeypatch):
+    from flashcp.attention import kernels
+
+    monkeypatch.setattr(kernels, "_torch_varlen_params", lambda: frozenset({"is_causal"}))  # torch 2.10's
+    monkeypatch.setattr(kernels, "_capability", lambda device=None: (9, 0))
+    cfg = load_job(resolve_config_path("llama8b_128k"), ["--flashcp.backend", "torch"])
+    with pytest.raises(ConfigError, match=r"backend = 'torch' cannot run on this machine: .*torch >= 2.11"):
+        check_layout(cfg, 8, has_cuda=True)
 
 
 def test_shipped_gpu_configs_pick_the_kernel_that_is_installed():
     for name in ("llama8b_128k", "llama70b_128k"):
         assert load_job(resolve_config_path(name))["flashcp"]["backend"] == "auto"
-
-
-@pytest.mark.parametrize("capability, impl", [((9, 0), "FA3"), ((10, 0), "FA4")])
-def test_titan_varlen_asks_for_flash_attention_3_or_4_only_when_installed(monkeypatch, tmp_path, capability, impl):
-    """TorchTitan's VarlenAttention activates FA3 on an H100 (FA4 on Blackwell); without the
-    source-built package that crashed model construction. Now it gets torch's FA2 instead."""
-    import torchtitan.tools.utils as tt_utils
-
-    monkeypatch.setattr(tt_utils, "has_cuda_capability", lambda major, minor: capability >= (major, minor))
-    assert tt_utils.get_cuda_flash_attention_impl() is None  # neither package is installed here
-    if impl == "FA3":  # once flash_attn_interface imports, FA3 is used
-        (tmp_path / "flash_attn_interface.py").write_text("")
-        monkeypatch.syspath_prepend(str(tmp_path))
-        assert tt_utils.get_cuda_flash_attention_impl() == "FA3"
 
 
 @pytest.mark.parametrize(
