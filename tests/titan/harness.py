@@ -3,6 +3,7 @@
     cfg = tiny_job(tmp_path, training={"steps": 4})
     losses = train(cfg)                      # {step: loss}, on this process's world
     losses = train(cfg, stop_after=2)        # as if the job were killed after step 2
+    losses = train(cfg, grad_norms=norms)    # also fills norms: {step: gradient norm}
 
 In the pytest process `single_rank()` provides a world of one gloo rank; in a DistributedPool
 worker the pool's process group is reused (TorchTitan skips its own init when one exists).
@@ -15,12 +16,15 @@ import copy
 import gc
 import os
 import socket
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import flashcp.titan  # noqa: F401  (TorchTitan shims before TorchTitan is imported)
+import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from flashcp.titan.config import check_layout, validate
 
@@ -75,8 +79,16 @@ def single_rank() -> Iterator[None]:
                 os.environ[k] = v
 
 
-def train(cfg: dict, stop_after: int | None = None, seed_checkpoint: bool = False) -> dict[int, float]:
-    """Train `cfg` on the current world; {step: loss} of the steps this run logged."""
+def train(
+    cfg: dict,
+    stop_after: int | None = None,
+    seed_checkpoint: bool = False,
+    grad_norms: dict[int, float] | None = None,
+) -> dict[int, float]:
+    """Train `cfg` on the current world; {step: loss} of the steps this run logged.
+
+    `grad_norms`, when given, receives {step: total gradient norm before clipping}.
+    """
     from flashcp.titan.job import trainer_config
     from flashcp.titan.trainer import FlashCPTrainer
 
@@ -85,9 +97,11 @@ def train(cfg: dict, stop_after: int | None = None, seed_checkpoint: bool = Fals
     losses: dict[int, float] = {}
     log = trainer.metrics_processor.log
 
-    def record(step: int, loss: float, *args: Any, **kwargs: Any) -> None:
+    def record(step: int, loss: float, max_loss: float, grad_norm: float, *args: Any, **kwargs: Any) -> None:
         losses[step] = loss
-        log(step, loss, *args, **kwargs)
+        if grad_norms is not None:
+            grad_norms[step] = grad_norm
+        log(step, loss, max_loss, grad_norm, *args, **kwargs)
 
     trainer.metrics_processor.log = record
     if stop_after is not None:
@@ -102,16 +116,46 @@ def train(cfg: dict, stop_after: int | None = None, seed_checkpoint: bool = Fals
     return losses
 
 
-def train_on_pool_rank(rank: int, group: Any, cfg: dict) -> dict[int, float]:
+def train_on_pool_rank(
+    rank: int, group: Any, cfg: dict, grad_norms: dict[int, float] | None = None
+) -> dict[int, float]:
     """DistributedPool task: one rank of a multi-rank run of `cfg`."""
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(dist.get_world_size())})
-    return train(cfg)
+    return train(cfg, grad_norms=grad_norms)
 
 
-def train_counting_exchanges(rank: int, group: Any, cfg: dict) -> tuple[dict[int, float], int]:
-    """DistributedPool task: a rank's losses and how many forward KV exchanges it issued."""
-    from flashcp.attention import record_comm
+class KVCollectiveCounter(TorchDispatchMode):
+    """Counts the collectives on FlashCP's KV buffers that actually execute, by pass.
 
-    with record_comm() as log:
-        losses = train_on_pool_rank(rank, group, cfg)
-    return losses, sum(r.pass_ == "forward" for r in log)
+    A dispatcher-level count: under selective activation checkpointing the recompute replays
+    FlashCP's Python code either way, and only the policy decides whether each op runs again
+    or returns the output cached in forward, so counting calls of the exchange code
+    (`record_comm`) would not tell. The KV exchange moves `[rows, 2, Hkv, D]` buffers (K and V
+    side by side); FSDP's and the loss's collectives move flat tensors and are not counted. A
+    collective issued while autograd runs `_GatherKV`'s backward is the transpose
+    ("backward"); any other, including a checkpoint's recompute inside backward, is "forward".
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "c10d" and args and isinstance(args[0], torch.Tensor):
+            t = args[0]
+            if t.dim() == 4 and t.shape[1] == 2:
+                node = torch._C._current_autograd_node()
+                transpose = node is not None and node.name() == "_GatherKVBackward"
+                self.counts["backward" if transpose else "forward"] += 1
+        return func(*args, **kwargs)
+
+
+def train_counting_exchanges(
+    rank: int, group: Any, cfg: dict
+) -> tuple[dict[int, float], dict[int, float], dict[str, int]]:
+    """DistributedPool task: a rank's losses, gradient norms and KV collectives run per pass."""
+    grad_norms: dict[int, float] = {}
+    with KVCollectiveCounter() as counter:
+        losses = train_on_pool_rank(rank, group, cfg, grad_norms)
+    return losses, grad_norms, dict(counter.counts)
