@@ -12,25 +12,34 @@
 Everything here is MODELLED, not measured: the model (flashcp.costmodel) is calibrated from
 measured tables, by default the shared H100 FlashAttention per-document profile and the H200
 nccl-tests all-gather / reduce-scatter tables in ../shared/data/gpu_profiles. Pass your own
-with --collectives / --kernel (files or directories; formats in flashcp/costmodel/profiles.py),
-e.g. a per-rank kernel table measured on a GPU, to re-calibrate: `python -m flashcp.gpucheck --out
-DIR` writes DIR/kernel_calls.csv, `refit --gpucheck DIR` reports the re-fitted model's residuals
-(overall, per section, each section held out) and the shipped calibration's against it, and
-`--kernel DIR/kernel_calls.csv` makes every figure use the re-fitted kernel model. `validate --measured T.csv`
-compares the model with measured per-rank times.
+with --collectives / --kernel (files or directories; formats in flashcp/costmodel/profiles.py).
+`validate --measured T.csv` compares the model with measured per-rank times.
+
+Re-calibrating from a GPU check: `python -m flashcp.gpucheck --out DIR` on a GPU writes
+DIR/kernel_calls.csv (every varlen call it timed), then
+
+    python benchmarks/costmodel.py refit --gpucheck DIR
+
+fits the kernel model to those calls and prints the rms / max / mean log error, forward and
+forward+backward, over all calls and per section and backend: of the re-fitted model, of fits
+that did not see the calls they predict (each section held out, 5-fold), and of the calibration
+in use (--kernel, by default the shared per-document profile), so one sees how far that was off.
+It writes DIR/costmodel_refit.json. Every figure then runs on the re-fitted kernel model with
+`--kernel DIR/kernel_calls.csv` (the same calls, every backend's together, fitted the same way), e.g.
+`fig5 --kernel DIR/kernel_calls.csv --results DIR` (--results keeps the shipped figures intact).
 
 Windows are packed from the named length distributions (flashcp.data); every system sees the
 same windows. A speedup is the ratio of mean layer times over the windows (a throughput ratio).
-Results go to benchmarks/results/costmodel_<figure>.{json,png}.
+Results go to benchmarks/results/costmodel_<figure>.{json,png} (or --results).
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import sys
 import time
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
@@ -50,7 +59,12 @@ from flashcp.costmodel import (  # noqa: E402
 )
 from flashcp.costmodel.kernel import KernelModel, call_counts, fit_kernel_model  # noqa: E402
 from flashcp.costmodel.comm import collective_ms  # noqa: E402
-from flashcp.costmodel.profiles import load_collective_tables, load_kernel_samples  # noqa: E402
+from flashcp.costmodel.profiles import (  # noqa: E402
+    KernelSample,
+    kernel_csv_labels,
+    load_collective_tables,
+    load_kernel_samples,
+)
 from flashcp.data import length_sampler, pack_windows  # noqa: E402
 
 SHARED_PROFILES = ROOT.parent / "shared" / "data" / "gpu_profiles"
@@ -106,9 +120,14 @@ def speedups(result: dict, heads: int, mode: str, over: str = "flashcp") -> dict
     return {b: times[b][mode] / times[over][mode] for b in times}
 
 
+def kernel_paths(args: argparse.Namespace) -> list[Path]:
+    """The kernel tables the model is fitted to: --kernel, else the shared H100 per-document profile."""
+    return args.kernel or [SHARED_PROFILES]
+
+
 def load_model(args: argparse.Namespace) -> tuple[CostModel, dict]:
     coll = args.collectives or [SHARED_PROFILES]
-    kern = args.kernel or [SHARED_PROFILES]
+    kern = kernel_paths(args)
     for p in [*coll, *kern]:
         if not Path(p).exists():
             raise SystemExit(
@@ -125,7 +144,7 @@ def describe(model: CostModel, args: argparse.Namespace) -> dict:
     k = model.kernel
     return {
         "collectives": [str(p) for p in (args.collectives or [SHARED_PROFILES])],
-        "kernel": [str(p) for p in (args.kernel or [SHARED_PROFILES])],
+        "kernel": [str(p) for p in kernel_paths(args)],
         "kernel_fwd": k.fwd.__dict__,
         "kernel_bwd": k.bwd.__dict__,
         "peak_fwd_tflops": k.peak_tflops(),
@@ -135,12 +154,12 @@ def describe(model: CostModel, args: argparse.Namespace) -> dict:
     }
 
 
-def save(name: str, payload: dict, fig=None) -> None:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"costmodel_{name}.json").write_text(json.dumps(payload, indent=1))
+def save(name: str, payload: dict, fig=None, folder: Path = RESULTS) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"costmodel_{name}.json").write_text(json.dumps(payload, indent=1))
     if fig is not None:
-        fig.savefig(RESULTS / f"costmodel_{name}.png", dpi=130, bbox_inches="tight")
-    print(f"wrote {RESULTS / f'costmodel_{name}'}.json" + (" and .png" if fig is not None else ""))
+        fig.savefig(folder / f"costmodel_{name}.png", dpi=130, bbox_inches="tight")
+    print(f"wrote {folder / f'costmodel_{name}'}.json" + (" and .png" if fig is not None else ""))
 
 
 def _plt():
@@ -202,10 +221,14 @@ def fig5(args: argparse.Namespace) -> dict:
             ax.set_ylabel("speedup vs Llama3 CP")
             ax.set_title(f"{d}: {mode} (modelled)")
     axes[0][0].legend(fontsize=7, ncol=2)
+    kernel = "H100 per-doc FA profile"  # the default calibration, else the tables given
+    if args.kernel:
+        kernel = ", ".join(f"{p.parent.name}/{p.name}" for p in args.kernel)
+    comm = "H200 nccl-tests" if args.collectives is None else ", ".join(p.name for p in args.collectives)
     fig.suptitle(f"Modelled CP attention-layer speedup, C={args.context}, 8-GPU NVLink node "
-                 "(kernel: H100 per-doc FA profile; comm: H200 nccl-tests)", fontsize=10)
+                 f"(kernel: {kernel}; comm: {comm})", fontsize=10)
     payload = {"model": describe(model, args), "speedup_of_flashcp": table, "average": avg, "raw": results}
-    save("fig5", payload, fig)
+    save("fig5", payload, fig, args.results)
     return payload
 
 
@@ -247,7 +270,7 @@ def fig6(args: argparse.Namespace) -> dict:
         ax.tick_params(axis="x", rotation=30, labelsize=8)
     axes[0].legend(fontsize=8)
     payload = {"model": describe(model, args), "breakdown_ms": table}
-    save("fig6", payload, fig)
+    save("fig6", payload, fig, args.results)
     return payload
 
 
@@ -275,7 +298,7 @@ def fig7(args: argparse.Namespace) -> dict:
     axes[0].legend(fontsize=8)
     payload = {"model": describe(model, args), "speedup_of_flashcp": {m: {str(c): v for c, v in t.items()}
                                                                       for m, t in table.items()}}
-    save("fig7", payload, fig)
+    save("fig7", payload, fig, args.results)
     return payload
 
 
@@ -335,15 +358,14 @@ def fig3(args: argparse.Namespace) -> dict:
     axes[1].set_title("kernel efficiency vs shard length (modelled)")
     axes[1].legend()
     payload = {"model": describe(model, args), "fig3": out, "curve": {"lengths": lengths, **curve}}
-    save("fig3", payload, fig)
+    save("fig3", payload, fig, args.results)
     return payload
 
 
 def validate(args: argparse.Namespace) -> dict:
     """How well the model reproduces what it was calibrated from, and what it was not fitted to."""
     model, reports = load_model(args)
-    kern_paths = args.kernel or [SHARED_PROFILES]
-    samples = load_kernel_samples(kern_paths, args.profile_heads)
+    samples = load_kernel_samples(kernel_paths(args), args.profile_heads)
     out: dict = {"fit": {}}
     print("\nKernel model fit (log error = log(predicted / measured)):")
     for name, rep in reports.items():
@@ -376,12 +398,9 @@ def validate(args: argparse.Namespace) -> dict:
         test = [s for s in samples if held(s)]
         if len(test) < 2 or len(train) < 8:
             continue
-        kern, _ = fit_kernel_model(train)
-        err = np.array([np.log(kern.forward_ms(s.q_lens, s.k_lens, s.heads, True, s.head_dim) / s.fwd_ms)
-                        for s in test])
+        err = held_out(train, test, args.bwd_ratio)["fwd"]
         big = np.array([call_counts(s.q_lens, s.k_lens, s.heads)[0] >= 2048 for s in test])
-        row = {"n": len(test), "rms": float(np.sqrt(np.mean(err**2))), "bias": float(err.mean()),
-               "rms_large": float(np.sqrt(np.mean(err[big] ** 2))) if big.any() else None}
+        row = {**summarise(err), "rms_large": summarise(err[big])["rms"] if big.any() else None}
         out["held_out"][name] = row
         large = "" if row["rms_large"] is None else f", calls >= 2048 blocks rms {row['rms_large']:.3f}"
         print(f"  held out {name}: n={row['n']} rms {row['rms']:.3f} bias {row['bias']:+.3f}{large}")
@@ -398,9 +417,10 @@ def validate(args: argparse.Namespace) -> dict:
         out["measured"] = compare_measured(model.kernel, measured)
         for key, row in out["measured"].items():
             print(f"measured per-rank {key} ({args.measured}): n={row['n']} rms {row['rms']:.3f} "
-                  f"bias {row['bias']:+.3f}")
+                  f"max {row['max']:.3f} bias {row['bias']:+.3f}")
     else:
-        print("\nno --measured per-rank table given: per-rank GPU timings (fwd, fwd+bwd) are still owed")
+        print("\nno --measured per-rank table given: per-rank GPU timings (fwd, fwd+bwd) are still owed "
+              "(python -m flashcp.gpucheck --out DIR, then refit --gpucheck DIR)")
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 4))
     counts = np.array([k.counts(s.q_lens, s.k_lens, s.heads, True, s.head_dim) for s in samples])
@@ -414,18 +434,29 @@ def validate(args: argparse.Namespace) -> dict:
     ax.set_ylabel("modelled forward ms")
     ax.set_title("kernel model vs the per-doc profile")
     fig.colorbar(sc, label="log2 thread blocks")
-    save("validate", out, fig)
+    save("validate", out, fig, args.results)
     return out
 
 
-def compare_measured(k: KernelModel, measured: list) -> dict[str, dict]:
+def log_errors(k: KernelModel, measured: list[KernelSample]) -> dict[str, np.ndarray]:
+    """log(predicted / measured) per call: forward, and forward+backward for the calls that timed it."""
+    fwd = [k.forward_ms(s.q_lens, s.k_lens, s.heads, True, s.head_dim) for s in measured]
+    both = [(f + k.backward_ms(s.q_lens, s.k_lens, s.heads, True, s.head_dim)) / s.fwd_bwd_ms
+            for f, s in zip(fwd, measured) if s.fwd_bwd_ms is not None]
+    measured_fwd = np.array([s.fwd_ms for s in measured])
+    return {"fwd": np.log(np.array(fwd) / measured_fwd), "fwd_bwd": np.log(np.array(both))}
+
+
+def summarise(err: np.ndarray) -> dict:
+    """rms, largest and mean log error: the typical miss, the worst call, and a calibration that is
+    off as a whole (another GPU, another kernel)."""
+    return {"n": int(err.size), "rms": float(np.sqrt(np.mean(err**2))), "max": float(np.abs(err).max()),
+            "bias": float(err.mean())}
+
+
+def compare_measured(k: KernelModel, measured: list[KernelSample]) -> dict[str, dict]:
     """Log errors of a kernel model against measured per-rank calls, forward and forward+backward."""
-    fwd = {id(s): k.forward_ms(s.q_lens, s.k_lens, s.heads, True, s.head_dim) for s in measured}
-    rows = {"fwd": [np.log(fwd[id(s)] / s.fwd_ms) for s in measured]}
-    rows["fwd_bwd"] = [np.log((fwd[id(s)] + k.backward_ms(s.q_lens, s.k_lens, s.heads, True, s.head_dim))
-                              / s.fwd_bwd_ms) for s in measured if s.fwd_bwd_ms is not None]
-    return {key: {"n": len(e), "rms": float(np.sqrt(np.mean(np.square(e)))), "bias": float(np.mean(e))}
-            for key, e in rows.items() if e}
+    return {key: summarise(e) for key, e in log_errors(k, measured).items() if e.size}
 
 
 def sensitivity(args: argparse.Namespace) -> dict:
@@ -449,7 +480,7 @@ def sensitivity(args: argparse.Namespace) -> dict:
             sp = speedups(evaluate(model, d, args.context, 8, (args.heads,), args), args.heads, "training")
             out[f"{name}/{d}"] = sp
             print(f"  {name:24s} {d:10s} " + " ".join(f"{sp[b]:8.2f}" for b in BASELINES))
-    save("sensitivity", {"model": describe(base, args), "speedup_of_flashcp": out})
+    save("sensitivity", {"model": describe(base, args), "speedup_of_flashcp": out}, folder=args.results)
     return out
 
 
@@ -465,46 +496,139 @@ def replace_kernel(model: CostModel, cta: float) -> CostModel:
     return CostModel(replace(k, fwd=fwd, bwd=bwd), model.comm, model.memory)
 
 
+# --- re-fitting to a GPU check's timed calls -------------------------------------------------
+
+GPUCHECK_LABELS = ("section", "backend")  # kernel_calls.csv columns the residuals are grouped by
+FOLDS = 5
+
+
+def load_gpucheck(folder: Path, profile_heads: int) -> tuple[Path, list[KernelSample], list[dict], dict]:
+    """kernel_calls.csv of a gpucheck --out folder (its calls and their section / backend) and its
+    env.json; read as `--kernel` reads it, so the figures fit the very samples refit reports on."""
+    table = folder / "kernel_calls.csv"
+    if not table.is_file():
+        raise ProfileError(f"{table} not found: run python -m flashcp.gpucheck --out {folder} on a GPU first "
+                           "(its critical_path and efficiency sections write it)")
+    samples = load_kernel_samples([table], profile_heads)
+    labels = kernel_csv_labels(table.read_text(), str(table), GPUCHECK_LABELS)
+    env_file = folder / "env.json"
+    try:
+        env = json.loads(env_file.read_text()) if env_file.is_file() else {}
+    except json.JSONDecodeError as e:
+        raise ProfileError(f"{env_file}: not JSON ({e})") from None
+    if not isinstance(env, dict):
+        raise ProfileError(f"{env_file}: expected a JSON object, got {type(env).__name__}")
+    return table, samples, labels, env
+
+
+def grouped_residuals(k: KernelModel, samples: list[KernelSample], labels: list[dict]) -> dict[str, dict]:
+    """`compare_measured` over all calls and per section and backend: a model can be right on
+    average and off for the short-shard sweeps, or for one backend only."""
+    out = {"all": compare_measured(k, samples)}
+    for col in GPUCHECK_LABELS:
+        for value in sorted({lab[col] for lab in labels}):
+            mine = [s for s, lab in zip(samples, labels) if lab[col] == value]
+            out[f"{col}={value}"] = compare_measured(k, mine)
+    return out
+
+
+def held_out(train: list[KernelSample], test: list[KernelSample], bwd_ratio: float) -> dict[str, np.ndarray]:
+    """Log errors on `test` of the kernel model fitted to `train` alone: how it predicts calls it
+    has not seen, which is what the figures ask of it."""
+    return log_errors(fit_kernel_model(train, bwd_ratio)[0], test)
+
+
+def cross_validate(samples: list[KernelSample], labels: list[dict], bwd_ratio: float) -> dict[str, dict]:
+    """Each section predicted by a fit to the others (e.g. C = 128K rank calls predicting the
+    short-shard sweeps), and FOLDS-fold over contiguous blocks of rows, so that the other ranks of
+    one plan (near copies of a held-out call) mostly sit in its fold rather than in the fit."""
+    sections = sorted({lab["section"] for lab in labels})
+    splits = {f"section={sec} held out": [np.array([lab["section"] == sec for lab in labels])]
+              for sec in sections if len(sections) > 1}  # fmt: skip
+    idx = np.arange(len(samples))
+    splits[f"{FOLDS}-fold"] = [np.isin(idx, block) for block in np.array_split(idx, FOLDS)]
+    return {name: pooled_held_out(samples, masks, bwd_ratio) for name, masks in splits.items()}
+
+
+def pooled_held_out(samples: list[KernelSample], masks: list[np.ndarray], bwd_ratio: float) -> dict:
+    """Residuals of each mask's calls under a fit to the other calls, pooled over the masks; or why
+    no fit was possible (too few or degenerate calls left): said, not guessed around."""
+    errs: dict[str, list] = {"fwd": [], "fwd_bwd": []}
+    try:
+        for held in masks:
+            train = [s for s, h in zip(samples, held) if not h]
+            for key, e in held_out(train, [s for s, h in zip(samples, held) if h], bwd_ratio).items():
+                errs[key].append(e)
+    except ProfileError as e:
+        return {"skipped": str(e)}
+    return {key: summarise(np.concatenate(e)) for key, e in errs.items() if sum(map(len, e))}
+
+
+def calibration(args: argparse.Namespace) -> tuple[KernelModel | None, str]:
+    """The kernel model the figures use without a refit (fitted to --kernel, by default the shared
+    H100 per-document profile), or why there is none here."""
+    try:
+        samples = load_kernel_samples(kernel_paths(args), args.profile_heads)
+        return fit_kernel_model(samples, args.bwd_ratio)[0], ""
+    except ProfileError as e:
+        return None, str(e)
+
+
+def kernel_summary(k: KernelModel) -> dict:
+    return {"fwd": k.fwd.__dict__, "bwd": k.bwd.__dict__, "peak_fwd_tflops": k.peak_tflops()}
+
+
 def refit(args: argparse.Namespace) -> dict:
     """Re-fit the kernel model to the calls a GPU check timed (`--gpucheck DIR`), and report how
-    far the re-fitted model and the shipped calibration are from those measurements."""
+    far the re-fitted model and the calibration the figures use are from those measurements."""
     if args.gpucheck is None:
         raise ProfileError("refit needs --gpucheck DIR (the --out folder of python -m flashcp.gpucheck)")
-    table = args.gpucheck / "kernel_calls.csv"
-    if not table.is_file():
-        raise ProfileError(f"{table} not found: run python -m flashcp.gpucheck --out {args.gpucheck} on a GPU first")
-    measured = load_kernel_samples([table], args.profile_heads)
-    with table.open() as f:
-        sections = [row["section"] for row in csv.DictReader(f)]
-    env_file = args.gpucheck / "env.json"
-    env = json.loads(env_file.read_text()) if env_file.is_file() else {}
-    refitted, _ = fit_kernel_model(measured, args.bwd_ratio)
+    table, samples, labels, env = load_gpucheck(args.gpucheck, args.profile_heads)
     try:
-        shipped = compare_measured(load_model(args)[0].kernel, measured)
-    except ProfileError as e:  # the shipped calibration's tables are not beside this checkout
-        print(f"shipped calibration not compared: {e}")
-        shipped = {}
-    out = {"device": env.get("device"), "torch": env.get("torch"), "calls": len(measured),
-           "refit": compare_measured(refitted, measured), "shipped": shipped, "by_section": {}}  # fmt: skip
-    for section in sorted(set(sections)):
-        mine = [s for s, sec in zip(measured, sections) if sec == section]
-        rest = [s for s, sec in zip(measured, sections) if sec != section]
-        row = {"refit": compare_measured(refitted, mine)}
-        if len(rest) >= 8:  # held out: fitted on the other sections only
-            row["held_out"] = compare_measured(fit_kernel_model(rest, args.bwd_ratio)[0], mine)
-        out["by_section"][section] = row
-    print(f"kernel model vs {len(measured)} calls timed on {out['device']} (log error = log(predicted / measured))")
-    for name, res in [("re-fitted", out["refit"]), ("shipped calibration", out["shipped"])] + [
-        (f"{sec} ({kind})", res) for sec, row in out["by_section"].items() for kind, res in row.items()
-    ]:
-        print(f"  {name:36s} " + "  ".join(f"{k}: n={v['n']} rms {v['rms']:.3f} bias {v['bias']:+.3f}"
-                                              for k, v in res.items()))  # fmt: skip
-    k = refitted
-    out["refit_kernel"] = {"fwd": k.fwd.__dict__, "bwd": k.bwd.__dict__, "peak_tflops": k.peak_tflops()}
+        model, _ = fit_kernel_model(samples, args.bwd_ratio)
+    except ProfileError as e:
+        raise ProfileError(f"{table}: cannot fit the kernel model: {e}") from None
+    shipped, why_not = calibration(args)
+    out = {
+        "table": str(table), "device": env.get("device"), "torch": env.get("torch"), "calls": len(samples),
+        "counts": {col: dict(Counter(lab[col] for lab in labels)) for col in GPUCHECK_LABELS},
+        "refit": grouped_residuals(model, samples, labels),
+        "cross_validation": cross_validate(samples, labels, args.bwd_ratio),
+        "calibration": {"kernel": [str(p) for p in kernel_paths(args)]},
+        "refit_kernel": kernel_summary(model),
+    }  # fmt: skip
+    if shipped is None:
+        out["calibration"]["skipped"] = why_not
+    else:
+        out["calibration"]["residuals"] = grouped_residuals(shipped, samples, labels)
+        out["calibration_kernel"] = kernel_summary(shipped)
+    print_refit(out)
     path = args.gpucheck / "costmodel_refit.json"
-    path.write_text(json.dumps(out, indent=1, default=float) + "\n")
-    print(f"wrote {path}")
+    path.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {path}\nfigures on the re-fitted kernel: "
+          f"python benchmarks/costmodel.py fig5 --kernel {table} --results {args.gpucheck}")
     return out
+
+
+def print_refit(out: dict) -> None:
+    """One line per (model, calls) pair: rms / max / bias of the log error, fwd and fwd+bwd."""
+    print(f"\nkernel model vs {out['calls']} calls timed on {out['device']} (torch {out['torch']}); "
+          "log error = log(predicted / measured)")
+    print(f"  {'model':12s} {'calls':34s} {'n':>4s}   fwd: rms    max   bias   fwd+bwd: rms    max   bias")
+    cal = out["calibration"]
+    rows = [("re-fitted", out["refit"]), ("cross-val", out["cross_validation"]),
+            ("calibration", cal.get("residuals", {"all": {"skipped": cal.get("skipped")}}))]  # fmt: skip
+    for model, table in rows:
+        for calls, res in table.items():
+            if "skipped" in res:
+                print(f"  {model:12s} {calls:34s} skipped: {res['skipped']}")
+                continue
+            cells = [f"{r['rms']:6.3f} {r['max']:6.3f} {r['bias']:+6.3f}" if r else f"{'-':>6s}{'':14s}"
+                     for r in (res.get("fwd"), res.get("fwd_bwd"))]  # fmt: skip
+            print(f"  {model:12s} {calls:34s} {res['fwd']['n']:4d}   {cells[0]}   {'':5s}{cells[1]}")
+    models = (("re-fitted", "refit_kernel"), ("calibration", "calibration_kernel"))
+    peaks = [f"{name} {out[key]['peak_fwd_tflops']:.3g}" for name, key in models if key in out]
+    print("  peak forward TFLOP/s: " + ", ".join(peaks))
 
 
 COMMANDS = {
@@ -521,6 +645,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--kernel", action="append", type=Path, help="attention profile / per-rank CSV")
     p.add_argument("--measured", type=Path, help="validate: measured per-rank table to compare against")
     p.add_argument("--gpucheck", type=Path, help="refit: the --out folder of python -m flashcp.gpucheck")
+    p.add_argument("--results", type=Path, default=RESULTS, help="where the figures' .json / .png go")
     p.add_argument("--profile-heads", type=int, default=64, help="query heads of the per-doc profile at tp=1")
     p.add_argument("--bwd-ratio", type=float, default=2.5, help="backward / forward cost when unmeasured")
     p.add_argument("--windows", type=int, default=100, help="packed windows per dataset and configuration")

@@ -8,8 +8,6 @@ checkout has them (the test says why it skips otherwise).
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from functools import lru_cache
 from pathlib import Path
 
@@ -28,6 +26,7 @@ from flashcp.costmodel.profiles import (
     load_collective_tables,
     load_kernel_samples,
     parse_collective_csv,
+    kernel_csv_labels,
     parse_kernel_csv,
     parse_nccl_tests,
     parse_per_doc_csv,
@@ -229,8 +228,9 @@ def test_bad_kernel_table_rejected(tmp_path):
         parse_kernel_csv("heads,q_lens,k_lens,fwd_ms\n8,1 2,3,0.1", "bad.csv")
     with pytest.raises(ProfileError, match="k_len >= q_len"):
         parse_kernel_csv("heads,q_lens,k_lens,fwd_ms\n8,5,3,0.1", "bad.csv")
-    with pytest.raises(ProfileError, match="less than fwd_ms"):
-        parse_kernel_csv("heads,q_lens,k_lens,fwd_ms,fwd_bwd_ms\n8,5,5,0.2,0.1", "bad.csv")
+    for fwd_bwd in ("0.1", "0.2"):  # a backward of no time would divide the relative-error fit by 0
+        with pytest.raises(ProfileError, match="not above fwd_ms"):
+            parse_kernel_csv(f"heads,q_lens,k_lens,fwd_ms,fwd_bwd_ms\n8,5,5,0.2,{fwd_bwd}", "bad.csv")
     (tmp_path / "x.csv").write_text("a,b\n1,2\n")
     with pytest.raises(ProfileError, match="not a kernel table"):
         load_kernel_samples([tmp_path / "x.csv"])
@@ -283,6 +283,8 @@ def test_fit_rejects_too_few_or_degenerate_samples():
         fit_pass([1, 2], [1, 2], [1, 2])
     with pytest.raises(ProfileError, match="same tiles per block"):
         fit_pass([1, 2, 4, 8], [3, 6, 12, 24], [1, 2, 3, 4])
+    with pytest.raises(ProfileError, match="positive time"):  # the fit divides by the times
+        fit_pass([1, 2, 4, 8], [3, 7, 12, 30], [1, 0, 3, 4])
     with pytest.raises(ProfileError, match="no kernel samples"):
         fit_kernel_model([])
 
@@ -418,43 +420,145 @@ def test_unknown_system_and_missing_plan_are_clear_errors():
 # --- re-fitting to a GPU check's output -------------------------------------------------------
 
 
-def _gpucheck_dir(tmp_path: Path) -> Path:
-    """A gpucheck --out folder whose kernel_calls.csv holds calls timed by the known TRUE_FWD."""
-    import csv as csv_module
-
-    from flashcp.gpucheck.timing import KERNEL_CALL_COLUMNS
-
-    out = tmp_path / "check"
-    out.mkdir()
-    with (out / "kernel_calls.csv").open("w", newline="") as f:
-        writer = csv_module.DictWriter(f, KERNEL_CALL_COLUMNS)
-        writer.writeheader()
-        for i, s in enumerate(synthetic_kernel_samples(with_bwd=True)):
-            writer.writerow({"section": ("critical_path", "efficiency")[i % 2], "backend": "torch", "dtype": "bfloat16",
-                             "heads": s.heads, "kv_heads": s.heads, "head_dim": s.head_dim,
-                             "q_lens": " ".join(map(str, s.q_lens)), "k_lens": " ".join(map(str, s.k_lens)),
-                             "fwd_ms": s.fwd_ms, "fwd_bwd_ms": s.fwd_bwd_ms})  # fmt: skip
-    (out / "env.json").write_text('{"device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0"}')
-    return out
-
-
-def test_refit_from_a_gpu_check_recovers_the_measured_kernel(tmp_path, capsys):
+@lru_cache(maxsize=1)
+def bench():
+    """benchmarks/costmodel.py as a module (benchmarks/ is no package), to run refit in-process."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("costmodel_bench", ROOT / "benchmarks" / "costmodel.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    check = _gpucheck_dir(tmp_path)
-    bench.main(["refit", "--gpucheck", str(check)])
-    result = json.loads((check / "costmodel_refit.json").read_text())
-    assert result["device"] == "NVIDIA H100 80GB HBM3" and result["calls"] == 30
-    assert result["refit"]["fwd"]["rms"] < 0.05 and result["refit"]["fwd_bwd"]["rms"] < 0.05
-    assert set(result["by_section"]) == {"critical_path", "efficiency"}
-    assert result["by_section"]["efficiency"]["held_out"]["fwd"]["rms"] < 0.1
-    assert "re-fitted" in capsys.readouterr().out
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def test_refit_without_a_check_folder_names_it(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "costmodel.py"), "refit", "--gpucheck",
-                           str(tmp_path)], capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert proc.returncode == 1 and f"{tmp_path}/kernel_calls.csv not found" in proc.stderr
+def timed_call(q_lens, k_lens, heads: int, slow: float = 1.0) -> KernelSample:
+    """A call timed by `slow` x the known TRUE_FWD, its backward 3x the forward."""
+    n_cta, n_tiles = call_counts(q_lens, k_lens, heads)
+    fwd = slow * TRUE_FWD.time_ms(n_cta, n_tiles)
+    return KernelSample(tuple(q_lens), tuple(k_lens), heads, 128, fwd, 4 * fwd)
+
+
+def gpucheck_calls(torch_slow: float = 1.0) -> list[tuple[str, str, KernelSample]]:
+    """(section, backend, call) rows shaped like gpucheck's: each rank of a C = 128K plan (whole
+    documents plus a Per-Doc shard with a rank-dependent prefix), and a sweep of shard lengths,
+    whole documents vs Per-Doc chunks; the torch backend `torch_slow` x slower."""
+    rows = []
+    for backend, slow in (("flash_attn", 1.0), ("torch", torch_slow)):
+        for heads in (16, 32):
+            for n in (4, 8):
+                share = 131072 // n
+                for r in range(n):
+                    q, k = [share // 2] + [share // 8] * 4, [share // 2 + r * share] + [share // 8] * 4
+                    rows.append(("critical_path", backend, timed_call(q, k, heads, slow)))
+        for length in (128, 512, 2048, 8192):
+            whole = [length] * (16384 // length)
+            rows.append(("efficiency", backend, timed_call(whole, whole, 32, slow)))
+            chunks = per_doc_call(length * 8, max(16384 // length // 8, 1), 8)
+            rows.append(("efficiency", backend, timed_call(*chunks, 32, slow)))
+    return rows
+
+
+def write_gpucheck(folder: Path, rows: list[tuple[str, str, KernelSample]]) -> Path:
+    """A gpucheck --out folder: kernel_calls.csv in the columns gpucheck writes, and env.json."""
+    import csv
+
+    from flashcp.gpucheck.timing import KERNEL_CALL_COLUMNS
+
+    folder.mkdir()
+    with (folder / "kernel_calls.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, KERNEL_CALL_COLUMNS)
+        writer.writeheader()
+        for section, backend, s in rows:
+            lens = {"q_lens": " ".join(map(str, s.q_lens)), "k_lens": " ".join(map(str, s.k_lens))}
+            writer.writerow({"section": section, "backend": backend, "dtype": "bfloat16", "heads": s.heads,
+                             "kv_heads": s.heads, "head_dim": s.head_dim, **lens, "fwd_ms": s.fwd_ms,
+                             "fwd_bwd_ms": s.fwd_bwd_ms})  # fmt: skip
+    (folder / "env.json").write_text('{"device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0"}')
+    return folder
+
+
+def run_refit(check: Path, kernel: Path) -> dict:
+    """`costmodel.py refit --gpucheck check --kernel kernel` in-process; the JSON it wrote."""
+    bench().main(["refit", "--gpucheck", str(check), "--kernel", str(kernel)])
+    return json.loads((check / "costmodel_refit.json").read_text())
+
+
+def test_refit_recovers_the_kernel_that_timed_the_calls(tmp_path, capsys):
+    """Calls timed by a known model: the refit must reproduce them, unseen calls included, and the
+    calibration (a table timed 2x slower, forward only) must show exactly that offset."""
+    check = write_gpucheck(tmp_path / "check", gpucheck_calls())
+    doubled = PassCost(2 * TRUE_FWD.launch_ms, 2 * TRUE_FWD.cta_ms, 2 * TRUE_FWD.tile_ms, TRUE_FWD.half_ctas)
+    rows = ["heads,q_lens,k_lens,fwd_ms"] + [f"{s.heads},{s.q_lens[0]},{s.k_lens[0]},"
+                                             f"{doubled.time_ms(*call_counts(s.q_lens, s.k_lens, s.heads))}"
+                                             for s in synthetic_kernel_samples()]  # fmt: skip
+    (tmp_path / "calibration.csv").write_text("\n".join(rows))
+    result = run_refit(check, tmp_path / "calibration.csv")
+    assert result["device"] == "NVIDIA H100 80GB HBM3" and result["calls"] == 64
+    assert result["counts"]["section"] == {"critical_path": 48, "efficiency": 16}
+    assert {k for k in result["refit"]} == {"all", "section=critical_path", "section=efficiency",
+                                             "backend=flash_attn", "backend=torch"}
+    for group in result["refit"].values():
+        for kind in ("fwd", "fwd_bwd"):
+            assert group[kind]["max"] < 0.01
+    assert result["refit_kernel"]["fwd"]["tile_ms"] == pytest.approx(TRUE_FWD.tile_ms, rel=1e-2)
+    assert result["cross_validation"]["5-fold"]["fwd"]["rms"] < 0.02
+    assert result["cross_validation"]["section=critical_path held out"]["fwd_bwd"]["rms"] < 0.05
+    shipped = result["calibration"]["residuals"]["all"]
+    assert shipped["fwd"]["bias"] == pytest.approx(np.log(2), abs=0.01)
+    # no measured backward: 2.5x the forward, against the truth's 3x at half the speed
+    assert shipped["fwd_bwd"]["bias"] == pytest.approx(np.log(2 * 3.5 / 4), abs=0.01)
+    out = capsys.readouterr().out
+    assert "re-fitted    section=efficiency" in out and "calibration  all" in out
+
+
+def test_refit_residuals_are_grouped_by_backend(tmp_path):
+    """One backend 1.5x slower: one model fits both in between, so each backend's own bias shows it
+    (the faster one over-predicted); without the calibration tables the refit still reports,
+    saying why it compared nothing."""
+    check = write_gpucheck(tmp_path / "check", gpucheck_calls(torch_slow=1.5))
+    result = run_refit(check, tmp_path / "no_profiles")
+    fast, slow = (result["refit"][f"backend={b}"]["fwd"]["bias"] for b in ("flash_attn", "torch"))
+    assert fast > 0.1 and slow < -0.1 and fast - slow == pytest.approx(np.log(1.5), abs=0.01)
+    assert result["refit"]["backend=torch"]["fwd"]["n"] == 32
+    assert "no_profiles does not exist" in result["calibration"]["skipped"]
+
+
+def test_kernel_csv_labels_follow_the_parsed_rows():
+    """Labels must pair with the right samples, also where the parser skips an empty row."""
+    text = "section,heads,q_lens,k_lens,fwd_ms\na,8,64,64,0.1\n,,,,\nb,8,128,256,0.2\n"
+    samples = parse_kernel_csv(text, "t.csv")
+    labels = kernel_csv_labels(text, "t.csv", ("section",))
+    assert [(lab["section"], s.q_lens) for lab, s in zip(labels, samples)] == [("a", (64,)), ("b", (128,))]
+    assert len(labels) == len(samples)
+
+
+@pytest.mark.parametrize(
+    "edit, problem",
+    [
+        (lambda d: (d / "kernel_calls.csv").unlink(), "kernel_calls.csv not found"),
+        (lambda d: rewrite(d, spoil_first_fwd_ms), "kernel_calls.csv:2: column fwd_ms has 'fast'"),
+        (lambda d: rewrite(d, lambda t: t.replace("section,", "part,", 1)), "missing column(s) section"),
+        (lambda d: rewrite(d, lambda t: t.splitlines()[0]), "kernel_calls.csv: no data rows"),
+        (lambda d: rewrite(d, lambda t: "\n".join(t.splitlines()[:3])), "kernel_calls.csv: cannot fit"),
+        (lambda d: (d / "env.json").write_text("{device"), "env.json: not JSON"),
+    ],
+)
+def test_refit_names_a_missing_or_malformed_file(tmp_path, edit, problem):
+    check = write_gpucheck(tmp_path / "check", gpucheck_calls())
+    edit(check)
+    with pytest.raises(SystemExit) as exit_:
+        run_refit(check, tmp_path / "no_profiles")
+    assert str(exit_.value).startswith(f"error: {check}") and problem in str(exit_.value)
+    assert not (check / "costmodel_refit.json").exists()
+
+
+def rewrite(folder: Path, change) -> None:
+    table = folder / "kernel_calls.csv"
+    table.write_text(change(table.read_text()))
+
+
+def spoil_first_fwd_ms(text: str) -> str:
+    header, first, *rest = text.splitlines()
+    cells = first.split(",")
+    cells[header.split(",").index("fwd_ms")] = "fast"
+    return "\n".join([header, ",".join(cells), *rest])

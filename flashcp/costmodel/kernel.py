@@ -132,6 +132,8 @@ def fit_pass(n_cta: np.ndarray, n_tiles: np.ndarray, ms: np.ndarray) -> PassCost
     n_cta, n_tiles, ms = (np.asarray(a, dtype=float) for a in (n_cta, n_tiles, ms))
     if len(ms) < 4:
         raise ProfileError(f"need at least 4 timed calls to fit the kernel model, got {len(ms)}")
+    if not np.all(ms > 0):  # the fit divides by them (relative error)
+        raise ProfileError("every timed call must take a positive time to fit the kernel model")
     if np.unique(np.round(np.log(n_tiles / n_cta), 6)).size < 2:
         raise ProfileError(
             "the timed calls all have the same tiles per block: cannot separate block and tile costs"

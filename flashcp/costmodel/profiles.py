@@ -20,6 +20,8 @@ Attention kernel time (`KernelSample`: one varlen call on one GPU), either
 - a measured per-rank table CSV `heads,head_dim,q_lens,k_lens,fwd_ms[,fwd_bwd_ms]` where
   q_lens / k_lens are space-separated per-sequence lengths of one causal varlen call (this is
   what a per-rank GPU benchmark writes, and what re-calibration from GPU measurements reads).
+  The fit ignores other columns; `kernel_csv_labels` reads them (e.g. the `section` and `backend`
+  of `python -m flashcp.gpucheck`'s kernel_calls.csv) row for row with the samples.
 
 Every parser raises `ProfileError` naming the file, the line and the problem.
 """
@@ -208,10 +210,18 @@ def parse_kernel_csv(text: str, source: str = "<kernel csv>") -> list[KernelSamp
         fwd = _number(row["fwd_ms"], float, source, lineno, "fwd_ms")
         fb = row.get("fwd_bwd_ms")
         fwd_bwd = _number(fb, float, source, lineno, "fwd_bwd_ms") if fb not in (None, "") else None
-        if fwd_bwd is not None and fwd_bwd < fwd:
-            raise ProfileError(f"{source}:{lineno}: fwd_bwd_ms {fwd_bwd} is less than fwd_ms {fwd}")
+        if fwd_bwd is not None and fwd_bwd <= fwd:  # the backward is fitted to the difference
+            raise ProfileError(f"{source}:{lineno}: fwd_bwd_ms {fwd_bwd} is not above fwd_ms {fwd}: "
+                               "the backward pass takes no time (a timing glitch?)")
         samples.append(KernelSample(q, k, heads, head_dim, fwd, fwd_bwd, f"{source}:{lineno}"))
     return samples
+
+
+def kernel_csv_labels(text: str, source: str, columns: tuple[str, ...]) -> list[dict[str, str]]:
+    """The named extra columns of a per-call table, one dict per sample `parse_kernel_csv` returns
+    (same rows, same order: both skip the same empty rows), so the samples can be grouped by them."""
+    rows = _csv_rows(text, source, (*KERNEL_CSV_REQUIRED, *columns))
+    return [{c: row[c] for c in columns} for _, row in rows]
 
 
 def load_kernel_samples(
