@@ -123,10 +123,6 @@ class Report:
             print(f"-- {key}: {sec.status} ({sec.seconds:.0f} s)", flush=True)
             self.write_summary()
 
-    @property
-    def ok(self) -> bool:
-        return all(s.status in ("passed", "measured", "cut short") for s in self.sections.values())
-
     def write_summary(self) -> None:
         env = self.environment
         lines = [
