@@ -34,7 +34,7 @@ def run(config_name: str | None, overrides: list[str]) -> None:
     import torch
     from torchtitan.tools.logging import init_logger, logger
 
-    from flashcp.titan.data import DataError
+    from flashcp.titan.sources import DataError
     from flashcp.titan.job import trainer_config
     from flashcp.titan.tokenizer import TokenizerError
     from flashcp.titan.trainer import FlashCPTrainer
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     from flashcp.attention import BackendUnavailable
     from flashcp.titan.components import CheckpointError
     from flashcp.titan.config import ConfigError
-    from flashcp.titan.data import DataError
+    from flashcp.titan.sources import DataError
     from flashcp.titan.tokenizer import TokenizerError
 
     try:

@@ -28,7 +28,8 @@ from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.components.tokenizer import BaseTokenizer
 from torchtitan.tools.logging import logger
 
-from flashcp.titan.data import DEFAULT_TOKENIZER, DataConfig, DataError, WindowLoader, build_loader
+from flashcp.titan.data import build_loader, WindowLoader
+from flashcp.titan.sources import DEFAULT_TOKENIZER, DataConfig, DataError
 from flashcp.titan.tokenizer import Tokenizer, load_tokenizer
 
 
