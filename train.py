@@ -5,16 +5,28 @@
 The job file is read and checked against the launch's world size before any process group
 exists; then TorchTitan's trainer (with FlashCP's context-parallel dimension) runs it. Errors
 of the job itself (config, data, tokenizer, checkpoint, attention backend) end the rank with
-exit code 2 and one line naming the problem, also recorded for the launcher to print once.
+exit code 2 and one line naming the problem, also recorded for the launcher to print once; any
+other failure (DCP's CheckpointException, a BaseException, included) is recorded as its root cause
+and exits 1, its traceback kept in the rank's log.
+
+Started by `flashcp.titan.launch` (FLASHCP_LAUNCHER holds its PID), a rank dies with the launcher,
+even a SIGKILLed one: torchrun starts each rank in a session of its own, where nothing else would
+stop it. Started by plain torchrun, rank 0 takes the dump folder's lock itself.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
+import signal
 import sys
+import threading
 import time
+import traceback
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def _record_for_launcher(message: str) -> None:
@@ -25,17 +37,50 @@ def _record_for_launcher(message: str) -> None:
             json.dump({"message": message, "timestamp": str(int(time.time()))}, f)
 
 
+def die_with_launcher() -> None:
+    """Have the kernel SIGKILL this rank when the launcher dies (Linux), else poll for it."""
+    launcher = int(os.environ.get("FLASHCP_LAUNCHER", "0") or 0)
+    if launcher <= 1:
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        armed = libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
+    except (OSError, AttributeError):  # not Linux
+        armed = False
+    if os.getppid() != launcher:  # it died before the signal was armed
+        os._exit(1)
+    if not armed:
+        def watch() -> None:
+            while os.getppid() == launcher:
+                time.sleep(1.0)
+            os._exit(1)
+
+        threading.Thread(target=watch, name="flashcp-launcher-watch", daemon=True).start()
+
+
 def run(config_name: str | None, overrides: list[str]) -> None:
-    from flashcp.titan.config import check_layout, ConfigError, load_job, resolve_config_path
+    from flashcp.titan.config import check_layout, load_job, resolve_config_path
+    from flashcp.titan.ownership import check_writable, RunLock
 
     cfg = load_job(resolve_config_path(config_name), overrides)
     check_layout(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    if not os.environ.get("FLASHCP_LAUNCHER") and os.environ.get("RANK", "0") == "0":
+        from flashcp.titan.launch import output_folders
 
+        check_writable(output_folders(cfg))
+        with RunLock(cfg["job"]["dump_folder"]):
+            _train(cfg)
+    else:
+        _train(cfg)
+
+
+def _train(cfg: dict) -> None:
     import torch
     from torchtitan.tools.logging import init_logger, logger
 
-    from flashcp.titan.sources import DataError
+    from flashcp.titan.config import ConfigError
     from flashcp.titan.job import trainer_config
+    from flashcp.titan.sources import DataError
     from flashcp.titan.tokenizer import TokenizerError
     from flashcp.titan.trainer import FlashCPTrainer
 
@@ -66,24 +111,33 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--config", help="job file path or name in train_configs/ (default: default.toml)")
     args, overrides = parser.parse_known_args(argv)
-
-    from torch.distributed.elastic.multiprocessing.errors import record
+    die_with_launcher()
 
     from flashcp.attention import BackendUnavailable
-    from flashcp.titan.components import CheckpointError
+    from flashcp.titan.components import _root_cause, CheckpointError
     from flashcp.titan.config import ConfigError
+    from flashcp.titan.ownership import FolderInUse, NotWritable
     from flashcp.titan.sources import DataError
     from flashcp.titan.tokenizer import TokenizerError
 
+    job_errors = (ConfigError, DataError, TokenizerError, CheckpointError, BackendUnavailable, FolderInUse,
+                  NotWritable)  # fmt: skip
+    rank = os.environ.get("RANK", "0")
     try:
-        record(run)(args.config, overrides)
-    except (ConfigError, DataError, TokenizerError, CheckpointError, BackendUnavailable) as e:
-        message = f"{type(e).__name__}: {e}"
-        _record_for_launcher(message)
-        if not os.environ.get("FLASHCP_LAUNCHER") and os.environ.get("RANK", "0") == "0":
-            print(f"error: {message}", file=sys.stderr)
-        return 2
-    return 0
+        run(args.config, overrides)
+    except job_errors as e:
+        code, message = 2, f"{type(e).__name__}: {e}"
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        traceback.print_exc()  # into this rank's log, whole
+        code, message = 1, _root_cause(e)
+    else:
+        return 0
+    _record_for_launcher(message)
+    if not os.environ.get("FLASHCP_LAUNCHER") and rank == "0":
+        print(f"error: {message}" if code == 2 else f"error: rank {rank} failed: {message}", file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import sys
 import typing
 from dataclasses import dataclass
@@ -233,6 +234,9 @@ def validate(raw: dict[str, Any]) -> dict[str, dict[str, Any]]:
             for name, key in keys.items()
         }
     cfg["_given"] = {section: sorted(values) for section, values in raw.items()}
+    # Relative to the directory the job is started from, resolved once so that nothing depends
+    # on a later working directory and everything printed is absolute.
+    cfg["job"]["dump_folder"] = os.path.abspath(cfg["job"]["dump_folder"])
     _check_semantics(cfg)
     return cfg
 

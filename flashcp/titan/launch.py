@@ -8,6 +8,10 @@ job's layout fixes, or 2. Multi-node jobs pass torchrun's rendezvous through the
 `RDZV_BACKEND`). `LOG_RANK` (default 0) picks the local ranks shown on the console; every
 rank's full log goes to `<dump_folder>/logs/`.
 
+The launcher owns its run: it holds the dump folder's lock (`flashcp.titan.ownership`) while the
+ranks run, so a second launch into the same folder is refused with the holder's host and PID, and
+the ranks die with it (train.py arms a parent-death signal), also when it is SIGKILLed.
+
 The job file is validated for the resulting world size before anything is spawned, and a failed
 run ends with the failing rank's one-line reason instead of torchrun's traceback.
 """
@@ -19,6 +23,7 @@ import sys
 from pathlib import Path
 
 from flashcp.titan.config import check_layout, ConfigError, load_job, resolve_config_path, world_size_hint
+from flashcp.titan.ownership import check_writable, describe_stale, FolderInUse, NotWritable, RunLock
 
 TRAIN_PY = Path(__file__).resolve().parents[2] / "train.py"
 SHOWN_RANKS = os.environ.get("LOG_RANK", "0")  # local ranks whose output reaches the console
@@ -66,19 +71,43 @@ def torchrun_args(nproc: int, nnodes: int, log_dir: str, argv: list[str]) -> lis
     return [*args, str(TRAIN_PY), *argv]
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def output_folders(cfg: dict) -> list[str]:
+    """The folders a run writes to: dump folder, rank logs, checkpoints and TensorBoard when enabled."""
+    dump = cfg["job"]["dump_folder"]
+    folders = [dump, os.path.join(dump, "logs")]
+    if cfg["checkpoint"]["enable"]:
+        folders.append(os.path.join(dump, cfg["checkpoint"]["folder"]))
+    if cfg["metrics"]["enable_tensorboard"]:
+        folders.append(os.path.join(dump, cfg["metrics"]["save_tb_folder"]))
+    return folders
+
+
+def parse_args(argv: list[str]) -> tuple[str | None, list[str]]:
+    """(config name or None for the default, overrides); ConfigError for a `--config` without a value."""
     config_name, overrides = None, []
     i = 0
     while i < len(argv):
-        if argv[i] == "--config" and i + 1 < len(argv):
-            config_name, i = argv[i + 1], i + 2
-        elif argv[i].startswith("--config="):
-            config_name, i = argv[i].split("=", 1)[1], i + 1
+        if argv[i] == "--config" or argv[i].startswith("--config="):
+            name, _, value = argv[i].partition("=")
+            if not _:
+                value = argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("--") else ""
+                i += 1
+            if not value:
+                raise ConfigError("--config needs a job file: a path or a name in train_configs/")
+            config_name, i = value, i + 1
         else:
             overrides.append(argv[i])
             i += 1
+    return config_name, overrides
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        print(__doc__)
+        return 0
     try:
+        config_name, overrides = parse_args(argv)
         nnodes = env_int("NNODES", 1)
         if nnodes > 1 and not (os.environ.get("MASTER_ADDR") or os.environ.get("RDZV_ENDPOINT")):
             raise ConfigError(f"NNODES={nnodes} needs MASTER_ADDR (node 0's address) or RDZV_ENDPOINT")
@@ -86,35 +115,47 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_job(path, overrides)
         nproc, on_gpu = ranks_per_node(world_size_hint(cfg), nnodes)
         check_layout(cfg, nproc * nnodes, has_cuda=on_gpu)
-    except ConfigError as e:
+        check_writable(output_folders(cfg))
+        # One launcher owns the folder: node 0's (the others share it on a shared file system).
+        lock = RunLock(cfg["job"]["dump_folder"]).acquire() if os.environ.get("NODE_RANK", "0") == "0" else None
+    except (ConfigError, FolderInUse, NotWritable) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    try:
+        if lock is not None and lock.taken_over:
+            print(f"flashcp: {describe_stale(lock.taken_over)}", flush=True)
+        return _launch(cfg, path, nproc, nnodes, on_gpu, overrides)
+    finally:
+        if lock is not None:
+            lock.release()
 
-    os.environ["FLASHCP_LAUNCHER"] = "1"
+
+def _launch(cfg: dict, path: Path, nproc: int, nnodes: int, on_gpu: bool, overrides: list[str]) -> int:
+    """Run torchrun's agent in this process until every rank has ended; the exit code of the run."""
+    os.environ["FLASHCP_LAUNCHER"] = str(os.getpid())  # the ranks' parent: they die with it
     if not on_gpu:  # share the cores between the ranks instead of oversubscribing them
         os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     log_dir = os.path.join(cfg["job"]["dump_folder"], "logs")
     device = "GPU" if on_gpu else "CPU (gloo)"
-    print(f"flashcp: {path} on {nnodes} node(s) x {nproc} {device} rank(s)", flush=True)
+    print(f"flashcp: {path.resolve()} on {nnodes} node(s) x {nproc} {device} rank(s), "
+          f"output in {cfg['job']['dump_folder']}", flush=True)
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
     try:
-        args = torchrun_args(nproc, nnodes, log_dir, [f"--config={path}", *overrides])
+        dump = f"--job.dump_folder={cfg['job']['dump_folder']}"  # absolute: every rank agrees
+        args = torchrun_args(nproc, nnodes, log_dir, [f"--config={path}", *overrides, dump])
         run(get_args_parser().parse_args(args))
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
-        message = failure.message  # a dict when torchelastic's @record wrote the error file
+        message = failure.message  # a dict when train.py recorded its reason in the error file
         detail = message if isinstance(message, str) else message.get("message", "")
         if failure.exitcode == 2:  # a job error train.py already explained in one line
             print(f"error: {detail}", file=sys.stderr)
             return 2
-        print(f"error: rank {rank} failed (exit code {failure.exitcode}): {detail}", file=sys.stderr)
-        stack = message.get("extraInfo", {}).get("py_callstack") if isinstance(message, dict) else None
-        if stack and str(failure.local_rank) not in SHOWN_RANKS.split(","):  # else already on the console
-            print(stack, file=sys.stderr)
         print(f"full logs of every rank: {log_dir}", file=sys.stderr)
+        print(f"error: rank {rank} failed (exit code {failure.exitcode}): {detail}", file=sys.stderr)
         return 1
     return 0
 

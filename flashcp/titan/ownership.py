@@ -1,0 +1,109 @@
+"""Who owns a run's output folder, and whether the run can write there at all.
+
+Two launches into one dump folder used to load each other's checkpoints, write the same steps and
+mix their TensorBoard files. `RunLock` makes one run the owner of a folder: an exclusive
+`fcntl.flock` on `<dump_folder>/.flashcp-run.lock`, which the kernel drops when the holder dies
+however it dies, so a crash never leaves a lock that blocks the next launch. The file also names
+the holder (host, PID, start time) so that a refused launch can say who holds the folder, and a
+launch that takes over from a holder that died without releasing it says so.
+
+`check_writable` runs before any rank starts: a read-only or unwritable output folder used to
+surface only when the first checkpoint was saved, after all the training steps of an interval.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+LOCK_NAME = ".flashcp-run.lock"
+
+
+class FolderInUse(RuntimeError):
+    """Another live run holds the output folder."""
+
+
+class NotWritable(RuntimeError):
+    """An output folder cannot be created or written."""
+
+
+def check_writable(folders: Iterable[str | Path]) -> None:
+    """Create each folder and write (then remove) a probe file there; NotWritable names the first failure."""
+    for folder in folders:
+        folder = Path(folder)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=folder, prefix=".flashcp-probe-"):
+                pass
+        except OSError as e:
+            reason = e.strerror or type(e).__name__
+            raise NotWritable(f"output folder {folder} is not writable: {type(e).__name__}: {reason}") from e
+
+
+class RunLock:
+    """Exclusive ownership of a dump folder for the life of this process (or until `release`)."""
+
+    def __init__(self, dump_folder: str | Path):
+        self.path = Path(dump_folder) / LOCK_NAME
+        self._fd: int | None = None
+        self.taken_over: dict | None = None  # the previous holder's record when it died holding the lock
+
+    def acquire(self) -> RunLock:
+        """Take the folder or raise FolderInUse naming the holder."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _read_record(fd)
+            os.close(fd)
+            raise FolderInUse(f"{self.path.parent} is in use by {_describe(holder)} (lock {self.path}); "
+                              "wait for that run to end or give this one another job.dump_folder") from None
+        self.taken_over = _read_record(fd) or None  # a record left behind: its holder died holding it
+        record = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(), "argv": sys.argv}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(record).encode(), 0)
+        os.fsync(fd)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        """Clear the holder record and drop the lock (a crash drops it too, leaving the record)."""
+        if self._fd is None:
+            return
+        os.ftruncate(self._fd, 0)
+        os.close(self._fd)
+        self._fd = None
+
+    def __enter__(self) -> RunLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def describe_stale(record: dict) -> str:
+    """One line for the log when a launch takes over a folder whose previous run died holding it."""
+    return f"{_describe(record)} ended without releasing its output folder (crashed or killed); taking it over"
+
+
+def _read_record(fd: int) -> dict:
+    try:
+        data = os.pread(fd, 65536, 0)
+        return json.loads(data) if data.strip() else {}
+    except (OSError, ValueError):
+        return {"unreadable": True}
+
+
+def _describe(record: dict) -> str:
+    if not record or "pid" not in record:
+        return "another run (its lock file names no holder)"
+    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record.get("started", 0)))
+    return f"the run of PID {record['pid']} on host {record.get('host', '?')} since {since}"

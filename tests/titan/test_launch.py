@@ -1,0 +1,138 @@
+"""The launcher owns its run: ranks die with it, one run per dump folder, output folders checked
+before launch, a failed run's last line names the real cause and rank, `--help`, `--config=`."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed.checkpoint.api as dcp_api
+
+import train
+from flashcp.titan import launch
+from flashcp.titan.ownership import check_writable, FolderInUse, LOCK_NAME, NotWritable, RunLock
+
+ROOT = Path(__file__).resolve().parents[2]
+PYTHON = sys.executable
+
+
+def ranks_of(launcher_pid: int) -> list[int]:
+    """PIDs of train.py processes started by the launcher `launcher_pid` (found by their environment)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            env = (proc / "environ").read_bytes().split(b"\0")
+            cmdline = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"train.py" in cmdline and f"FLASHCP_LAUNCHER={launcher_pid}".encode() in env:
+            found.append(int(proc.name))
+    return found
+
+
+def wait_for(predicate, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.5)
+    return predicate()
+
+
+def test_ranks_die_when_the_launcher_is_sigkilled(tmp_path):
+    dump = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "NGPU": "2"}
+    launcher = subprocess.Popen(
+        [PYTHON, "-m", "flashcp.titan.launch", "--config", "debug_cpu", "--training.steps", "100000",
+         "--parallelism.data_parallel_shard_degree", "1", "--checkpoint.enable", "false",
+         "--job.dump_folder", str(dump)],
+        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        assert wait_for(lambda: len(ranks_of(launcher.pid)) == 2, 120), "the ranks never started"
+        # Each rank is in a session of its own, so killing the launcher alone must take them down.
+        assert all(os.getsid(pid) != os.getsid(launcher.pid) for pid in ranks_of(launcher.pid))
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait()
+        assert wait_for(lambda: not ranks_of(launcher.pid), 60), f"orphaned ranks: {ranks_of(launcher.pid)}"
+    finally:
+        for pid in ranks_of(launcher.pid):
+            os.kill(pid, signal.SIGKILL)
+        if launcher.poll() is None:
+            launcher.kill()
+
+
+def test_a_second_launch_into_a_held_folder_is_refused_naming_the_holder(tmp_path, capsys):
+    dump = tmp_path / "out"
+    with RunLock(dump):
+        code = launch.main(["--config", "debug_cpu", "--job.dump_folder", str(dump)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1
+    assert f"{dump} is in use by the run of PID {os.getpid()} on host" in err[0]
+    assert not (dump / "logs").exists() or not any((dump / "logs").iterdir())  # nothing was started
+
+
+def test_a_lock_left_by_a_killed_run_is_taken_over_and_named(tmp_path):
+    dump = tmp_path / "out"
+    holder = subprocess.Popen(
+        [PYTHON, "-c", "import sys, time; from flashcp.titan.ownership import RunLock; "
+         f"RunLock({str(dump)!r}).acquire(); print('held', flush=True); time.sleep(600)"],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert holder.stdout.readline().strip() == "held"
+    with pytest.raises(FolderInUse, match=f"PID {holder.pid} on host"):
+        RunLock(dump).acquire()
+    holder.kill()
+    holder.wait()
+    lock = RunLock(dump).acquire()
+    try:
+        assert lock.taken_over["pid"] == holder.pid
+    finally:
+        lock.release()
+    again = RunLock(dump).acquire()  # a clean release leaves no holder behind
+    assert again.taken_over is None
+    again.release()
+    assert (dump / LOCK_NAME).read_text() == ""
+
+
+def test_unwritable_output_folders_fail_before_launch(tmp_path, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    with pytest.raises(NotWritable, match=f"output folder {blocker / 'out'} is not writable: NotADirectoryError"):
+        check_writable([blocker / "out"])
+    code = launch.main(["--config", "debug_cpu", "--job.dump_folder", str(blocker / "out")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "is not writable: NotADirectoryError" in err[0]
+
+
+def test_a_checkpoint_exception_is_recorded_with_its_real_cause(tmp_path, monkeypatch, capsys):
+    """DCP's CheckpointException is a BaseException; the rank records the first rank's real error."""
+    def fail(*args):
+        raise dcp_api.CheckpointException("save", {3: (OSError(30, "Read-only file system"), None)})
+
+    error_file = tmp_path / "error.json"
+    monkeypatch.setattr(train, "run", fail)
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    monkeypatch.delenv("FLASHCP_LAUNCHER", raising=False)
+    monkeypatch.setenv("RANK", "0")
+    assert train.main(["--config", "debug_cpu"]) == 1
+    assert "OSError: [Errno 30] Read-only file system" in error_file.read_text()
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == "error: rank 0 failed: OSError: [Errno 30] Read-only file system"
+
+
+def test_help_prints_usage_and_an_empty_config_is_an_error(capsys):
+    assert launch.main(["--help"]) == 0
+    assert "--config NAME_OR_PATH" in capsys.readouterr().out
+    for argv in (["--config="], ["--config"], ["--config", "--training.steps", "3"]):
+        assert launch.main(argv) == 2
+        assert capsys.readouterr().err.strip() == "error: --config needs a job file: a path or a name in train_configs/"
+    result = subprocess.run([PYTHON, str(ROOT / "train.py"), "--help"], capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 0 and "--config" in result.stdout
