@@ -66,6 +66,9 @@ LLAMA3_FLAVORS: dict[str, tuple[int, int, int, int, int]] = {
 CUSTOM_MODEL_KEYS = (
     "dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim_multiplier", "multiple_of"
 )  # fmt: skip
+# A debug model has no vocabulary of its own: it takes the tokenizer's, so that the defaults
+# (debugmodel, 2048 in TorchTitan, and the shipped 4,096-token tokenizer) train together.
+TOKENIZER_SIZED_FLAVORS = ("debugmodel",)
 BACKENDS = ("auto", *KERNELS)
 GPU_BACKENDS = tuple(name for name in KERNELS if name != "reference")
 DTYPES = ("bfloat16", "float32")
@@ -268,6 +271,7 @@ def _check_semantics(cfg: dict) -> None:
     for name in ("create_seed_checkpoint", "initial_load_path"):
         if cfg["checkpoint"][name] and not cfg["checkpoint"]["enable"]:
             raise ConfigError(f"[checkpoint] {name} needs [checkpoint] enable = true")
+    _check_optimizer(cfg)
     if not fcp["target_imbalance"] >= 1.0:
         raise ConfigError(f"[flashcp] target_imbalance must be >= 1.0, got {fcp['target_imbalance']}")
 
@@ -318,9 +322,35 @@ def _check_semantics(cfg: dict) -> None:
         )
 
 
+def _check_optimizer(cfg: dict) -> None:
+    """Values that would train silently wrong (a negative lr is gradient ascent) or not at all."""
+    opt, sched, train = cfg["optimizer"], cfg["lr_scheduler"], cfg["training"]
+    rules = [
+        ("optimizer", "lr", opt["lr"] > 0, "> 0"),
+        ("optimizer", "eps", opt["eps"] > 0, "> 0"),
+        ("optimizer", "beta1", 0 <= opt["beta1"] < 1, "in [0, 1)"),
+        ("optimizer", "beta2", 0 <= opt["beta2"] < 1, "in [0, 1)"),
+        ("optimizer", "weight_decay", opt["weight_decay"] >= 0, ">= 0"),
+        ("training", "max_norm", train["max_norm"] > 0, "> 0"),
+        ("lr_scheduler", "min_lr_factor", 0 <= sched["min_lr_factor"] <= 1, "in [0, 1]"),
+        ("lr_scheduler", "decay_ratio", sched["decay_ratio"] is None or 0 <= sched["decay_ratio"] <= 1, "in [0, 1]"),
+    ]
+    for section, name, ok, allowed in rules:
+        if not ok:
+            raise ConfigError(f"[{section}] {name} must be {allowed}, got {cfg[section][name]}")
+    if sched["warmup_steps"] > train["steps"]:
+        default = "" if "warmup_steps" in cfg["_given"].get("lr_scheduler", []) else ", the default"
+        raise ConfigError(
+            f"[lr_scheduler] warmup_steps ({sched['warmup_steps']}{default}) must be <= [training] steps "
+            f"({train['steps']})"
+        )
+
+
 def model_dims(cfg: dict) -> tuple[int, int, int, int, int | None]:
     """(dim, n_layers, n_heads, n_kv_heads, vocab_size or None = the tokenizer's) of the job's model."""
     model = cfg["model"]
+    if model["flavor"] in TOKENIZER_SIZED_FLAVORS:
+        return (*LLAMA3_FLAVORS[model["flavor"]][:4], None)
     if model["flavor"] != "custom":
         return LLAMA3_FLAVORS[model["flavor"]]
     n_kv = model["n_kv_heads"] or model["n_heads"]

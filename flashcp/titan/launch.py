@@ -24,6 +24,9 @@ from pathlib import Path
 
 from flashcp.titan.config import check_layout, ConfigError, load_job, resolve_config_path, world_size_hint
 from flashcp.titan.ownership import check_writable, describe_stale, FolderInUse, NotWritable, RunLock
+from flashcp.titan.preflight import check_inputs
+from flashcp.titan.sources import DataError
+from flashcp.titan.tokenizer import TokenizerError
 
 TRAIN_PY = Path(__file__).resolve().parents[2] / "train.py"
 SHOWN_RANKS = os.environ.get("LOG_RANK", "0")  # local ranks whose output reaches the console
@@ -115,10 +118,11 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_job(path, overrides)
         nproc, on_gpu = ranks_per_node(world_size_hint(cfg), nnodes)
         check_layout(cfg, nproc * nnodes, has_cuda=on_gpu)
+        check_inputs(cfg)
         check_writable(output_folders(cfg))
         # One launcher owns the folder: node 0's (the others share it on a shared file system).
         lock = RunLock(cfg["job"]["dump_folder"]).acquire() if os.environ.get("NODE_RANK", "0") == "0" else None
-    except (ConfigError, FolderInUse, NotWritable) as e:
+    except (ConfigError, DataError, TokenizerError, FolderInUse, NotWritable) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:

@@ -29,7 +29,7 @@ from torchtitan.protocols.model_spec import ModelSpec
 
 from flashcp.titan import compat
 from flashcp.titan.attention import use_flashcp_attention
-from flashcp.titan.config import ConfigError
+from flashcp.titan.config import ConfigError, TOKENIZER_SIZED_FLAVORS
 
 
 def llama3_spec(model_cfg: dict[str, Any], flashcp_cfg: dict[str, Any], tokenizer_vocab: int) -> ModelSpec:
@@ -46,6 +46,15 @@ def llama3_spec(model_cfg: dict[str, Any], flashcp_cfg: dict[str, Any], tokenize
     else:
         spec = model_registry(model_cfg["flavor"], attn_backend=titan_backend)
         vocab = spec.model.vocab_size
+        if model_cfg["flavor"] in TOKENIZER_SIZED_FLAVORS:
+            vocab = tokenizer_vocab
+            model = spec.model
+            spec = dataclasses.replace(spec, model=dataclasses.replace(
+                model,
+                vocab_size=vocab,
+                tok_embeddings=dataclasses.replace(model.tok_embeddings, num_embeddings=vocab),
+                lm_head=dataclasses.replace(model.lm_head, out_features=vocab),
+            ))  # fmt: skip
     if tokenizer_vocab > vocab:
         raise ConfigError(
             f"[model] vocab_size ({vocab}) is smaller than the tokenizer's vocabulary ({tokenizer_vocab})"

@@ -245,8 +245,8 @@ def load_files(files: list[Path], cfg: DataConfig):
         except StopIteration as e:  # what datasets raises for a compressed file with no records
             raise DataError(f"empty dataset: no records in {_describe(group)}") from e
         except Exception as e:  # datasets raises many types for unreadable files; name the files
-            problem = f"{type(e).__name__}: {e}"
-            raise DataError(f"cannot read {builder} data in {_describe(group)}: {problem}") from e
+            problem = _locate_problem(group, builder) or f"{_describe(group)}: {_innermost(e)}"
+            raise DataError(f"cannot read {builder} data: {problem}") from e
         if column not in ds.column_names:
             raise DataError(
                 f"{_describe(group)} has no column {column!r} (columns: {ds.column_names}); "
@@ -260,6 +260,44 @@ def load_files(files: list[Path], cfg: DataConfig):
     if len(ds) == 0:
         raise DataError(f"empty dataset: no documents in {_describe(files)}")
     return ds
+
+
+def _innermost(e: BaseException) -> str:
+    """The root of an exception chain (datasets wraps the real error in DatasetGenerationError)."""
+    while e.__cause__ is not None or e.__context__ is not None:
+        e = e.__cause__ or e.__context__
+    return f"{type(e).__name__}: {e}"
+
+
+def _open_binary(path: Path):
+    import bz2
+    import gzip
+    import lzma
+
+    opener = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}.get(path.suffix, open)
+    return opener(path, "rb")
+
+
+def _locate_problem(files: list[Path], builder: str) -> str | None:
+    """`file: line N: cause` for the first line that is not UTF-8 (or, for JSON lines, not JSON).
+
+    Run only after datasets failed, to say where: its own errors name neither file nor line.
+    """
+    import json
+
+    for path in files:
+        with _open_binary(path) as f:
+            for lineno, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    return f"{path}: line {lineno}: not UTF-8 text (byte {e.start} of the line: {e.reason})"
+                if ".jsonl" in path.suffixes and line.strip():
+                    try:
+                        json.loads(line)
+                    except ValueError as e:
+                        return f"{path}: line {lineno}: not a JSON object ({e})"
+    return None
 
 
 def _dataset_texts(ds, shuffle: bool, seed: int) -> Callable[[int, int], Iterator[tuple[int, str | None]]]:

@@ -167,7 +167,7 @@ def test_config_lookup_by_name_or_path(tmp_path):
     assert resolve_config_path("debug_cpu") == CONFIG_DIR / "debug_cpu.toml"
     assert resolve_config_path(None) == CONFIG_DIR / "default.toml"
     own = tmp_path / "mine.toml"
-    own.write_text("[training]\nsteps = 3\n")
+    own.write_text("[training]\nsteps = 3\n[lr_scheduler]\nwarmup_steps = 1\n")
     assert load_job(resolve_config_path(str(own)))["training"]["steps"] == 3
     with pytest.raises(ConfigError, match="'nope' not found .* shipped configs: .*debug_cpu"):
         resolve_config_path("nope")

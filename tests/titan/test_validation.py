@@ -1,0 +1,107 @@
+"""Everything a job reads or sets is checked before any rank starts: optimizer and schedule values,
+the all-default job, the tokenizer and the data (opened pre-launch), with file and line in errors."""
+
+from __future__ import annotations
+
+import gzip
+from pathlib import Path
+
+import pytest
+
+from flashcp.titan import launch
+from flashcp.titan.config import ConfigError, load_job
+from flashcp.titan.preflight import check_inputs
+from flashcp.titan.sources import DataError
+
+
+def job(tmp_path: Path, *overrides: str, text: str = "") -> dict:
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    return load_job(path, list(overrides))
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("--optimizer.lr=-1", "[optimizer] lr must be > 0, got -1.0"),
+        ("--optimizer.lr=0", "[optimizer] lr must be > 0, got 0.0"),
+        ("--optimizer.eps=0", "[optimizer] eps must be > 0"),
+        ("--optimizer.beta1=1.0", "[optimizer] beta1 must be in [0, 1)"),
+        ("--optimizer.beta2=-0.1", "[optimizer] beta2 must be in [0, 1)"),
+        ("--optimizer.weight_decay=-0.1", "[optimizer] weight_decay must be >= 0"),
+        ("--training.max_norm=0", "[training] max_norm must be > 0"),
+        ("--lr_scheduler.min_lr_factor=2", "[lr_scheduler] min_lr_factor must be in [0, 1]"),
+        ("--lr_scheduler.decay_ratio=1.5", "[lr_scheduler] decay_ratio must be in [0, 1]"),
+        ("--lr_scheduler.warmup_steps=30", "[lr_scheduler] warmup_steps (30) must be <= [training] steps (20)"),
+        ("--training.steps=20", "[lr_scheduler] warmup_steps (200, the default) must be <= [training] steps (20)"),
+    ],
+)
+def test_optimizer_and_schedule_values_are_checked(tmp_path, override, message):
+    with pytest.raises(ConfigError) as e:
+        job(tmp_path, "--training.steps=20", override)
+    assert message in str(e.value)
+
+
+def test_a_relative_dump_folder_becomes_absolute_where_the_job_is_loaded(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = job(tmp_path, "--job.dump_folder=runs/a")
+    assert cfg["job"]["dump_folder"] == str(tmp_path / "runs" / "a")
+
+
+def test_the_all_default_job_passes_every_check_and_builds(tmp_path):
+    """An empty TOML: debugmodel (2048 tokens in TorchTitan) takes the default tokenizer's 4096."""
+    from flashcp.titan.config import check_layout
+    from flashcp.titan.job import trainer_config
+
+    cfg = job(tmp_path)
+    check_layout(cfg, 2, has_cuda=False)
+    check_inputs(cfg)
+    assert trainer_config(cfg).model_spec.model.vocab_size == 4096
+
+
+def test_a_model_vocabulary_below_the_tokenizer_fails_before_launch(tmp_path):
+    cfg = job(tmp_path, text="[model]\nflavor = 'custom'\ndim = 32\nn_layers = 1\nn_heads = 4\nvocab_size = 100\n")
+    with pytest.raises(ConfigError, match=r"vocab_size \(100, flavor 'custom'\) is smaller than the tokenizer's "
+                                          r"vocabulary \(4096"):  # fmt: skip
+        check_inputs(cfg)
+
+
+def write(path: Path, data: bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(gzip.compress(data) if path.suffix == ".gz" else data)
+    return path
+
+
+@pytest.mark.parametrize(
+    "name, data, message",
+    [
+        ("latin1.txt", "first line\ncaf\xe9 ol\xe9\n".encode("latin-1"),
+         "latin1.txt: line 2: not UTF-8 text (byte 3 of the line: invalid continuation byte)"),
+        ("binary.txt", b"\x89PNG\r\n\x1a\n\x00\x00", "binary.txt: line 1: not UTF-8 text"),
+        ("docs.jsonl", b'{"text": "a"}\n{"text": "b"}\n{"text": oops}\n', "docs.jsonl: line 3: not a JSON object"),
+        ("docs.jsonl.gz", b'{"text": "a"}\n{"text\n', "docs.jsonl.gz: line 2: not a JSON object"),
+    ],
+)
+def test_unreadable_data_names_the_file_the_line_and_the_cause(tmp_path, name, data, message):
+    path = write(tmp_path / "data" / name, data)
+    cfg = job(tmp_path, f"--data.source={path}")
+    with pytest.raises(DataError) as e:
+        check_inputs(cfg)
+    assert str(path.parent) in str(e.value) and message in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("--data.source=/no/such/data.jsonl", "error: data path not found: /no/such/data.jsonl"),
+        ("--data.tokenizer=/no/such/tokenizer.json", "/no/such/tokenizer.json"),
+        ("--data.synthetic_lengths=nonsense", "data.synthetic_lengths"),
+    ],
+)
+def test_data_and_tokenizer_errors_stop_the_launcher_before_any_rank(tmp_path, capsys, override, message):
+    dump = tmp_path / "out"
+    extra = ["--data.source=synthetic"] if "synthetic_lengths" in override else []
+    code = launch.main(["--config", "debug_cpu", f"--job.dump_folder={dump}", *extra, override])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and message in err[0], err
+    assert not dump.exists()  # checked before the folders are even created
