@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     die_with_launcher()
 
     from flashcp.attention import BackendUnavailable
-    from flashcp.titan.components import _root_cause, CheckpointError
+    from flashcp.titan.checkpoint import CheckpointError, root_cause
     from flashcp.titan.config import ConfigError
     from flashcp.titan.ownership import FolderInUse, NotWritable
     from flashcp.titan.sources import DataError
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         raise
     except BaseException as e:  # DCP's CheckpointException is a BaseException
         traceback.print_exc()  # into this rank's log, whole
-        code, message = 1, _root_cause(e)
+        code, message = 1, root_cause(e)
     else:
         return 0
     _record_for_launcher(message)

@@ -17,7 +17,8 @@ from torchtitan.config.configs import CommConfig, CompileConfig, DebugConfig, Pa
 from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 
 from flashcp.titan import compat
-from flashcp.titan.components import Checkpointer, PipelineTokenizer, resolve_tokenizer, WindowDataLoader
+from flashcp.titan.checkpoint import Checkpointer
+from flashcp.titan.components import PipelineTokenizer, resolve_tokenizer, WindowDataLoader
 from flashcp.titan.sources import DataConfig
 from flashcp.titan.metrics import FlashCPMetrics
 from flashcp.titan.model import llama3_spec

@@ -32,7 +32,8 @@ from torchtitan.components.dataloader import DataloaderExhaustedError
 from torchtitan.trainer import Trainer
 
 from flashcp.titan.attention import CPStep
-from flashcp.titan.components import Checkpointer, PipelineTokenizer, WindowDataLoader
+from flashcp.titan.checkpoint import Checkpointer
+from flashcp.titan.components import PipelineTokenizer, WindowDataLoader
 from flashcp.titan.metrics import FlashCPMetrics
 
 

@@ -9,7 +9,7 @@ import pytest
 from harness import single_rank, tiny_job, train
 
 import train as train_py
-from flashcp.titan.components import CheckpointError
+from flashcp.titan.checkpoint import CheckpointError
 from flashcp.titan.metrics import attention_pairs
 
 
@@ -76,6 +76,7 @@ def test_bad_data_and_config_end_with_one_line(tmp_path, capsys, case, args, mes
         '[model]\nflavor = "custom"\ndim = 32\nn_layers = 1\nn_heads = 2\n'
         '[training]\nseq_len = 128\nsteps = 2\nmixed_precision_param = "float32"\n[data]\nprefetch = 0\n'
         '[parallelism]\ndata_parallel_shard_degree = 1\n[flashcp]\nbackend = "reference"\n'
+        '[lr_scheduler]\nwarmup_steps = 1\n'
     )
     with single_rank():
         code = train_py.main(["--config", str(job), *[a.format(tmp=tmp_path) for a in args]])

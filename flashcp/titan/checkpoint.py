@@ -1,0 +1,219 @@
+"""DCP checkpoints that are published whole, verified on load, and never rewritten in place.
+
+TorchTitan's CheckpointManager writes a step straight into `step-N/`: a save over an existing step
+(after `checkpoint.load_step`) rewrote a complete checkpoint in place, so a kill mid-save left old
+`.metadata` over truncated files, and nothing noticed bytes that changed after the save. Here:
+
+- Save: every rank writes into `step-N.partial-<save id>/`, hashes the files it wrote (sizes and
+  CRC-32, `flashcp.titan.manifest`), rank 0 gathers the entries and writes `manifest.json`, then
+  publishes the folder with a rename. An existing `step-N` is first renamed to
+  `step-N.replaced-<save id>` and removed only after the new one is in place, so a kill at any
+  moment leaves a complete, loadable step N (under one name or the other; a leftover
+  `.replaced-` folder is removed once its step is published again).
+- Load: the newest published checkpoint whose files match its manifest (each rank verifies a share
+  of the files; the ranks agree on the verdict) and that DCP can read. A damaged or unreadable one
+  is skipped with a warning naming the file and the cause, and the next older one is tried; one
+  that does not fit the job (missing keys, other shapes) is an error, as is an explicit
+  `checkpoint.load_step` that cannot be loaded. Checkpoints saved without a manifest (older
+  FlashCP) load unverified, with a warning.
+- Purge (`keep_latest_k`): the most recently published checkpoints are kept, leftovers of
+  interrupted saves are removed.
+
+Asynchronous saving is refused by the config check: a checkpoint is published only once it is
+complete and its manifest written, which needs every rank after the write.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint.api as dcp_api
+from torchtitan.components.checkpoint import CheckpointManager
+from torchtitan.tools.logging import logger
+
+from flashcp.titan.manifest import MANIFEST, read_manifest, rank_entries, verify_files, write_manifest
+from flashcp.titan.sources import DataError
+
+STEP_DIR = re.compile(r"step-(\d+)(?:\.replaced-[0-9a-f]+)?")
+LEFTOVER_DIR = re.compile(r"step-(\d+)\.(partial|replaced)-[0-9a-f]+")
+MISMATCH_HINTS = ("Missing key", "Unexpected key", "ize mismatch", "shape")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint to resume from is missing, damaged or does not fit this job."""
+
+
+class Unloadable(Exception):
+    """One checkpoint cannot be loaded; `fits` False when it belongs to a different job."""
+
+    def __init__(self, message: str, fits: bool = True):
+        super().__init__(message)
+        self.fits = fits
+
+
+@dataclass(frozen=True)
+class Candidate:
+    step: int
+    path: Path
+    verified: bool  # has a manifest
+
+
+class Checkpointer(CheckpointManager):
+    @dataclass(kw_only=True, slots=True)
+    class Config(CheckpointManager.Config):
+        pass
+
+    # ------------------------------------------------------------------ save
+
+    def dcp_save(self, state_dict: dict[str, Any], checkpoint_id: str, async_mode: Any, **kwargs: Any) -> None:
+        """Write into a fresh folder, record what each rank wrote, publish by rename."""
+        target = Path(checkpoint_id)
+        save_id = _agreed_token()
+        partial = target.with_name(f"{target.name}.partial-{save_id}")
+        super().dcp_save(state_dict, str(partial), async_mode, **kwargs)
+        entries = rank_entries(partial, dist.get_rank())
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, entries)
+        if dist.get_rank() == 0:
+            write_manifest(partial, save_id, [e for part in gathered for e in part])
+            _publish(partial, target, save_id)
+        dist.barrier()
+        logger.info(f"checkpoint published: {target}")
+
+    def _purge_stale_checkpoints(self) -> None:
+        """Keep the `keep_latest_k` most recently published checkpoints; drop leftovers of interrupted saves."""
+        if dist.get_rank() != 0 or not os.path.isdir(self.folder):
+            return
+        folder = Path(self.folder)
+        for path in folder.iterdir():  # this save is published: any other partial one was interrupted
+            match = LEFTOVER_DIR.fullmatch(path.name)
+            if match and (match.group(2) == "partial" or (folder / f"step-{match.group(1)}").is_dir()):
+                shutil.rmtree(path, ignore_errors=True)
+        if self.keep_latest_k > 0:
+            published = [c.path for c in self._candidates() if c.path.name == f"step-{c.step}"]
+            published.sort(key=lambda p: (p / MANIFEST if (p / MANIFEST).exists() else p / ".metadata").stat().st_mtime)
+            for path in published[: -self.keep_latest_k]:
+                shutil.rmtree(path, ignore_errors=True)
+
+    # ------------------------------------------------------------------ load
+
+    def _candidates(self) -> list[Candidate]:
+        """Complete checkpoints (a published `.metadata`), newest step first."""
+        folder = Path(self.folder)
+        if not folder.is_dir():
+            return []
+        found = []
+        for path in folder.iterdir():
+            match = STEP_DIR.fullmatch(path.name)
+            if match and (path / ".metadata").is_file():
+                found.append(Candidate(int(match.group(1)), path, (path / MANIFEST).is_file()))
+        return sorted(found, key=lambda c: (c.step, c.path.name == f"step-{c.step}"), reverse=True)
+
+    def _load(self, step: int = -1) -> bool:
+        candidates = self._candidates()
+        if step != -1:
+            chosen = [c for c in candidates if c.step == step]
+            if not chosen:
+                path = Path(self.folder) / f"step-{step}"
+                state = "is incomplete (its save was interrupted)" if path.exists() else "does not exist"
+                complete = sorted({c.step for c in candidates})
+                raise CheckpointError(
+                    f"checkpoint.load_step = {step}: {path} {state}; complete checkpoints: {complete or 'none'}"
+                )
+            candidates = chosen
+        if not candidates:
+            return self._initial_load()
+        for partial in sorted(Path(self.folder).glob("step-*.partial-*")):
+            logger.warning(f"ignoring {partial}: an interrupted save")
+        for i, candidate in enumerate(candidates):
+            try:
+                self._load_candidate(candidate, model_only=candidate.step == 0)
+                return True
+            except Unloadable as e:
+                if not e.fits or step != -1 or i == len(candidates) - 1:
+                    tried = "" if i == 0 else " (newer ones were skipped as unloadable)"
+                    raise CheckpointError(f"{e}{tried}") from e
+                logger.warning(f"skipping {e}; trying the next older checkpoint")
+        raise AssertionError("unreachable")
+
+    def _initial_load(self) -> bool:
+        if not self.initial_load_path:
+            logger.info("No checkpoint was provided, this is a fresh start.")
+            return False
+        path = Path(self.initial_load_path)
+        if not path.is_dir():
+            raise CheckpointError(f"checkpoint.initial_load_path {path}: " +
+                                  ("is not a folder" if path.exists() else "does not exist"))  # fmt: skip
+        if not (path / ".metadata").is_file():
+            raise CheckpointError(f"checkpoint.initial_load_path {path}: not a DCP checkpoint (no .metadata)")
+        try:
+            self._load_candidate(Candidate(-1, path, (path / MANIFEST).is_file()), self.initial_load_model_only)
+        except Unloadable as e:
+            raise CheckpointError(f"checkpoint.initial_load_path: {e}") from e
+        return True
+
+    def _load_candidate(self, candidate: Candidate, model_only: bool) -> None:
+        """Verify (in parallel over ranks), then load; Unloadable says why not."""
+        path = candidate.path
+        if candidate.verified:
+            problems = verify_files(path, read_manifest(path), dist.get_rank(), dist.get_world_size())
+            gathered: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, problems)
+            problems = sorted(p for part in gathered for p in part)
+            if problems:
+                raise Unloadable(f"checkpoint {path} is damaged: {problems[0]}")
+        else:
+            logger.warning(f"checkpoint {path} has no {MANIFEST} (saved by an older FlashCP): loading it unverified")
+        logger.info(f"Loading the checkpoint from {path}.")
+        try:
+            self.dcp_load(self._states_to_load(model_only), checkpoint_id=str(path), from_hf=False,
+                          from_quantized=False)  # fmt: skip
+        except DataError:
+            raise
+        except (Exception, dcp_api.CheckpointException) as e:  # the latter is a BaseException
+            cause = root_cause(e)
+            if any(hint in cause for hint in MISMATCH_HINTS):
+                raise Unloadable(f"checkpoint {path} does not fit this job (different model or optimizer?): "
+                                 f"{cause}", fits=False) from e  # fmt: skip
+            raise Unloadable(f"checkpoint {path} cannot be read (damaged?): {cause}") from e
+
+
+def _agreed_token() -> str:
+    """A fresh id, the same on every rank (rank 0's)."""
+    token = [uuid.uuid4().hex[:12] if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(token, src=0)
+    return token[0]
+
+
+def _publish(partial: Path, target: Path, save_id: str) -> None:
+    """Rename `partial` to `target`; an existing target stays complete under another name until then."""
+    replaced = target.with_name(f"{target.name}.replaced-{save_id}")
+    if target.exists():
+        os.rename(target, replaced)
+    os.rename(partial, target)
+    _fsync_dir(target.parent)
+    if replaced.exists():
+        shutil.rmtree(replaced)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def root_cause(e: BaseException) -> str:
+    """The first rank's underlying error of a DCP failure, in one line."""
+    if isinstance(e, dcp_api.CheckpointException) and e.failures:
+        e = next(iter(e.failures.values()))[0]
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__

@@ -1,0 +1,133 @@
+"""Checkpoints are published whole, never rewritten in place, verified before loading, and a
+damaged newest checkpoint falls back to the newest one that loads."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch.distributed.checkpoint as dcp
+from harness import single_rank, tiny_job, train
+
+from flashcp.titan.checkpoint import CheckpointError
+from flashcp.titan.manifest import MANIFEST, read_manifest
+
+
+@pytest.fixture
+def rank():
+    with single_rank():
+        yield
+
+
+def job(dump: Path, **checkpoint):
+    """The tiny job for 6 steps with a checkpoint every 3."""
+    return tiny_job(dump, training={"steps": 6}, checkpoint={"enable": True, "interval": 3, "keep_latest_k": 0,
+                                                            **checkpoint})  # fmt: skip
+
+
+def data_file(step_dir: Path) -> Path:
+    return step_dir / "__0_0.distcp"
+
+
+def flip_bytes(path: Path, offset: int = 4096) -> None:
+    """Overwrite a few bytes in place (same size), as a bad disk or a stray write would."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        old = f.read(8)
+        f.seek(offset)
+        f.write(bytes(b ^ 0xFF for b in old))
+
+
+class Killed(BaseException):
+    """Stands in for the process dying in the middle of a save."""
+
+
+def test_a_save_killed_over_an_existing_step_leaves_the_old_one_loadable(tmp_path, rank, monkeypatch):
+    dump = tmp_path / "run"
+    whole = train(job(dump))
+    old_manifest = read_manifest(dump / "checkpoint/step-6")
+    real_save = dcp.save
+
+    def dying_save(state_dict, *, checkpoint_id, **kwargs):
+        real_save(state_dict, checkpoint_id=checkpoint_id, **kwargs)
+        data = data_file(Path(checkpoint_id))
+        data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])  # cut mid-write
+        raise Killed
+
+    monkeypatch.setattr(dcp, "save", dying_save)
+    with pytest.raises(Killed):
+        train(job(dump, load_step=3))  # re-trains 4..6 and re-saves step 6
+    monkeypatch.undo()
+    assert read_manifest(dump / "checkpoint/step-6") == old_manifest  # untouched
+    assert any(p.name.startswith("step-6.partial-") for p in (dump / "checkpoint").iterdir())
+    with single_rank():
+        assert train(job(dump, load_step=6), ) == {}  # loads (nothing left to train) instead of failing
+    assert whole.keys() == {1, 2, 3, 4, 5, 6}
+
+
+def test_a_kill_between_the_two_renames_keeps_the_replaced_checkpoint_loadable(tmp_path, rank):
+    def eight_steps(dump: Path) -> dict:
+        return tiny_job(dump, training={"steps": 8}, checkpoint={"enable": True, "interval": 3})
+
+    whole = train(eight_steps(tmp_path / "whole"))
+    dump = tmp_path / "run"
+    train(eight_steps(dump), stop_after=6)
+    folder = dump / "checkpoint"
+    (folder / "step-6").rename(folder / "step-6.replaced-0123456789ab")
+    resumed = train(eight_steps(dump))
+    assert resumed == {s: whole[s] for s in (7, 8)}  # resumed from step 6 under its other name
+    # It is the only copy of step 6, so the purge after the save of step 8 keeps it.
+    assert (folder / "step-6.replaced-0123456789ab").is_dir() and (folder / "step-8").is_dir()
+
+
+def test_changed_bytes_fall_back_to_the_newest_intact_checkpoint(tmp_path, rank, caplog):
+    dump = tmp_path / "run"
+    whole = train(job(dump))
+    flip_bytes(data_file(dump / "checkpoint/step-6"))
+    resumed = train(job(dump, load_step=-1) | {"training": job(dump)["training"] | {"steps": 6}})
+    assert resumed == {s: whole[s] for s in (4, 5, 6)}  # from step 3, bit for bit
+    assert "step-6 is damaged: __0_0.distcp: contents changed since the save (checksum mismatch)" in caplog.text
+
+
+def test_an_explicitly_chosen_damaged_checkpoint_is_an_error_naming_the_file(tmp_path, rank):
+    dump = tmp_path / "run"
+    train(job(dump))
+    shutil.copy(data_file(dump / "checkpoint/step-3"), data_file(dump / "checkpoint/step-6"))  # another save's file
+    with pytest.raises(CheckpointError, match=r"step-6 is damaged: __0_0.distcp: (\d+ bytes, the save wrote|contents)"):
+        train(job(dump, load_step=6))
+    (dump / "checkpoint/step-3/__0_1.distcp").write_bytes(b"stray")
+    with pytest.raises(CheckpointError, match=r"step-3 is damaged: __0_1.distcp: not written by this save"):
+        train(job(dump, load_step=3))
+
+
+def test_every_checkpoint_damaged_is_an_error_not_a_fresh_start(tmp_path, rank):
+    dump = tmp_path / "run"
+    train(job(dump))
+    for step in (3, 6):
+        (dump / f"checkpoint/step-{step}" / MANIFEST).write_text("{not json")
+    with pytest.raises(CheckpointError, match=r"step-3 is damaged: manifest.json: unreadable .*newer ones were skipped"):
+        train(job(dump))
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda p: None, "does not exist"),
+    (lambda p: p.mkdir(), r"not a DCP checkpoint \(no .metadata\)"),
+    (lambda p: p.write_text("x"), "is not a folder"),
+])  # fmt: skip
+def test_a_bad_initial_load_path_is_named(tmp_path, rank, make, message):
+    path = tmp_path / "seed"
+    make(path)
+    with pytest.raises(CheckpointError, match=f"checkpoint.initial_load_path {path}: {message}"):
+        train(tiny_job(tmp_path / "run", checkpoint={"enable": True, "initial_load_path": str(path)}))
+
+
+def test_interrupted_saves_are_ignored_and_cleaned_by_the_next_save(tmp_path, rank):
+    dump = tmp_path / "run"
+    stale = dump / "checkpoint/step-9.partial-0123456789ab"
+    stale.mkdir(parents=True)
+    (stale / ".metadata").write_bytes(b"half")
+    train(job(dump, keep_latest_k=2))
+    names = sorted(p.name for p in (dump / "checkpoint").iterdir())
+    assert names == ["step-3", "step-6"]
+    assert all((dump / "checkpoint" / n / MANIFEST).is_file() for n in names)
