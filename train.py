@@ -127,7 +127,9 @@ def main(argv: list[str] | None = None) -> int:
         run(args.config, overrides)
     except job_errors as e:
         code, message = 2, f"{type(e).__name__}: {e}"
-    except (KeyboardInterrupt, SystemExit):
+    except KeyboardInterrupt:  # before the trainer catches signals: nothing trained yet, no traceback
+        return 128 + signal.SIGINT
+    except SystemExit:
         raise
     except BaseException as e:  # DCP's CheckpointException is a BaseException
         traceback.print_exc()  # into this rank's log, whole

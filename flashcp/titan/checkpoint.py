@@ -29,13 +29,14 @@ import os
 import re
 import shutil
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint.api as dcp_api
-from torchtitan.components.checkpoint import CheckpointManager
+from torchtitan.components.checkpoint import AsyncMode, CheckpointManager
 from torchtitan.tools.logging import logger
 
 from flashcp.titan.manifest import MANIFEST, read_manifest, rank_entries, verify_files, write_manifest
@@ -70,6 +71,21 @@ class Checkpointer(CheckpointManager):
     class Config(CheckpointManager.Config):
         pass
 
+    on_restore: Callable[[], None] | None = None  # called after a checkpoint of this run was loaded
+    _last_saved: int | None = None
+
+    def step_folder(self, step: int) -> Path:
+        return Path(self._create_checkpoint_id(step))
+
+    def saved_step(self, step: int) -> bool:
+        """Whether this process's last save was of `step`."""
+        return self._last_saved == step
+
+    def save_now(self, step: int) -> None:
+        """A full checkpoint of `step` whatever the interval (a stop between two saves)."""
+        self.dcp_save(self._flattened_model_states_sd(), str(self.step_folder(step)), AsyncMode.DISABLED)
+        self._purge_stale_checkpoints()
+
     # ------------------------------------------------------------------ save
 
     def dcp_save(self, state_dict: dict[str, Any], checkpoint_id: str, async_mode: Any, **kwargs: Any) -> None:
@@ -85,6 +101,7 @@ class Checkpointer(CheckpointManager):
             write_manifest(partial, save_id, [e for part in gathered for e in part])
             _publish(partial, target, save_id)
         dist.barrier()
+        self._last_saved = int(STEP_DIR.fullmatch(target.name).group(1))
         logger.info(f"checkpoint published: {target}")
 
     def _purge_stale_checkpoints(self) -> None:
@@ -135,13 +152,16 @@ class Checkpointer(CheckpointManager):
         for i, candidate in enumerate(candidates):
             try:
                 self._load_candidate(candidate, model_only=candidate.step == 0)
-                return True
             except Unloadable as e:
                 if not e.fits or step != -1 or i == len(candidates) - 1:
                     tried = "" if i == 0 else " (newer ones were skipped as unloadable)"
                     raise CheckpointError(f"{e}{tried}") from e
                 logger.warning(f"skipping {e}; trying the next older checkpoint")
-        raise AssertionError("unreachable")
+                continue
+            if self.on_restore is not None:
+                self.on_restore()
+            return True
+        raise AssertionError("unreachable: the last candidate returns or raises")
 
     def _initial_load(self) -> bool:
         if not self.initial_load_path:

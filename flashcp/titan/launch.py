@@ -6,7 +6,9 @@ Ranks per node: `NGPU`, else the visible GPUs, else (no GPU: gloo on CPU) the wo
 job's layout fixes, or 2. Multi-node jobs pass torchrun's rendezvous through the environment:
 `NNODES`, `NODE_RANK`, `MASTER_ADDR`, `MASTER_PORT`, or `RDZV_ENDPOINT` (+ `RDZV_ID`,
 `RDZV_BACKEND`). `LOG_RANK` (default 0) picks the local ranks shown on the console; every
-rank's full log goes to `<dump_folder>/logs/`.
+rank's full log goes to `<dump_folder>/logs/`. SIGTERM / Ctrl-C stop the run at the next step
+boundary with a checkpoint; `FLASHCP_STOP_TIMEOUT` (default 600 s) is how long the ranks get for
+that save before they are killed; a second Ctrl-C stops at once.
 
 The launcher owns its run: it holds the dump folder's lock (`flashcp.titan.ownership`) while the
 ranks run, so a second launch into the same folder is refused with the holder's host and PID, and
@@ -19,6 +21,7 @@ run ends with the failing rank's one-line reason instead of torchrun's traceback
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -53,7 +56,7 @@ def ranks_per_node(hint: int | None, nnodes: int) -> tuple[int, bool]:
     return 2, False
 
 
-def torchrun_args(nproc: int, nnodes: int, log_dir: str, argv: list[str]) -> list[str]:
+def torchrun_args(nproc: int, nnodes: int, log_dir: str, argv: list[str], stop_timeout: int) -> list[str]:
     env = os.environ
     args = [f"--nproc_per_node={nproc}", f"--nnodes={nnodes}"]
     if env.get("RDZV_ENDPOINT"):
@@ -70,6 +73,9 @@ def torchrun_args(nproc: int, nnodes: int, log_dir: str, argv: list[str]) -> lis
         ]
     else:
         args.append("--standalone")
+    # On SIGTERM / SIGINT the agent forwards the signal and waits this long for the ranks to save a
+    # checkpoint at their next step boundary (flashcp.titan.preemption) before killing them.
+    args.append(f"--shutdown_timeout={stop_timeout}")
     args += [f"--local-ranks-filter={SHOWN_RANKS}", "--tee=3", f"--log-dir={log_dir}"]
     return [*args, str(TRAIN_PY), *argv]
 
@@ -112,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config_name, overrides = parse_args(argv)
         nnodes = env_int("NNODES", 1)
+        stop_timeout = env_int("FLASHCP_STOP_TIMEOUT", 600)
         if nnodes > 1 and not (os.environ.get("MASTER_ADDR") or os.environ.get("RDZV_ENDPOINT")):
             raise ConfigError(f"NNODES={nnodes} needs MASTER_ADDR (node 0's address) or RDZV_ENDPOINT")
         path = resolve_config_path(config_name)
@@ -128,13 +135,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if lock is not None and lock.taken_over:
             print(f"flashcp: {describe_stale(lock.taken_over)}", flush=True)
-        return _launch(cfg, path, nproc, nnodes, on_gpu, overrides)
+        return _launch(cfg, path, nproc, nnodes, on_gpu, overrides, stop_timeout)
     finally:
         if lock is not None:
             lock.release()
 
 
-def _launch(cfg: dict, path: Path, nproc: int, nnodes: int, on_gpu: bool, overrides: list[str]) -> int:
+def _launch(cfg: dict, path: Path, nproc: int, nnodes: int, on_gpu: bool, overrides: list[str],
+            stop_timeout: int) -> int:  # fmt: skip
     """Run torchrun's agent in this process until every rank has ended; the exit code of the run."""
     os.environ["FLASHCP_LAUNCHER"] = str(os.getpid())  # the ranks' parent: they die with it
     if not on_gpu:  # share the cores between the ranks instead of oversubscribing them
@@ -144,13 +152,17 @@ def _launch(cfg: dict, path: Path, nproc: int, nnodes: int, on_gpu: bool, overri
     print(f"flashcp: {path.resolve()} on {nnodes} node(s) x {nproc} {device} rank(s), "
           f"output in {cfg['job']['dump_folder']}", flush=True)
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
     try:
         dump = f"--job.dump_folder={cfg['job']['dump_folder']}"  # absolute: every rank agrees
-        args = torchrun_args(nproc, nnodes, log_dir, [f"--config={path}", *overrides, dump])
+        args = torchrun_args(nproc, nnodes, log_dir, [f"--config={path}", *overrides, dump], stop_timeout)
         run(get_args_parser().parse_args(args))
+    except SignalException as e:  # the ranks got it too and stopped at a step boundary (they said where)
+        print(f"flashcp: {signal.Signals(e.sigval).name}: the run stopped; full logs: {log_dir}", flush=True)
+        return 0
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         message = failure.message  # a dict when train.py recorded its reason in the error file
@@ -165,4 +177,7 @@ def _launch(cfg: dict, path: Path, nproc: int, nnodes: int, on_gpu: bool, overri
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # Ctrl-C before the ranks started: nothing to save, no traceback
+        sys.exit(128 + signal.SIGINT)

@@ -6,15 +6,24 @@ counts exactly the (query, key) pairs the mask keeps: sum over documents of d (d
 Each logged step also reports the sharding plans of the windows this rank trained on since the
 last log (workload imbalance, KV bytes received per layer under the compact and the full
 exchange, documents split across ranks, planning time) and a progress line with an ETA.
+
+TensorBoard: one run per dump folder (`<dump_folder>/<save_tb_folder>/run`), appended to by every
+launch. TorchTitan's folder per launch time showed a resumed run as a separate run repeating
+steps; here the first event of a launch purges whatever an earlier launch logged from the
+restored step on (SummaryWriter's `purge_step`), so a run reads as one curve across resumes.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from torchtitan.components.metrics import MetricsProcessor
+import torch
+from torch.utils.tensorboard import SummaryWriter
+from torchtitan.components.metrics import _get_metrics_rank, BaseLogger, LoggerContainer, MetricsProcessor
 from torchtitan.tools.logging import logger
 from torchtitan.tools.utils import device_type
 
@@ -46,6 +55,26 @@ def format_duration(seconds: float) -> str:
     return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
 
 
+class RunTensorBoardLogger(BaseLogger):
+    """TensorBoard events of one run, across launches; opened at the first event of a launch."""
+
+    def __init__(self, log_dir: str):
+        self.log_dir = log_dir
+        self.first_step = 1  # the first step this launch trains; earlier launches' events from it on are purged
+        self.writer: SummaryWriter | None = None
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        if self.writer is None:
+            self.writer = SummaryWriter(self.log_dir, max_queue=1000, purge_step=self.first_step)
+            logger.info(f"TensorBoard: {self.log_dir} (from step {self.first_step})")
+        for k, v in metrics.items():
+            self.writer.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
 class FlashCPMetrics(MetricsProcessor):
     """MetricsProcessor whose `log` reports document-masked MFU, FlashCP plan figures and an ETA.
 
@@ -70,6 +99,26 @@ class FlashCPMetrics(MetricsProcessor):
         self.kv_row_bytes = 0  # bytes of one token's K and V on one rank (heads / tp)
         self.stats = WindowStats()
         self._start: tuple[int, float] | None = None  # (step, time) of the first logged step
+
+    def _build_metric_logger(self, *, config: Config, dump_folder: str, **kwargs: Any) -> BaseLogger:
+        """TorchTitan's loggers without its per-launch TensorBoard folder, plus the run's own."""
+        self.tensorboard: RunTensorBoardLogger | None = None
+        loggers = super()._build_metric_logger(
+            config=dataclasses.replace(config, enable_tensorboard=False), dump_folder=dump_folder, **kwargs
+        )
+        metrics_rank = _get_metrics_rank(parallel_dims=kwargs["parallel_dims"], pp_schedule=kwargs["pp_schedule"])
+        if not config.enable_tensorboard or torch.distributed.get_rank() != metrics_rank:
+            return loggers
+        if not isinstance(loggers, LoggerContainer):
+            loggers = LoggerContainer()
+        self.tensorboard = RunTensorBoardLogger(os.path.join(dump_folder, config.save_tb_folder, "run"))
+        loggers.add_logger(self.tensorboard)
+        return loggers
+
+    def resume_from(self, step: int) -> None:
+        """The run continues after `step` (a restored checkpoint)."""
+        if self.tensorboard is not None:
+            self.tensorboard.first_step = step + 1
 
     def record_window(self, plan: Plan, plan_ms: float) -> None:
         """Account one window's plan (called once per micro step, on every rank)."""

@@ -15,6 +15,11 @@ TorchTitan's; this subclass only changes how a batch reaches the model:
    count and the reported loss is the sum over DP x CP ranks. CP = 1 and CP = N therefore give
    the same loss and gradients on the same data.
 
+Around the loop: on SIGTERM / SIGINT the ranks agree to stop at the next step boundary and save a
+checkpoint there (`flashcp.titan.preemption`); after a restore, the learning rate applied is the
+config's schedule at the restored step (the saved optimizer's rate was the old schedule's), and a
+run restored at or past `training.steps` says so instead of silently training nothing.
+
 With `model.attention` set to TorchTitan's flex attention instead, batches go through
 TorchTitan's own path (document positions, its block masks and its built-in CP), so both CP
 implementations can be compared inside one application.
@@ -22,6 +27,8 @@ implementations can be compared inside one application.
 
 from __future__ import annotations
 
+import math
+import signal
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -29,12 +36,14 @@ from typing import Any
 
 import torch
 from torchtitan.components.dataloader import DataloaderExhaustedError
+from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
 from flashcp.titan.attention import CPStep
-from flashcp.titan.checkpoint import Checkpointer
+from flashcp.titan.checkpoint import CheckpointError, Checkpointer
 from flashcp.titan.components import PipelineTokenizer, WindowDataLoader
 from flashcp.titan.metrics import FlashCPMetrics
+from flashcp.titan.preemption import StopRequest
 
 
 @dataclass(kw_only=True, slots=True)
@@ -80,6 +89,56 @@ class FlashCPTrainer(Trainer):
         else:
             self.cp_rank, self.cp_group = 0, None
         self._configure_metrics()
+        self.stop_request = StopRequest()
+        self.checkpointer.on_restore = self._after_restore
+
+    def _after_restore(self) -> None:
+        """Called once a checkpoint has been loaded (self.step is its step)."""
+        steps = self.config.training.steps
+        if self.step > steps:
+            raise CheckpointError(
+                f"the checkpoint restored is at step {self.step}, past [training] steps = {steps}: nothing to "
+                "train; raise training.steps to continue this run (or pick checkpoint.load_step)"
+            )
+        if self.step == steps:
+            logger.warning(f"the run is already complete (restored step {steps} = [training] steps): nothing "
+                           "to train; raise training.steps to extend it")  # fmt: skip
+        changed = []
+        for scheduler in self.lr_schedulers:
+            for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
+                if not math.isclose(group["lr"], lr, rel_tol=1e-6, abs_tol=1e-15):
+                    changed.append((group["lr"], lr))
+                group["lr"] = lr
+        if changed:
+            saved, config = changed[0]
+            logger.warning(
+                f"lr schedule differs from the checkpoint's (saved lr {saved:.3e} for step {self.step + 1}, the "
+                f"config gives {config:.3e}): following the config from step {self.step + 1}"
+            )
+        self.metrics_processor.resume_from(self.step)
+
+    def should_continue_training(self) -> bool:
+        """TorchTitan's test, plus a stop agreed by all ranks after a SIGTERM / SIGINT."""
+        if not super().should_continue_training():
+            return False
+        signum = self.stop_request.agreed()
+        if signum:
+            self._stop(signal.Signals(signum).name)
+        return not signum
+
+    def _stop(self, cause: str) -> None:
+        """Save at this step boundary (unless the loop just did) and say where, on rank 0."""
+        ckpt = self.checkpointer
+        if self.step == 0:
+            where = "before the first step: nothing to save"
+        elif not ckpt.enable:
+            where = "checkpoints are disabled: nothing saved"
+        else:
+            if not ckpt.saved_step(self.step):
+                ckpt.save_now(self.step)
+            where = f"checkpoint saved to {ckpt.step_folder(self.step)}"
+        if torch.distributed.get_rank() == 0:
+            print(f"flashcp: {cause}: stopped at step {self.step}, {where}", flush=True)
 
     def _configure_metrics(self) -> None:
         """Tell the metrics what one token and one attended (query, key) pair cost."""
@@ -141,4 +200,6 @@ class FlashCPTrainer(Trainer):
     def close(self) -> None:
         if hasattr(self, "dataloader"):  # absent when __init__ failed before building it
             self.dataloader.close()
+        if hasattr(self, "stop_request"):
+            self.stop_request.close()
         super().close()
