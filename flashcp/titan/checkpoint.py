@@ -19,8 +19,9 @@ TorchTitan's CheckpointManager writes a step straight into `step-N/`: a save ove
 - Purge (`keep_latest_k`): the most recently published checkpoints are kept, leftovers of
   interrupted saves are removed.
 
-Asynchronous saving is refused by the config check: a checkpoint is published only once it is
-complete and its manifest written, which needs every rank after the write.
+Asynchronous saving (`async_mode`) writes the partial folder in the background and publishes it
+when TorchTitan next waits for it (the next save, or the final one): a checkpoint becomes loadable
+one interval later than with synchronous saving, and never before it is complete.
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ class Checkpointer(CheckpointManager):
 
     on_restore: Callable[[], None] | None = None  # called after a checkpoint of this run was loaded
     _last_saved: int | None = None
+    _pending: tuple[Path, Path, str] | None = None  # an asynchronous save in flight: (partial, target, id)
 
     def step_folder(self, step: int) -> Path:
         return Path(self._create_checkpoint_id(step))
@@ -83,17 +85,35 @@ class Checkpointer(CheckpointManager):
 
     def save_now(self, step: int) -> None:
         """A full checkpoint of `step` whatever the interval (a stop between two saves)."""
+        self.maybe_wait_for_saving()
         self.dcp_save(self._flattened_model_states_sd(), str(self.step_folder(step)), AsyncMode.DISABLED)
         self._purge_stale_checkpoints()
 
     # ------------------------------------------------------------------ save
 
-    def dcp_save(self, state_dict: dict[str, Any], checkpoint_id: str, async_mode: Any, **kwargs: Any) -> None:
-        """Write into a fresh folder, record what each rank wrote, publish by rename."""
+    def dcp_save(self, state_dict: dict[str, Any], checkpoint_id: str, async_mode: Any, **kwargs: Any) -> Any:
+        """Write into a fresh folder, record what each rank wrote, publish by rename.
+
+        An asynchronous save is published once it has completed, when TorchTitan waits for it
+        (at the next save, which every rank reaches at the same step).
+        """
         target = Path(checkpoint_id)
         save_id = _agreed_token()
         partial = target.with_name(f"{target.name}.partial-{save_id}")
-        super().dcp_save(state_dict, str(partial), async_mode, **kwargs)
+        result = super().dcp_save(state_dict, str(partial), async_mode, **kwargs)
+        if async_mode == AsyncMode.DISABLED:
+            self._publish_save(partial, target, save_id)
+        else:
+            self._pending = (partial, target, save_id)
+        return result
+
+    def _wait_for_saving(self) -> None:
+        super()._wait_for_saving()
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            self._publish_save(*pending)
+
+    def _publish_save(self, partial: Path, target: Path, save_id: str) -> None:
         entries = rank_entries(partial, dist.get_rank())
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, entries)
@@ -111,7 +131,9 @@ class Checkpointer(CheckpointManager):
         folder = Path(self.folder)
         for path in folder.iterdir():  # this save is published: any other partial one was interrupted
             match = LEFTOVER_DIR.fullmatch(path.name)
-            if match and (match.group(2) == "partial" or (folder / f"step-{match.group(1)}").is_dir()):
+            if not match or (self._pending is not None and path == self._pending[0]):
+                continue
+            if match.group(2) == "partial" or (folder / f"step-{match.group(1)}").is_dir():
                 shutil.rmtree(path, ignore_errors=True)
         if self.keep_latest_k > 0:
             published = [c.path for c in self._candidates() if c.path.name == f"step-{c.step}"]

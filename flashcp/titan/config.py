@@ -268,11 +268,6 @@ def _check_semantics(cfg: dict) -> None:
             "[checkpoint] keep_latest_k must be 0 (keep all) or >= 2 (the newest may be mid-write), "
             f"got {cfg['checkpoint']['keep_latest_k']}"
         )
-    if cfg["checkpoint"]["async_mode"] != "disabled":
-        raise ConfigError(
-            f"[checkpoint] async_mode = {cfg['checkpoint']['async_mode']!r} is not supported: FlashCP publishes a "
-            "checkpoint only once every rank has written and checksummed it; use 'disabled'"
-        )
     for name in ("create_seed_checkpoint", "initial_load_path"):
         if cfg["checkpoint"][name] and not cfg["checkpoint"]["enable"]:
             raise ConfigError(f"[checkpoint] {name} needs [checkpoint] enable = true")

@@ -26,8 +26,9 @@ import sys
 from pathlib import Path
 
 from flashcp.titan.config import check_layout, ConfigError, load_job, resolve_config_path, world_size_hint
-from flashcp.titan.ownership import check_writable, describe_stale, FolderInUse, NotWritable, RunLock
-from flashcp.titan.preflight import check_inputs
+from flashcp.titan.ownership import check_free_space, check_writable, describe_stale, FolderInUse, NotWritable
+from flashcp.titan.ownership import RunLock
+from flashcp.titan.preflight import check_inputs, checkpoint_bytes
 from flashcp.titan.sources import DataError
 from flashcp.titan.tokenizer import TokenizerError
 
@@ -125,8 +126,11 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_job(path, overrides)
         nproc, on_gpu = ranks_per_node(world_size_hint(cfg), nnodes)
         check_layout(cfg, nproc * nnodes, has_cuda=on_gpu)
-        check_inputs(cfg)
+        vocab = check_inputs(cfg)
         check_writable(output_folders(cfg))
+        if cfg["checkpoint"]["enable"]:
+            folder = os.path.join(cfg["job"]["dump_folder"], cfg["checkpoint"]["folder"])
+            check_free_space(folder, checkpoint_bytes(cfg, vocab), "one checkpoint of this model")
         # One launcher owns the folder: node 0's (the others share it on a shared file system).
         lock = RunLock(cfg["job"]["dump_folder"]).acquire() if os.environ.get("NODE_RANK", "0") == "0" else None
     except (ConfigError, DataError, TokenizerError, FolderInUse, NotWritable) as e:
@@ -145,6 +149,7 @@ def _launch(cfg: dict, path: Path, nproc: int, nnodes: int, on_gpu: bool, overri
             stop_timeout: int) -> int:  # fmt: skip
     """Run torchrun's agent in this process until every rank has ended; the exit code of the run."""
     os.environ["FLASHCP_LAUNCHER"] = str(os.getpid())  # the ranks' parent: they die with it
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")  # rank logs written as they come, whole up to a crash
     if not on_gpu:  # share the cores between the ranks instead of oversubscribing them
         os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     log_dir = os.path.join(cfg["job"]["dump_folder"], "logs")

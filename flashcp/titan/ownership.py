@@ -16,6 +16,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import shutil
 import socket
 import sys
 import tempfile
@@ -45,6 +46,19 @@ def check_writable(folders: Iterable[str | Path]) -> None:
         except OSError as e:
             reason = e.strerror or type(e).__name__
             raise NotWritable(f"output folder {folder} is not writable: {type(e).__name__}: {reason}") from e
+
+
+def check_free_space(folder: str | Path, need: int, what: str) -> None:
+    """NotWritable when the file system holding `folder` has fewer than `need` bytes free.
+
+    A full disk is otherwise found only when a save fails, and then even the rank logs that would
+    say so cannot be written.
+    """
+    free = shutil.disk_usage(folder).free
+    if free < need:
+        raise NotWritable(
+            f"{folder} has {free / 2**30:.2f} GiB free, less than {what} needs (at least {need / 2**30:.2f} GiB)"
+        )
 
 
 class RunLock:

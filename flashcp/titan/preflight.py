@@ -15,9 +15,9 @@ from flashcp.titan.sources import build_source, DataConfig, DEFAULT_TOKENIZER
 from flashcp.titan.tokenizer import load_tokenizer
 
 
-def check_inputs(cfg: dict[str, Any]) -> None:
+def check_inputs(cfg: dict[str, Any]) -> int:
     """Load the tokenizer, check the model's vocabulary against it, open the data; DataError /
-    TokenizerError / ConfigError name the problem."""
+    TokenizerError / ConfigError name the problem. Returns the model's vocabulary size."""
     data = DataConfig(**cfg["data"])
     tokenizer = load_tokenizer(DEFAULT_TOKENIZER if data.tokenizer == "default" else data.tokenizer)
     vocab = model_dims(cfg)[4]
@@ -28,3 +28,17 @@ def check_inputs(cfg: dict[str, Any]) -> None:
         )
     source = build_source(data, tokenizer)
     next(iter(source.epoch(0, 0)), None)  # reads and tokenises the first document
+    return vocab or tokenizer.vocab_size
+
+
+def checkpoint_bytes(cfg: dict[str, Any], vocab: int) -> int:
+    """A lower bound on one checkpoint's size: fp32 weights and AdamW's two fp32 moments.
+
+    The feed-forward width is taken as 8/3 dim (flavors with a multiplier are wider), so the
+    estimate never exceeds the real size: a free-space check on it refuses no run that fits.
+    """
+    dim, n_layers, n_heads, n_kv, _ = model_dims(cfg)
+    kv_dim = dim // n_heads * n_kv
+    per_layer = 2 * dim * dim + 2 * dim * kv_dim + 3 * dim * (8 * dim // 3)
+    params = n_layers * per_layer + 2 * vocab * dim
+    return 12 * params

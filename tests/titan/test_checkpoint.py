@@ -131,3 +131,19 @@ def test_interrupted_saves_are_ignored_and_cleaned_by_the_next_save(tmp_path, ra
     names = sorted(p.name for p in (dump / "checkpoint").iterdir())
     assert names == ["step-3", "step-6"]
     assert all((dump / "checkpoint" / n / MANIFEST).is_file() for n in names)
+
+
+def test_an_async_save_is_published_once_complete_and_resumes_exactly(tmp_path, rank):
+    def six_steps(dump: Path) -> dict:
+        return tiny_job(dump, training={"steps": 6}, checkpoint={"enable": True, "interval": 2,
+                                                                 "async_mode": "async"})  # fmt: skip
+
+    whole = train(six_steps(tmp_path / "whole"))
+    assert all((tmp_path / f"whole/checkpoint/step-{s}" / MANIFEST).is_file() for s in (2, 4, 6))
+    dump = tmp_path / "run"
+    train(six_steps(dump), stop_after=5)  # step 4's save is still unpublished when the run ends
+    assert not (dump / "checkpoint/step-4").exists()
+    assert (dump / "checkpoint/step-2" / MANIFEST).is_file()
+    resumed = train(six_steps(dump))
+    assert resumed == {s: whole[s] for s in (3, 4, 5, 6)}
+    assert sorted(p.name for p in (dump / "checkpoint").iterdir()) == ["step-2", "step-4", "step-6"]

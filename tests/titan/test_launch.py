@@ -4,6 +4,7 @@ before launch, a failed run's last line names the real cause and rank, `--help`,
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -136,3 +137,17 @@ def test_help_prints_usage_and_an_empty_config_is_an_error(capsys):
         assert capsys.readouterr().err.strip() == "error: --config needs a job file: a path or a name in train_configs/"
     result = subprocess.run([PYTHON, str(ROOT / "train.py"), "--help"], capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 0 and "--config" in result.stdout
+
+
+def test_too_little_free_space_for_a_checkpoint_fails_before_launch(tmp_path):
+    from flashcp.titan.config import load_job, resolve_config_path
+    from flashcp.titan.ownership import check_free_space
+    from flashcp.titan.preflight import checkpoint_bytes
+
+    free = shutil.disk_usage(tmp_path).free
+    with pytest.raises(NotWritable, match=rf"{tmp_path} has .* GiB free, less than one checkpoint needs"):
+        check_free_space(tmp_path, 2 * free, "one checkpoint")
+    check_free_space(tmp_path, free // 2, "one checkpoint")
+    # The estimate is a lower bound: Llama 3 8B has 8.03e9 parameters, 12 bytes each with AdamW.
+    estimate = checkpoint_bytes(load_job(resolve_config_path("llama8b_128k")), 128256)
+    assert 0.75 * 12 * 8.03e9 < estimate <= 12 * 8.03e9
