@@ -164,7 +164,8 @@ def balance_step(
             offset = a
             while offset < b:  # crosses a window end: cut there
                 take = min(b, int(bounds[w])) - offset
-                windows[w].append(Piece(doc, offset - a, take))
+                if take:  # a window with no room left is passed over
+                    windows[w].append(Piece(doc, offset - a, take))
                 offset, w = offset + take, w + 1
         room[:] = 0
 

@@ -1,0 +1,115 @@
+"""Global-batch balancing: every token of the step once, every window exactly full, deterministic,
+and the DP groups' predicted costs close to the mean where stream order leaves them far apart."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flashcp.data.balance import balance_step, length_cap, Piece, WindowCost
+from flashcp.data.lengths import length_sampler
+
+COST = WindowCost.llama(8.03e9, 4096, 32, cp=8)
+
+
+def check_cover(doc_lens: list[int], windows: list[list[list[Piece]]], dp: int, micro: int, window: int) -> None:
+    assert len(windows) == dp and all(len(rank) == micro for rank in windows)
+    covered = defaultdict(list)
+    for rank in windows:
+        for w in rank:
+            assert sum(p.length for p in w) == window
+            for p in w:
+                assert p.length >= 1
+                covered[p.doc].append((p.start, p.length))
+    assert sorted(covered) == [d for d, n in enumerate(doc_lens)]
+    for doc, spans in covered.items():
+        spans.sort()
+        assert spans[0][0] == 0 and sum(n for _, n in spans) == doc_lens[doc]
+        assert all(a + n == b for (a, n), (b, _) in zip(spans, spans[1:]))  # contiguous, no overlap
+
+
+@st.composite
+def steps(draw):
+    dp, micro = draw(st.integers(1, 6)), draw(st.integers(1, 3))
+    window = draw(st.integers(1, 200))
+    total = dp * micro * window
+    lens, left = [], total
+    while left:
+        n = draw(st.integers(1, min(left, 3 * window)))
+        lens.append(n)
+        left -= n
+    return lens, dp, micro, window
+
+
+@settings(max_examples=300, deadline=None)
+@given(steps(), st.sampled_from([None, 1.0, 1.05, 1.5]))
+def test_every_token_once_every_window_full_and_deterministic(case, max_imbalance):
+    lens, dp, micro, window = case
+    cost = WindowCost(dense_per_token=1.0, attn_per_pair=0.01, cp=2)
+    out = balance_step(lens, dp, micro, window, cost, max_imbalance)
+    check_cover(lens, out, dp, micro, window)
+    assert out == balance_step(list(lens), dp, micro, window, cost, max_imbalance)
+
+
+@pytest.mark.parametrize("lens, dp, micro, window", [
+    ([1] * 64, 4, 2, 8),             # only 1-token documents
+    ([96], 4, 3, 8),                 # one huge document
+    ([30, 2], 1, 1, 32),             # dp = 1
+    ([8, 8, 8, 8], 4, 1, 8),         # every document a whole window
+])  # fmt: skip
+def test_degenerate_steps(lens, dp, micro, window):
+    check_cover(lens, balance_step(lens, dp, micro, window, COST), dp, micro, window)
+
+
+def test_wrong_token_count_and_bad_lengths_are_refused():
+    with pytest.raises(ValueError, match="hold 15 tokens, not dp x micro x window = 16"):
+        balance_step([10, 5], 2, 1, 8, COST)
+    with pytest.raises(ValueError, match="lengths must be >= 1"):
+        balance_step([16, 0], 2, 1, 8, COST)
+
+
+def sampled_step(name: str, tokens: int, seed: int) -> list[int]:
+    sampler, lens, total = length_sampler(name, seed=seed), [], 0
+    while total < tokens:
+        n = min(int(sampler.sample(1)[0]), tokens - total)
+        lens.append(n)
+        total += n
+    return lens
+
+
+def spread(groups: list[list[list[int]]]) -> float:
+    costs = [sum(COST(w) for w in rank) for rank in groups]
+    return max(costs) / np.mean(costs)
+
+
+@pytest.mark.parametrize("name, context, dp", [("wlbllm", 131072, 8), ("pile", 131072, 64), ("wlbllm", 524288, 8)])
+def test_balanced_groups_are_close_to_the_mean_where_stream_order_is_not(name, context, dp):
+    lens = sampled_step(name, dp * context, seed=1)
+    stream, cur, room = [], [], context
+    for n in lens:
+        while n:
+            take = min(n, room)
+            cur.append(take)
+            n, room = n - take, room - take
+            if not room:
+                stream.append([cur])
+                cur, room = [], context
+    out = balance_step(lens, dp, 1, context, COST)
+    balanced = spread([[[p.length for p in w] for w in rank] for rank in out])
+    assert spread(stream) > 1.08 and balanced < 1.05
+
+
+def test_the_cap_cuts_only_documents_that_would_dominate_a_window():
+    lens = np.array([131072] + [1024] * 7 * 128)  # one window-long document among short ones
+    cap = length_cap(lens, 8, 131072, COST, 1.05)
+    assert 1024 < cap < 131072
+    no_cap = balance_step(lens.tolist(), 8, 1, 131072, COST, max_imbalance=None)
+    assert [p for rank in no_cap for w in rank for p in w if p.doc == 0] == [Piece(0, 0, 131072)]
+    capped = balance_step(lens.tolist(), 8, 1, 131072, COST)
+    assert max(p.length for rank in capped for w in rank for p in w if p.doc == 0) <= cap
+    short_cuts = sum(1 for rank in capped for w in rank for p in w if p.doc != 0 and p.length < 1024)
+    assert short_cuts <= 2 * 8  # short documents are cut only where a window ends
