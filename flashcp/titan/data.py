@@ -13,12 +13,14 @@ accumulation, i.e. calling `next()` several times. A batch is a dict:
                             -100 where that document ends at i: labels never cross a boundary
   doc_lens  list[int]       lengths of the document pieces in window order, summing to C
   plan      flashcp.Plan    plan_shards(doc_lens, cp_size, **planner_kwargs)
+  dispatch  flashcp.Dispatch  this rank's dispatch of the plan, when `dispatch_with` was called
   window    int             index of this window in the job's global window sequence
   load_ms   float           time to read, tokenise and pack this step's windows
-  plan_ms   float           time to plan this window
+  plan_ms   float           time to plan this window and build its dispatch
   wait_ms   float           time `next()` blocked the caller (near 0 when prefetching keeps up)
-Reading, tokenising, packing and planning run in a background thread `prefetch` batches ahead
-(`prefetch=0`: in the caller), so they stay off the training step's critical path.
+Reading, tokenising, packing, planning and the rank's dispatch (index building, pinning) run in a
+background thread `prefetch` batches ahead (`prefetch=0`: in the caller), so they stay off the
+training step's critical path: the trainer's main thread only copies the dispatch to the device.
 
 Sources (`DataConfig.source`: the shipped corpus, local files, a hub dataset, synthetic
 lengths) are `flashcp.titan.sources`.
@@ -172,6 +174,7 @@ class WindowLoader:
         if not 0 <= dp_rank < dp_world:
             raise DataError(f"dp_rank must be in [0, dp_world={dp_world}), got {dp_rank}")
         self._packer, self._planner = packer, planner
+        self._dispatcher: Callable[[Any], Any] | None = None
         self._fingerprint = dict(fingerprint)
         self.dp_rank, self.dp_world, self.prefetch = dp_rank, dp_world, prefetch
         self._window = 0  # global index of the next round's first window (producer side)
@@ -198,6 +201,7 @@ class WindowLoader:
         self._window += self.dp_world
         t1 = time.perf_counter()
         plan = self._planner(mine.doc_lens)
+        dispatch = self._dispatcher(plan) if self._dispatcher is not None else None
         t2 = time.perf_counter()
         batch = {
             "input": torch.from_numpy(mine.input),
@@ -208,6 +212,8 @@ class WindowLoader:
             "load_ms": (t1 - t0) * 1e3,
             "plan_ms": (t2 - t1) * 1e3,
         }
+        if dispatch is not None:
+            batch["dispatch"] = dispatch
         return batch, self._snapshot()
 
     def _run(self) -> None:
@@ -260,6 +266,11 @@ class WindowLoader:
         batch, self._state = item
         batch["wait_ms"] = (time.perf_counter() - t0) * 1e3
         return batch
+
+    def dispatch_with(self, dispatcher: Callable[[Any], Any]) -> None:
+        """Build each window's dispatch with `dispatcher(plan)` in the producer (before iterating)."""
+        self._stop_producer()
+        self._dispatcher = dispatcher
 
     def state_dict(self) -> dict[str, Any]:
         return {**self._state, "packing": dict(self._state["packing"])}

@@ -4,9 +4,9 @@ Everything else (meshes, FSDP/TP, optimizer, LR schedule, loss normalisation, ch
 TorchTitan's; this subclass only changes how a batch reaches the model:
 
 1. The loader yields one packed window (`input`, `labels`, `doc_lens`) with its sharding `plan`,
-   the same on every rank of a CP group. `batch_generator` turns the plan into this rank's
-   `Dispatch`: index arithmetic on the host, a millisecond or two per window (logged), into
-   pinned memory on GPUs so that its copy to the device is asynchronous.
+   the same on every rank of a CP group, and this rank's `Dispatch`, which the loader's
+   background thread builds from the plan (index arithmetic, a few ms per window at 128K) into
+   pinned memory on GPUs, so the main thread only starts its asynchronous copy to the device.
 2. `post_dataloading_process` keeps this rank's tokens, labels and in-document positions in the
    dispatch's `token_index` order and hands every attention layer the dispatch and CP group
    (`CPStep`, through the decoder's `attention_masks` argument).
@@ -89,6 +89,8 @@ class FlashCPTrainer(Trainer):
         else:
             self.cp_rank, self.cp_group = 0, None
         self._configure_metrics()
+        if self.flashcp.enable:
+            self.dataloader.loader.dispatch_with(self._dispatch)
         self.stop_request = StopRequest()
         self.checkpointer.on_restore = self._after_restore
 
@@ -171,18 +173,19 @@ class FlashCPTrainer(Trainer):
             self.metrics_processor.ntokens_since_last_log += labels.numel()
             yield input_dict, labels
 
+    def _dispatch(self, plan: Any) -> Any:
+        """This rank's dispatch of a window's plan; runs in the loader's thread."""
+        dispatch = plan.dispatch(self.cp_rank, self.flashcp.comm, overlap=self.flashcp.overlap)
+        # Pinned, so that post_dataloading_process's copy to the GPU does not block the host.
+        return dispatch.pin_memory() if self.device.type == "cuda" else dispatch
+
     def _window_inputs(self, batch: dict[str, Any]) -> tuple[dict[str, Any], torch.Tensor]:
-        plan = batch["plan"]
         input_dict: dict[str, Any] = {"input": batch["input"][None]}
-        start = time.perf_counter()
         if self.flashcp.enable:
-            dispatch = plan.dispatch(self.cp_rank, self.flashcp.comm, overlap=self.flashcp.overlap)
-            # Pinned, so that post_dataloading_process's copy to the GPU does not block the host.
-            input_dict["dispatch"] = dispatch.pin_memory() if self.device.type == "cuda" else dispatch
+            input_dict["dispatch"] = batch["dispatch"]
         else:
             input_dict["positions"] = document_positions(batch["doc_lens"])[None]
-        plan_ms = batch["plan_ms"] + (time.perf_counter() - start) * 1e3
-        self.metrics_processor.record_window(plan, plan_ms)
+        self.metrics_processor.record_window(batch["plan"], batch["plan_ms"])
         return input_dict, batch["labels"][None]
 
     def post_dataloading_process(

@@ -155,3 +155,22 @@ def test_metrics_count_document_masked_flops_and_plan_figures():
     assert m["flashcp/kv_recv_bytes_per_layer_compact"] == 8 * sum(e["comm_compact_tokens"] for e in expected) / 2
     assert m["flashcp/split_docs"] == sum(e["split_docs"] for e in expected) / 2
     assert m["flashcp/planning_ms"] == 2.0 and "loss_metrics/global_max_loss" not in m  # CP > 1
+
+
+def test_dispatch_is_built_in_the_loader_thread_not_the_main_thread(tmp_path, rank, monkeypatch):
+    """With prefetching, the main thread only receives each window's dispatch ready-made."""
+    import threading
+
+    from flashcp.plan import Plan
+
+    threads = []
+    dispatch = Plan.dispatch
+
+    def recording(self, *args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return dispatch(self, *args, **kwargs)
+
+    monkeypatch.setattr(Plan, "dispatch", recording)
+    losses = train(tiny_job(tmp_path, data={"prefetch": 2}, parallelism={"context_parallel_degree": 1}))
+    assert sorted(losses) == [1, 2, 3, 4]
+    assert len(threads) >= 4 and set(threads) == {"flashcp-data"}
