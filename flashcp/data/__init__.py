@@ -1,5 +1,7 @@
-"""Workloads for planning: document-length samplers and the window packer (no torch needed)."""
+"""Data for planning and training: document-length samplers, the window packer, the token store and
+global-batch balancing (numpy only)."""
 
+from flashcp.data.balance import balance_step, Piece, WindowCost
 from flashcp.data.lengths import (
     DISTRIBUTIONS,
     LengthPool,
@@ -9,6 +11,7 @@ from flashcp.data.lengths import (
     length_sampler,
     pack_windows,
 )
+from flashcp.data.store import open_store, StoreError, TokenStore
 
 __all__ = [
     "DISTRIBUTIONS",
@@ -18,4 +21,10 @@ __all__ = [
     "QuantileLengths",
     "length_sampler",
     "pack_windows",
+    "balance_step",
+    "Piece",
+    "WindowCost",
+    "open_store",
+    "StoreError",
+    "TokenStore",
 ]

@@ -118,8 +118,8 @@ class SentencePieceTokenizer:
         return self._sp.decode(list(ids))
 
 
-def load_tokenizer(path: str | Path) -> Tokenizer:
-    """Load `tokenizer.json` (HF) or `*.model` (SentencePiece); a directory may hold either."""
+def tokenizer_file(path: str | Path) -> Path:
+    """The tokenizer file `path` names: itself, or the tokenizer.json / *.model in a directory."""
     path = Path(path)
     if path.is_dir():
         found = [path / "tokenizer.json", *sorted(path.glob("*.model"))]
@@ -127,6 +127,12 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         if not found:
             raise TokenizerError(f"no tokenizer.json or SentencePiece *.model in directory {path}")
         path = found[0]
+    return path
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """Load `tokenizer.json` (HF) or `*.model` (SentencePiece); a directory may hold either."""
+    path = tokenizer_file(path)
     if not path.exists():
         raise TokenizerError(f"tokenizer file not found: {path}")
     if path.suffix == ".json":
