@@ -14,6 +14,8 @@ Sources (`DataConfig.source`):
                `text_field`; a .txt file is one document (`txt_sample_by` = "paragraph" / "line")
   "hf:NAME"    the hub dataset NAME (`hf_config`, `hf_split`), streamed; needs network (a
                local dataset directory also works); resuming re-reads the epoch up to the cursor
+  DIR          a token store prepared by `python -m flashcp.data.prepare` (memory-mapped; each
+               rank reads only its own windows' tokens, `flashcp.titan.store_source`)
   "synthetic"  random token ids, document lengths drawn from `synthetic_lengths` (a distribution
                of `flashcp.data.lengths`, e.g. "wlbllm", "pile", or a JSON list of lengths):
                benchmarking at scale without text; `max_doc_tokens` applies to text only
@@ -38,6 +40,7 @@ from urllib.parse import urlparse
 
 import numpy as np
 
+from flashcp.data.store import is_store
 from flashcp.titan.tokenizer import Tokenizer
 
 DATA_DIR = Path(__file__).resolve().parents[2] / "data"
@@ -364,6 +367,13 @@ def build_source(cfg: DataConfig, tokenizer: Tokenizer) -> DocSource:
             raise DataError(f"the tokenizer defines no {what} token; set data.add_{what.lower()}=false")
     if cfg.source == "synthetic":
         return SyntheticSource(cfg.synthetic_lengths, tokenizer, cfg.add_bos, cfg.add_eos, cfg.seed)
+    if is_store(cfg.source):
+        from flashcp.titan.store_source import StoreSource
+        from flashcp.titan.tokenizer import tokenizer_file
+
+        bos, eos = tokenizer.bos_id if cfg.add_bos else None, tokenizer.eos_id if cfg.add_eos else None
+        tok_path = tokenizer_file(DEFAULT_TOKENIZER if cfg.tokenizer == "default" else cfg.tokenizer)
+        return StoreSource(cfg.source, tok_path, bos, eos, cfg.shuffle, cfg.seed)
     if cfg.source.startswith("hf:"):
         hub_name = cfg.source[3:]
         texts = _hub_texts(hub_name, cfg)

@@ -1,0 +1,66 @@
+"""Documents from a prepared token store (`python -m flashcp.data.prepare`), read lazily.
+
+A window's tokens are read only when that window is materialised: every rank still walks the
+step's whole window sequence (its state stays independent of the DP layout), but for the other
+ranks' windows it only needs document lengths, which the store's offsets give without touching
+the token file. So each rank reads just its own windows, whatever the DP size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from flashcp.data.store import file_fingerprint, open_store, StoreError
+from flashcp.titan.sources import DataError
+
+
+class StoreDoc:
+    """One stored document framed by BOS / EOS, whose tokens are read at the first slice."""
+
+    __slots__ = ("_view", "_bos", "_eos", "_tokens")
+
+    def __init__(self, view: np.ndarray, bos: int | None, eos: int | None):
+        self._view, self._bos, self._eos = view, bos, eos
+        self._tokens: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return len(self._view) + (self._bos is not None) + (self._eos is not None)
+
+    def __getitem__(self, index: slice) -> np.ndarray:
+        if self._tokens is None:
+            parts = [[self._bos]] if self._bos is not None else []
+            parts.append(self._view)
+            if self._eos is not None:
+                parts.append([self._eos])
+            self._tokens = np.concatenate([np.asarray(p, dtype=np.int64) for p in parts])
+        return self._tokens[index]
+
+
+class StoreSource:
+    """A DocSource over a token store, shuffled per epoch like the text sources."""
+
+    def __init__(self, path: str | Path, tokenizer_path: Path, bos: int | None, eos: int | None,
+                 shuffle: bool, seed: int):  # fmt: skip
+        try:
+            self._store = open_store(path)
+        except StoreError as e:
+            raise DataError(str(e)) from e
+        saved = self._store.manifest["tokenizer"]
+        now = file_fingerprint(tokenizer_path)
+        if saved["fingerprint"] != now:
+            raise DataError(
+                f"token store {path} was prepared with tokenizer {saved['name']} ({saved['fingerprint'][:19]}), "
+                f"not [data] tokenizer {tokenizer_path} ({now[:19]}); prepare it again with this tokenizer"
+            )
+        self.name = f"token store {path}"
+        self.ident = f"store:{self._store.manifest['source']['fingerprint']}:{self._store.n_docs}"
+        self._bos, self._eos, self._shuffle, self._seed = bos, eos, shuffle, seed
+
+    def epoch(self, epoch: int, start: int) -> Iterator[tuple[int, StoreDoc]]:
+        n = self._store.n_docs
+        order = np.random.default_rng((self._seed, epoch)).permutation(n) if self._shuffle else np.arange(n)
+        for position in range(start, n):
+            yield position, StoreDoc(self._store.document(int(order[position])), self._bos, self._eos)

@@ -1,0 +1,74 @@
+"""Training from a prepared token store: the same windows as tokenising on the fly, each rank
+reading only its own windows' tokens, the store checked against the job's tokenizer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from flashcp.data.prepare import prepare
+from flashcp.titan import store_source
+from flashcp.titan.data import build_loader
+from flashcp.titan.sources import DataConfig, DataError
+
+TEXTS = [f"Document number {i} says " + "hello world " * (i % 29 + 1) for i in range(300)]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("store")
+    corpus = root / "docs.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    return corpus, prepare(str(corpus), "default", root / "tokens", progress=False)
+
+
+def windows(source: Path, n: int, dp_rank: int = 0, dp_world: int = 1, state=None) -> list:
+    loader = build_loader(DataConfig(source=str(source), prefetch=0), 128, dp_rank, dp_world,
+                          planner_kwargs={"strategy": "per_doc"})  # fmt: skip
+    if state is not None:
+        loader.load_state_dict(state)
+    out = [next(loader) for _ in range(n)]
+    return [(b["input"].tolist(), b["labels"].tolist(), b["doc_lens"]) for b in out], loader.state_dict()
+
+
+def test_a_store_gives_the_windows_the_text_gives(data):
+    corpus, store = data
+    assert windows(store, 12)[0] == windows(corpus, 12)[0]
+
+
+def test_each_rank_reads_only_its_own_windows(data, monkeypatch):
+    _, store = data
+    read = []
+    getitem = store_source.StoreDoc.__getitem__
+
+    def counting(self, index):
+        if self._tokens is None:
+            read.append(len(self))
+        return getitem(self, index)
+
+    monkeypatch.setattr(store_source.StoreDoc, "__getitem__", counting)
+    mine, _ = windows(store, 3, dp_rank=5, dp_world=8)
+    pieces = sum(len(doc_lens) for _, _, doc_lens in mine)
+    assert 0 < len(read) <= pieces  # documents of the other 7 ranks' windows are never read
+    assert sum(read) < 3 * 128 * 3  # far below the 8 x 3 windows of the steps walked
+
+
+def test_resuming_a_store_under_another_dp_size_continues_exactly(data):
+    _, store = data
+    full, _ = windows(store, 6)
+    _, state = windows(store, 2, dp_rank=1, dp_world=2)  # 2 steps of 2 windows: windows 0-3 consumed
+    rest, _ = windows(store, 2, state=state)
+    assert rest == full[4:6]
+
+
+def test_a_store_from_another_tokenizer_is_refused(data, tmp_path):
+    _, store = data
+    other = tmp_path / "tok.json"
+    spec = json.loads((Path(store_source.__file__).parents[2] / "data/default/tokenizer.json").read_text())
+    spec["model"]["merges"] = spec["model"]["merges"][:-1]
+    other.write_text(json.dumps(spec))
+    with pytest.raises(DataError, match=f"token store {store} was prepared with tokenizer tokenizer.json .* "
+                                        f"not \\[data\\] tokenizer {other}"):  # fmt: skip
+        build_loader(DataConfig(source=str(store), tokenizer=str(other), prefetch=0), 128)
