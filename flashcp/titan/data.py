@@ -128,6 +128,8 @@ class WindowPacker:
 
     def next_window(self, materialize: bool = True) -> Window | None:
         """The next window, or None when the data ended (loop=False) before it was full."""
+        if not materialize and self.overflow == "carry" and self.loop and hasattr(self.source, "epoch_starts"):
+            return self._skip_window()
         doc_lens: list[int] = []
         inputs: list[np.ndarray] = []
         labels: list[np.ndarray] = []
@@ -154,6 +156,26 @@ class WindowPacker:
         if not materialize:
             return Window(doc_lens, None, None)
         return Window(doc_lens, np.concatenate(inputs), np.concatenate(labels))
+
+
+    def _skip_window(self) -> Window:
+        """Another rank's window from document lengths alone (no tokens read), O(log n) per epoch
+        it touches; for sources that know their lengths (a token store), with looping epochs."""
+        doc_lens: list[int] = []
+        space = self.seq_len
+        while space:
+            starts = self.source.epoch_starts(self.epoch)  # each document's token offset, then the total
+            pos = int(starts[self.doc]) + self.offset
+            end = min(pos + space, int(starts[-1]))
+            last = int(np.searchsorted(starts, end, side="right")) - 1  # the document holding token `end`
+            cuts = np.concatenate(([pos], starts[self.doc + 1 : last + 1], [end] if end > starts[last] else []))
+            doc_lens += np.diff(cuts).tolist()
+            space -= end - pos
+            if end == starts[-1]:
+                self.restore(self.epoch + 1, 0, 0)
+            else:
+                self.restore(self.epoch, last, end - int(starts[last]))
+        return Window(doc_lens, None, None)
 
 
 # ----------------------------------------------------------------------------- loader

@@ -8,6 +8,7 @@ the token file. So each rank reads just its own windows, whatever the DP size.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -59,8 +60,18 @@ class StoreSource:
         self.ident = f"store:{self._store.manifest['source']['fingerprint']}:{self._store.n_docs}"
         self._bos, self._eos, self._shuffle, self._seed = bos, eos, shuffle, seed
 
-    def epoch(self, epoch: int, start: int) -> Iterator[tuple[int, StoreDoc]]:
+    @functools.lru_cache(maxsize=2)
+    def _order(self, epoch: int) -> np.ndarray:
         n = self._store.n_docs
-        order = np.random.default_rng((self._seed, epoch)).permutation(n) if self._shuffle else np.arange(n)
-        for position in range(start, n):
+        return np.random.default_rng((self._seed, epoch)).permutation(n) if self._shuffle else np.arange(n)
+
+    @functools.lru_cache(maxsize=2)
+    def epoch_starts(self, epoch: int) -> np.ndarray:
+        """Token offset of each document of the epoch (BOS / EOS included), then the epoch's total."""
+        framed = self._store.lengths[self._order(epoch)] + (self._bos is not None) + (self._eos is not None)
+        return np.concatenate(([0], np.cumsum(framed)))
+
+    def epoch(self, epoch: int, start: int) -> Iterator[tuple[int, StoreDoc]]:
+        order = self._order(epoch)
+        for position in range(start, self._store.n_docs):
             yield position, StoreDoc(self._store.document(int(order[position])), self._bos, self._eos)

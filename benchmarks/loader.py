@@ -1,0 +1,85 @@
+"""Loader throughput per rank as data parallelism grows, and the main thread's share of it.
+
+    python benchmarks/loader.py --dp K --context C [--source DIR] [--cp N] [--windows W] [--json]
+
+One rank (DP rank K // 2) of a DP = K job pulls W windows of C tokens from the window loader with
+prefetching off, so all loader work is in the caller and timed: `tokens_per_s_per_rank` is the
+tokens this rank receives per second of reading, tokenising and packing (`load_ms`; planning and
+the dispatch are reported apart as `plan_ms`). With a token store (`--source DIR`, or, without
+--source, the shipped corpus prepared into a temporary store) a rank reads only its own windows, so
+the figure should hardly depend on K. `main_thread_ms`: with prefetching on and the dispatch of CP
+rank 0 of N built in the loader's thread, what `next()` costs the training loop's main thread
+while a 50 ms step runs between calls (p50 / p99).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from flashcp.data.prepare import prepare
+from flashcp.titan.data import build_loader
+from flashcp.titan.sources import DataConfig
+
+STEP_S = 0.05
+
+
+def throughput(source: str, dp: int, context: int, cp: int, n: int) -> dict[str, float]:
+    loader = build_loader(DataConfig(source=source, prefetch=0), context, dp // 2, dp, cp,
+                          planner_kwargs={"strategy": "flashcp"})  # fmt: skip
+    next(loader)  # opens the source
+    batches = [next(loader) for _ in range(n)]
+    load_s = sum(b["load_ms"] for b in batches) / 1e3
+    return {"tokens_per_s_per_rank": n * context / load_s, "load_ms": 1e3 * load_s / n,
+            "plan_ms": float(np.mean([b["plan_ms"] for b in batches]))}  # fmt: skip
+
+
+def main_thread(source: str, dp: int, context: int, cp: int, n: int) -> dict[str, float]:
+    loader = build_loader(DataConfig(source=source, prefetch=2), context, dp // 2, dp, cp,
+                          planner_kwargs={"strategy": "flashcp"})  # fmt: skip
+    loader.dispatch_with(lambda plan: plan.dispatch(0, "compact"))
+    waits = []
+    with loader:
+        next(loader)
+        for _ in range(n):
+            time.sleep(STEP_S)  # the training step the loader overlaps with
+            waits.append(next(loader)["wait_ms"])
+    return {"p50": float(np.percentile(waits, 50)), "p99": float(np.percentile(waits, 99))}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dp", type=int, required=True)
+    parser.add_argument("--context", type=int, required=True)
+    parser.add_argument("--source", help="a token store or any [data] source (default: the shipped corpus as a store)")
+    parser.add_argument("--cp", type=int, default=8)
+    parser.add_argument("--windows", type=int, default=10)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    if min(args.dp, args.context, args.cp, args.windows) < 1 or args.context % args.cp:
+        parser.error("--dp, --context, --cp, --windows must be >= 1 and --context divisible by --cp")
+    with tempfile.TemporaryDirectory() as tmp:
+        source = args.source or str(prepare("default", "default", Path(tmp) / "store", progress=False))
+        result = {
+            "source": args.source or "shipped corpus, prepared into a temporary token store",
+            "dp": args.dp, "context": args.context, "cp": args.cp, "windows": args.windows,
+            **throughput(source, args.dp, args.context, args.cp, args.windows),
+            "main_thread_ms": main_thread(source, args.dp, args.context, args.cp, args.windows),
+        }  # fmt: skip
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"DP={args.dp} C={args.context}: {result['tokens_per_s_per_rank']:,.0f} tokens/s per rank "
+              f"({result['load_ms']:.1f} ms per window to read and pack, {result['plan_ms']:.1f} ms to plan and "
+              f"dispatch); main thread per next(): p50 {result['main_thread_ms']['p50']:.3f} ms, "
+              f"p99 {result['main_thread_ms']['p99']:.3f} ms")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
