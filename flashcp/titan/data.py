@@ -41,8 +41,10 @@ random token. Special-token strings inside the text are encoded as plain text.
 
 Ranks: every rank walks the same global window sequence. Each `next()` consumes one round of
 `dp_world` windows, of which data-parallel rank r takes window `round_start + r`; the ranks of one
-CP group share a dp_rank and so get the same window and plan. (Every rank tokenises all windows
-of the round, dp_world windows per step, which keeps the state independent of the layout.)
+CP group share a dp_rank and so get the same window and plan. Every rank walks all windows of the
+round, which keeps the state independent of the layout: from a token store it passes over the other
+ranks' windows with the document offsets alone (`WindowPacker.skip_windows`), so its work does not
+grow with dp_world; text sources tokenise every window of the round.
 
 Resuming: `state_dict()` (the same on every rank) holds the global window counter, the cursor
 (epoch, document, token offset) and a fingerprint of the packing settings, as of the last batch
@@ -128,8 +130,6 @@ class WindowPacker:
 
     def next_window(self, materialize: bool = True) -> Window | None:
         """The next window, or None when the data ended (loop=False) before it was full."""
-        if not materialize and self.overflow == "carry" and self.loop and hasattr(self.source, "epoch_starts"):
-            return self._skip_window()
         doc_lens: list[int] = []
         inputs: list[np.ndarray] = []
         labels: list[np.ndarray] = []
@@ -158,24 +158,28 @@ class WindowPacker:
         return Window(doc_lens, np.concatenate(inputs), np.concatenate(labels))
 
 
-    def _skip_window(self) -> Window:
-        """Another rank's window from document lengths alone (no tokens read), O(log n) per epoch
-        it touches; for sources that know their lengths (a token store), with looping epochs."""
-        doc_lens: list[int] = []
-        space = self.seq_len
+    def skip_windows(self, count: int) -> bool:
+        """Advance `count` windows without reading or packing them, from document offsets alone.
+
+        For sources that know their lengths (a token store) with looping epochs and carried
+        overflow: O(log n) per epoch crossed, whatever `count`. False (nothing done) otherwise.
+        The cursor ends where packing the windows one by one would leave it.
+        """
+        if not (self.overflow == "carry" and self.loop and hasattr(self.source, "epoch_starts")):
+            return False
+        space = count * self.seq_len
         while space:
             starts = self.source.epoch_starts(self.epoch)  # each document's token offset, then the total
+            if self.doc == len(starts) - 1:  # past the epoch's last document
+                self.restore(self.epoch + 1, 0, 0)
+                continue
             pos = int(starts[self.doc]) + self.offset
             end = min(pos + space, int(starts[-1]))
             last = int(np.searchsorted(starts, end, side="right")) - 1  # the document holding token `end`
-            cuts = np.concatenate(([pos], starts[self.doc + 1 : last + 1], [end] if end > starts[last] else []))
-            doc_lens += np.diff(cuts).tolist()
+            self.restore(self.epoch, last, end - int(starts[last]))
             space -= end - pos
-            if end == starts[-1]:
-                self.restore(self.epoch + 1, 0, 0)
-            else:
-                self.restore(self.epoch, last, end - int(starts[last]))
-        return Window(doc_lens, None, None)
+        self._epoch_empty = False
+        return True
 
 
 # ----------------------------------------------------------------------------- loader
@@ -213,12 +217,11 @@ class WindowLoader:
     def _produce(self) -> tuple[dict[str, Any], dict[str, Any]] | None:
         """Pack this step's round of dp_world windows, keep ours, plan it."""
         t0 = time.perf_counter()
-        mine = None
-        for k in range(self.dp_world):
-            window = self._packer.next_window(materialize=k == self.dp_rank)
-            if window is None:
-                return None
-            mine = window if k == self.dp_rank else mine
+        if not self._advance(self.dp_rank):
+            return None
+        mine = self._packer.next_window()
+        if mine is None or not self._advance(self.dp_world - self.dp_rank - 1):
+            return None
         index = self._window + self.dp_rank
         self._window += self.dp_world
         t1 = time.perf_counter()
@@ -237,6 +240,12 @@ class WindowLoader:
         if dispatch is not None:
             batch["dispatch"] = dispatch
         return batch, self._snapshot()
+
+    def _advance(self, count: int) -> bool:
+        """Pass over other ranks' windows (from offsets alone when the source allows); False at the end."""
+        if self._packer.skip_windows(count):
+            return True
+        return all(self._packer.next_window(materialize=False) is not None for _ in range(count))
 
     def _run(self) -> None:
         """Producer thread: fill the queue until stopped, the data ends or an error occurs."""
