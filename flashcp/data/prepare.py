@@ -17,6 +17,7 @@ removes the leftover. An existing DIR is never overwritten.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import multiprocessing
 import os
@@ -115,8 +116,6 @@ def prepare(
 
 def file_fingerprint_many(files: list[Path]) -> str:
     """One fingerprint over the files' names and contents (order kept)."""
-    import hashlib
-
     digest = hashlib.sha256()
     for f in files:
         digest.update(f.name.encode() + b"\0" + file_fingerprint(f).encode() + b"\0")
