@@ -119,7 +119,9 @@ class Checkpointer(CheckpointManager):
         dist.all_gather_object(gathered, entries)
         if dist.get_rank() == 0:
             write_manifest(partial, save_id, [e for part in gathered for e in part])
-            _publish(partial, target, save_id)
+            replaced = _publish(partial, target, save_id)
+            if replaced is not None:
+                self._remove(replaced)
         dist.barrier()
         self._last_saved = int(STEP_DIR.fullmatch(target.name).group(1))
         logger.info(f"checkpoint published: {target}")
@@ -134,12 +136,22 @@ class Checkpointer(CheckpointManager):
             if not match or (self._pending is not None and path == self._pending[0]):
                 continue
             if match.group(2) == "partial" or (folder / f"step-{match.group(1)}").is_dir():
-                shutil.rmtree(path, ignore_errors=True)
+                self._remove(path)
         if self.keep_latest_k > 0:
             published = [c.path for c in self._candidates() if c.path.name == f"step-{c.step}"]
-            published.sort(key=lambda p: (p / MANIFEST if (p / MANIFEST).exists() else p / ".metadata").stat().st_mtime)
+            published.sort(key=lambda p: (p / ".metadata").stat().st_mtime)
             for path in published[: -self.keep_latest_k]:
-                shutil.rmtree(path, ignore_errors=True)
+                self._remove(path)
+
+    def _remove(self, path: Path) -> None:
+        """Delete a folder on TorchTitan's purge thread (off the training loop) when there is one.
+
+        A deletion cut short leaves a folder that fails verification and is skipped on load.
+        """
+        if self.purge_thread is not None and self.purge_thread.is_alive():
+            self.purge_queue.put(str(path))
+        else:
+            shutil.rmtree(path, ignore_errors=True)
 
     # ------------------------------------------------------------------ load
 
@@ -234,15 +246,15 @@ def _agreed_token() -> str:
     return token[0]
 
 
-def _publish(partial: Path, target: Path, save_id: str) -> None:
-    """Rename `partial` to `target`; an existing target stays complete under another name until then."""
+def _publish(partial: Path, target: Path, save_id: str) -> Path | None:
+    """Rename `partial` to `target`; an existing target stays complete under another name until
+    then, which is returned for deletion."""
     replaced = target.with_name(f"{target.name}.replaced-{save_id}")
     if target.exists():
         os.rename(target, replaced)
     os.rename(partial, target)
     _fsync_dir(target.parent)
-    if replaced.exists():
-        shutil.rmtree(replaced)
+    return replaced if replaced.exists() else None
 
 
 def _fsync_dir(path: Path) -> None:
