@@ -25,7 +25,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from flashcp import plan_shards
-from flashcp.data.balance import balance_step, WindowCost
+from flashcp.data.balance import balance_step, stream_windows, WindowCost
 from flashcp.data.lengths import length_sampler
 
 LLAMA3_8B = {"params": 8.03e9, "dim": 4096, "n_layers": 32}
@@ -45,21 +45,6 @@ def steps(sampler, tokens: int) -> Iterator[list[int]]:
         yield lens
 
 
-def sequential(lens: list[int], n_windows: int, window: int) -> list[list[int]]:
-    """Stream-order windows: each document cut where a window ends."""
-    out, cur, room = [], [], window
-    for n in lens:
-        while n:
-            take = min(n, room)
-            cur.append(take)
-            n, room = n - take, room - take
-            if not room:
-                out.append(cur)
-                cur, room = [], window
-    assert len(out) == n_windows
-    return out
-
-
 def planned_cost(doc_lens: list[int], cost: WindowCost) -> float:
     """Dense work per CP rank plus the attention of the busiest rank of the FlashCP plan."""
     plan = plan_shards(doc_lens, cost.cp, strategy="flashcp")
@@ -76,7 +61,7 @@ def run(distribution: str, context: int, dp: int, cp: int, n_steps: int, micro: 
     off, balanced, plan_ms, cut, kept = [], [], [], [], []
     for _ in range(n_steps):
         lens = next(stream)
-        seq = sequential(lens, dp * micro, context)
+        seq = stream_windows(lens, context)
         off.append(ratio([sum(planned_cost(seq[m * dp + r], cost) for m in range(micro)) for r in range(dp)]))
         start = time.perf_counter()
         windows = balance_step(lens, dp, micro, context, cost)

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flashcp.data.balance import balance_step, length_cap, Piece, WindowCost
+from flashcp.data.balance import balance_step, length_cap, Piece, stream_windows, WindowCost
 from flashcp.data.lengths import length_sampler
 
 COST = WindowCost.llama(8.03e9, 4096, 32, cp=8)
@@ -89,15 +89,7 @@ def spread(groups: list[list[list[int]]]) -> float:
 @pytest.mark.parametrize("name, context, dp", [("wlbllm", 131072, 8), ("pile", 131072, 64), ("wlbllm", 524288, 8)])
 def test_balanced_groups_are_close_to_the_mean_where_stream_order_is_not(name, context, dp):
     lens = sampled_step(name, dp * context, seed=1)
-    stream, cur, room = [], [], context
-    for n in lens:
-        while n:
-            take = min(n, room)
-            cur.append(take)
-            n, room = n - take, room - take
-            if not room:
-                stream.append([cur])
-                cur, room = [], context
+    stream = [[w] for w in stream_windows(lens, context)]
     out = balance_step(lens, dp, 1, context, COST)
     balanced = spread([[[p.length for p in w] for w in rank] for rank in out])
     assert spread(stream) > 1.08 and balanced < 1.05

@@ -68,6 +68,20 @@ def _pairs(lens: np.ndarray) -> float:
     return float((lens * (lens + 1) / 2).sum())
 
 
+def stream_windows(doc_lens: Sequence[int], window: int) -> list[list[int]]:
+    """The baseline: the step's documents packed in stream order, each cut where a window ends."""
+    out, cur, room = [], [], window
+    for n in doc_lens:
+        while n:
+            take = min(n, room)
+            cur.append(take)
+            n, room = n - take, room - take
+            if not room:
+                out.append(cur)
+                cur, room = [], window
+    return out
+
+
 def length_cap(lens: np.ndarray, n_windows: int, window: int, cost: WindowCost, max_imbalance: float) -> int:
     """The longest piece whose attention keeps its window within `max_imbalance` x the mean cost.
 
