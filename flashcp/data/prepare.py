@@ -4,19 +4,25 @@
                                    [--text-field F] [--txt-sample-by document|paragraph|line]
 
 SOURCE is what `[data] source` accepts for local text (a file, directory or glob of .jsonl / .json /
-.parquet / .txt, optionally compressed, or `default`), T a tokenizer path or `default`. Texts are
-read through HF `datasets` (Arrow, memory-mapped: corpora larger than memory stream through), in
-chunks of documents that K worker processes tokenise in order, so the store is the same for any K.
-Tokens and offsets are appended to files as chunks come back; nothing holds the corpus in memory.
+.parquet / .txt, optionally compressed, or `default`), T a tokenizer path or `default`.
 
-Atomic: the store is built in `DIR.partial-<pid>` and renamed to DIR after its manifest is written
-and everything is synced, so an interrupted prepare leaves no store that opens, and the next one
-removes the leftover. An existing DIR is never overwritten.
+Texts are read through HF `datasets`, which converts the files to Arrow on disk and memory-maps it,
+so a corpus larger than memory streams through. Chunks of documents go to K worker processes with
+at most 2K chunks in flight, and come back in order: the store is byte-identical for any K, and
+memory holds a few chunks, never the corpus. Tokens and offsets are appended to files as chunks
+come back. The output is plain numpy memmaps, the layout Megatron and nanoGPT use, because the
+loader reads random windows of it on every rank: a flat file plus offsets does that with numpy
+alone, paging in only the bytes read.
+
+Atomic: the store is built in `DIR.partial-<pid>`, and renamed to DIR after its manifest is written
+last and everything is synced, so an interrupted prepare leaves no store that opens; the next
+prepare removes leftovers of dead processes. An existing DIR is never overwritten.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import hashlib
 import json
 import multiprocessing
@@ -24,20 +30,22 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from flashcp.data.store import file_fingerprint, FORMAT, MANIFEST, StoreError, VERSION
+from flashcp.data.store import file_fingerprint, FORMAT, MANIFEST, OFFSETS, StoreError, TOKENS, VERSION
 
 CHUNK_DOCS = 256  # documents per task handed to a worker
+_IN_FLIGHT_PER_WORKER = 2  # chunks queued per worker: keeps each busy, bounds memory
+_RAW_OFFSETS = "offsets.raw"  # offsets streamed here, then given their .npy header
 
-_tokenizer: Any = None  # the worker's tokenizer, loaded once per process
+_tokenizer: Any = None  # this process's tokenizer, loaded once
 
 
-def _load_worker(path: str) -> None:
+def _load_tokenizer(path: str) -> None:
     global _tokenizer
     from flashcp.titan.tokenizer import load_tokenizer
 
@@ -48,9 +56,65 @@ def _encode(texts: list[str | None]) -> list[list[int]]:
     return _tokenizer.encode_batch([t or "" for t in texts])
 
 
-def _chunks(ds, n: int) -> Iterator[list[str | None]]:
-    for start in range(0, n, CHUNK_DOCS):
+def _chunks(ds) -> Iterator[list[str | None]]:
+    for start in range(0, len(ds), CHUNK_DOCS):
         yield ds[start : start + CHUNK_DOCS]["text"]
+
+
+def ordered_imap(pool, fn: Callable, items: Iterable, window: int) -> Iterator:
+    """`fn(item)` for each item, computed in `pool`, yielded in order with at most `window` pending.
+
+    `Pool.imap` pulls its whole input as fast as it can and keeps every finished result that waits
+    for an earlier slow one; a bounded window keeps memory at a few chunks whatever the corpus.
+    """
+    pending: collections.deque = collections.deque()
+    for item in items:
+        if len(pending) == window:
+            yield pending.popleft().get()
+        pending.append(pool.apply_async(fn, (item,)))
+    while pending:
+        yield pending.popleft().get()
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 when every id fits, else uint32; StoreError for a vocabulary beyond uint32."""
+    for dtype in (np.uint16, np.uint32):
+        if vocab_size <= 1 + int(np.iinfo(dtype).max):
+            return np.dtype(dtype)
+    raise StoreError(f"the tokenizer's vocabulary of {vocab_size:,} ids does not fit the store's uint32 tokens")
+
+
+def source_manifest(files: list[Path]) -> dict[str, Any]:
+    """Names (relative to the files' common folder), sizes and sha256 of the source files, and one
+    fingerprint over them all, so a changed, added, removed or renamed file is recognised."""
+    root = Path(os.path.commonpath([f.parent.absolute() for f in files]))
+    entries = [{"name": f.absolute().relative_to(root).as_posix(), "size": f.stat().st_size,
+                "sha256": file_fingerprint(f)} for f in files]  # fmt: skip
+    digest = hashlib.sha256(json.dumps(entries, sort_keys=True).encode())
+    return {"fingerprint": f"sha256:{digest.hexdigest()}", "files": entries}
+
+
+def _remove_leftovers(out: Path) -> None:
+    """Delete partial folders of `out` whose prepare process is gone (a live one is still building)."""
+    for leftover in out.parent.glob(f"{out.name}.partial-*"):
+        pid = leftover.name.rpartition("-")[2]
+        if pid.isdigit() and int(pid) != os.getpid():
+            try:
+                os.kill(int(pid), 0)
+                continue
+            except ProcessLookupError:
+                pass
+            except PermissionError:  # alive, another user's
+                continue
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def prepare(
@@ -74,83 +138,86 @@ def prepare(
     if workers < 1:
         raise StoreError(f"--workers must be >= 1, got {workers}")
     tok_path = tokenizer_file(DEFAULT_TOKENIZER if tokenizer == "default" else tokenizer)
-    _load_worker(str(tok_path))
-    vocab = _tokenizer.vocab_size
-    dtype = np.dtype(np.uint16 if vocab <= 1 << 16 else np.uint32)
+    _load_tokenizer(str(tok_path))
+    dtype = token_dtype(_tokenizer.vocab_size)
     files = data_files(str(DEFAULT_CORPUS) if source == "default" else source)
     ds = load_files(files, DataConfig(text_field=text_field, txt_sample_by=txt_sample_by))
 
-    for leftover in out.parent.glob(f"{out.name}.partial-*"):
-        shutil.rmtree(leftover, ignore_errors=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _remove_leftovers(out)
     partial = out.with_name(f"{out.name}.partial-{os.getpid()}")
-    partial.mkdir(parents=True)
+    partial.mkdir()
     try:
-        n_docs, n_tokens = _write(ds, tok_path, partial, dtype, workers, tqdm(
-            total=len(ds), unit="doc", desc=f"prepare {out.name}", disable=not progress))  # fmt: skip
+        bar = tqdm(total=len(ds), unit="doc", desc=f"prepare {out.name}", disable=not progress)
+        n_docs, n_tokens = _write(ds, tok_path, partial, dtype, workers, bar)
         manifest = {
             "format": FORMAT,
             "version": VERSION,
             "n_docs": n_docs,
             "n_tokens": n_tokens,
             "dtype": dtype.name,
-            "tokenizer": {"fingerprint": file_fingerprint(tok_path), "name": tok_path.name, "vocab_size": vocab,
-                          "bos_id": _tokenizer.bos_id, "eos_id": _tokenizer.eos_id},  # fmt: skip
-            "source": {
-                "fingerprint": file_fingerprint_many(files),
-                "files": [{"name": f.name, "size": f.stat().st_size} for f in files],
-                "text_field": text_field,
-                "txt_sample_by": txt_sample_by,
-            },
+            "tokenizer": {"fingerprint": file_fingerprint(tok_path), "vocab_size": _tokenizer.vocab_size,
+                          "bos_id": _tokenizer.bos_id, "eos_id": _tokenizer.eos_id, "name": tok_path.name},  # fmt: skip
+            "source": {**source_manifest(files), "text_field": text_field, "txt_sample_by": txt_sample_by},
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
         with open(partial / MANIFEST, "w") as f:
             json.dump(manifest, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
+        _fsync(partial)
+        if out.exists():  # another prepare finished first; rename would replace an empty DIR
+            raise StoreError(f"{out} appeared while preparing; a store is never overwritten")
         os.rename(partial, out)
+        _fsync(out.parent)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
     return out
 
 
-def file_fingerprint_many(files: list[Path]) -> str:
-    """One fingerprint over the files' names and contents (order kept)."""
-    digest = hashlib.sha256()
-    for f in files:
-        digest.update(f.name.encode() + b"\0" + file_fingerprint(f).encode() + b"\0")
-    return f"sha256:{digest.hexdigest()}"
-
-
 def _write(ds, tok_path: Path, folder: Path, dtype: np.dtype, workers: int, bar) -> tuple[int, int]:
-    """Tokenise `ds` chunk by chunk (in order) into tokens.bin / offsets.bin; (documents, tokens)."""
+    """Tokenise `ds` chunk by chunk, in order, into the token and offset files; (documents, tokens)."""
     n_docs = n_tokens = 0
-    with open(folder / "tokens.bin", "wb") as tokens, open(folder / "offsets.bin", "wb") as offsets, bar:
+    pool = None
+    with open(folder / TOKENS, "wb") as tokens, open(folder / _RAW_OFFSETS, "wb") as offsets, bar:
         offsets.write(np.zeros(1, dtype=np.int64).tobytes())
         if workers == 1:
-            encoded = map(_encode, _chunks(ds, len(ds)))
-            pool = None
+            encoded = map(_encode, _chunks(ds))
         else:
-            pool = multiprocessing.get_context("spawn").Pool(workers, _load_worker, (str(tok_path),))
-            encoded = pool.imap(_encode, _chunks(ds, len(ds)))
+            pool = multiprocessing.get_context("spawn").Pool(workers, _load_tokenizer, (str(tok_path),))
+            encoded = ordered_imap(pool, _encode, _chunks(ds), _IN_FLIGHT_PER_WORKER * workers)
         try:
             for chunk in encoded:
-                lens = np.array([len(ids) for ids in chunk if ids], dtype=np.int64)
-                if lens.size:
-                    tokens.write(np.concatenate([np.asarray(ids, dtype=dtype) for ids in chunk if ids]).tobytes())
+                kept = [ids for ids in chunk if ids]  # an empty document is not stored
+                if kept:
+                    lens = np.array([len(ids) for ids in kept], dtype=np.int64)
+                    tokens.write(np.concatenate([np.asarray(ids, dtype=dtype) for ids in kept]).tobytes())
                     offsets.write((n_tokens + np.cumsum(lens)).tobytes())
-                    n_docs, n_tokens = n_docs + lens.size, n_tokens + int(lens.sum())
+                    n_docs, n_tokens = n_docs + len(kept), n_tokens + int(lens.sum())
                 bar.update(len(chunk))
-                bar.set_postfix(tokens=f"{n_tokens:,}")
+                bar.set_postfix(tokens=f"{n_tokens:,}", refresh=False)
         finally:
             if pool is not None:
                 pool.terminate()
-        for f in (tokens, offsets):
-            f.flush()
-            os.fsync(f.fileno())
+        tokens.flush()
+        os.fsync(tokens.fileno())
     if n_docs == 0:
         raise StoreError("the source holds no document with any tokens")
+    _to_npy(folder / _RAW_OFFSETS, folder / OFFSETS, n_docs + 1)
     return n_docs, n_tokens
+
+
+def _to_npy(raw: Path, npy: Path, n: int) -> None:
+    """Give the streamed int64 offsets a .npy header (self-describing: dtype and shape checked on
+    load); the header needs the count, known only at the end."""
+    with open(npy, "wb") as dst, open(raw, "rb") as src:
+        header = {"descr": np.lib.format.dtype_to_descr(np.dtype(np.int64)), "fortran_order": False, "shape": (n,)}
+        np.lib.format.write_array_header_1_0(dst, header)
+        shutil.copyfileobj(src, dst, 1 << 20)
+        dst.flush()
+        os.fsync(dst.fileno())
+    raw.unlink()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -171,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("error: interrupted; no store was written", file=sys.stderr)
+        print(f"error: interrupted; no store was written at {args.out}", file=sys.stderr)
         return 130
     manifest = json.loads((out / MANIFEST).read_text())
     print(f"{out}: {manifest['n_docs']:,} documents, {manifest['n_tokens']:,} tokens ({manifest['dtype']})")

@@ -4,10 +4,11 @@
     store.lengths            # int64 [n_docs], raw token counts (no BOS/EOS: the loader adds them)
     store.document(i)        # a memory-mapped view of document i's token ids
 
-Layout (the one Megatron's and nanoGPT's pretraining data use: one flat token file plus document
-offsets, so reading a window costs its own bytes, whatever the corpus size or the DP degree):
+Layout, format version 1 (the one Megatron's and nanoGPT's pretraining data use: one flat token
+file plus document offsets, so reading a window costs its own bytes, whatever the corpus size or
+the DP degree; plain numpy memmaps need no reader beyond numpy and page in only what is touched):
   tokens.bin     every document's token ids back to back, uint16 when the vocabulary fits, else uint32
-  offsets.bin    int64 [n_docs + 1]: document i is tokens[offsets[i]:offsets[i+1]]
+  offsets.npy    int64 [n_docs + 1]: document i is tokens[offsets[i]:offsets[i+1]]; offsets[-1] = n_tokens
   manifest.json  written last: format, counts, dtype, the tokenizer's and the source's fingerprints
 
 `python -m flashcp.data.prepare` writes it (atomically); this module only reads, with numpy.
@@ -15,6 +16,7 @@ offsets, so reading a window costs its own bytes, whatever the corpus size or th
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from pathlib import Path
@@ -25,14 +27,18 @@ import numpy as np
 FORMAT = "flashcp-token-store"
 VERSION = 1
 MANIFEST = "manifest.json"
+TOKENS = "tokens.bin"
+OFFSETS = "offsets.npy"
+_REQUIRED = ("n_docs", "n_tokens", "dtype", "tokenizer", "source")
+_DTYPES = ("uint16", "uint32")
 
 
 class StoreError(ValueError):
-    """A directory that is not a complete token store; says which and why."""
+    """A directory that is not a complete token store, or a store that cannot be written; says why."""
 
 
 def file_fingerprint(path: str | Path) -> str:
-    """sha256 of a file's bytes, streamed."""
+    """"sha256:<hex>" of a file's bytes, streamed (a corpus file may be larger than memory)."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(1 << 20):
@@ -47,47 +53,67 @@ def is_store(path: str | Path) -> bool:
         return False
     try:
         return json.loads(manifest.read_text()).get("format") == FORMAT
-    except (OSError, ValueError):
+    except (OSError, ValueError, AttributeError):
         return False
 
 
 class TokenStore:
-    """A complete store, its files memory-mapped (opened by `open_store`)."""
+    """A complete store, its files memory-mapped (opened by `open_store`, which checks them)."""
 
-    def __init__(self, path: Path, manifest: dict[str, Any]):
-        self.path, self.manifest = path, manifest
+    def __init__(self, path: Path, manifest: dict[str, Any], offsets: np.ndarray):
+        self.path, self.manifest, self.offsets = path, manifest, offsets
         self.n_docs, self.n_tokens = int(manifest["n_docs"]), int(manifest["n_tokens"])
-        self.offsets = np.memmap(path / "offsets.bin", dtype=np.int64, mode="r", shape=(self.n_docs + 1,))
-        self._tokens = np.memmap(path / "tokens.bin", dtype=np.dtype(manifest["dtype"]), mode="r",
-                                 shape=(self.n_tokens,))  # fmt: skip
-        self.lengths = np.diff(self.offsets)
+        self._tokens = np.memmap(path / TOKENS, dtype=np.dtype(manifest["dtype"]), mode="r", shape=(self.n_tokens,))
+
+    @functools.cached_property
+    def lengths(self) -> np.ndarray:
+        """Raw token counts per document, computed on first use (it reads every offset)."""
+        return np.diff(self.offsets)
 
     def document(self, i: int) -> np.ndarray:
+        """Document i's token ids, a view of the memory-mapped token file."""
+        if not 0 <= i < self.n_docs:
+            raise IndexError(f"token store {self.path}: document {i} out of range [0, {self.n_docs})")
         return self._tokens[self.offsets[i] : self.offsets[i + 1]]
 
     def tokens(self, start: int, stop: int) -> np.ndarray:
+        """The flat token range [start, stop), across document boundaries."""
         return self._tokens[start:stop]
 
 
 def open_store(path: str | Path) -> TokenStore:
     """The store at `path`; StoreError when it is missing, unfinished or inconsistent."""
     path = Path(path)
-    manifest_path = path / MANIFEST
     if not path.is_dir():
         raise StoreError(f"token store {path}: no such directory")
-    if not manifest_path.is_file():
+    if not (path / MANIFEST).is_file():
         raise StoreError(f"token store {path}: no {MANIFEST} (not a store, or its prepare was interrupted)")
     try:
-        manifest = json.loads(manifest_path.read_text())
+        manifest = json.loads((path / MANIFEST).read_text())
     except (OSError, ValueError) as e:
         raise StoreError(f"token store {path}: unreadable {MANIFEST}: {e}") from e
-    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
-        raise StoreError(f"token store {path}: format {manifest.get('format')!r} version "
-                         f"{manifest.get('version')!r}, expected {FORMAT!r} version {VERSION}")  # fmt: skip
-    itemsize = np.dtype(manifest["dtype"]).itemsize
-    expected = {"tokens.bin": manifest["n_tokens"] * itemsize, "offsets.bin": (manifest["n_docs"] + 1) * 8}
-    for name, size in expected.items():
-        actual = (path / name).stat().st_size if (path / name).is_file() else None
-        if actual != size:
-            raise StoreError(f"token store {path}: {name} holds {actual} bytes, the manifest says {size}")
-    return TokenStore(path, manifest)
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+        found = manifest if not isinstance(manifest, dict) else (manifest.get("format"), manifest.get("version"))
+        raise StoreError(f"token store {path}: {MANIFEST} describes {found!r}, expected {FORMAT!r} version {VERSION}")
+    missing = [key for key in _REQUIRED if key not in manifest]
+    if missing or manifest["dtype"] not in _DTYPES:
+        problem = f"lacks {', '.join(missing)}" if missing else f"has dtype {manifest['dtype']!r}, not one of {_DTYPES}"
+        raise StoreError(f"token store {path}: {MANIFEST} {problem}")
+    n_docs, n_tokens = int(manifest["n_docs"]), int(manifest["n_tokens"])
+    if n_docs < 1 or n_tokens < 1:
+        raise StoreError(f"token store {path}: {MANIFEST} says {n_docs} documents, {n_tokens} tokens; a store holds some")
+    expected = n_tokens * np.dtype(manifest["dtype"]).itemsize
+    actual = (path / TOKENS).stat().st_size if (path / TOKENS).is_file() else None
+    if actual != expected:
+        raise StoreError(f"token store {path}: {TOKENS} holds {actual} bytes, the manifest says {expected}")
+    try:
+        offsets = np.load(path / OFFSETS, mmap_mode="r")
+    except (OSError, ValueError) as e:
+        raise StoreError(f"token store {path}: unreadable {OFFSETS}: {e}") from e
+    if offsets.dtype != np.int64 or offsets.shape != (n_docs + 1,):
+        raise StoreError(f"token store {path}: {OFFSETS} holds {offsets.dtype} {offsets.shape}, the manifest says "
+                         f"int64 ({n_docs + 1},)")  # fmt: skip
+    if offsets[0] != 0 or offsets[-1] != n_tokens:
+        raise StoreError(f"token store {path}: {OFFSETS} spans [{offsets[0]}, {offsets[-1]}], the manifest says "
+                         f"[0, {n_tokens}]")  # fmt: skip
+    return TokenStore(path, manifest, offsets)

@@ -1,0 +1,120 @@
+"""The token store reader: documents and ranges read back from the memory-mapped files, and every
+incomplete or inconsistent directory refused with a StoreError naming it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from flashcp.data.store import file_fingerprint, is_store, open_store, StoreError
+
+DOCS = [[5, 6, 7], [8], [9, 10, 11, 65535]]
+
+
+def write_store(path: Path, docs: list[list[int]] = DOCS, dtype: str = "uint16", **manifest) -> Path:
+    """A store as `prepare` lays it out, written directly (the reader must not need prepare)."""
+    path.mkdir(parents=True)
+    np.concatenate([np.asarray(d, dtype=dtype) for d in docs]).tofile(path / "tokens.bin")
+    np.save(path / "offsets.npy", np.concatenate([[0], np.cumsum([len(d) for d in docs])]).astype(np.int64))
+    fields = {"format": "flashcp-token-store", "version": 1, "n_docs": len(docs),
+              "n_tokens": sum(map(len, docs)), "dtype": dtype, "tokenizer": {}, "source": {}}  # fmt: skip
+    (path / "manifest.json").write_text(json.dumps({**fields, **manifest}))
+    return path
+
+
+def test_documents_and_ranges_read_back(tmp_path):
+    store = open_store(write_store(tmp_path / "s"))
+    assert (store.n_docs, store.n_tokens) == (3, 8)
+    assert [store.document(i).tolist() for i in range(3)] == DOCS
+    assert store.lengths.tolist() == [3, 1, 4] and store.offsets.tolist() == [0, 3, 4, 8]
+    assert store.tokens(2, 5).tolist() == [7, 8, 9]
+    assert isinstance(store.document(2).base, np.memmap) or isinstance(store.document(2), np.memmap)
+    with pytest.raises(IndexError, match=r"document 3 out of range \[0, 3\)"):
+        store.document(3)
+    with pytest.raises(IndexError, match="document -1"):
+        store.document(-1)
+
+
+def test_uint32_tokens(tmp_path):
+    docs = [[1, 70000], [2**32 - 1]]
+    store = open_store(write_store(tmp_path / "s", docs, dtype="uint32"))
+    assert [store.document(i).tolist() for i in range(2)] == docs
+
+
+def test_is_store(tmp_path):
+    assert is_store(write_store(tmp_path / "s"))
+    assert not is_store(tmp_path / "nowhere")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "manifest.json").write_text('{"format": "something else"}')
+    assert not is_store(tmp_path / "other")
+    (tmp_path / "other" / "manifest.json").write_text("[1, 2]")
+    assert not is_store(tmp_path / "other")
+
+
+def test_file_fingerprint_is_the_sha256_of_the_bytes(tmp_path):
+    f = tmp_path / "f"
+    f.write_bytes(b"x" * (3 << 20))  # several read blocks
+    assert file_fingerprint(f) == "sha256:" + hashlib.sha256(b"x" * (3 << 20)).hexdigest()
+
+
+def damage(path: Path, what: str) -> None:
+    manifest = json.loads((path / "manifest.json").read_text())
+    if what == "no manifest":
+        (path / "manifest.json").unlink()
+    elif what == "bad json":
+        (path / "manifest.json").write_text('{"format": ')
+    elif what == "version":
+        (path / "manifest.json").write_text(json.dumps({**manifest, "version": 99}))
+    elif what == "missing key":
+        del manifest["source"]
+        (path / "manifest.json").write_text(json.dumps(manifest))
+    elif what == "dtype":
+        (path / "manifest.json").write_text(json.dumps({**manifest, "dtype": "float32"}))
+    elif what == "short tokens":
+        (path / "tokens.bin").write_bytes((path / "tokens.bin").read_bytes()[:-2])
+    elif what == "no tokens":
+        (path / "tokens.bin").unlink()
+    elif what == "offsets shape":
+        np.save(path / "offsets.npy", np.array([0, 3, 8], dtype=np.int64))
+    elif what == "offsets dtype":
+        np.save(path / "offsets.npy", np.array([0, 3, 4, 8], dtype=np.int32))
+    elif what == "offsets end":
+        np.save(path / "offsets.npy", np.array([0, 3, 4, 7], dtype=np.int64))
+    elif what == "offsets garbage":
+        (path / "offsets.npy").write_bytes(b"not numpy")
+    elif what == "empty":
+        (path / "manifest.json").write_text(json.dumps({**manifest, "n_docs": 0, "n_tokens": 0}))
+
+
+@pytest.mark.parametrize(
+    "what, message",
+    [
+        ("no manifest", r"no manifest.json \(not a store, or its prepare was interrupted\)"),
+        ("bad json", "unreadable manifest.json"),
+        ("version", r"describes \('flashcp-token-store', 99\), expected 'flashcp-token-store' version 1"),
+        ("missing key", "manifest.json lacks source"),
+        ("dtype", "manifest.json has dtype 'float32'"),
+        ("short tokens", "tokens.bin holds 14 bytes, the manifest says 16"),
+        ("no tokens", "tokens.bin holds None bytes, the manifest says 16"),
+        ("offsets shape", r"offsets.npy holds int64 \(3,\), the manifest says int64 \(4,\)"),
+        ("offsets dtype", r"offsets.npy holds int32 \(4,\)"),
+        ("offsets end", r"offsets.npy spans \[0, 7\], the manifest says \[0, 8\]"),
+        ("offsets garbage", "unreadable offsets.npy"),
+        ("empty", "says 0 documents, 0 tokens"),
+    ],
+)
+def test_bad_stores_are_refused_naming_the_directory(tmp_path, what, message):
+    path = write_store(tmp_path / "s")
+    damage(path, what)
+    with pytest.raises(StoreError, match=message) as info:
+        open_store(path)
+    assert str(info.value).startswith(f"token store {path}: ") and "\n" not in str(info.value)
+
+
+def test_a_missing_directory_is_refused(tmp_path):
+    with pytest.raises(StoreError, match=f"token store {tmp_path / 'nowhere'}: no such directory"):
+        open_store(tmp_path / "nowhere")
