@@ -28,6 +28,7 @@ from pathlib import Path
 from flashcp.titan.config import check_layout, ConfigError, load_job, resolve_config_path, world_size_hint
 from flashcp.titan.ownership import check_free_space, check_writable, describe_stale, FolderInUse, NotWritable
 from flashcp.titan.ownership import RunLock
+from flashcp.titan.preemption import ForwardStop, TORCHRUN_SIGNALS
 from flashcp.titan.preflight import check_inputs, checkpoint_bytes
 from flashcp.titan.sources import DataError
 from flashcp.titan.tokenizer import TokenizerError
@@ -57,7 +58,7 @@ def ranks_per_node(hint: int | None, nnodes: int) -> tuple[int, bool]:
     return 2, False
 
 
-def torchrun_args(nproc: int, nnodes: int, log_dir: str, argv: list[str], stop_timeout: int) -> list[str]:
+def torchrun_args(nproc: int, nnodes: int, log_dir: str, argv: list[str]) -> list[str]:
     env = os.environ
     args = [f"--nproc_per_node={nproc}", f"--nnodes={nnodes}"]
     if env.get("RDZV_ENDPOINT"):
@@ -74,9 +75,7 @@ def torchrun_args(nproc: int, nnodes: int, log_dir: str, argv: list[str], stop_t
         ]
     else:
         args.append("--standalone")
-    # On SIGTERM / SIGINT the agent forwards the signal and waits this long for the ranks to save a
-    # checkpoint at their next step boundary (flashcp.titan.preemption) before killing them.
-    args.append(f"--shutdown_timeout={stop_timeout}")
+    args.append(f"--signals-to-handle={TORCHRUN_SIGNALS}")  # SIGTERM / SIGINT: flashcp.titan.preemption
     args += [f"--local-ranks-filter={SHOWN_RANKS}", "--tee=3", f"--log-dir={log_dir}"]
     return [*args, str(TRAIN_PY), *argv]
 
@@ -161,14 +160,23 @@ def _launch(cfg: dict, path: Path, nproc: int, nnodes: int, on_gpu: bool, overri
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
+    stop = ForwardStop(stop_timeout)  # SIGTERM / SIGINT: the ranks save at their next step boundary
+    stop.install()
     try:
         dump = f"--job.dump_folder={cfg['job']['dump_folder']}"  # absolute: every rank agrees
-        args = torchrun_args(nproc, nnodes, log_dir, [f"--config={path}", *overrides, dump], stop_timeout)
+        args = torchrun_args(nproc, nnodes, log_dir, [f"--config={path}", *overrides, dump])
         run(get_args_parser().parse_args(args))
-    except SignalException as e:  # the ranks got it too and stopped at a step boundary (they said where)
-        print(f"flashcp: {signal.Signals(e.sigval).name}: the run stopped; full logs: {log_dir}", flush=True)
-        return 0
+    except KeyboardInterrupt:
+        print(f"flashcp: {signal.Signals(stop.signum).name} before the ranks started: nothing saved", flush=True)
+        return 128 + stop.signum
+    except SignalException as e:  # SIGHUP / SIGQUIT: torchelastic stopped the ranks
+        print(f"flashcp: {e.sigval.name}: the ranks were stopped without a checkpoint", flush=True)
+        return 128 + e.sigval
     except ChildFailedError as e:
+        if stop.forced:
+            print(f"flashcp: ranks killed on {stop.forced}: no checkpoint at this step; full logs: {log_dir}",
+                  file=sys.stderr)  # fmt: skip
+            return 128 + stop.signum
         rank, failure = e.get_first_failure()
         message = failure.message  # a dict when train.py recorded its reason in the error file
         detail = message if isinstance(message, str) else message.get("message", "")
@@ -178,6 +186,8 @@ def _launch(cfg: dict, path: Path, nproc: int, nnodes: int, on_gpu: bool, overri
         print(f"full logs of every rank: {log_dir}", file=sys.stderr)
         print(f"error: rank {rank} failed (exit code {failure.exitcode}): {detail}", file=sys.stderr)
         return 1
+    finally:
+        stop.close()
     return 0
 
 

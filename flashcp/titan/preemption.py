@@ -1,37 +1,57 @@
 """Stop a run at a step boundary when the scheduler or the user asks, instead of dying mid-step.
 
-SIGTERM (a cluster scheduler's preemption notice) and SIGINT (Ctrl-C, forwarded to every rank by
-the launcher) only set a flag here. At the next step boundary the ranks agree on it -- a one-int
-all-reduce on a CPU (gloo) group, so no device synchronisation is added to the step -- and all
-stop after the same step, where the trainer saves a checkpoint. The signal reaches the ranks at
-different moments; without the agreement they would stop at different steps and hang in a
-collective. A second signal to a rank ends it at once.
+Ranks (`StopRequest`): SIGTERM (a cluster scheduler's preemption notice) and SIGINT (Ctrl-C)
+only set a flag, from the moment the trainer starts building (a signal during model building or
+checkpoint loading waits for the first step boundary too). At each step boundary the ranks agree
+on it -- a one-int all-reduce on a CPU (gloo) group, so no device synchronisation is added to the
+step -- and all stop after the same step, where the trainer saves a checkpoint. The signal
+reaches the ranks at different moments; without the agreement they would stop at different steps
+and hang in a collective. A second signal to a rank ends it at once.
+
+Launcher (`ForwardStop`): torchelastic's own handling raises in its agent, forwards the signal and
+SIGKILLs the ranks after a grace period, then reports the run as interrupted whatever the ranks
+did. Instead the launcher forwards the signal itself and lets the agent keep watching: ranks that
+saved and exited 0 make a successful run (exit 0), a rank that failed during the save is reported
+as a failure, ranks still running `timeout_s` after the signal are killed, and a second signal
+kills them at once (a rank blocked in a collective could not run its own handler).
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
+TORCHRUN_SIGNALS = "SIGHUP,SIGQUIT"  # the signals torchelastic still handles (stopping the ranks at once)
 
 
 class StopRequest:
-    """Catches SIGTERM / SIGINT in this process; `agreed()` is the collective verdict."""
+    """Catches SIGTERM / SIGINT in this process; `agreed()` is the collective verdict.
+
+    Created before the process group exists; `connect()` makes the agreement's CPU group once
+    it does (every rank calls it at the same point).
+    """
 
     def __init__(self) -> None:
         self.signum = 0
-        multi = dist.is_initialized() and dist.get_world_size() > 1
-        self._group = dist.new_group(backend="gloo") if multi else None
+        self._group: dist.ProcessGroup | None = None
         self._previous = {sig: signal.signal(sig, self._handle) for sig in SIGNALS}
 
     def _handle(self, signum: int, frame: object) -> None:
         if self.signum:  # asked twice: stop now
             os._exit(128 + signum)
         self.signum = signum
+
+    def connect(self) -> None:
+        """Create the gloo group the ranks agree over (collective: all ranks, same point)."""
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            self._group = dist.new_group(backend="gloo")
 
     def agreed(self) -> int:
         """The signal some rank received (0: none). Every rank must call it at the same step."""
@@ -46,3 +66,78 @@ class StopRequest:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}
+
+
+def child_pids(parent: int | None = None) -> list[int]:
+    """The live children of `parent` (default: this process), read from /proc (Linux)."""
+    parent = os.getpid() if parent is None else parent
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):  # the process ended meanwhile
+            continue
+        if int(fields[1]) == parent and fields[0] != "Z":
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+class ForwardStop:
+    """The launcher's SIGTERM / SIGINT handling while torchelastic's agent runs the ranks.
+
+    Install it before starting the agent, which is told to leave these two signals alone.
+    `ranks()` lists the ranks' PIDs (the launcher's children). `signum` is the first signal
+    received (0: none), `forced` why the ranks were killed ("": they were not) -- a second
+    signal, or still running `timeout_s` after the first.
+    """
+
+    def __init__(self, timeout_s: float, ranks: Callable[[], list[int]] = child_pids) -> None:
+        self.timeout_s = timeout_s
+        self.ranks = ranks
+        self.signum = 0
+        self.forced = ""  # why the ranks were killed, if they were
+        self._timer: threading.Timer | None = None
+
+    def install(self) -> None:
+        """Take SIGTERM / SIGINT (torchrun must be given `--signals-to-handle=TORCHRUN_SIGNALS`)."""
+        for sig in SIGNALS:
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        name = signal.Signals(signum).name
+        if self.signum:
+            self._kill(f"a second {name}")
+            return
+        self.signum = signum
+        ranks = self.ranks()
+        if not ranks:  # the ranks are not started yet: nothing to save
+            raise KeyboardInterrupt
+        _signal_groups(ranks, signum)
+        _say(f"flashcp: {name}: the ranks stop after their next step and save a checkpoint "
+             f"(up to {self.timeout_s:g} s, FLASHCP_STOP_TIMEOUT); signal again to stop at once")  # fmt: skip
+        self._timer = threading.Timer(self.timeout_s, self._kill, [f"FLASHCP_STOP_TIMEOUT = {self.timeout_s:g} s"])
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _kill(self, why: str) -> None:
+        self.forced = why
+        _signal_groups(self.ranks(), signal.SIGKILL)
+
+    def close(self) -> None:
+        """Cancel the stop's deadline (the ranks have ended)."""
+        if self._timer is not None:
+            self._timer.cancel()
+
+
+def _signal_groups(pids: list[int], signum: int) -> None:
+    """Signal each rank's process group (torchrun starts each rank in a session of its own)."""
+    for pid in pids:
+        try:
+            os.killpg(pid, signum)
+        except ProcessLookupError:
+            pass
+
+
+def _say(line: str) -> None:
+    """Write a line from a signal handler (os.write: print could re-enter a busy stream)."""
+    os.write(2, (line + "\n").encode())

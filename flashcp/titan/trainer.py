@@ -80,7 +80,14 @@ class FlashCPTrainer(Trainer):
     dataloader: WindowDataLoader
 
     def __init__(self, config: Config) -> None:
-        super().__init__(config)
+        # Signals are caught from here on: one during building or loading stops at the first step boundary.
+        self.stop_request = StopRequest()
+        self._restored_step: int | None = None
+        try:
+            super().__init__(config)
+        except BaseException:
+            self.stop_request.close()
+            raise
         self.flashcp = config.flashcp
         dims = self.parallel_dims
         if dims.cp_enabled:
@@ -91,12 +98,22 @@ class FlashCPTrainer(Trainer):
         self._configure_metrics()
         if self.flashcp.enable:
             self.dataloader.loader.dispatch_with(self._dispatch)
-        self.stop_request = StopRequest()
+        self.stop_request.connect()
         self.checkpointer.on_restore = self._after_restore
 
     def _after_restore(self) -> None:
-        """Called once a checkpoint has been loaded (self.step is its step)."""
+        """Called once a checkpoint has been loaded (self.step is its step).
+
+        Restored past `training.steps` is a job error (CheckpointError: train.py exits 2 with one
+        line): the config asks for fewer steps than were trained, most likely a mistake. Restored
+        exactly at `training.steps` is a finished run started again (a scheduler's retry, a
+        rerun of the same command): it says the run is complete and ends successfully.
+
+        The learning rate the restored optimizer holds is the old schedule's; TorchTitan's
+        scheduler recomputes the config's, which is the one logged, so it is applied here too.
+        """
         steps = self.config.training.steps
+        self._restored_step = self.step
         if self.step > steps:
             raise CheckpointError(
                 f"the checkpoint restored is at step {self.step}, past [training] steps = {steps}: nothing to "
@@ -129,18 +146,19 @@ class FlashCPTrainer(Trainer):
         return not signum
 
     def _stop(self, cause: str) -> None:
-        """Save at this step boundary (unless the loop just did) and say where, on rank 0."""
+        """Save at this step boundary (unless that checkpoint exists) and say where, on rank 0."""
         ckpt = self.checkpointer
         if self.step == 0:
-            where = "before the first step: nothing to save"
+            where = "nothing trained, nothing saved"
         elif not ckpt.enable:
-            where = "checkpoints are disabled: nothing saved"
+            where = "checkpoints are disabled, nothing saved"
         else:
-            if not ckpt.saved_step(self.step):
+            if not ckpt.saved_step(self.step) and self.step != self._restored_step:
                 ckpt.save_now(self.step)
-            where = f"checkpoint saved to {ckpt.step_folder(self.step)}"
+            where = f"checkpoint saved to {ckpt.step_folder(self.step).resolve()}"
         if torch.distributed.get_rank() == 0:
-            print(f"flashcp: {cause}: stopped at step {self.step}, {where}", flush=True)
+            logger.info(f"{cause}: every rank stops after step {self.step}")
+            print(f"flashcp: preempted at step {self.step}: {where}", flush=True)
 
     def _configure_metrics(self) -> None:
         """Tell the metrics what one token and one attended (query, key) pair cost."""
