@@ -6,13 +6,15 @@ checkpoint loading waits for the first step boundary too). At each step boundary
 on it -- a one-int all-reduce on a CPU (gloo) group, so no device synchronisation is added to the
 step -- and all stop after the same step, where the trainer saves a checkpoint. The signal
 reaches the ranks at different moments; without the agreement they would stop at different steps
-and hang in a collective. A second signal to a rank ends it at once.
+and hang in a collective. A second SIGINT to a rank ends it at once; a repeated SIGTERM does
+not cut the save short (a scheduler such as Slurm signals every process of the job, the ranks
+included, and the launcher forwards its own copy too).
 
 Launcher (`ForwardStop`): torchelastic's own handling raises in its agent, forwards the signal and
 SIGKILLs the ranks after a grace period, then reports the run as interrupted whatever the ranks
 did. Instead the launcher forwards the signal itself and lets the agent keep watching: ranks that
 saved and exited 0 make a successful run (exit 0), a rank that failed during the save is reported
-as a failure, ranks still running `timeout_s` after the signal are killed, and a second signal
+as a failure, ranks still running `timeout_s` after the signal are killed, and a second SIGINT
 kills them at once (a rank blocked in a collective could not run its own handler).
 """
 
@@ -44,9 +46,9 @@ class StopRequest:
         self._previous = {sig: signal.signal(sig, self._handle) for sig in SIGNALS}
 
     def _handle(self, signum: int, frame: object) -> None:
-        if self.signum:  # asked twice: stop now
+        if self.signum and signum == signal.SIGINT:  # Ctrl-C again: stop now
             os._exit(128 + signum)
-        self.signum = signum
+        self.signum = self.signum or signum
 
     def connect(self) -> None:
         """Create the gloo group the ranks agree over (collective: all ranks, same point)."""
@@ -88,7 +90,7 @@ class ForwardStop:
     Install it before starting the agent, which is told to leave these two signals alone.
     `ranks()` lists the ranks' PIDs (the launcher's children). `signum` is the first signal
     received (0: none), `forced` why the ranks were killed ("": they were not) -- a second
-    signal, or still running `timeout_s` after the first.
+    SIGINT, or still running `timeout_s` after the first signal.
     """
 
     def __init__(self, timeout_s: float, ranks: Callable[[], list[int]] = child_pids) -> None:
@@ -105,8 +107,9 @@ class ForwardStop:
 
     def _handle(self, signum: int, frame: object) -> None:
         name = signal.Signals(signum).name
-        if self.signum:
-            self._kill(f"a second {name}")
+        if self.signum:  # a second Ctrl-C stops at once; a repeated SIGTERM changes nothing
+            if signum == signal.SIGINT:
+                self._kill(f"a second {name}")
             return
         self.signum = signum
         ranks = self.ranks()
@@ -114,7 +117,7 @@ class ForwardStop:
             raise KeyboardInterrupt
         _signal_groups(ranks, signum)
         _say(f"flashcp: {name}: the ranks stop after their next step and save a checkpoint "
-             f"(up to {self.timeout_s:g} s, FLASHCP_STOP_TIMEOUT); signal again to stop at once")  # fmt: skip
+             f"(up to {self.timeout_s:g} s, FLASHCP_STOP_TIMEOUT); Ctrl-C again to stop at once")  # fmt: skip
         self._timer = threading.Timer(self.timeout_s, self._kill, [f"FLASHCP_STOP_TIMEOUT = {self.timeout_s:g} s"])
         self._timer.daemon = True
         self._timer.start()

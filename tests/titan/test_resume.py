@@ -17,11 +17,12 @@ from unittest.mock import patch
 
 import pytest
 import torch
+from distributed_pool import DistributedPool
 from harness import single_rank, tiny_job, train
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from flashcp.titan.checkpoint import CheckpointError
-from flashcp.titan.preemption import ForwardStop
+from flashcp.titan.preemption import ForwardStop, StopRequest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -168,12 +169,33 @@ def test_a_signal_while_the_trainer_is_built_stops_at_the_restored_step(tmp_path
     assert signal.getsignal(signal.SIGTERM).__name__ == "uncaught"  # given back on close
 
 
-def test_a_second_signal_ends_a_rank_at_once():
-    code = ("import os, signal, time; from flashcp.titan.preemption import StopRequest; s = StopRequest(); "
-            "os.kill(os.getpid(), signal.SIGINT); assert s.agreed() == signal.SIGINT; "
-            "os.kill(os.getpid(), signal.SIGINT); time.sleep(30)")  # fmt: skip
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 128 + signal.SIGINT, result.stderr
+@pytest.mark.parametrize("second, code", [(signal.SIGINT, 128 + signal.SIGINT), (signal.SIGTERM, 0)])
+def test_a_second_ctrl_c_ends_a_rank_at_once_a_repeated_sigterm_does_not(second, code):
+    script = (f"import os, signal, time; from flashcp.titan.preemption import StopRequest; s = StopRequest(); "
+              f"os.kill(os.getpid(), signal.SIGTERM); os.kill(os.getpid(), {int(second)}); time.sleep(0.5); "
+              f"assert s.agreed() == signal.SIGTERM")  # fmt: skip
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == code, result.stderr
+
+
+def stop_where_rank_1_is_signalled(rank: int, group, at: int) -> list[int]:
+    """DistributedPool task: 4 step boundaries; only rank 1 gets a SIGTERM, before boundary `at`."""
+    stop = StopRequest()
+    stop.connect()
+    try:
+        seen = []
+        for step in range(1, 5):
+            if rank == 1 and step == at:
+                os.kill(os.getpid(), signal.SIGTERM)
+            seen.append(stop.agreed())
+        return seen
+    finally:
+        stop.close()
+
+
+def test_all_ranks_agree_on_the_step_when_one_rank_is_signalled():
+    with DistributedPool(world_size=2) as pool:
+        assert pool.run(stop_where_rank_1_is_signalled, (3,)) == [[0, 0, signal.SIGTERM, signal.SIGTERM]] * 2
 
 
 # ---------------------------------------------------------------- stopping on a signal, the launcher
@@ -229,12 +251,13 @@ def test_the_launcher_forwards_the_stop_and_lets_the_ranks_finish(fake_ranks, ca
     assert "flashcp: SIGTERM: the ranks stop after their next step and save a checkpoint" in capfd.readouterr().err
 
 
-def test_a_second_signal_to_the_launcher_kills_the_ranks(fake_ranks):
+def test_a_second_ctrl_c_to_the_launcher_kills_the_ranks(fake_ranks):
     procs = fake_ranks("lingers")
     stop = forward(procs, 60)
     os.kill(os.getpid(), signal.SIGINT)
+    os.kill(os.getpid(), signal.SIGTERM)  # a scheduler's too: changes nothing
     time.sleep(0.5)
-    assert procs[0].poll() is None  # the first asks, it does not kill
+    assert procs[0].poll() is None and not stop.forced  # asked, not killed
     os.kill(os.getpid(), signal.SIGINT)
     assert procs[0].wait(timeout=30) == -signal.SIGKILL
     stop.close()
