@@ -7,7 +7,8 @@ exists; then TorchTitan's trainer (with FlashCP's context-parallel dimension) ru
 of the job itself (config, data, tokenizer, checkpoint, attention backend) end the rank with
 exit code 2 and one line naming the problem, also recorded for the launcher to print once; any
 other failure (DCP's CheckpointException, a BaseException, included) is recorded as its root cause
-and exits 1, its traceback kept in the rank's log.
+and exits 1, its traceback kept in the rank's log; a rank holds 1 MiB next to its log so that both
+still fit when the disk fills up.
 
 Started by `flashcp.titan.launch` (FLASHCP_LAUNCHER holds its PID), a rank dies with the launcher,
 even a SIGKILLed one: torchrun starts each rank in a session of its own, where nothing else would
@@ -27,14 +28,47 @@ import time
 import traceback
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+RESERVED_BYTES = 1 << 20  # room for a traceback and the error file on a full disk
+
+
+def reserve_room_to_report() -> str | None:
+    """Hold RESERVED_BYTES on the file system of this rank's log and error file; the path, or None.
+
+    A save that fills the disk used to leave no trace: the rank's log stopped at its last whole
+    block and the error file came out empty (torchrun's agent then crashed parsing it). Released
+    as the rank ends, the reservation is the room for its traceback and one-line reason.
+    """
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not error_file:
+        return None
+    path = f"{error_file}.reserved"
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            os.posix_fallocate(fd, 0, RESERVED_BYTES)
+        finally:
+            os.close(fd)
+    except OSError:  # already this short of space: the launcher's free-space check reports that case
+        _release(path)
+        return None
+    return path
+
+
+def _release(reserved: str | None) -> None:
+    if reserved:
+        try:
+            os.remove(reserved)
+        except FileNotFoundError:
+            pass
 
 
 def _record_for_launcher(message: str) -> None:
-    """Write the message where torchrun's agent reads a failed worker's reason."""
+    """Write the message where torchrun's agent reads a failed worker's reason (whole or not at all)."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if path:
-        with open(path, "w") as f:
+        with open(f"{path}.partial", "w") as f:
             json.dump({"message": message, "timestamp": str(int(time.time()))}, f)
+        os.replace(f"{path}.partial", path)
 
 
 def die_with_launcher() -> None:
@@ -123,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     job_errors = (ConfigError, DataError, TokenizerError, CheckpointError, BackendUnavailable, FolderInUse,
                   NotWritable)  # fmt: skip
     rank = os.environ.get("RANK", "0")
+    reserved = reserve_room_to_report()
     try:
         run(args.config, overrides)
     except job_errors as e:
@@ -132,10 +167,13 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit:
         raise
     except BaseException as e:  # DCP's CheckpointException is a BaseException
+        _release(reserved)
         traceback.print_exc()  # into this rank's log, whole
         code, message = 1, root_cause(e)
     else:
         return 0
+    finally:
+        _release(reserved)
     _record_for_launcher(message)
     if not os.environ.get("FLASHCP_LAUNCHER") and rank == "0":
         print(f"error: {message}" if code == 2 else f"error: rank {rank} failed: {message}", file=sys.stderr)

@@ -269,5 +269,10 @@ def root_cause(e: BaseException) -> str:
     """The first rank's underlying error of a DCP failure, in one line."""
     if isinstance(e, dcp_api.CheckpointException) and e.failures:
         e = next(iter(e.failures.values()))[0]
+    chain, link = [], e  # a full disk surfaces as torch's zip writer "unexpected pos", the OSError beneath
+    while link is not None and link not in chain:
+        chain.append(link)
+        link = link.__cause__ or link.__context__
+    e = next((link for link in chain if isinstance(link, OSError)), e)
     text = str(e).strip()
     return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__

@@ -4,6 +4,7 @@ before launch, a failed run's last line names the real cause and rank, `--help`,
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -151,3 +152,40 @@ def test_too_little_free_space_for_a_checkpoint_fails_before_launch(tmp_path):
     # The estimate is a lower bound: Llama 3 8B has 8.03e9 parameters, 12 bytes each with AdamW.
     estimate = checkpoint_bytes(load_job(resolve_config_path("llama8b_128k")), 128256)
     assert 0.75 * 12 * 8.03e9 < estimate <= 12 * 8.03e9
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tiny tmpfs needs root")
+def test_a_disk_filled_by_a_save_is_named_in_the_last_line(tmp_path):
+    """Room for one checkpoint and not two: the second save fills the disk mid-run. The failing rank's
+    traceback and reason still fit (it held a reservation), so the run ends naming ENOSPC and the rank."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=10m", "tmpfs", str(disk)], check=True)
+    try:
+        result = subprocess.run(
+            [str(ROOT / "run_train.sh"), "--config", "debug_cpu", "--training.steps", "30",
+             "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0",
+             "--metrics.enable_tensorboard", "false", "--job.dump_folder", str(disk / "run")],
+            cwd=ROOT, capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        last = result.stderr.strip().splitlines()[-1]
+        assert result.returncode == 1, result.stderr[-2000:]
+        assert re.fullmatch(r"error: rank \d+ failed \(exit code 1\): OSError: \[Errno 28\] No space left on device", last)
+        logs = "".join(p.read_text() for p in (disk / "run" / "logs").rglob("stderr.log"))
+        assert "Traceback" in logs and "No space left on device" in logs
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_the_root_cause_is_the_os_error_beneath_a_wrapper():
+    from flashcp.titan.checkpoint import root_cause
+
+    try:
+        try:
+            raise OSError(28, "No space left on device")
+        except OSError:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    except RuntimeError as e:
+        wrapped = dcp_api.CheckpointException("save", {1: (e, None)})
+    assert root_cause(wrapped) == "OSError: [Errno 28] No space left on device"
+    assert root_cause(ValueError("bad\nvalue")) == "ValueError: bad"
