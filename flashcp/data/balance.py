@@ -35,6 +35,7 @@ import numpy as np
 
 REST_SHARE = 0.005  # the short pieces filled in stream order hold at most this share of the attention
 GREEDY_PER_WINDOW = 64  # and at most this many pieces per window are placed one by one
+CAP_SHARE = 0.7  # a capped piece's window aims at this share of the tolerated imbalance
 
 
 class Piece(NamedTuple):
@@ -83,22 +84,104 @@ def stream_windows(doc_lens: Sequence[int], window: int) -> list[list[int]]:
 
 
 def length_cap(lens: np.ndarray, n_windows: int, window: int, cost: WindowCost, max_imbalance: float) -> int:
-    """The longest piece whose attention keeps its window within `max_imbalance` x the mean cost.
+    """The longest piece that keeps its window within `max_imbalance` x the mean cost.
 
-    The mean falls as long documents are cut, so the cap is found by a few fixed-point rounds.
+    Documents longer than the cap are cut into pieces of the cap and one shorter rest (`cut_long`),
+    which keeps more attended pairs than equal pieces would. The rest of a capped piece's window
+    holds the step's shortest pieces (`fill`), whose pairs per token are counted. Cutting lowers
+    the mean and changes how many windows hold a capped piece, so the cap is found by a few
+    fixed-point rounds.
     """
+    ascending = np.sort(lens)
+    tokens, pairs_upto = np.cumsum(ascending), np.cumsum(ascending * (ascending + 1) / 2)
     cap = window
-    for _ in range(4):
-        k = np.ceil(lens / cap)
-        piece = lens / k  # documents longer than the cap become k equal pieces
-        pairs = float((k * piece * (piece + 1) / 2).sum())
+    for _ in range(8):
+        full, rest = np.divmod(lens, cap)
+        pairs = float((full * (cap * (cap + 1) / 2) + rest * (rest + 1) / 2).sum())
         mean = cost.dense_per_token * window + cost.attn_per_pair * pairs / n_windows
-        room = max_imbalance * mean - cost.dense_per_token * window
-        new = int(min(window, max(1, math.sqrt(2 * max(room, 0) / cost.attn_per_pair))))
+        room = (max_imbalance * mean - cost.dense_per_token * window) / cost.attn_per_pair
+        # The shortest documents fill the rest of the capped windows, the last of them the longest:
+        # its pairs per token.
+        n_capped = min(int(full.sum()), n_windows)
+        lo, hi = np.searchsorted(tokens, [(n_capped - 1) * (window - cap), n_capped * (window - cap)])
+        lo, hi = min(int(lo), lens.size - 1), min(int(hi), lens.size - 1)
+        density = float((pairs_upto[hi] - pairs_upto[lo] + 1) / (tokens[hi] - tokens[lo] + 1))
+        # the largest cap with cap (cap + 1) / 2 + density (window - cap) <= room
+        b = 0.5 - density
+        new = int(min(window, max(1, -b + math.sqrt(max(b * b - 2 * (density * window - room), 0)))))
         if new == cap:
             break
         cap = new
     return cap
+
+
+def weight(n, density: float):
+    """A long piece's load on its window: its attended pairs net of those of the short pieces it
+    displaces (`density` pairs per token), since every window ends up full."""
+    return n * (n + 1) / 2 - density * n
+
+
+def cut_long(lens: np.ndarray, cap: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The step's pieces as (doc, start, length) arrays in stream order: a document longer than
+    `cap` becomes pieces of `cap` tokens from its head on and one shorter rest."""
+    counts = -(-lens // cap)
+    doc = np.repeat(np.arange(lens.size), counts)
+    first = np.cumsum(counts) - counts
+    start = (np.arange(doc.size) - first[doc]) * cap
+    return doc, start, np.minimum(cap, lens[doc] - start)
+
+
+def lpt(lengths: list[int], density: float, n_windows: int, window: int) -> list[tuple[int, int, int, int]]:
+    """Longest first (`lengths` is sorted), each piece into the window of least load (`weight`)
+    that has room for it. A piece that fits nowhere fills the roomiest window and its rest goes back
+    into the queue; one whose best window is already at the mean load is left to the short pieces
+    (window -1), so that a window made heavy by one long piece is filled with the shortest ones.
+    Returns (piece, offset, length, window) parts."""
+    room, load = [window] * n_windows, [0.0] * n_windows
+    target = sum(weight(n, density) for n in lengths) / n_windows
+    open_ = [(0.0, w) for w in range(n_windows)]  # (load, window) of windows with room for the piece
+    parked: list[tuple[int, int]] = []  # (-room, window) of windows too full for it (pieces only shrink)
+    queue = [(-n, i, 0) for i, n in enumerate(lengths)]  # already a heap: lengths are sorted
+    out = []
+    while queue:
+        neg, i, offset = heapq.heappop(queue)
+        n = -neg
+        while parked and -parked[0][0] >= n:
+            w = heapq.heappop(parked)[1]
+            heapq.heappush(open_, (load[w], w))
+        while open_ and room[open_[0][1]] < n:
+            w = heapq.heappop(open_)[1]
+            heapq.heappush(parked, (-room[w], w))
+        if open_ and open_[0][0] >= target:
+            out.append((i, offset, n, -1))
+            continue
+        if open_:
+            w = heapq.heappop(open_)[1]
+        else:  # fits nowhere: fill the roomiest window, the rest goes back
+            w = heapq.heappop(parked)[1]
+            heapq.heappush(queue, (room[w] - n, i, offset + room[w]))
+            n = room[w]
+        out.append((i, offset, n, w))
+        room[w] -= n
+        load[w] += weight(n, density)
+        if room[w]:
+            heapq.heappush(open_, (load[w], w))
+    return out
+
+
+def fill(doc: np.ndarray, start: np.ndarray, length: np.ndarray, room: np.ndarray,
+         load: np.ndarray) -> tuple[np.ndarray, ...]:  # fmt: skip
+    """The short pieces poured into the windows' remaining room, shortest first into the most
+    loaded window, cut where a window is full: (window, doc, start, length) arrays."""
+    by_load = np.lexsort((np.arange(load.size), -load))
+    ends = np.cumsum(length)
+    bounds = np.cumsum(room[by_load])  # where each window's room ends, in the short pieces' tokens
+    cuts = np.union1d(ends, bounds[bounds > 0])  # a window with no room left takes nothing
+    seg_start = np.concatenate(([0], cuts))[:-1]
+    piece = np.searchsorted(ends, seg_start, side="right")
+    offset = seg_start - (ends - length)[piece]
+    win = by_load[np.searchsorted(bounds, seg_start, side="right")]
+    return win, doc[piece], start[piece] + offset, cuts - seg_start
 
 
 def balance_step(
@@ -110,7 +193,8 @@ def balance_step(
     max_imbalance: float | None = 1.05,
 ) -> list[list[list[Piece]]]:
     """The step's documents (stream order, summing to dp * micro * window tokens) as pieces in
-    windows `[dp rank][micro step]`, each exactly `window` tokens, every token once."""
+    windows `[dp rank][micro step]`, each exactly `window` tokens, every token once, pieces of a
+    window ordered by (doc, start)."""
     lens = np.asarray(doc_lens, dtype=np.int64)
     n_windows = dp * micro
     if dp < 1 or micro < 1 or window < 1:
@@ -120,74 +204,44 @@ def balance_step(
     if int(lens.sum()) != n_windows * window:
         raise ValueError(f"the step's documents hold {int(lens.sum())} tokens, not dp x micro x window = "
                          f"{n_windows * window}")  # fmt: skip
-    # The capped piece's window also takes short documents: aim the cap at half the tolerance.
-    cap = window if max_imbalance is None else length_cap(lens, n_windows, window, cost, (1 + max_imbalance) / 2)
+    aim = None if max_imbalance is None else 1 + CAP_SHARE * (max_imbalance - 1)
+    cap = window if aim is None else length_cap(lens, n_windows, window, cost, aim)
 
-    windows: list[list[Piece]] = [[] for _ in range(n_windows)]
-    room = np.full(n_windows, window, dtype=np.int64)
-    pairs = np.zeros(n_windows, dtype=np.float64)
+    # 1. Cut: pieces of at most `cap` tokens, longest first.
+    doc, start, length = cut_long(lens, cap)
+    order = np.argsort(-length, kind="stable")
+    pairs = length[order] * (length[order] + 1) / 2
+    suffix = np.cumsum(pairs[::-1])[::-1]  # pairs of the pieces from i on
+    enough = int(np.searchsorted(-suffix, -REST_SHARE * suffix[0]))
+    n_big = min(enough, GREEDY_PER_WINDOW * n_windows)
+    big, rest = order[:n_big], order[n_big:]
+    density = float((length[rest] * (length[rest] + 1) / 2).sum()) / max(int(length[rest].sum()), 1)
 
-    def put(w: int, piece: Piece) -> None:
-        windows[w].append(piece)
-        room[w] -= piece.length
-        pairs[w] += piece.length * (piece.length + 1) / 2
+    # 2. Long pieces: LPT with token capacities.
+    parts = np.array(lpt(length[big].tolist(), density, n_windows, window), dtype=np.int64).reshape(-1, 4)
+    p_doc, p_start, p_len = doc[big][parts[:, 0]], start[big][parts[:, 0]] + parts[:, 1], parts[:, 2]
+    placed, p_win = parts[:, 3] >= 0, parts[:, 3]
+    short = [np.concatenate((c[~placed], c_rest[rest])) for c, c_rest in ((p_doc, doc), (p_start, start),
+                                                                         (p_len, length))]  # fmt: skip
+    p_doc, p_start, p_len, p_win = p_doc[placed], p_start[placed], p_len[placed], p_win[placed]
+    load = np.bincount(p_win, weight(p_len, density), n_windows)
 
-    # 1. Documents longer than the cap: equal pieces of at most `cap` tokens.
-    pieces: list[Piece] = []
-    for doc in np.flatnonzero(lens > cap).tolist():
-        n = int(lens[doc])
-        k = -(-n // cap)
-        bounds = [n * i // k for i in range(k + 1)]
-        pieces += [Piece(doc, a, b - a) for a, b in zip(bounds, bounds[1:])]
-    short = np.flatnonzero(lens <= cap)
-
-    # 2. The longest pieces, one by one, into the cheapest window with room (LPT).
-    order = np.argsort(-lens[short], kind="stable")
-    sorted_lens = lens[short][order].astype(np.float64)
-    suffix = np.cumsum((sorted_lens * (sorted_lens + 1) / 2)[::-1])[::-1]  # pairs of the pieces from i on
-    enough = int(np.searchsorted(-suffix, -REST_SHARE * suffix[0])) if len(short) else 0
-    n_greedy = max(0, min(enough, GREEDY_PER_WINDOW * n_windows - len(pieces)))
-    greedy = pieces + [Piece(int(d), 0, int(lens[d])) for d in short[order[:n_greedy]]]
-    queue = [(-p.length, i, p) for i, p in enumerate(greedy)]
-    heapq.heapify(queue)
-    while queue:
-        _, tie, piece = heapq.heappop(queue)
-        fits = room >= piece.length
-        if fits.any():
-            put(int(np.argmin(np.where(fits, pairs, np.inf))), piece)
-            continue
-        w = int(np.argmax(room))  # fits nowhere: fill the roomiest window, the rest goes back
-        head = int(room[w])
-        put(w, Piece(piece.doc, piece.start, head))
-        rest = Piece(piece.doc, piece.start + head, piece.length - head)
-        heapq.heappush(queue, (-rest.length, tie, rest))
-
-    # 3. The short rest, in stream order, into the remaining room, cut where a window is full.
-    rest = np.sort(short[order[n_greedy:]])
-    if rest.size:
-        ends = np.cumsum(lens[rest])
-        starts = ends - lens[rest]
-        bounds = np.cumsum(room)  # where each window's remaining room ends, in the rest's tokens
-        first = np.searchsorted(bounds, starts, side="right")
-        last = np.searchsorted(bounds, ends - 1, side="right")
-        for doc, a, b, w, w_last in zip(rest.tolist(), starts.tolist(), ends.tolist(), first.tolist(),
-                                        last.tolist()):  # fmt: skip
-            if w == w_last:
-                windows[w].append(Piece(doc, 0, b - a))
-                continue
-            offset = a
-            while offset < b:  # crosses a window end: cut there
-                take = min(b, int(bounds[w])) - offset
-                if take:  # a window with no room left is passed over
-                    windows[w].append(Piece(doc, offset - a, take))
-                offset, w = offset + take, w + 1
-        room[:] = 0
+    # 3. Short pieces fill the rest of the room, the shortest where the load is highest.
+    room = window - np.bincount(p_win, p_len, n_windows).astype(np.int64)
+    shortest = np.lexsort((short[1], short[0], short[2]))
+    f_win, f_doc, f_start, f_len = fill(*(c[shortest] for c in short), room, load)
+    win = np.concatenate((p_win, f_win))
+    cols = [np.concatenate(c) for c in ((p_doc, f_doc), (p_start, f_start), (p_len, f_len))]
+    order = np.lexsort((cols[1], cols[0], win))
+    pieces = list(map(Piece._make, zip(*(c[order].tolist() for c in cols))))
+    bounds = np.cumsum(np.bincount(win, minlength=n_windows)).tolist()
+    windows = [pieces[a:b] for a, b in zip([0] + bounds, bounds)]
 
     # 4. Most expensive windows first, snaking over the ranks micro step by micro step.
-    costs = [cost([p.length for p in w]) for w in windows]
-    ranked = sorted(range(n_windows), key=lambda w: (-costs[w], w))
+    w_pairs = np.bincount(win, cols[2] * (cols[2] + 1) / 2, n_windows)
+    ranked = np.lexsort((np.arange(n_windows), -w_pairs)).tolist()
     out: list[list[list[Piece]]] = [[[] for _ in range(micro)] for _ in range(dp)]
     for k, w in enumerate(ranked):
         m, r = divmod(k, dp)
-        out[r if m % 2 == 0 else dp - 1 - r][m] = sorted(windows[w])
+        out[r if m % 2 == 0 else dp - 1 - r][m] = windows[w]
     return out
