@@ -173,11 +173,14 @@ def _launch(cfg: dict, path: Path, nproc: int, nnodes: int, on_gpu: bool, overri
         print(f"flashcp: {e.sigval.name}: the ranks were stopped without a checkpoint", flush=True)
         return 128 + e.sigval
     except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
         if stop.forced:
             print(f"flashcp: ranks killed on {stop.forced}: no checkpoint at this step; full logs: {log_dir}",
                   file=sys.stderr)  # fmt: skip
             return 128 + stop.signum
-        rank, failure = e.get_first_failure()
+        if stop.signum and failure.exitcode == -signal.SIGTERM:  # a rank not yet catching signals
+            print(f"flashcp: {signal.Signals(stop.signum).name} while the ranks started: nothing saved", flush=True)
+            return 128 + stop.signum
         message = failure.message  # a dict when train.py recorded its reason in the error file
         detail = message if isinstance(message, str) else message.get("message", "")
         if failure.exitcode == 2:  # a job error train.py already explained in one line

@@ -12,10 +12,12 @@ included, and the launcher forwards its own copy too).
 
 Launcher (`ForwardStop`): torchelastic's own handling raises in its agent, forwards the signal and
 SIGKILLs the ranks after a grace period, then reports the run as interrupted whatever the ranks
-did. Instead the launcher forwards the signal itself and lets the agent keep watching: ranks that
-saved and exited 0 make a successful run (exit 0), a rank that failed during the save is reported
-as a failure, ranks still running `timeout_s` after the signal are killed, and a second SIGINT
-kills them at once (a rank blocked in a collective could not run its own handler).
+did. Instead the launcher sends the ranks SIGTERM itself (for a Ctrl-C too: a SIGINT reaching a
+rank still starting Python prints a KeyboardInterrupt traceback, a SIGTERM ends it quietly) and
+lets the agent keep watching: ranks that saved and exited 0 make a successful run (exit 0), a
+rank that failed during the save is reported as a failure, ranks still running `timeout_s` after
+the signal are killed, and a second SIGINT kills them at once (a rank blocked in a collective
+could not run its own handler).
 """
 
 from __future__ import annotations
@@ -115,7 +117,7 @@ class ForwardStop:
         ranks = self.ranks()
         if not ranks:  # the ranks are not started yet: nothing to save
             raise KeyboardInterrupt
-        _signal_groups(ranks, signum)
+        _signal_groups(ranks, signal.SIGTERM)
         _say(f"flashcp: {name}: the ranks stop after their next step and save a checkpoint "
              f"(up to {self.timeout_s:g} s, FLASHCP_STOP_TIMEOUT); Ctrl-C again to stop at once")  # fmt: skip
         self._timer = threading.Timer(self.timeout_s, self._kill, [f"FLASHCP_STOP_TIMEOUT = {self.timeout_s:g} s"])

@@ -100,6 +100,17 @@ class FlashCPTrainer(Trainer):
             self.dataloader.loader.dispatch_with(self._dispatch)
         self.stop_request.connect()
         self.checkpointer.on_restore = self._after_restore
+        self._load_schedule = self.lr_schedulers.load_state_dict
+        self.lr_schedulers.load_state_dict = self._load_schedule_before_the_end
+
+    def _load_schedule_before_the_end(self, state: dict[str, Any]) -> None:
+        """Restore the lr scheduler's step unless it is past `training.steps` (refused in _after_restore).
+
+        Past the end TorchTitan's schedule cannot be evaluated (with no decay steps it asserts),
+        which the checkpoint loader would report as a damaged checkpoint.
+        """
+        if state["last_epoch"] <= self.config.training.steps:
+            self._load_schedule(state)
 
     def _after_restore(self) -> None:
         """Called once a checkpoint has been loaded (self.step is its step).

@@ -22,7 +22,7 @@ from harness import single_rank, tiny_job, train
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from flashcp.titan.checkpoint import CheckpointError
-from flashcp.titan.preemption import ForwardStop, StopRequest
+from flashcp.titan.preemption import child_pids, ForwardStop, StopRequest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -118,6 +118,8 @@ def test_a_run_restored_past_its_steps_is_an_error_and_at_its_end_says_complete(
     run_trainer(job(tmp_path, 4))
     with pytest.raises(CheckpointError, match=r"restored is at step 4, past \[training\] steps = 3: nothing to train"):
         run_trainer(job(tmp_path, 3))
+    with pytest.raises(CheckpointError, match=r"restored is at step 4, past \[training\] steps = 1: nothing to train"):
+        run_trainer(job(tmp_path, 1))  # a schedule of warmup only: TorchTitan cannot evaluate it past its end
     assert run_trainer(job(tmp_path, 4)).applied == {}
     assert "the run is already complete (restored step 4 = [training] steps)" in caplog.text
 
@@ -319,6 +321,22 @@ def test_a_signal_to_the_launcher_saves_and_exits_zero(tmp_path, signum):
             f"error: CheckpointError: the checkpoint restored is at step {step}, past [training] steps = {step - 1}: "
             "nothing to train; raise training.steps to continue this run (or pick checkpoint.load_step)"
         )
+
+
+def test_ctrl_c_while_the_ranks_start_ends_the_launch_without_a_traceback(tmp_path):
+    launcher = launch(tmp_path / "out", "--training.steps", "100000")
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and not child_pids(launcher.pid):
+            time.sleep(0.05)
+        os.killpg(launcher.pid, signal.SIGINT)  # the ranks are still importing torch
+        out, err = launcher.communicate(timeout=300)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 128 + signal.SIGINT, out[-3000:] + err[-3000:]
+    assert "flashcp: SIGINT while the ranks started: nothing saved" in out
+    assert "Traceback" not in out + err
 
 
 # ---------------------------------------------------------------- TensorBoard
