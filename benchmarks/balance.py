@@ -58,14 +58,15 @@ def ratio(per_group: list[float]) -> float:
 def run(distribution: str, context: int, dp: int, cp: int, n_steps: int, micro: int, seed: int) -> dict:
     cost = WindowCost.llama(LLAMA3_8B["params"], LLAMA3_8B["dim"], LLAMA3_8B["n_layers"], cp)
     stream = steps(length_sampler(distribution, seed=seed), dp * micro * context)
-    off, balanced, plan_ms, cut, kept = [], [], [], [], []
+    off, balanced, plan_ms, cpu_ms, cut, kept = [], [], [], [], [], []
     for _ in range(n_steps):
         lens = next(stream)
         seq = stream_windows(lens, context)
         off.append(ratio([sum(planned_cost(seq[m * dp + r], cost) for m in range(micro)) for r in range(dp)]))
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         windows = balance_step(lens, dp, micro, context, cost)
         plan_ms.append((time.perf_counter() - start) * 1e3)
+        cpu_ms.append((time.process_time() - cpu) * 1e3)
         groups = [[[p.length for p in w] for w in rank] for rank in windows]
         balanced.append(ratio([sum(planned_cost(w, cost) for w in rank) for rank in groups]))
         pieces = sum(len(w) for rank in groups for w in rank)
@@ -80,6 +81,7 @@ def run(distribution: str, context: int, dp: int, cp: int, n_steps: int, micro: 
         "off": summary(off),
         "balanced": summary(balanced),
         "plan_ms": {"p50": float(np.percentile(plan_ms, 50)), "p99": float(np.percentile(plan_ms, 99))},
+        "plan_cpu_ms": {"p50": float(np.percentile(cpu_ms, 50)), "p99": float(np.percentile(cpu_ms, 99))},
         "cuts_per_step": float(np.mean(cut)),
         "attention_pairs_kept_vs_off": float(np.mean(kept)),
         "setting": {"distribution": distribution, "context": context, "dp": dp, "cp": cp, "micro": micro,

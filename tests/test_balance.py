@@ -10,13 +10,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flashcp.data.balance import balance_step, length_cap, Piece, stream_windows, WindowCost
+from flashcp.data.balance import balance_step, cut_long, length_cap, Piece, stream_windows, WindowCost
 from flashcp.data.lengths import length_sampler
 
 COST = WindowCost.llama(8.03e9, 4096, 32, cp=8)
 
 
-def check_cover(doc_lens: list[int], windows: list[list[list[Piece]]], dp: int, micro: int, window: int) -> None:
+def check_cover(doc_lens: list[int], windows: list[list[list[Piece]]], dp: int, micro: int,
+                window: int) -> None:  # fmt: skip
     assert len(windows) == dp and all(len(rank) == micro for rank in windows)
     covered = defaultdict(list)
     for rank in windows:
@@ -86,7 +87,8 @@ def spread(groups: list[list[list[int]]]) -> float:
     return max(costs) / np.mean(costs)
 
 
-@pytest.mark.parametrize("name, context, dp", [("wlbllm", 131072, 8), ("pile", 131072, 64), ("wlbllm", 524288, 8)])
+@pytest.mark.parametrize("name, context, dp", [("wlbllm", 131072, 8), ("pile", 131072, 64),
+                                               ("wlbllm", 524288, 8)])  # fmt: skip
 def test_balanced_groups_are_close_to_the_mean_where_stream_order_is_not(name, context, dp):
     lens = sampled_step(name, dp * context, seed=1)
     stream = [[w] for w in stream_windows(lens, context)]
@@ -105,3 +107,50 @@ def test_the_cap_cuts_only_documents_that_would_dominate_a_window():
     assert max(p.length for rank in capped for w in rank for p in w if p.doc == 0) <= cap
     short_cuts = sum(1 for rank in capped for w in rank for p in w if p.doc != 0 and p.length < 1024)
     assert short_cuts <= 2 * 8  # short documents are cut only where a window ends
+
+
+def test_a_long_document_is_cut_into_cap_long_pieces_from_its_head_and_one_rest():
+    doc, start, length = cut_long(np.array([10, 25, 3, 16]), 8)
+    assert doc.tolist() == [0, 0, 1, 1, 1, 1, 2, 3, 3]
+    assert start.tolist() == [0, 8, 0, 8, 16, 24, 0, 0, 8]
+    assert length.tolist() == [8, 2, 8, 8, 8, 1, 3, 8, 8]
+
+
+def window_of(out: list[list[list[Piece]]], doc: int) -> list[Piece]:
+    return next(w for rank in out for w in rank if any(p.doc == doc for p in w))
+
+
+def test_the_window_of_a_capped_piece_takes_the_shortest_documents():
+    rng = np.random.default_rng(0)
+    window, dp = 16384, 4
+    lens = [window]
+    while sum(lens) < dp * window:
+        lens.append(min(int(rng.integers(1, 2000)), dp * window - sum(lens)))
+    out = balance_step(lens, dp, 1, window, COST)
+    heavy = window_of(out, 0)
+    others = [p.length for p in heavy if p.doc != 0]
+    assert np.mean(others) < 0.5 * np.mean(lens[1:])
+
+
+def consecutive_steps(name: str, tokens: int, n: int, seed: int = 0) -> list[list[int]]:
+    """`n` steps of documents in stream order (the benchmark's stream: the last one of a step cut)."""
+    sampler, buf, out = length_sampler(name, seed=seed), [], []
+    for _ in range(n):
+        lens, total = [], 0
+        while total < tokens:
+            if not buf:
+                buf = sampler.sample(4096).tolist()
+            lens.append(min(buf.pop(0), tokens - total))
+            total += lens[-1]
+        out.append(lens)
+    return out
+
+
+@pytest.mark.parametrize("name, context, dp, micro", [("wlbllm", 524288, 8, 1), ("pile", 524288, 8, 1),
+                                                     ("wlbllm", 131072, 4, 4)])  # fmt: skip
+def test_typical_steps_stay_within_the_tolerance_with_micro_batches_balanced_too(name, context, dp, micro):
+    for lens in consecutive_steps(name, dp * micro * context, 10):
+        out = balance_step(lens, dp, micro, context, COST)
+        costs = np.array([[COST([p.length for p in w]) for w in rank] for rank in out])  # [rank, micro]
+        assert costs.sum(1).max() <= 1.05 * costs.sum(1).mean()  # every rank's step
+        assert costs.max(0).sum() <= 1.05 * costs.mean(0).sum()  # the slowest rank at each micro step

@@ -223,7 +223,8 @@ def pack(lens: np.ndarray, cap: int, n_windows: int, window: int) -> tuple[np.nd
     load = np.bincount(p_win, p_len * (p_len + 1) / 2, n_windows) + density * room
     shortest = np.lexsort((short[1], short[0], short[2]))
     f_win, f_doc, f_start, f_len = fill(*(c[shortest] for c in short), room, load)
-    return tuple(np.concatenate(c) for c in ((p_win, f_win), (p_doc, f_doc), (p_start, f_start), (p_len, f_len)))
+    pairs_of = ((p_win, f_win), (p_doc, f_doc), (p_start, f_start), (p_len, f_len))
+    return tuple(np.concatenate(c) for c in pairs_of)
 
 
 def balance_step(
