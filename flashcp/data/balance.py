@@ -35,6 +35,7 @@ index), so no communication is needed: 4-40 ms for a DP = 64 step on one core.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from collections.abc import Sequence
@@ -150,7 +151,7 @@ def lpt(lengths: list[int], density: float, n_windows: int, window: int) -> list
     (window -1), so that a window made heavy by one long piece is filled with the shortest ones.
     Returns (piece, offset, length, window) parts."""
     room, load = [window] * n_windows, [0.0] * n_windows
-    target = sum(weight(n, density) for n in lengths) / n_windows
+    target = float(weight(np.asarray(lengths, dtype=np.float64), density).sum()) / n_windows
     open_ = [(0.0, w) for w in range(n_windows)]  # (load, window) of windows with room for the piece
     parked: list[tuple[int, int]] = []  # (-room, window) of windows too full for it (pieces only shrink)
     queue = [(-n, i, 0) for i, n in enumerate(lengths)]  # already a heap: lengths are sorted
@@ -268,7 +269,8 @@ def balance_step(
 
     # 4. Most expensive windows first, snaking over the ranks micro step by micro step.
     order = np.lexsort((start, doc, win))
-    pieces = list(map(Piece._make, zip(doc[order].tolist(), start[order].tolist(), length[order].tolist())))
+    make = functools.partial(tuple.__new__, Piece)  # Piece._make without its Python-level call
+    pieces = list(map(make, zip(doc[order].tolist(), start[order].tolist(), length[order].tolist())))
     bounds = np.cumsum(np.bincount(win, minlength=n_windows)).tolist()
     windows = [pieces[a:b] for a, b in zip([0] + bounds, bounds)]
     w_pairs = np.bincount(win, length * (length + 1) / 2, n_windows)
