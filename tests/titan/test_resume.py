@@ -323,14 +323,23 @@ def test_a_signal_to_the_launcher_saves_and_exits_zero(tmp_path, signum):
         )
 
 
+def cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:  # it ended meanwhile
+        return b""
+
+
 def test_ctrl_c_while_the_ranks_start_ends_the_launch_without_a_traceback(tmp_path):
     launcher = launch(tmp_path / "out", "--training.steps", "100000")
     try:
+        first = launcher.stdout.readline()  # printed just before torchrun starts
         deadline = time.monotonic() + 180
-        while time.monotonic() < deadline and not child_pids(launcher.pid):
-            time.sleep(0.05)
+        while time.monotonic() < deadline and not any(b"train.py" in cmdline(p) for p in child_pids(launcher.pid)):
+            time.sleep(0.02)
         os.killpg(launcher.pid, signal.SIGINT)  # the ranks are still importing torch
         out, err = launcher.communicate(timeout=300)
+        out = first + out
     finally:
         if launcher.poll() is None:
             launcher.kill()
