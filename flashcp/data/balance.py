@@ -118,7 +118,10 @@ def length_cap(lens: np.ndarray, n_windows: int, window: int, cost: WindowCost, 
         n_capped = min(int(full.sum()), n_windows)
         lo, hi = np.searchsorted(tokens, [(n_capped - 1) * (window - cap), n_capped * (window - cap)])
         lo, hi = min(int(lo), lens.size - 1), min(int(hi), lens.size - 1)
-        density = float((pairs_upto[hi] - pairs_upto[lo] + 1) / (tokens[hi] - tokens[lo] + 1))
+        if hi > lo:
+            density = float((pairs_upto[hi] - pairs_upto[lo]) / (tokens[hi] - tokens[lo]))
+        else:  # one document spans it
+            density = float((ascending[hi] + 1) / 2)
         # the largest cap with cap (cap + 1) / 2 + density (window - cap) <= room
         b = 0.5 - density
         new = int(min(window, max(1, -b + math.sqrt(max(b * b - 2 * (density * window - room), 0)))))
@@ -128,7 +131,7 @@ def length_cap(lens: np.ndarray, n_windows: int, window: int, cost: WindowCost, 
     return cap
 
 
-def weight(n, density: float):
+def weight(n: int | np.ndarray, density: float) -> float | np.ndarray:
     """A long piece's load on its window: its attended pairs net of those of the short pieces it
     displaces (`density` pairs per token), since every window ends up full."""
     return n * (n + 1) / 2 - density * n
@@ -224,8 +227,8 @@ def pack(lens: np.ndarray, cap: int, n_windows: int, window: int) -> tuple[np.nd
     load = np.bincount(p_win, p_len * (p_len + 1) / 2, n_windows) + density * room
     shortest = np.lexsort((short[1], short[0], short[2]))
     f_win, f_doc, f_start, f_len = fill(*(c[shortest] for c in short), room, load)
-    pairs_of = ((p_win, f_win), (p_doc, f_doc), (p_start, f_start), (p_len, f_len))
-    return tuple(np.concatenate(c) for c in pairs_of)
+    columns = ((p_win, f_win), (p_doc, f_doc), (p_start, f_start), (p_len, f_len))
+    return tuple(np.concatenate(c) for c in columns)
 
 
 def balance_step(
