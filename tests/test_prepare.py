@@ -1,53 +1,124 @@
 """`python -m flashcp.data.prepare`: a token store that round-trips the corpus, is the same for any
-number of workers, is never left half-written or overwritten, and whose reader refuses bad stores."""
+number of workers, streams with bounded memory, is never left half-written or overwritten, records
+what it was made from, and reports bad input in one line."""
 
 from __future__ import annotations
 
 import json
+import multiprocessing
+import os
 import subprocess
 import sys
+import tracemalloc
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from flashcp.data import prepare as prep
-from flashcp.data.store import is_store, open_store, StoreError
+from flashcp.data.store import file_fingerprint, is_store, open_store, StoreError
 from flashcp.titan.sources import DEFAULT_TOKENIZER
 from flashcp.titan.tokenizer import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
-TEXTS = [f"Document {i}: " + "word " * (i % 37) for i in range(700)] + ["", "last one"]
+TEXTS = [f"Document {i}: " + "wörd " * (i % 37) for i in range(700)] + ["", "last one"]
 
 
-def corpus(tmp_path: Path, texts: list[str] = TEXTS) -> Path:
-    path = tmp_path / "corpus" / "docs.jsonl"
+def corpus(folder: Path, texts: list[str] = TEXTS, field: str = "text") -> Path:
+    path = folder / "corpus" / "docs.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    path.write_text("".join(json.dumps({field: t}) + "\n" for t in texts))
     return path
 
 
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flashcp.data.prepare", *args], capture_output=True, text=True,
+                          cwd=ROOT)  # fmt: skip
+
+
 def test_the_store_round_trips_the_corpus_in_order(tmp_path):
-    out = prep.prepare(str(corpus(tmp_path)), "default", tmp_path / "store", progress=False)
-    store = open_store(out)
+    source = corpus(tmp_path)
+    store = open_store(prep.prepare(str(source), "default", tmp_path / "store", progress=False))
     tok = load_tokenizer(DEFAULT_TOKENIZER)
-    expected = [tok.encode(t) for t in TEXTS if t]  # the empty document is not stored
-    assert store.n_docs == len(expected) == len(store.lengths)
-    assert all(store.document(i).tolist() == ids for i, ids in enumerate(expected))
-    assert store.lengths.tolist() == [len(ids) for ids in expected]  # raw: no BOS / EOS
-    assert store.manifest["tokenizer"]["vocab_size"] == tok.vocab_size and store.manifest["dtype"] == "uint16"
-    assert is_store(out)
+    kept = [t for t in TEXTS if t]  # the empty document is not stored
+    assert store.n_docs == len(kept) and store.n_tokens == int(store.lengths.sum())
+    assert [tok.decode(store.document(i).tolist()) for i in range(store.n_docs)] == kept
+    assert store.lengths.tolist() == [len(tok.encode(t)) for t in kept]  # raw: no BOS / EOS stored
+    assert tok.bos_id not in store.tokens(0, store.n_tokens) and tok.eos_id not in store.tokens(0, store.n_tokens)
+    m = store.manifest
+    assert (m["n_docs"], m["n_tokens"], m["dtype"]) == (store.n_docs, store.n_tokens, "uint16")
+    assert m["tokenizer"] == {"fingerprint": file_fingerprint(DEFAULT_TOKENIZER), "vocab_size": tok.vocab_size,
+                              "bos_id": tok.bos_id, "eos_id": tok.eos_id, "name": "tokenizer.json"}  # fmt: skip
+    assert m["source"]["files"] == [{"name": "docs.jsonl", "size": source.stat().st_size,
+                                     "sha256": file_fingerprint(source)}]  # fmt: skip
+    assert (m["source"]["text_field"], m["source"]["txt_sample_by"]) == ("text", "document") and m["created"]
+    assert is_store(store.path) and not list(tmp_path.glob("store.partial-*"))
 
 
-def test_two_workers_write_the_same_bytes_as_one(tmp_path):
+def test_text_field_and_txt_paragraphs(tmp_path):
+    tok = load_tokenizer(DEFAULT_TOKENIZER)
+    store = open_store(prep.prepare(str(corpus(tmp_path, ["a b", "c"], field="body")), "default", tmp_path / "j",
+                                    text_field="body", progress=False))  # fmt: skip
+    assert [tok.decode(store.document(i).tolist()) for i in range(store.n_docs)] == ["a b", "c"]
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "book.txt").write_text("first paragraph\nstill first\n\nsecond\n")
+    store = open_store(prep.prepare(str(tmp_path / "t"), "default", tmp_path / "p", txt_sample_by="paragraph",
+                                    progress=False))  # fmt: skip
+    assert store.n_docs == 2 and store.manifest["source"]["txt_sample_by"] == "paragraph"
+
+
+def test_two_workers_write_the_same_store_as_one(tmp_path, monkeypatch):
+    monkeypatch.setattr(prep, "CHUNK_DOCS", 16)  # many chunks, so the order of results matters
     source = str(corpus(tmp_path))
     one = prep.prepare(source, "default", tmp_path / "one", workers=1, progress=False)
     two = prep.prepare(source, "default", tmp_path / "two", workers=2, progress=False)
+    assert sorted(p.name for p in one.iterdir()) == sorted(p.name for p in two.iterdir())
     for name in ("tokens.bin", "offsets.npy"):
         assert (one / name).read_bytes() == (two / name).read_bytes()
+    manifests = [{**json.loads((d / "manifest.json").read_text()), "created": None} for d in (one, two)]
+    assert manifests[0] == manifests[1]
 
 
-def test_an_interrupted_prepare_leaves_nothing_that_opens_and_a_rerun_works(tmp_path, monkeypatch):
-    source, out = str(corpus(tmp_path)), tmp_path / "store"
+def test_ordered_imap_keeps_order_with_a_bounded_window():
+    pulled = []
+
+    def items():
+        for i in range(40):
+            pulled.append(i)
+            yield list(range(i % 7))
+
+    with multiprocessing.get_context("spawn").Pool(2) as pool:
+        results = []
+        for result in prep.ordered_imap(pool, len, items(), window=3):
+            results.append(result)
+            assert len(pulled) - len(results) <= 3  # never more than the window read ahead
+    assert results == [i % 7 for i in range(40)]
+
+
+def test_memory_stays_bounded_by_the_chunks_in_flight(tmp_path, monkeypatch):
+    """Tokenising and writing hold a few chunks, not the corpus: the traced peak of that phase is a
+    small fraction of what the corpus's token lists would take."""
+    texts = [f"{i} " + "plenty of words in a long document " * 60 for i in range(3000)]  # 6.4 MB of text
+    source = str(corpus(tmp_path, texts))
+    monkeypatch.setattr(prep, "CHUNK_DOCS", 32)
+    peaks = []
+    write = prep._write
+
+    def traced(*args):
+        tracemalloc.start()
+        try:
+            return write(*args)
+        finally:
+            peaks.append(tracemalloc.get_traced_memory()[1])
+            tracemalloc.stop()
+
+    monkeypatch.setattr(prep, "_write", traced)
+    store = open_store(prep.prepare(source, "default", tmp_path / "store", workers=2, progress=False))
+    whole = store.n_tokens * 36  # a Python list of all the ids: 8-byte pointer + 28-byte int each
+    assert whole > 40e6 and peaks[0] < whole / 10, (peaks, whole)
+
+
+def test_an_exception_mid_way_leaves_nothing(tmp_path, monkeypatch):
     calls = []
 
     def dying(texts):
@@ -58,67 +129,92 @@ def test_an_interrupted_prepare_leaves_nothing_that_opens_and_a_rerun_works(tmp_
 
     monkeypatch.setattr(prep, "_encode", dying)
     with pytest.raises(KeyboardInterrupt):
-        prep.prepare(source, "default", out, progress=False)
-    assert not out.exists() and not list(tmp_path.glob("store.partial-*"))
-    monkeypatch.undo()
-    leftover = tmp_path / "store.partial-999999"  # as a SIGKILLed prepare would leave it
-    leftover.mkdir()
-    (leftover / "tokens.bin").write_bytes(b"\0" * 10)
+        prep.prepare(str(corpus(tmp_path)), "default", tmp_path / "store", progress=False)
+    assert len(calls) == 2 and sorted(p.name for p in tmp_path.iterdir()) == ["corpus"]
+
+
+KILLED_MID_WAY = """
+import os, signal, sys
+from flashcp.data import prepare as prep
+calls = []
+def encode(texts):
+    calls.append(1)
+    if len(calls) == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return prep._tokenizer.encode_batch(texts)
+prep._encode = encode
+prep.prepare(sys.argv[1], "default", sys.argv[2], progress=False)
+"""
+
+
+def test_a_killed_prepare_leaves_a_partial_folder_that_never_opens_and_a_rerun_works(tmp_path):
+    source, out = str(corpus(tmp_path)), tmp_path / "store"
+    killed = subprocess.run([sys.executable, "-c", KILLED_MID_WAY, source, str(out)], cwd=ROOT, capture_output=True)
+    assert killed.returncode == -9
+    (partial,) = tmp_path.glob("store.partial-*")
+    assert (partial / "tokens.bin").exists() and not out.exists() and not is_store(partial)
     with pytest.raises(StoreError, match="no manifest.json"):
-        open_store(leftover)
+        open_store(partial)
+    live = tmp_path / f"store.partial-{os.getppid()}"  # another prepare, still running
+    live.mkdir()
     assert open_store(prep.prepare(source, "default", out, progress=False)).n_docs == len(TEXTS) - 1
-    assert not leftover.exists()
+    assert not partial.exists() and live.exists()
 
 
 def test_an_existing_store_is_never_overwritten(tmp_path):
     source = str(corpus(tmp_path))
     out = prep.prepare(source, "default", tmp_path / "store", progress=False)
-    before = (out / "tokens.bin").read_bytes()
-    result = subprocess.run(
-        [sys.executable, "-m", "flashcp.data.prepare", source, "--tokenizer", "default", "--out", str(out)],
-        capture_output=True, text=True, cwd=ROOT,
-    )  # fmt: skip
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    result = cli(source, "--tokenizer", "default", "--out", str(out))
     assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == [f"error: {out} already exists; a store is never overwritten "
-                                                  "(remove it or pick another --out)"]  # fmt: skip
-    assert (out / "tokens.bin").read_bytes() == before
+    assert result.stderr.splitlines() == [f"error: {out} already exists; a store is never overwritten "
+                                          "(remove it or pick another --out)"]  # fmt: skip
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
 def test_fingerprints_follow_the_source_and_the_tokenizer(tmp_path):
-    a = open_store(prep.prepare(str(corpus(tmp_path / "a")), "default", tmp_path / "sa", progress=False))
-    b = open_store(prep.prepare(str(corpus(tmp_path / "b", TEXTS[:-1] + ["changed"])), "default", tmp_path / "sb",
-                                progress=False))  # fmt: skip
-    assert a.manifest["source"]["fingerprint"] != b.manifest["source"]["fingerprint"]
-    assert a.manifest["tokenizer"]["fingerprint"] == b.manifest["tokenizer"]["fingerprint"]
+    def fingerprints(source: Path, tokenizer: str, name: str) -> tuple[str, str]:
+        m = open_store(prep.prepare(str(source), tokenizer, tmp_path / name, progress=False)).manifest
+        return m["source"]["fingerprint"], m["tokenizer"]["fingerprint"]
+
+    source = corpus(tmp_path / "a")
+    base = fingerprints(source, "default", "s0")
+    assert fingerprints(source, "default", "s1") == base  # deterministic
+    source.write_text(source.read_text().replace("last one", "last two"))  # same size, other content
+    changed = fingerprints(source, "default", "s2")
+    assert changed[0] != base[0] and changed[1] == base[1]
+    source.rename(source.with_name("renamed.jsonl"))
+    assert fingerprints(source.with_name("renamed.jsonl"), "default", "s3")[0] not in (base[0], changed[0])
     other = tmp_path / "other.json"  # the same tokenizer with one merge rule less is another tokenizer
     spec = json.loads(DEFAULT_TOKENIZER.read_text())
     spec["model"]["merges"] = spec["model"]["merges"][:-1]
     other.write_text(json.dumps(spec))
-    c = open_store(prep.prepare(str(corpus(tmp_path / "a")), str(other), tmp_path / "sc", progress=False))
-    assert c.manifest["tokenizer"]["fingerprint"] != a.manifest["tokenizer"]["fingerprint"]
+    assert fingerprints(source.with_name("renamed.jsonl"), str(other), "s4")[1] != base[1]
 
 
-def test_the_reader_refuses_inconsistent_stores(tmp_path):
-    out = prep.prepare(str(corpus(tmp_path)), "default", tmp_path / "store", progress=False)
-    with pytest.raises(StoreError, match="no such directory"):
-        open_store(tmp_path / "nowhere")
-    tokens = out / "tokens.bin"
-    tokens.write_bytes(tokens.read_bytes()[:-2])
-    with pytest.raises(StoreError, match=r"tokens.bin holds \d+ bytes, the manifest says \d+"):
-        open_store(out)
-    manifest = json.loads((out / "manifest.json").read_text())
-    (out / "manifest.json").write_text(json.dumps({**manifest, "version": 99}))
-    with pytest.raises(StoreError, match=r"99\), expected 'flashcp-token-store' version 1"):
-        open_store(out)
+def test_token_dtype_fits_the_vocabulary():
+    assert prep.token_dtype(4096) == np.uint16 and prep.token_dtype(1 << 16) == np.uint16
+    assert prep.token_dtype((1 << 16) + 1) == np.uint32 and prep.token_dtype(1 << 32) == np.uint32
+    with pytest.raises(StoreError, match="vocabulary of 4,294,967,297 ids does not fit the store's uint32"):
+        prep.token_dtype((1 << 32) + 1)
 
 
-def test_bad_input_is_one_line(tmp_path):
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"text": "ok"}\n{"text": oops}\n')
-    result = subprocess.run(
-        [sys.executable, "-m", "flashcp.data.prepare", str(bad), "--tokenizer", "default", "--out",
-         str(tmp_path / "s")], capture_output=True, text=True, cwd=ROOT,
-    )  # fmt: skip
+@pytest.mark.parametrize(
+    "content, tokenizer, message",
+    [
+        (b'{"text": "ok"}\n{"text": oops}\n', "default", "error: cannot read json data: {data}: line 2: not a JSON"),
+        (b'{"text": "ok"}\n{"text": "\xff"}\n', "default", "error: cannot read json data: {data}: line 2: not UTF-8"),
+        (b'{"body": "ok"}\n', "default", "error: {data} has no column 'text' (columns: ['body'])"),
+        (b'{"text": "ok"}\n', "{tmp}/bad.json", "error: cannot read tokenizer {tmp}/bad.json: "),
+        (b'{"text": "ok"}\n', "{tmp}/none.model", "error: tokenizer file not found: {tmp}/none.model"),
+    ],
+)
+def test_bad_input_is_one_line_naming_the_file(tmp_path, content, tokenizer, message):
+    data = tmp_path / "data.jsonl"
+    data.write_bytes(content)
+    (tmp_path / "bad.json").write_text("not a tokenizer")
+    result = cli(str(data), "--tokenizer", tokenizer.format(tmp=tmp_path), "--out", str(tmp_path / "s"))
     assert result.returncode == 2
-    assert result.stderr.strip().splitlines()[-1].startswith(f"error: cannot read json data: {bad}: line 2")
-    assert not (tmp_path / "s").exists()
+    assert len(result.stderr.splitlines()) == 1, result.stderr
+    assert result.stderr.startswith(message.format(data=data, tmp=tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.json", "data.jsonl"]

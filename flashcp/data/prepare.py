@@ -229,9 +229,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--text-field", default="text", help="column holding the text (.jsonl/.json/.parquet)")
     parser.add_argument("--txt-sample-by", default="document", choices=("document", "paragraph", "line"))
     args = parser.parse_args(argv)
+    import datasets
+
     from flashcp.titan.sources import DataError
     from flashcp.titan.tokenizer import TokenizerError
 
+    datasets.disable_progress_bars()  # this command's bar counts documents; an error stays one line
     try:
         out = prepare(args.source, args.tokenizer, args.out, args.workers, args.text_field, args.txt_sample_by)
     except (StoreError, DataError, TokenizerError, OSError) as e:
