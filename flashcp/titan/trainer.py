@@ -17,8 +17,9 @@ TorchTitan's; this subclass only changes how a batch reaches the model:
 
 Around the loop: on SIGTERM / SIGINT the ranks agree to stop at the next step boundary and save a
 checkpoint there (`flashcp.titan.preemption`); after a restore, the learning rate applied is the
-config's schedule at the restored step (the saved optimizer's rate was the old schedule's), and a
-run restored at or past `training.steps` says so instead of silently training nothing.
+config's schedule at the restored step (the saved optimizer's rate was the old schedule's), a run
+restored past `training.steps` is a job error and one restored at it says it is complete,
+instead of silently training nothing.
 
 With `model.attention` set to TorchTitan's flex attention instead, batches go through
 TorchTitan's own path (document positions, its block masks and its built-in CP), so both CP
@@ -85,9 +86,12 @@ class FlashCPTrainer(Trainer):
         self._restored_step: int | None = None
         try:
             super().__init__(config)
+            self._setup_flashcp(config)
         except BaseException:
             self.stop_request.close()
             raise
+
+    def _setup_flashcp(self, config: Config) -> None:
         self.flashcp = config.flashcp
         dims = self.parallel_dims
         if dims.cp_enabled:
