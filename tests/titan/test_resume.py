@@ -211,6 +211,7 @@ print("ready", flush=True)
 deadline = time.monotonic() + 60
 while time.monotonic() < deadline and not (got and sys.argv[1] == "obeys"):
     time.sleep(0.01)
+print(*got, flush=True)
 sys.exit(0 if got else 3)
 """
 
@@ -243,14 +244,15 @@ def forward(procs: list[subprocess.Popen], timeout_s: float) -> ForwardStop:
     return stop
 
 
-def test_the_launcher_forwards_the_stop_and_lets_the_ranks_finish(fake_ranks, capfd):
+def test_the_launcher_forwards_ctrl_c_as_sigterm_and_lets_the_ranks_finish(fake_ranks, capfd):
     procs = fake_ranks("obeys", "obeys")
     stop = forward(procs, 60)
-    os.kill(os.getpid(), signal.SIGTERM)
-    assert [p.wait(timeout=30) for p in procs] == [0, 0]
+    os.kill(os.getpid(), signal.SIGINT)
+    assert [p.communicate(timeout=30)[0] for p in procs] == [f"{int(signal.SIGTERM)}\n"] * 2
+    assert [p.returncode for p in procs] == [0, 0]
     stop.close()
-    assert stop.signum == signal.SIGTERM and stop.forced == ""
-    assert "flashcp: SIGTERM: the ranks stop after their next step and save a checkpoint" in capfd.readouterr().err
+    assert stop.signum == signal.SIGINT and stop.forced == ""
+    assert "flashcp: SIGINT: the ranks stop after their next step and save a checkpoint" in capfd.readouterr().err
 
 
 def test_a_second_ctrl_c_to_the_launcher_kills_the_ranks(fake_ranks):
