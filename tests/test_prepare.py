@@ -32,8 +32,8 @@ def corpus(folder: Path, texts: list[str] = TEXTS, field: str = "text") -> Path:
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "flashcp.data.prepare", *args], capture_output=True, text=True,
-                          cwd=ROOT)  # fmt: skip
+    command = [sys.executable, "-m", "flashcp.data.prepare", *args]
+    return subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
 
 
 def test_the_store_round_trips_the_corpus_in_order(tmp_path):
@@ -44,11 +44,17 @@ def test_the_store_round_trips_the_corpus_in_order(tmp_path):
     assert store.n_docs == len(kept) and store.n_tokens == int(store.lengths.sum())
     assert [tok.decode(store.document(i).tolist()) for i in range(store.n_docs)] == kept
     assert store.lengths.tolist() == [len(tok.encode(t)) for t in kept]  # raw: no BOS / EOS stored
-    assert tok.bos_id not in store.tokens(0, store.n_tokens) and tok.eos_id not in store.tokens(0, store.n_tokens)
+    every = store.tokens(0, store.n_tokens)
+    assert tok.bos_id not in every and tok.eos_id not in every
     m = store.manifest
     assert (m["n_docs"], m["n_tokens"], m["dtype"]) == (store.n_docs, store.n_tokens, "uint16")
-    assert m["tokenizer"] == {"fingerprint": file_fingerprint(DEFAULT_TOKENIZER), "vocab_size": tok.vocab_size,
-                              "bos_id": tok.bos_id, "eos_id": tok.eos_id, "name": "tokenizer.json"}  # fmt: skip
+    assert m["tokenizer"] == {
+        "fingerprint": file_fingerprint(DEFAULT_TOKENIZER),
+        "vocab_size": tok.vocab_size,
+        "bos_id": tok.bos_id,
+        "eos_id": tok.eos_id,
+        "name": "tokenizer.json",
+    }
     assert m["source"]["files"] == [{"name": "docs.jsonl", "size": source.stat().st_size,
                                      "sha256": file_fingerprint(source)}]  # fmt: skip
     assert (m["source"]["text_field"], m["source"]["txt_sample_by"]) == ("text", "document") and m["created"]
@@ -57,8 +63,9 @@ def test_the_store_round_trips_the_corpus_in_order(tmp_path):
 
 def test_text_field_and_txt_paragraphs(tmp_path):
     tok = load_tokenizer(DEFAULT_TOKENIZER)
-    store = open_store(prep.prepare(str(corpus(tmp_path, ["a b", "c"], field="body")), "default", tmp_path / "j",
-                                    text_field="body", progress=False))  # fmt: skip
+    source = corpus(tmp_path, ["a b", "c"], field="body")
+    out = prep.prepare(str(source), "default", tmp_path / "j", text_field="body", progress=False)
+    store = open_store(out)
     assert [tok.decode(store.document(i).tolist()) for i in range(store.n_docs)] == ["a b", "c"]
     (tmp_path / "t").mkdir()
     (tmp_path / "t" / "book.txt").write_text("first paragraph\nstill first\n\nsecond\n")
@@ -149,7 +156,8 @@ prep.prepare(sys.argv[1], "default", sys.argv[2], progress=False)
 
 def test_a_killed_prepare_leaves_a_partial_folder_that_never_opens_and_a_rerun_works(tmp_path):
     source, out = str(corpus(tmp_path)), tmp_path / "store"
-    killed = subprocess.run([sys.executable, "-c", KILLED_MID_WAY, source, str(out)], cwd=ROOT, capture_output=True)
+    command = [sys.executable, "-c", KILLED_MID_WAY, source, str(out)]
+    killed = subprocess.run(command, cwd=ROOT, capture_output=True)
     assert killed.returncode == -9
     (partial,) = tmp_path.glob("store.partial-*")
     assert (partial / "tokens.bin").exists() and not out.exists() and not is_store(partial)
@@ -195,18 +203,22 @@ def test_fingerprints_follow_the_source_and_the_tokenizer(tmp_path):
 def test_token_dtype_fits_the_vocabulary():
     assert prep.token_dtype(4096) == np.uint16 and prep.token_dtype(1 << 16) == np.uint16
     assert prep.token_dtype((1 << 16) + 1) == np.uint32 and prep.token_dtype(1 << 32) == np.uint32
-    with pytest.raises(StoreError, match="vocabulary of 4,294,967,297 ids does not fit the store's uint32"):
-        prep.token_dtype((1 << 32) + 1)
+    with pytest.raises(StoreError, match="^big.json: a vocabulary of 4,294,967,297 ids does not fit"):
+        prep.token_dtype((1 << 32) + 1, "big.json")
 
 
 @pytest.mark.parametrize(
     "content, tokenizer, message",
     [
-        (b'{"text": "ok"}\n{"text": oops}\n', "default", "error: cannot read json data: {data}: line 2: not a JSON"),
-        (b'{"text": "ok"}\n{"text": "\xff"}\n', "default", "error: cannot read json data: {data}: line 2: not UTF-8"),
-        (b'{"body": "ok"}\n', "default", "error: {data} has no column 'text' (columns: ['body'])"),
-        (b'{"text": "ok"}\n', "{tmp}/bad.json", "error: cannot read tokenizer {tmp}/bad.json: "),
-        (b'{"text": "ok"}\n', "{tmp}/none.model", "error: tokenizer file not found: {tmp}/none.model"),
+        (b'{"text": "ok"}\n{"text": oops}\n', "default", "cannot read json data: {data}: line 2: not a JSON"),
+        (
+            b'{"text": "ok"}\n{"text": "\xff"}\n',
+            "default",
+            "cannot read json data: {data}: line 2: not UTF-8",
+        ),
+        (b'{"body": "ok"}\n', "default", "{data} has no column 'text' (columns: ['body'])"),
+        (b'{"text": "ok"}\n', "{tmp}/bad.json", "cannot read tokenizer {tmp}/bad.json: "),
+        (b'{"text": "ok"}\n', "{tmp}/none.model", "tokenizer file not found: {tmp}/none.model"),
     ],
 )
 def test_bad_input_is_one_line_naming_the_file(tmp_path, content, tokenizer, message):
@@ -216,5 +228,5 @@ def test_bad_input_is_one_line_naming_the_file(tmp_path, content, tokenizer, mes
     result = cli(str(data), "--tokenizer", tokenizer.format(tmp=tmp_path), "--out", str(tmp_path / "s"))
     assert result.returncode == 2
     assert len(result.stderr.splitlines()) == 1, result.stderr
-    assert result.stderr.startswith(message.format(data=data, tmp=tmp_path))
+    assert result.stderr.startswith("error: " + message.format(data=data, tmp=tmp_path))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.json", "data.jsonl"]

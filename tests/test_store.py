@@ -99,7 +99,7 @@ def damage(path: Path, what: str) -> None:
         ("missing key", "manifest.json lacks source"),
         ("dtype", "manifest.json has dtype 'float32'"),
         ("short tokens", "tokens.bin holds 14 bytes, the manifest says 16"),
-        ("no tokens", "tokens.bin holds None bytes, the manifest says 16"),
+        ("no tokens", "no tokens.bin"),
         ("offsets shape", r"offsets.npy holds int64 \(3,\), the manifest says int64 \(4,\)"),
         ("offsets dtype", r"offsets.npy holds int32 \(4,\)"),
         ("offsets end", r"offsets.npy spans \[0, 7\], the manifest says \[0, 8\]"),

@@ -76,12 +76,12 @@ def ordered_imap(pool, fn: Callable, items: Iterable, window: int) -> Iterator:
         yield pending.popleft().get()
 
 
-def token_dtype(vocab_size: int) -> np.dtype:
+def token_dtype(vocab_size: int, tokenizer: str | Path = "the tokenizer") -> np.dtype:
     """uint16 when every id fits, else uint32; StoreError for a vocabulary beyond uint32."""
     for dtype in (np.uint16, np.uint32):
         if vocab_size <= 1 + int(np.iinfo(dtype).max):
             return np.dtype(dtype)
-    raise StoreError(f"the tokenizer's vocabulary of {vocab_size:,} ids does not fit the store's uint32 tokens")
+    raise StoreError(f"{tokenizer}: a vocabulary of {vocab_size:,} ids does not fit the store's uint32 ids")
 
 
 def source_manifest(files: list[Path]) -> dict[str, Any]:
@@ -134,12 +134,14 @@ def prepare(
 
     out = Path(out).absolute()
     if out.exists():
-        raise StoreError(f"{out} already exists; a store is never overwritten (remove it or pick another --out)")
+        raise StoreError(
+            f"{out} already exists; a store is never overwritten (remove it or pick another --out)"
+        )
     if workers < 1:
         raise StoreError(f"--workers must be >= 1, got {workers}")
     tok_path = tokenizer_file(DEFAULT_TOKENIZER if tokenizer == "default" else tokenizer)
     _load_tokenizer(str(tok_path))
-    dtype = token_dtype(_tokenizer.vocab_size)
+    dtype = token_dtype(_tokenizer.vocab_size, tok_path)
     files = data_files(str(DEFAULT_CORPUS) if source == "default" else source)
     ds = load_files(files, DataConfig(text_field=text_field, txt_sample_by=txt_sample_by))
 
@@ -156,8 +158,13 @@ def prepare(
             "n_docs": n_docs,
             "n_tokens": n_tokens,
             "dtype": dtype.name,
-            "tokenizer": {"fingerprint": file_fingerprint(tok_path), "vocab_size": _tokenizer.vocab_size,
-                          "bos_id": _tokenizer.bos_id, "eos_id": _tokenizer.eos_id, "name": tok_path.name},  # fmt: skip
+            "tokenizer": {
+                "fingerprint": file_fingerprint(tok_path),
+                "vocab_size": _tokenizer.vocab_size,
+                "bos_id": _tokenizer.bos_id,
+                "eos_id": _tokenizer.eos_id,
+                "name": tok_path.name,
+            },
             "source": {**source_manifest(files), "text_field": text_field, "txt_sample_by": txt_sample_by},
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
@@ -212,8 +219,8 @@ def _to_npy(raw: Path, npy: Path, n: int) -> None:
     """Give the streamed int64 offsets a .npy header (self-describing: dtype and shape checked on
     load); the header needs the count, known only at the end."""
     with open(npy, "wb") as dst, open(raw, "rb") as src:
-        header = {"descr": np.lib.format.dtype_to_descr(np.dtype(np.int64)), "fortran_order": False, "shape": (n,)}
-        np.lib.format.write_array_header_1_0(dst, header)
+        descr = np.lib.format.dtype_to_descr(np.dtype(np.int64))
+        np.lib.format.write_array_header_1_0(dst, {"descr": descr, "fortran_order": False, "shape": (n,)})
         shutil.copyfileobj(src, dst, 1 << 20)
         dst.flush()
         os.fsync(dst.fileno())
@@ -221,12 +228,16 @@ def _to_npy(raw: Path, npy: Path, n: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m flashcp.data.prepare",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("source", help="file, directory or glob of text data, or 'default'")
-    parser.add_argument("--tokenizer", required=True, help="tokenizer.json / SentencePiece .model, or 'default'")
+    parser.add_argument("--tokenizer", required=True, help="tokenizer.json, .model, or 'default'")
     parser.add_argument("--out", required=True, help="the store directory to create")
     parser.add_argument("--workers", type=int, default=1, help="tokenising processes")
-    parser.add_argument("--text-field", default="text", help="column holding the text (.jsonl/.json/.parquet)")
+    parser.add_argument("--text-field", default="text", help="the text column of .jsonl/.json/.parquet")
     parser.add_argument("--txt-sample-by", default="document", choices=("document", "paragraph", "line"))
     args = parser.parse_args(argv)
     import datasets
@@ -236,7 +247,9 @@ def main(argv: list[str] | None = None) -> int:
 
     datasets.disable_progress_bars()  # this command's bar counts documents; an error stays one line
     try:
-        out = prepare(args.source, args.tokenizer, args.out, args.workers, args.text_field, args.txt_sample_by)
+        out = prepare(
+            args.source, args.tokenizer, args.out, args.workers, args.text_field, args.txt_sample_by
+        )
     except (StoreError, DataError, TokenizerError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

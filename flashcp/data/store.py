@@ -63,7 +63,8 @@ class TokenStore:
     def __init__(self, path: Path, manifest: dict[str, Any], offsets: np.ndarray):
         self.path, self.manifest, self.offsets = path, manifest, offsets
         self.n_docs, self.n_tokens = int(manifest["n_docs"]), int(manifest["n_tokens"])
-        self._tokens = np.memmap(path / TOKENS, dtype=np.dtype(manifest["dtype"]), mode="r", shape=(self.n_tokens,))
+        dtype = np.dtype(manifest["dtype"])
+        self._tokens = np.memmap(path / TOKENS, dtype=dtype, mode="r", shape=(self.n_tokens,))
 
     @functools.cached_property
     def lengths(self) -> np.ndarray:
@@ -84,36 +85,43 @@ class TokenStore:
 def open_store(path: str | Path) -> TokenStore:
     """The store at `path`; StoreError when it is missing, unfinished or inconsistent."""
     path = Path(path)
+    where = f"token store {path}"
     if not path.is_dir():
-        raise StoreError(f"token store {path}: no such directory")
+        raise StoreError(f"{where}: no such directory")
     if not (path / MANIFEST).is_file():
-        raise StoreError(f"token store {path}: no {MANIFEST} (not a store, or its prepare was interrupted)")
+        raise StoreError(f"{where}: no {MANIFEST} (not a store, or its prepare was interrupted)")
     try:
         manifest = json.loads((path / MANIFEST).read_text())
     except (OSError, ValueError) as e:
-        raise StoreError(f"token store {path}: unreadable {MANIFEST}: {e}") from e
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
-        found = manifest if not isinstance(manifest, dict) else (manifest.get("format"), manifest.get("version"))
-        raise StoreError(f"token store {path}: {MANIFEST} describes {found!r}, expected {FORMAT!r} version {VERSION}")
+        raise StoreError(f"{where}: unreadable {MANIFEST}: {e}") from e
+    found = (manifest.get("format"), manifest.get("version")) if isinstance(manifest, dict) else manifest
+    if found != (FORMAT, VERSION):
+        raise StoreError(f"{where}: {MANIFEST} describes {found!r}, expected {FORMAT!r} version {VERSION}")
     missing = [key for key in _REQUIRED if key not in manifest]
-    if missing or manifest["dtype"] not in _DTYPES:
-        problem = f"lacks {', '.join(missing)}" if missing else f"has dtype {manifest['dtype']!r}, not one of {_DTYPES}"
-        raise StoreError(f"token store {path}: {MANIFEST} {problem}")
+    if missing:
+        raise StoreError(f"{where}: {MANIFEST} lacks {', '.join(missing)}")
+    if manifest["dtype"] not in _DTYPES:
+        raise StoreError(f"{where}: {MANIFEST} has dtype {manifest['dtype']!r}, not one of {_DTYPES}")
     n_docs, n_tokens = int(manifest["n_docs"]), int(manifest["n_tokens"])
     if n_docs < 1 or n_tokens < 1:
-        raise StoreError(f"token store {path}: {MANIFEST} says {n_docs} documents, {n_tokens} tokens; a store holds some")
+        raise StoreError(f"{where}: {MANIFEST} says {n_docs} documents, {n_tokens} tokens (none)")
     expected = n_tokens * np.dtype(manifest["dtype"]).itemsize
-    actual = (path / TOKENS).stat().st_size if (path / TOKENS).is_file() else None
+    if not (path / TOKENS).is_file():
+        raise StoreError(f"{where}: no {TOKENS}")
+    actual = (path / TOKENS).stat().st_size
     if actual != expected:
-        raise StoreError(f"token store {path}: {TOKENS} holds {actual} bytes, the manifest says {expected}")
+        raise StoreError(f"{where}: {TOKENS} holds {actual} bytes, the manifest says {expected}")
     try:
         offsets = np.load(path / OFFSETS, mmap_mode="r")
     except (OSError, ValueError) as e:
-        raise StoreError(f"token store {path}: unreadable {OFFSETS}: {e}") from e
+        raise StoreError(f"{where}: unreadable {OFFSETS}: {e}") from e
     if offsets.dtype != np.int64 or offsets.shape != (n_docs + 1,):
-        raise StoreError(f"token store {path}: {OFFSETS} holds {offsets.dtype} {offsets.shape}, the manifest says "
-                         f"int64 ({n_docs + 1},)")  # fmt: skip
+        raise StoreError(
+            f"{where}: {OFFSETS} holds {offsets.dtype} {offsets.shape}, the manifest says int64 "
+            f"({n_docs + 1},)"
+        )
     if offsets[0] != 0 or offsets[-1] != n_tokens:
-        raise StoreError(f"token store {path}: {OFFSETS} spans [{offsets[0]}, {offsets[-1]}], the manifest says "
-                         f"[0, {n_tokens}]")  # fmt: skip
+        raise StoreError(
+            f"{where}: {OFFSETS} spans [{offsets[0]}, {offsets[-1]}], the manifest says [0, {n_tokens}]"
+        )
     return TokenStore(path, manifest, offsets)
