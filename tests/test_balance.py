@@ -3,6 +3,7 @@ and the DP groups' predicted costs close to the mean where stream order leaves t
 
 from __future__ import annotations
 
+import gc
 from collections import defaultdict
 
 import numpy as np
@@ -154,3 +155,15 @@ def test_typical_steps_stay_within_the_tolerance_with_micro_batches_balanced_too
         costs = np.array([[COST([p.length for p in w]) for w in rank] for rank in out])  # [rank, micro]
         assert costs.sum(1).max() <= 1.05 * costs.sum(1).mean()  # every rank's step
         assert costs.max(0).sum() <= 1.05 * costs.mean(0).sum()  # the slowest rank at each micro step
+
+
+def test_a_step_leaves_the_garbage_collector_as_it_found_it():
+    assert gc.isenabled()
+    balance_step([16], 2, 1, 8, COST)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        balance_step([16], 2, 1, 8, COST)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
