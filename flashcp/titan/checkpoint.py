@@ -26,11 +26,13 @@ one interval later than with synchronous saving, and never before it is complete
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -100,7 +102,8 @@ class Checkpointer(CheckpointManager):
         target = Path(checkpoint_id)
         save_id = _agreed_token()
         partial = target.with_name(f"{target.name}.partial-{save_id}")
-        result = super().dcp_save(state_dict, str(partial), async_mode, **kwargs)
+        with _full_disk_named(partial):
+            result = super().dcp_save(state_dict, str(partial), async_mode, **kwargs)
         if async_mode == AsyncMode.DISABLED:
             self._publish_save(partial, target, save_id)
         else:
@@ -108,7 +111,8 @@ class Checkpointer(CheckpointManager):
         return result
 
     def _wait_for_saving(self) -> None:
-        super()._wait_for_saving()
+        with _full_disk_named(self._pending[0] if self._pending else Path(self.folder)):
+            super()._wait_for_saving()
         if self._pending is not None:
             pending, self._pending = self._pending, None
             self._publish_save(*pending)
@@ -265,14 +269,44 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def root_cause(e: BaseException) -> str:
-    """The first rank's underlying error of a DCP failure, in one line."""
+FULL_DISK_BYTES = 4 << 20  # less free than this after a failed save: the disk is full
+
+
+@contextmanager
+def _full_disk_named(folder: Path) -> Iterator[None]:
+    """Re-raise a failed save as ENOSPC when its file system is full.
+
+    torch's zip writer reports a short write as `RuntimeError: ... unexpected pos 704 vs 598`, with
+    no OSError beneath it: the real cause would appear nowhere. The original error stays chained.
+    """
+    try:
+        yield
+    except BaseException as e:
+        if isinstance(e, (KeyboardInterrupt, SystemExit)) or _os_error_in(e) is not None:
+            raise
+        existing = next((p for p in (folder, *folder.parents) if p.exists()), None)
+        if existing is None or shutil.disk_usage(existing).free >= FULL_DISK_BYTES:
+            raise
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(folder)) from e
+
+
+def _os_error_in(e: BaseException) -> OSError | None:
+    """The first OSError among `e`, the rank failures a DCP exception carries, and their causes."""
     if isinstance(e, dcp_api.CheckpointException) and e.failures:
         e = next(iter(e.failures.values()))[0]
-    chain, link = [], e  # a full disk surfaces as torch's zip writer "unexpected pos", the OSError beneath
+    chain, link = [], e
     while link is not None and link not in chain:
         chain.append(link)
         link = link.__cause__ or link.__context__
-    e = next((link for link in chain if isinstance(link, OSError)), e)
+    return next((link for link in chain if isinstance(link, OSError)), None)
+
+
+def root_cause(e: BaseException) -> str:
+    """The first rank's underlying error of a DCP failure, in one line."""
+    os_error = _os_error_in(e)
+    if os_error is not None:
+        e = os_error
+    elif isinstance(e, dcp_api.CheckpointException) and e.failures:
+        e = next(iter(e.failures.values()))[0]
     text = str(e).strip()
     return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__

@@ -170,7 +170,7 @@ def test_a_disk_filled_by_a_save_is_named_in_the_last_line(tmp_path):
         )  # fmt: skip
         last = result.stderr.strip().splitlines()[-1]
         assert result.returncode == 1, result.stderr[-2000:]
-        assert re.fullmatch(r"error: rank \d+ failed \(exit code 1\): OSError: \[Errno 28\] No space left on device", last)
+        assert re.fullmatch(r"error: rank \d+ failed \(exit code 1\): OSError: \[Errno 28\] No space left on device(: '.*')?", last), last
         logs = "".join(p.read_text() for p in (disk / "run" / "logs").rglob("stderr.log"))
         assert "Traceback" in logs and "No space left on device" in logs
     finally:
@@ -189,3 +189,29 @@ def test_the_root_cause_is_the_os_error_beneath_a_wrapper():
         wrapped = dcp_api.CheckpointException("save", {1: (e, None)})
     assert root_cause(wrapped) == "OSError: [Errno 28] No space left on device"
     assert root_cause(ValueError("bad\nvalue")) == "ValueError: bad"
+
+
+def test_a_save_failing_on_a_full_disk_is_named_as_such(tmp_path, monkeypatch):
+    """torch's zip writer reports a short write as a RuntimeError with no OSError beneath: when the
+    checkpoint's file system is full afterwards, the failure is ENOSPC, the original chained."""
+    from flashcp.titan import checkpoint
+    from flashcp.titan.checkpoint import _full_disk_named, root_cause
+
+    folder = tmp_path / "checkpoint" / "step-4.partial-ab"  # not created yet: its parent is measured
+    short_write = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda p: usage._replace(free=4096))
+    with pytest.raises(OSError) as raised:
+        with _full_disk_named(folder):
+            raise dcp_api.CheckpointException("save", {2: (short_write, None)})
+    assert raised.value.errno == 28 and raised.value.filename == str(folder)
+    assert root_cause(raised.value) == f"OSError: [Errno 28] No space left on device: '{folder}'"
+    assert isinstance(raised.value.__cause__, dcp_api.CheckpointException)
+    with pytest.raises(PermissionError):  # an OSError already names the cause
+        with _full_disk_named(folder):
+            raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda p: usage._replace(free=64 << 20))
+    with pytest.raises(RuntimeError, match="unexpected pos"):  # room left: not a full disk
+        with _full_disk_named(folder):
+            raise short_write
