@@ -56,133 +56,38 @@ Bad data raises DataError (see `flashcp.titan.sources`).
 
 from __future__ import annotations
 
+import collections
 import functools
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any, NamedTuple
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
 
-import numpy as np
 import torch
 
 from flashcp import plan_shards
-from flashcp.titan.sources import DEFAULT_TOKENIZER, DataConfig, DataError, DocSource, build_source
+from flashcp.data.balance import WindowCost
+from flashcp.titan.packing import balanced_step, IGNORE_INDEX, Window, WindowPacker
+from flashcp.titan.sources import DEFAULT_TOKENIZER, DataConfig, DataError, build_source
 from flashcp.titan.tokenizer import Tokenizer, load_tokenizer
 
-IGNORE_INDEX = -100
+__all__ = ["IGNORE_INDEX", "WindowLoader", "WindowPacker", "build_loader"]
+
 STATE_FORMAT = 1
 
 
-# ----------------------------------------------------------------------------- packing
-
-
-class Window(NamedTuple):
-    doc_lens: list[int]
-    input: np.ndarray | None  # None for windows packed only to advance the cursor
-    labels: np.ndarray | None
-
-
-class WindowPacker:
-    """Cuts a document source into windows of `seq_len` tokens; its cursor is (epoch, doc, offset).
-
-    `doc` is the position (in the epoch's order) of the document being packed and `offset` how
-    many of its tokens earlier windows already took (always 0 with overflow="truncate").
-    """
-
-    def __init__(self, source: DocSource, seq_len: int, overflow: str = "carry", loop: bool = True):
-        if seq_len < 1:
-            raise DataError(f"seq_len must be >= 1, got {seq_len}")
-        if overflow not in ("carry", "truncate"):
-            raise DataError(f"overflow must be 'carry' or 'truncate', got {overflow!r}")
-        self.source, self.seq_len, self.overflow, self.loop = source, seq_len, overflow, loop
-        self.restore(0, 0, 0)
-
-    def cursor(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "doc": self.doc, "offset": self.offset}
-
-    def restore(self, epoch: int, doc: int, offset: int) -> None:
-        self.epoch, self.doc, self.offset = epoch, doc, offset
-        self._docs: Iterator[tuple[int, np.ndarray]] | None = None
-        self._current: np.ndarray | None = None
-        self._epoch_empty = doc == 0  # no document seen yet in an epoch read from its start
-
-    def _document(self) -> np.ndarray | None:
-        """Tokens of the document under the cursor, opening new epochs as needed; None at the end."""
-        while self._current is None:
-            if self._docs is None:
-                self._docs = self.source.epoch(self.epoch, self.doc)
-            item = next(self._docs, None)
-            if item is None:
-                if self._epoch_empty:
-                    raise DataError(f"{self.source.name}: the data holds no document with any tokens")
-                if not self.loop:
-                    return None
-                self.restore(self.epoch + 1, 0, 0)
-                continue
-            position, tokens = item
-            if self.offset and position != self.doc:
-                raise DataError(
-                    f"{self.source.name}: the resume cursor points into document {self.doc}, which is gone"
-                )
-            self.doc, self._current, self._epoch_empty = position, tokens, False
-        return self._current
-
-    def next_window(self, materialize: bool = True) -> Window | None:
-        """The next window, or None when the data ended (loop=False) before it was full."""
-        doc_lens: list[int] = []
-        inputs: list[np.ndarray] = []
-        labels: list[np.ndarray] = []
-        space = self.seq_len
-        while space:
-            tokens = self._document()
-            if tokens is None:
-                return None
-            start, n = self.offset, len(tokens)
-            take = min(n - start, space)
-            doc_lens.append(take)
-            if materialize:
-                inputs.append(tokens[start : start + take])
-                # The next token of the same document; -100 after its last token.
-                following = tokens[start + 1 : start + take + 1]
-                piece = np.full(take, IGNORE_INDEX, dtype=np.int64)
-                piece[: len(following)] = following
-                labels.append(piece)
-            space -= take
-            if start + take == n or self.overflow == "truncate":
-                self.doc, self.offset, self._current = self.doc + 1, 0, None
-            else:
-                self.offset = start + take
-        if not materialize:
-            return Window(doc_lens, None, None)
-        return Window(doc_lens, np.concatenate(inputs), np.concatenate(labels))
-
-
-    def skip_windows(self, count: int) -> bool:
-        """Advance `count` windows without reading or packing them, from document offsets alone.
-
-        For sources that know their lengths (a token store) with looping epochs and carried
-        overflow: O(log n) per epoch crossed, whatever `count`. False (nothing done) otherwise.
-        The cursor ends where packing the windows one by one would leave it.
-        """
-        if not (self.overflow == "carry" and self.loop and hasattr(self.source, "epoch_starts")):
-            return False
-        space = count * self.seq_len
-        while space:
-            starts = self.source.epoch_starts(self.epoch)  # each document's token offset, then the total
-            if self.doc == len(starts) - 1:  # past the epoch's last document
-                self.restore(self.epoch + 1, 0, 0)
-                continue
-            pos = int(starts[self.doc]) + self.offset
-            end = min(pos + space, int(starts[-1]))
-            last = int(np.searchsorted(starts, end, side="right")) - 1  # the document holding token `end`
-            self.restore(self.epoch, last, end - int(starts[last]))
-            space -= end - pos
-        self._epoch_empty = False
-        return True
-
-
 # ----------------------------------------------------------------------------- loader
+
+
+@dataclass(frozen=True)
+class StepBalance:
+    """How a step's windows are balanced over the mesh (`WindowLoader.balance_with`)."""
+
+    micro: int  # windows per DP rank and optimizer step (gradient accumulation steps)
+    cost: WindowCost  # a window's predicted cost on its CP group
+    max_imbalance: float | None  # None: documents are cut only where a window forces it
 
 
 class WindowLoader:
@@ -201,22 +106,29 @@ class WindowLoader:
             raise DataError(f"dp_rank must be in [0, dp_world={dp_world}), got {dp_rank}")
         self._packer, self._planner = packer, planner
         self._dispatcher: Callable[[Any], Any] | None = None
+        self._balance: StepBalance | None = None
         self._fingerprint = dict(fingerprint)
         self.dp_rank, self.dp_world, self.prefetch = dp_rank, dp_world, prefetch
         self._window = 0  # global index of the next round's first window (producer side)
+        self._skip = 0  # batches of the next balanced step already handed out before a restore
+        self._ready: collections.deque = collections.deque()  # produced, not handed out (prefetch=0)
         self._state = self._snapshot()  # state after the last batch handed out (consumer side)
         self._thread: threading.Thread | None = None
         self._queue: queue.Queue | None = None
         self._stop = threading.Event()
         self._done = False
 
-    def _snapshot(self) -> dict[str, Any]:
+    def _snapshot(self, in_step: int = 0) -> dict[str, Any]:
         cursor = self._packer.cursor()
-        return {"format": STATE_FORMAT, "window": self._window, **cursor, "packing": dict(self._fingerprint)}
+        state = {"format": STATE_FORMAT, "window": self._window, **cursor, "packing": dict(self._fingerprint)}
+        return {**state, "in_step": in_step} if in_step else state
 
-    def _produce(self) -> tuple[dict[str, Any], dict[str, Any]] | None:
-        """Pack this step's round of dp_world windows, keep ours, plan it."""
+    def _produce(self) -> list[tuple[dict[str, Any], dict[str, Any]]] | None:
+        """The next batches with the state after each: one window of a round, or this rank's
+        windows of a balanced step; None when the data ended."""
         t0 = time.perf_counter()
+        if self._balance is not None:
+            return self._produce_step(t0)
         if not self._advance(self.dp_rank):
             return None
         mine = self._packer.next_window()
@@ -224,22 +136,45 @@ class WindowLoader:
             return None
         index = self._window + self.dp_rank
         self._window += self.dp_world
+        return [(self._batch(mine, index, (time.perf_counter() - t0) * 1e3), self._snapshot())]
+
+    def _produce_step(self, t0: float) -> list[tuple[dict[str, Any], dict[str, Any]]] | None:
+        """Pack a whole step in stream order (lengths only), balance it, keep ours."""
+        balance, start = self._balance, self._snapshot()
+        windows = [self._packer.next_pieces() for _ in range(self.dp_world * balance.micro)]
+        if any(w is None for w in windows):
+            return None
+        mine = balanced_step(windows, self.dp_world, balance.micro, self.dp_rank, balance.cost,
+                             balance.max_imbalance)  # fmt: skip
+        step_window, skip = self._window, self._skip
+        self._window, self._skip = self._window + self.dp_world * balance.micro, 0
+        load_ms = (time.perf_counter() - t0) * 1e3 / balance.micro
+        items = []
+        for m, pieces in enumerate(mine[skip:], start=skip):
+            t1 = time.perf_counter()
+            batch = self._batch(Window.of(pieces), step_window + m * self.dp_world + self.dp_rank,
+                                load_ms + (time.perf_counter() - t1) * 1e3)  # fmt: skip
+            state = {**start, "in_step": m + 1} if m + 1 < balance.micro else self._snapshot()
+            items.append((batch, state))
+        return items
+
+    def _batch(self, window: Window, index: int, load_ms: float) -> dict[str, Any]:
+        """A window as a batch, planned (and dispatched for this rank)."""
         t1 = time.perf_counter()
-        plan = self._planner(mine.doc_lens)
+        plan = self._planner(window.doc_lens)
         dispatch = self._dispatcher(plan) if self._dispatcher is not None else None
-        t2 = time.perf_counter()
         batch = {
-            "input": torch.from_numpy(mine.input),
-            "labels": torch.from_numpy(mine.labels),
-            "doc_lens": mine.doc_lens,
+            "input": torch.from_numpy(window.input),
+            "labels": torch.from_numpy(window.labels),
+            "doc_lens": window.doc_lens,
             "plan": plan,
             "window": index,
-            "load_ms": (t1 - t0) * 1e3,
-            "plan_ms": (t2 - t1) * 1e3,
+            "load_ms": load_ms,
+            "plan_ms": (time.perf_counter() - t1) * 1e3,
         }
         if dispatch is not None:
             batch["dispatch"] = dispatch
-        return batch, self._snapshot()
+        return batch
 
     def _advance(self, count: int) -> bool:
         """Pass over other ranks' windows (from offsets alone when the source allows); False at the end."""
@@ -251,11 +186,12 @@ class WindowLoader:
         """Producer thread: fill the queue until stopped, the data ends or an error occurs."""
         while not self._stop.is_set():
             try:
-                item = self._produce()
+                items = self._produce()
             except BaseException as e:  # handed to the consumer, which re-raises it
-                item = e
-            self._queue.put(item)
-            if item is None or isinstance(item, BaseException):
+                items = [e]
+            for item in items or [None]:
+                self._queue.put(item)
+            if items is None or isinstance(items[0], BaseException):
                 return
 
     def _stop_producer(self) -> None:
@@ -279,7 +215,9 @@ class WindowLoader:
         if self._done:
             raise StopIteration
         if self.prefetch == 0:
-            item = self._produce()
+            if not self._ready:
+                self._ready.extend(self._produce() or [None])
+            item = self._ready.popleft()
         else:
             if self._thread is None:
                 self._stop.clear()
@@ -303,13 +241,25 @@ class WindowLoader:
         self._stop_producer()
         self._dispatcher = dispatcher
 
+    def balance_with(self, micro: int, cost: WindowCost, max_imbalance: float | None = 1.05) -> None:
+        """Balance each optimizer step (`micro` windows per DP rank) over the mesh by `cost`.
+
+        Call at a step boundary (before iterating, or after a checkpoint's state was loaded)."""
+        if micro < 1:
+            raise DataError(f"micro steps per optimizer step must be >= 1, got {micro}")
+        if max_imbalance is not None and not max_imbalance >= 1.0:
+            raise DataError(f"the balance target must be >= 1.0, got {max_imbalance}")
+        self._stop_producer()
+        self._balance = StepBalance(micro, cost, max_imbalance)
+
     def state_dict(self) -> dict[str, Any]:
         return {**self._state, "packing": dict(self._state["packing"])}
 
     def _restore(self, state: Mapping[str, Any]) -> None:
         self._packer.restore(state["epoch"], state["doc"], state["offset"])
-        self._window = state["window"]
-        self._state = self._snapshot()
+        self._window, self._skip = state["window"], state.get("in_step", 0)
+        self._state = self._snapshot(self._skip)
+        self._ready.clear()
         self._done = False
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -324,6 +274,9 @@ class WindowLoader:
         diff = [f"{k}: saved {saved.get(k)!r}, now {now.get(k)!r}" for k in changed]
         if diff:
             raise DataError("cannot resume the data loader, its packing changed (" + "; ".join(diff) + ")")
+        if state.get("in_step", 0) and self._balance is None:
+            raise DataError("the data loader state was saved inside a balanced step: resume with [data] balance = "
+                            "\"mesh\" and the same global batch")  # fmt: skip
         self._stop_producer()
         self._restore(state)
 

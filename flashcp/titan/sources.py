@@ -80,12 +80,21 @@ class DataConfig:
     prefetch: int = 2
     synthetic_lengths: str = "wlbllm"  # a flashcp.data.lengths name or a JSON list of lengths
     cache_dir: str | None = None  # HF datasets cache (default: HF's own)
+    # "mesh": each optimizer step's documents re-packed over all DP ranks x micro steps so every
+    # window's predicted cost is within balance_target x the mean, cutting the longest documents where
+    # that needs it; "mesh-whole": the same, but no document is cut unless it is longer than a window;
+    # "off": windows in stream order.
+    balance: str = "mesh"
+    balance_target: float = 1.05
 
     def __post_init__(self) -> None:
-        choices = {"overflow": ("carry", "truncate"), "txt_sample_by": ("document", "paragraph", "line")}
+        choices = {"overflow": ("carry", "truncate"), "txt_sample_by": ("document", "paragraph", "line"),
+                   "balance": ("mesh", "mesh-whole", "off")}  # fmt: skip
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
                 raise DataError(f"data.{key} must be one of {allowed}, got {getattr(self, key)!r}")
+        if not self.balance_target >= 1.0:
+            raise DataError(f"data.balance_target must be >= 1.0 (max / mean step cost), got {self.balance_target}")
         if self.max_doc_tokens < 1 or self.prefetch < 0:
             raise DataError(
                 f"data.max_doc_tokens must be >= 1 and data.prefetch >= 0, got "

@@ -15,6 +15,10 @@ TorchTitan's; this subclass only changes how a batch reaches the model:
    count and the reported loss is the sum over DP x CP ranks. CP = 1 and CP = N therefore give
    the same loss and gradients on the same data.
 
+With `[data] balance = "mesh"` (the default) the loader packs each optimizer step's documents
+over all DP ranks x micro steps by the model's predicted cost per window (`flashcp.data.balance`):
+dense FLOPs per token and attention FLOPs per attended pair, the same figures the MFU uses.
+
 Around the loop: on SIGTERM / SIGINT the ranks agree to stop at the next step boundary and save a
 checkpoint there (`flashcp.titan.preemption`); after a restore, the learning rate applied is the
 config's schedule at the restored step (the saved optimizer's rate was the old schedule's), a run
@@ -40,6 +44,7 @@ from torchtitan.components.dataloader import DataloaderExhaustedError
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
+from flashcp.data.balance import WindowCost
 from flashcp.titan.attention import CPStep
 from flashcp.titan.checkpoint import CheckpointError, Checkpointer
 from flashcp.titan.components import PipelineTokenizer, WindowDataLoader
@@ -102,6 +107,12 @@ class FlashCPTrainer(Trainer):
         self._configure_metrics()
         if self.flashcp.enable:
             self.dataloader.loader.dispatch_with(self._dispatch)
+        data = config.dataloader.data
+        if data.balance != "off":
+            metrics = self.metrics_processor
+            cost = WindowCost(metrics.dense_flops_per_token, metrics.attention_flops_per_pair, dims.cp)
+            target = data.balance_target if data.balance == "mesh" else None
+            self.dataloader.loader.balance_with(self.gradient_accumulation_steps, cost, target)
         self.stop_request.connect()
         self.checkpointer.on_restore = self._after_restore
         self._load_schedule = self.lr_schedulers.load_state_dict

@@ -108,3 +108,27 @@ def test_cp2_reproduces_cp1_losses(tmp_path, seed):
         after_cp2 = train(tiny_job(tmp_path / "flashcp_compact_cp2_tp1" / "none", **longer))
     assert sorted(after_cp2) == [STEPS + 1, STEPS + 2]
     assert max(abs(after_cp2[s] - after_cp1[s]) for s in after_cp1) <= TOLERANCE
+
+
+def test_a_balanced_dp2_step_reproduces_dp1_with_two_micro_steps(tmp_path, seed):
+    """`[data] balance = "mesh"` packs each step's documents over DP ranks x micro steps from their
+    lengths alone: DP = 2 with one micro step trains the same two windows as DP = 1 with two, so the
+    losses and gradient norms agree; balancing off (stream order) trains other windows."""
+    def job(name: str, dp: int, balance: str) -> dict:
+        return tiny_job(
+            tmp_path / name, checkpoint=seed, training={"steps": 3, "global_batch_size": 2},
+            parallelism={"data_parallel_shard_degree": dp}, data={"balance": balance, "prefetch": 0},
+        )  # fmt: skip
+
+    one_norms: dict[int, float] = {}
+    with single_rank():
+        one = train(job("dp1", 1, "mesh"), grad_norms=one_norms)
+    with single_rank():
+        stream = train(job("dp1_off", 1, "off"))
+    with DistributedPool(world_size=2) as pool:
+        two, two_norms, _ = pool.run(train_counting_exchanges, (job("dp2", 2, "mesh"),))[0]
+    print(f"balanced DP=2 vs DP=1 x 2 micro steps: loss {_worst(two, one):.1e}, grad norm rel. diff "
+          f"{_worst(two_norms, one_norms, relative=True):.1e}; vs stream order {_worst(stream, one):.1e}")  # fmt: skip
+    assert _worst(two, one) <= TOLERANCE
+    assert _worst(two_norms, one_norms, relative=True) <= GRAD_TOLERANCE
+    assert _worst(stream, one) > TOLERANCE  # balancing moved documents between the windows

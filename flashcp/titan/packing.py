@@ -1,0 +1,177 @@
+"""Packing: a document source cut into windows of exactly `seq_len` tokens, and a step's windows
+balanced over the whole mesh.
+
+`WindowPacker` lays documents back to back (no padding): the document that does not fit into the
+rest of a window is cut at the window's end; with `overflow="carry"` its remaining tokens open the
+next window as a new piece (positions restart at 0 there), with `overflow="truncate"` they are
+dropped. Its cursor is (epoch, doc, offset), which is all a loader state needs.
+
+`balanced_step` takes the windows one optimizer step would train in stream order (all DP ranks x
+micro steps), joins the pieces of a document that stream packing cut at window ends, and packs
+the same documents again with `flashcp.data.balance.balance_step` so that every window's predicted
+cost is close to the mean; each rank materialises only its own windows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from flashcp.data.balance import balance_step, WindowCost
+from flashcp.titan.sources import DataError, DocSource
+
+IGNORE_INDEX = -100
+
+
+class Piece(NamedTuple):
+    """`length` tokens of a document from `start` on; `tokens` is the document (an array, or a
+    lazily read store document) so that a piece is materialised only by the rank that trains it."""
+
+    tokens: Any
+    start: int
+    length: int
+
+
+class Window(NamedTuple):
+    doc_lens: list[int]
+    input: np.ndarray | None  # None for windows packed only to advance the cursor
+    labels: np.ndarray | None
+
+    @classmethod
+    def of(cls, pieces: Sequence[Piece]) -> Window:
+        """Tokens and labels: the next token of the same document, -100 after its last token."""
+        inputs, labels = [], []
+        for tokens, start, take in pieces:
+            inputs.append(tokens[start : start + take])
+            following = tokens[start + 1 : start + take + 1]
+            piece = np.full(take, IGNORE_INDEX, dtype=np.int64)
+            piece[: len(following)] = following
+            labels.append(piece)
+        return cls([p.length for p in pieces], np.concatenate(inputs), np.concatenate(labels))
+
+
+class WindowPacker:
+    """Cuts a document source into windows of `seq_len` tokens; its cursor is (epoch, doc, offset).
+
+    `doc` is the position (in the epoch's order) of the document being packed and `offset` how
+    many of its tokens earlier windows already took (always 0 with overflow="truncate").
+    """
+
+    def __init__(self, source: DocSource, seq_len: int, overflow: str = "carry", loop: bool = True):
+        if seq_len < 1:
+            raise DataError(f"seq_len must be >= 1, got {seq_len}")
+        if overflow not in ("carry", "truncate"):
+            raise DataError(f"overflow must be 'carry' or 'truncate', got {overflow!r}")
+        self.source, self.seq_len, self.overflow, self.loop = source, seq_len, overflow, loop
+        self.restore(0, 0, 0)
+
+    def cursor(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "doc": self.doc, "offset": self.offset}
+
+    def restore(self, epoch: int, doc: int, offset: int) -> None:
+        self.epoch, self.doc, self.offset = epoch, doc, offset
+        self._docs: Iterator[tuple[int, np.ndarray]] | None = None
+        self._current: np.ndarray | None = None
+        self._epoch_empty = doc == 0  # no document seen yet in an epoch read from its start
+
+    def _document(self) -> np.ndarray | None:
+        """Tokens of the document under the cursor, opening new epochs as needed; None at the end."""
+        while self._current is None:
+            if self._docs is None:
+                self._docs = self.source.epoch(self.epoch, self.doc)
+            item = next(self._docs, None)
+            if item is None:
+                if self._epoch_empty:
+                    raise DataError(f"{self.source.name}: the data holds no document with any tokens")
+                if not self.loop:
+                    return None
+                self.restore(self.epoch + 1, 0, 0)
+                continue
+            position, tokens = item
+            if self.offset and position != self.doc:
+                raise DataError(
+                    f"{self.source.name}: the resume cursor points into document {self.doc}, which is gone"
+                )
+            self.doc, self._current, self._epoch_empty = position, tokens, False
+        return self._current
+
+    def next_pieces(self) -> list[Piece] | None:
+        """The next window's pieces, or None when the data ended (loop=False) before it was full."""
+        pieces: list[Piece] = []
+        space = self.seq_len
+        while space:
+            tokens = self._document()
+            if tokens is None:
+                return None
+            start, n = self.offset, len(tokens)
+            take = min(n - start, space)
+            pieces.append(Piece(tokens, start, take))
+            space -= take
+            if start + take == n or self.overflow == "truncate":
+                self.doc, self.offset, self._current = self.doc + 1, 0, None
+            else:
+                self.offset = start + take
+        return pieces
+
+    def next_window(self, materialize: bool = True) -> Window | None:
+        """The next window, or None when the data ended (loop=False) before it was full."""
+        pieces = self.next_pieces()
+        if pieces is None:
+            return None
+        return Window.of(pieces) if materialize else Window([p.length for p in pieces], None, None)
+
+    def skip_windows(self, count: int) -> bool:
+        """Advance `count` windows without reading or packing them, from document offsets alone.
+
+        For sources that know their lengths (a token store) with looping epochs and carried
+        overflow: O(log n) per epoch crossed, whatever `count`. False (nothing done) otherwise.
+        The cursor ends where packing the windows one by one would leave it.
+        """
+        if not (self.overflow == "carry" and self.loop and hasattr(self.source, "epoch_starts")):
+            return False
+        space = count * self.seq_len
+        while space:
+            starts = self.source.epoch_starts(self.epoch)  # each document's token offset, then the total
+            if self.doc == len(starts) - 1:  # past the epoch's last document
+                self.restore(self.epoch + 1, 0, 0)
+                continue
+            pos = int(starts[self.doc]) + self.offset
+            end = min(pos + space, int(starts[-1]))
+            last = int(np.searchsorted(starts, end, side="right")) - 1  # the document holding token `end`
+            self.restore(self.epoch, last, end - int(starts[last]))
+            space -= end - pos
+        self._epoch_empty = False
+        return True
+
+
+def step_documents(windows: Sequence[Sequence[Piece]]) -> list[Piece]:
+    """The documents of a step's stream-order windows: pieces that stream packing cut at a window's
+    end and carried into the next window joined again."""
+    docs: list[Piece] = []
+    for window in windows:
+        for piece in window:
+            last = docs[-1] if docs else None
+            if last is not None and last.tokens is piece.tokens and last.start + last.length == piece.start:
+                docs[-1] = last._replace(length=last.length + piece.length)
+            else:
+                docs.append(piece)
+    return docs
+
+
+def balanced_step(
+    windows: Sequence[Sequence[Piece]],
+    dp: int,
+    micro: int,
+    dp_rank: int,
+    cost: WindowCost,
+    max_imbalance: float | None,
+) -> list[list[Piece]]:
+    """This DP rank's `micro` windows of a step whose stream-order windows (`dp * micro` of them, in
+    the loader's order) are given: the same documents, balanced over the mesh (`balance_step`).
+    Every rank computes the same assignment from the document lengths alone."""
+    docs = step_documents(windows)
+    seq_len = sum(p.length for p in windows[0])
+    placed = balance_step([d.length for d in docs], dp, micro, seq_len, cost, max_imbalance)[dp_rank]
+    return [[Piece(docs[p.doc].tokens, docs[p.doc].start + p.start, p.length) for p in window] for window in placed]
