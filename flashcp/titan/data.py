@@ -25,13 +25,11 @@ training step's critical path: the trainer's main thread only copies the dispatc
 Sources (`DataConfig.source`: the shipped corpus, local files, a hub dataset, synthetic
 lengths) are `flashcp.titan.sources`.
 
-Packing: documents are shuffled per epoch (seeded by `seed`) and laid back to back into windows of
-exactly `seq_len` tokens, with no padding. The document that does not fit into the rest of a window
-is cut at the window's end; with `overflow="carry"` its remaining tokens open the next window as a
-new piece (positions restart at 0 there; earlier tokens of the document are not visible), with
-`overflow="truncate"` they are dropped. Documents with no tokens are skipped. Epochs repeat
-forever unless `loop=False`, which ends iteration at the end of the data, dropping the last
-incomplete step so every data-parallel rank stops after the same number of batches.
+Packing (`flashcp.titan.packing`): documents are shuffled per epoch (seeded by `seed`) and laid
+back to back into windows of exactly `seq_len` tokens, with no padding; a document cut at a
+window's end carries its rest into the next window (`overflow="carry"`) or drops it ("truncate").
+Epochs repeat forever unless `loop=False`, which ends iteration at the end of the data, dropping
+the last incomplete step so every data-parallel rank stops after the same number of batches.
 
 BOS/EOS: every document gets the tokenizer's BOS in front (`add_bos`) and EOS at its end
 (`add_eos`) before packing, so a carried piece has no BOS of its own and a truncated document
@@ -46,9 +44,17 @@ round, which keeps the state independent of the layout: from a token store it pa
 ranks' windows with the document offsets alone (`WindowPacker.skip_windows`), so its work does not
 grow with dp_world; text sources tokenise every window of the round.
 
+Balance (`balance_with`, called by the trainer for `[data] balance = "mesh"` / "mesh-whole": it
+needs the model's cost per token and per attended pair): the producer takes a whole optimizer
+step at once, the `dp_world x micro` windows stream packing would give it (lengths only), and
+packs the same documents again over them (`flashcp.titan.packing.balanced_step`); this rank's
+`micro` windows are handed out one per `next()`. Every rank computes the same assignment, and the
+cursor after a step is the one stream packing leaves, so a run may resume with balancing on or off.
+
 Resuming: `state_dict()` (the same on every rank) holds the global window counter, the cursor
 (epoch, document, token offset) and a fingerprint of the packing settings, as of the last batch
-handed out (prefetched batches are not counted). Loading it continues with the next unseen
+handed out (prefetched batches are not counted; inside a balanced step, the step's start and
+`in_step`, the batches of it already handed out). Loading it continues with the next unseen
 window, also under a different dp_world / dp_rank / cp_size; a state whose packing differs
 (source, tokenizer, seq_len, overflow, BOS/EOS, seed, shuffle) raises DataError naming what differs.
 Bad data raises DataError (see `flashcp.titan.sources`).

@@ -82,7 +82,8 @@ class DataConfig:
     cache_dir: str | None = None  # HF datasets cache (default: HF's own)
     # "mesh": each optimizer step's documents re-packed over all DP ranks x micro steps so every
     # window's predicted cost is within balance_target x the mean, cutting the longest documents where
-    # that needs it; "mesh-whole": the same, but no document is cut unless it is longer than a window;
+    # that needs it; "mesh-whole": the same without cutting to balance (documents are cut only where a
+    # window is full, as stream packing cuts them);
     # "off": windows in stream order.
     balance: str = "mesh"
     balance_target: float = 1.05
