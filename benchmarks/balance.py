@@ -5,7 +5,9 @@
 
 Each step draws documents from the distribution until dp x micro x C tokens (the last one cut):
 the tokens one optimizer step trains. "off" packs them into windows in stream order (cut at each
-window's end); "balanced" is `flashcp.data.balance.balance_step` on the same documents. A DP
+window's end); "balanced" is `flashcp.data.balance.balance_step` on the same documents: `--mode mesh-cut` (the
+default here) joins documents and cuts the longest to bring every window within 1.05 x the mean,
+`--mode mesh` (the trainer's default) moves the stream's pieces without joining or cutting them. A DP
 group's predicted step cost is the sum over its micro steps of its window's cost: dense work
 (6 x params FLOPs per token) plus 12 d L FLOPs per attended (query, key) pair on the busiest rank of
 the window's actual FlashCP plan (`plan_shards(..., "flashcp")`), for Llama 3 8B (8.03e9 params,
@@ -59,24 +61,27 @@ def ratio(per_group: list[float]) -> float:
     return max(per_group) / (sum(per_group) / len(per_group))
 
 
-def run(distribution: str, context: int, dp: int, cp: int, n_steps: int, micro: int, seed: int) -> dict:
+def run(distribution: str, context: int, dp: int, cp: int, n_steps: int, micro: int, seed: int,
+        mode: str = "mesh-cut") -> dict:  # fmt: skip
     cost = WindowCost.llama(LLAMA3_8B["params"], LLAMA3_8B["dim"], LLAMA3_8B["n_layers"], cp)
+    target = 1.05 if mode == "mesh-cut" else None
     stream = steps(length_sampler(distribution, seed=seed), dp * micro * context)
     warm_up = next(steps(length_sampler(distribution, seed=seed + 1), dp * micro * context))
-    balance_step(warm_up, dp, micro, context, cost)  # untimed: numpy's first-call costs are not a step's
+    balance_step(warm_up, dp, micro, context, cost, target)  # untimed: numpy's first-call costs are not a step's
     off, balanced, plan_ms, cpu_ms, cut, kept = [], [], [], [], [], []
     for _ in range(n_steps):
         lens = next(stream)
         seq = stream_windows(lens, context)
         off.append(ratio([sum(planned_cost(seq[m * dp + r], cost) for m in range(micro)) for r in range(dp)]))
+        docs = lens if target else [n for w in seq for n in w]  # "mesh" moves the stream's pieces
         start, cpu = time.perf_counter(), time.process_time()
-        windows = balance_step(lens, dp, micro, context, cost)
+        windows = balance_step(docs, dp, micro, context, cost, target)
         plan_ms.append((time.perf_counter() - start) * 1e3)
         cpu_ms.append((time.process_time() - cpu) * 1e3)
         groups = [[[p.length for p in w] for w in rank] for rank in windows]
         balanced.append(ratio([sum(planned_cost(w, cost) for w in rank) for rank in groups]))
         pieces = sum(len(w) for rank in groups for w in rank)
-        cut.append(pieces - len(lens))
+        cut.append(pieces - len(docs))
         pairs = lambda ws: sum(n * (n + 1) // 2 for w in ws for n in w)  # noqa: E731
         kept.append(pairs([w for rank in groups for w in rank]) / pairs(seq))
 
@@ -91,7 +96,7 @@ def run(distribution: str, context: int, dp: int, cp: int, n_steps: int, micro: 
         "cuts_per_step": float(np.mean(cut)),
         "attention_pairs_kept_vs_off": float(np.mean(kept)),
         "setting": {"distribution": distribution, "context": context, "dp": dp, "cp": cp, "micro": micro,
-                    "steps": n_steps, "seed": seed, "model": "Llama 3 8B"},  # fmt: skip
+                    "steps": n_steps, "seed": seed, "model": "Llama 3 8B", "mode": mode},  # fmt: skip
     }
 
 
@@ -106,12 +111,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--micro", type=int, default=1, help="gradient-accumulation micro steps per step")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--mode", choices=("mesh-cut", "mesh"), default="mesh-cut",
+                        help="[data] balance mode: cut documents to 1.05 x the mean, or move the stream's pieces")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if min(args.context, args.dp, args.cp, args.steps, args.micro) < 1 or args.context % args.cp:
         parser.error("--context, --dp, --cp, --steps and --micro must be >= 1 and --context divisible by --cp")
     result = run(args.distribution or args.lengths_file, args.context, args.dp, args.cp, args.steps, args.micro,
-                 args.seed)  # fmt: skip
+                 args.seed, args.mode)  # fmt: skip
     if args.json:
         print(json.dumps(result))
         return 0

@@ -44,7 +44,7 @@ round, which keeps the state independent of the layout: from a token store it pa
 ranks' windows with the document offsets alone (`WindowPacker.skip_windows`), so its work does not
 grow with dp_world; text sources tokenise every window of the round.
 
-Balance (`balance_with`, called by the trainer for `[data] balance = "mesh"` / "mesh-whole": it
+Balance (`balance_with`, called by the trainer for `[data] balance = "mesh"` / "mesh-cut": it
 needs the model's cost per token and per attended pair): the producer takes a whole optimizer
 step at once, the `dp_world x micro` windows stream packing would give it (lengths only), and
 packs the same documents again over them (`flashcp.titan.packing.balanced_step`); this rank's
@@ -93,7 +93,7 @@ class StepBalance:
 
     micro: int  # windows per DP rank and optimizer step (gradient accumulation steps)
     cost: WindowCost  # a window's predicted cost on its CP group
-    max_imbalance: float | None  # None: documents are cut only where a window forces it
+    cut_target: float | None  # None: the stream's pieces are kept; else documents cut to this max / mean
 
 
 class WindowLoader:
@@ -151,7 +151,7 @@ class WindowLoader:
         if any(w is None for w in windows):
             return None
         mine = balanced_step(windows, self.dp_world, balance.micro, self.dp_rank, balance.cost,
-                             balance.max_imbalance)  # fmt: skip
+                             balance.cut_target)  # fmt: skip
         step_window, skip = self._window, self._skip
         self._window, self._skip = self._window + self.dp_world * balance.micro, 0
         load_ms = (time.perf_counter() - t0) * 1e3 / balance.micro
@@ -247,16 +247,17 @@ class WindowLoader:
         self._stop_producer()
         self._dispatcher = dispatcher
 
-    def balance_with(self, micro: int, cost: WindowCost, max_imbalance: float | None = 1.05) -> None:
-        """Balance each optimizer step (`micro` windows per DP rank) over the mesh by `cost`.
+    def balance_with(self, micro: int, cost: WindowCost, cut_target: float | None = None) -> None:
+        """Balance each optimizer step (`micro` windows per DP rank) over the mesh by `cost`, moving
+        the stream's pieces (`cut_target` None) or cutting documents to reach `cut_target`.
 
         Call at a step boundary (before iterating, or after a checkpoint's state was loaded)."""
         if micro < 1:
             raise DataError(f"micro steps per optimizer step must be >= 1, got {micro}")
-        if max_imbalance is not None and not max_imbalance >= 1.0:
-            raise DataError(f"the balance target must be >= 1.0, got {max_imbalance}")
+        if cut_target is not None and not cut_target >= 1.0:
+            raise DataError(f"the balance target must be >= 1.0, got {cut_target}")
         self._stop_producer()
-        self._balance = StepBalance(micro, cost, max_imbalance)
+        self._balance = StepBalance(micro, cost, cut_target)
 
     def state_dict(self) -> dict[str, Any]:
         return {**self._state, "packing": dict(self._state["packing"])}

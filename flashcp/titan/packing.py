@@ -7,9 +7,11 @@ next window as a new piece (positions restart at 0 there), with `overflow="trunc
 dropped. Its cursor is (epoch, doc, offset), which is all a loader state needs.
 
 `balanced_step` takes the windows one optimizer step would train in stream order (all DP ranks x
-micro steps), joins the pieces of a document that stream packing cut at window ends, and packs
-the same documents again with `flashcp.data.balance.balance_step` so that every window's predicted
-cost is close to the mean; each rank materialises only its own windows.
+micro steps) and packs their pieces again with `flashcp.data.balance.balance_step` so that every
+window's predicted cost is close to the mean: as they are (the same attention context as stream
+order, but for the short pieces a window's end cuts), or, given a target, with the pieces of a
+document joined again and the longest documents cut until every window is within the target.
+Each rank materialises only its own windows.
 """
 
 from __future__ import annotations
@@ -166,12 +168,13 @@ def balanced_step(
     micro: int,
     dp_rank: int,
     cost: WindowCost,
-    max_imbalance: float | None,
+    cut_target: float | None,
 ) -> list[list[Piece]]:
     """This DP rank's `micro` windows of a step whose stream-order windows (`dp * micro` of them, in
-    the loader's order) are given: the same documents, balanced over the mesh (`balance_step`).
-    Every rank computes the same assignment from the document lengths alone."""
-    docs = step_documents(windows)
+    the loader's order) are given: the same tokens, balanced over the mesh (`balance_step`), the
+    stream's pieces kept (`cut_target` None) or documents cut to reach `cut_target`.
+    Every rank computes the same assignment from the lengths alone."""
+    docs = [p for w in windows for p in w] if cut_target is None else step_documents(windows)
     seq_len = sum(p.length for p in windows[0])
-    placed = balance_step([d.length for d in docs], dp, micro, seq_len, cost, max_imbalance)[dp_rank]
+    placed = balance_step([d.length for d in docs], dp, micro, seq_len, cost, cut_target)[dp_rank]
     return [[Piece(docs[p.doc].tokens, docs[p.doc].start + p.start, p.length) for p in window] for window in placed]

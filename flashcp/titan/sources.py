@@ -80,17 +80,18 @@ class DataConfig:
     prefetch: int = 2
     synthetic_lengths: str = "wlbllm"  # a flashcp.data.lengths name or a JSON list of lengths
     cache_dir: str | None = None  # HF datasets cache (default: HF's own)
-    # "mesh": each optimizer step's documents re-packed over all DP ranks x micro steps so every
-    # window's predicted cost is within balance_target x the mean, cutting the longest documents where
-    # that needs it; "mesh-whole": the same without cutting to balance (documents are cut only where a
-    # window is full, as stream packing cuts them);
+    # "mesh": the pieces stream packing gives one optimizer step moved between all its windows (DP
+    # ranks x micro steps) so that every window's predicted cost is close to the mean; the step trains
+    # the same tokens with the same attention context, except where a window's end cuts a short piece.
+    # "mesh-cut": the step's documents joined again and the longest cut where needed to bring every
+    # window within balance_target x the mean (less attention context, tighter balance).
     # "off": windows in stream order.
     balance: str = "mesh"
     balance_target: float = 1.05
 
     def __post_init__(self) -> None:
         choices = {"overflow": ("carry", "truncate"), "txt_sample_by": ("document", "paragraph", "line"),
-                   "balance": ("mesh", "mesh-whole", "off")}  # fmt: skip
+                   "balance": ("mesh", "mesh-cut", "off")}  # fmt: skip
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
                 raise DataError(f"data.{key} must be one of {allowed}, got {getattr(self, key)!r}")

@@ -15,8 +15,8 @@ TorchTitan's; this subclass only changes how a batch reaches the model:
    count and the reported loss is the sum over DP x CP ranks. CP = 1 and CP = N therefore give
    the same loss and gradients on the same data.
 
-With `[data] balance = "mesh"` (the default) the loader packs each optimizer step's documents
-over all DP ranks x micro steps by the model's predicted cost per window (`flashcp.data.balance`):
+With `[data] balance = "mesh"` (the default) or "mesh-cut" the loader spreads each optimizer
+step's documents over all DP ranks x micro steps by the model's predicted cost per window (`flashcp.data.balance`):
 dense FLOPs per token and attention FLOPs per attended pair, the same figures the MFU uses.
 
 Around the loop: on SIGTERM / SIGINT the ranks agree to stop at the next step boundary and save a
@@ -111,7 +111,7 @@ class FlashCPTrainer(Trainer):
         if data.balance != "off":
             metrics = self.metrics_processor
             cost = WindowCost(metrics.dense_flops_per_token, metrics.attention_flops_per_pair, dims.cp)
-            target = data.balance_target if data.balance == "mesh" else None
+            target = data.balance_target if data.balance == "mesh-cut" else None
             self.dataloader.loader.balance_with(self.gradient_accumulation_steps, cost, target)
         self.stop_request.connect()
         self.checkpointer.on_restore = self._after_restore

@@ -1,6 +1,6 @@
 """The loader's mesh balance (`[data] balance`): a step trains the documents stream packing would
 give it, each token once over the DP ranks, in windows of exactly seq_len whose labels follow the
-documents; documents are cut only as the mode allows; every rank agrees without talking; resuming
+documents; pieces are cut only as the mode allows; every rank agrees without talking; resuming
 inside or after a step continues exactly; a token store is read only for this rank's windows.
 
 Runs on the list-backed source of test_data, whose token ids spell out (document, position).
@@ -24,7 +24,7 @@ from flashcp.titan.data import WindowLoader, WindowPacker
 from flashcp.titan.sources import DataConfig, DataError
 
 COST = WindowCost(dense_per_token=40.0, attn_per_pair=1.0)  # attention dominates long documents
-MODES = {"mesh": 1.05, "mesh-whole": None}
+MODES = {"mesh": None, "mesh-cut": 1.05}
 
 
 def balanced(lens, seq_len, dp_rank, dp, micro, target, prefetch=0, loop=True) -> WindowLoader:
@@ -81,14 +81,15 @@ def test_one_window_per_step_is_stream_packing():
         check_pieces(b, lens, 96)
 
 
-def test_mesh_whole_cuts_no_document_to_balance_and_mesh_balances_further():
+def test_mesh_moves_the_stream_pieces_and_mesh_cut_cuts_documents_to_its_target():
     """A step of 8 windows of 256 tokens with four 100-token documents: stream order puts two of them
-    and most of a third into the first window; "mesh-whole" spreads them whole (documents are cut
-    only where a window is full, as stream packing cuts them); "mesh" also cuts them and gets
-    within its target."""
+    and part of a third into the first window; "mesh" moves the stream's pieces apart (cutting only
+    short pieces where a window is full); "mesh-cut" also cuts the long documents and gets within
+    its target."""
     seq_len, dp = 256, 4
     lens = [100] * 4 + [16] * 103  # 2048 tokens: exactly one step
     worst = {}
+    stream_pieces = None
     for mode, target in [("off", None), *MODES.items()]:
         if mode == "off":
             loaders = [list_loader(lens, seq_len, dp_rank=r, dp_world=dp) for r in range(dp)]
@@ -97,12 +98,15 @@ def test_mesh_whole_cuts_no_document_to_balance_and_mesh_balances_further():
         windows = [next(loader) for _ in range(2) for loader in loaders]
         costs = [COST(w["doc_lens"]) for w in windows]
         worst[mode] = max(costs) / np.mean(costs)
-        pieces = Counter(int(head) // STRIDE for w in windows for head, n in _piece_heads(w))
-        long_pieces = [pieces[d] for d in range(4)]
-        assert long_pieces == [1] * 4 if mode == "mesh-whole" else True, (mode, pieces)
-        if mode == "mesh":
-            assert max(long_pieces) > 1  # cut to balance
-    assert worst["mesh"] <= 1.05 < worst["mesh-whole"] < worst["off"], worst
+        pieces = [(int(head) // STRIDE, int(head) % STRIDE, n) for w in windows for head, n in _piece_heads(w)]
+        if mode == "off":
+            stream_pieces = pieces
+        elif mode == "mesh":  # inside one stream piece each; at most one extra cut per window
+            assert all(any(d == sd and s <= p and p + n <= s + sn for sd, s, sn in stream_pieces) for d, p, n in pieces)
+            assert len(pieces) <= len(stream_pieces) + len(windows)
+        else:
+            assert max(Counter(d for d, _, _ in pieces)[d] for d in range(4)) > 1  # long documents cut
+    assert worst["mesh-cut"] <= 1.05 < worst["mesh"] < worst["off"], worst
 
 
 def _piece_heads(batch):

@@ -1,0 +1,137 @@
+"""Predicted time of one training step of a Llama model on a DP x CP mesh (MODELLED, not measured).
+
+`CostModel` prices one attention layer of one CP group; a step also runs the dense layers and
+FSDP's parameter and gradient traffic, on every DP group, and waits for the slowest:
+
+- Dense work per CP rank: 6 x (parameters outside the embedding table) FLOPs per token of its
+  C / N tokens, at `dense_tflops` (ASSUMED: an efficiency times the GPU's bf16 peak, unless a
+  GPU check measured it; projections, MLP and LM head as GEMMs, norms and activations included).
+- Attention: `CostModel.step(system, ...)` of the window's plan (KV exchange, kernels, copies,
+  forward + backward) times the layer count. The CP group synchronises at every layer's
+  collective, so the group's time is that of its slowest rank, which the layer model already is.
+- FSDP over all DP x CP ranks (TorchTitan shards parameters over dp_shard x cp): per micro step
+  every rank gathers the bf16 parameters twice (forward, and again in backward after
+  `reshard_after_forward`) and reduce-scatters fp32 gradients, 8 bytes per parameter in all.
+  Inside one node (<= `gpus_per_node` ranks) it is priced with the measured NVLink tables,
+  across nodes at `inter_node_busbw_gbps` (ASSUMED). It overlaps with compute (prefetching the
+  next layer); only what exceeds the compute is exposed (ASSUMED: perfect overlap up to that).
+- A micro step ends with FSDP's collectives, which every rank joins: it takes as long as the
+  slowest DP group's window. The step is the sum over its micro steps; the optimizer update is
+  the same for every system and left out.
+
+Memory is not modelled: Llama 3 70B on one node at DP = 1 would not fit without TP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from flashcp import plan_shards
+from flashcp.costmodel.model import COLLECTIVE_SYSTEMS, AttentionShape, CostModel
+from flashcp.plan.plan import Plan
+
+H100_BF16_TFLOPS = 989.0  # dense bf16 peak of an H100 SXM (datasheet)
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    """What a step's cost needs of a Llama model."""
+
+    name: str
+    params: float
+    dim: int
+    n_layers: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    head_dim: int = 128
+
+    @property
+    def dense_flops_per_token(self) -> float:
+        """Forward + backward of every weight matrix (the embedding lookup is no GEMM)."""
+        return 6.0 * (self.params - self.vocab * self.dim)
+
+    @property
+    def attention(self) -> AttentionShape:
+        return AttentionShape(heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim)
+
+
+LLAMA3_8B = LlamaShape("Llama 3 8B", 8.03e9, 4096, 32, 32, 8, 128256)
+LLAMA3_70B = LlamaShape("Llama 3 70B", 70.6e9, 8192, 80, 64, 8, 128256)
+
+
+@dataclass(frozen=True)
+class MeshAssumptions:
+    """The constants the step model does not take from measured tables (all ASSUMED)."""
+
+    dense_tflops: float = 0.55 * H100_BF16_TFLOPS  # achieved by a whole decoder's dense part
+    inter_node_busbw_gbps: float = 40.0  # FSDP across nodes: 400 Gb/s NIC per GPU, 80 % achieved
+    gpus_per_node: int = 8
+    fsdp_bytes_per_param: float = 8.0  # bf16 all-gather x 2 + fp32 reduce-scatter
+
+
+@dataclass
+class StepBreakdown:
+    """One step's predicted time (ms) and where it goes, for the slowest DP group of each micro step."""
+
+    total: float = 0.0
+    dense: float = 0.0
+    attention: float = 0.0  # KV exchange, kernels and copies of every layer
+    fsdp_exposed: float = 0.0
+    group_spread: list[float] = field(default_factory=list)  # per micro step: max / mean over DP groups
+
+
+class StepModel:
+    """Step time of `model` on a DP x CP mesh for one CP system; see the module docstring."""
+
+    def __init__(self, attention: CostModel, model: LlamaShape, cp: int, dp: int,
+                 assumptions: MeshAssumptions | None = None, plans: dict | None = None):  # fmt: skip
+        """`plans`: a cache of window plans to share between models of the same CP size."""
+        self.attention, self.model, self.cp, self.dp = attention, model, cp, dp
+        self.assume = assumptions or MeshAssumptions()
+        self._plans: dict[tuple[str, tuple[int, ...]], Plan] = {} if plans is None else plans
+
+    def plan(self, strategy: str, doc_lens: Sequence[int]) -> Plan:
+        key = (strategy, tuple(doc_lens))
+        if key not in self._plans:
+            self._plans[key] = plan_shards(list(doc_lens), self.cp, strategy=strategy)
+        return self._plans[key]
+
+    def dense_ms(self, tokens: int) -> float:
+        """Dense work of one CP rank holding `tokens` tokens."""
+        return self.model.dense_flops_per_token * tokens / (self.assume.dense_tflops * 1e12) * 1e3
+
+    def attention_ms(self, system: str, doc_lens: Sequence[int]) -> float:
+        """All layers' attention of one window on its CP group (slowest rank, forward + backward)."""
+        strategy = COLLECTIVE_SYSTEMS[system][0]
+        layer = self.attention.step(system, self.model.attention, {strategy: self.plan(strategy, doc_lens)})
+        return layer.training * self.model.n_layers
+
+    def fsdp_ms(self) -> float:
+        """FSDP's traffic of one micro step on one rank, not yet overlapped."""
+        n = self.dp * self.cp
+        if n == 1:
+            return 0.0
+        total = self.model.params * self.assume.fsdp_bytes_per_param
+        if n <= self.assume.gpus_per_node:  # NVLink: the measured tables (all-gather priced for both)
+            return self.attention.comm.all_gather_ms(total / n, n)
+        return total * (n - 1) / n / (self.assume.inter_node_busbw_gbps * 1e9) * 1e3
+
+    def step(self, system: str, windows: Sequence[Sequence[Sequence[int]]]) -> StepBreakdown:
+        """`windows[dp rank][micro step]` are document lengths of each window (all of one length)."""
+        if len(windows) != self.dp or len({len(w) for w in windows}) != 1:
+            raise ValueError(f"expected windows[dp={self.dp}][micro] with the same micro steps per rank")
+        out = StepBreakdown()
+        fsdp = self.fsdp_ms()
+        for m in range(len(windows[0])):
+            groups = [(self.dense_ms(sum(w[m]) // self.cp), self.attention_ms(system, w[m])) for w in windows]
+            times = [d + a for d, a in groups]
+            slowest = max(range(len(times)), key=times.__getitem__)
+            exposed = max(0.0, fsdp - times[slowest])
+            out.dense += groups[slowest][0]
+            out.attention += groups[slowest][1]
+            out.fsdp_exposed += exposed
+            out.total += times[slowest] + exposed
+            out.group_spread.append(float(times[slowest] / (sum(times) / len(times))))
+        return out
