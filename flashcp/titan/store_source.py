@@ -71,6 +71,10 @@ class StoreSource:
         framed = self._store.lengths[self._order(epoch)] + (self._bos is not None) + (self._eos is not None)
         return np.concatenate(([0], np.cumsum(framed)))
 
+    def document(self, epoch: int, position: int) -> StoreDoc:
+        """The document at `position` of the epoch's order, read at its first slice."""
+        return StoreDoc(self._store.document(int(self._order(epoch)[position])), self._bos, self._eos)
+
     def epoch(self, epoch: int, start: int) -> Iterator[tuple[int, StoreDoc]]:
         order = self._order(epoch)
         for position in range(start, self._store.n_docs):

@@ -90,3 +90,45 @@ def test_skipping_windows_from_offsets_lands_where_packing_them_does(data):
             assert skip.skip_windows(count)
             assert skip.cursor() == read.cursor(), (seq_len, count)
             assert skip.next_window().doc_lens == read.next_window().doc_lens
+
+
+def test_a_steps_pieces_laid_out_from_offsets_are_the_pieces_packing_reads(data):
+    """`next_step` on a store (vectorised, no document read) against packing window by window."""
+    from flashcp.titan.data import WindowPacker
+    from flashcp.titan.sources import build_source, DEFAULT_TOKENIZER
+    from flashcp.titan.tokenizer import load_tokenizer
+
+    _, store = data
+    source = build_source(DataConfig(source=str(store)), load_tokenizer(DEFAULT_TOKENIZER))
+    for seq_len in (7, 128, 1000):
+        read, laid = WindowPacker(source, seq_len), WindowPacker(source, seq_len)
+        for count in [1, 2, 5, 13, 40] * 6:  # crosses epochs, starts inside documents
+            pieces = [p for _ in range(count) for p in read.next_pieces()]
+            step = laid.next_step(count)
+            assert laid.cursor() == read.cursor(), (seq_len, count)
+            assert step.length.tolist() == [p.length for p in pieces]
+            assert step.start.tolist() == [p.start for p in pieces]
+            for i, p in enumerate(pieces):
+                got = step.docs[int(step.doc[i])][p.start : p.start + p.length]
+                assert got.tolist() == p.tokens[p.start : p.start + p.length].tolist()
+            assert len(set(step.doc.tolist())) == len({id(p.tokens) for p in pieces})
+
+
+@pytest.mark.parametrize("target", [None, 1.05])
+def test_a_balanced_store_gives_the_batches_the_text_gives(data, target):
+    """The loader's balanced step from a store's offsets (`next_step`'s vectorised path) equals
+    the one from tokenising the same corpus window by window."""
+    from flashcp.data.balance import WindowCost
+
+    cost = WindowCost(dense_per_token=40.0, attn_per_pair=1.0)
+    got = {}
+    for source in data:
+        loaders = [build_loader(DataConfig(source=str(source), prefetch=0), 64, r, 4,
+                                planner_kwargs={"strategy": "per_doc"}) for r in range(4)]  # fmt: skip
+        for loader in loaders:
+            loader.balance_with(2, cost, target)
+        batches = [next(loader) for _ in range(6) for loader in loaders]  # 3 steps of 2 micro batches
+        got[source] = [(b["input"].tolist(), b["labels"].tolist(), b["doc_lens"]) for b in batches]
+    corpus, store = data
+    assert got[store] == got[corpus]
+    assert any(len(doc_lens) > 1 for _, _, doc_lens in got[store])
