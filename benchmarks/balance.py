@@ -14,7 +14,9 @@ the window's actual FlashCP plan (`plan_shards(..., "flashcp")`), for Llama 3 8B
 d = 4096, L = 32), all per CP rank. Printed: over the S steps, the mean and p95 of max / mean
 across the DP groups, and the time to balance one step on this core (p50 / p99). The JSON keeps
 exactly `{"off": {"mean", "p95"}, "balanced": {"mean", "p95"}, "plan_ms": {"p50", "p99"}}` plus
-extra keys (balancing CPU time, cut documents, attention pairs kept).
+extra keys (balancing CPU time, cut documents, attention pairs kept, and `pieces_bound`: the
+max / mean no balance that keeps the stream's pieces whole can go below, from the step's piece with
+the most attended pairs).
 
 "off" continues a window's last document in the next window, so both columns train the same tokens;
 `flashcp.data.lengths.pack_windows` drops that remainder instead, which loses most of the long
@@ -57,6 +59,14 @@ def planned_cost(doc_lens: list[int], cost: WindowCost) -> float:
     return cost.dense_per_token * sum(doc_lens) / cost.cp + cost.attn_per_pair * max(plan.workloads())
 
 
+def piece_bound(seq: list[list[int]], context: int, cost: WindowCost) -> float:
+    """A floor under the costliest DP group of any balance that keeps the stream's pieces whole
+    ("mesh"): the window that holds the piece with the most attended pairs costs at least its dense
+    work plus those pairs spread evenly over the CP ranks."""
+    pairs = max(n * (n + 1) // 2 for w in seq for n in w)
+    return (cost.dense_per_token * context + cost.attn_per_pair * pairs) / cost.cp
+
+
 def ratio(per_group: list[float]) -> float:
     return max(per_group) / (sum(per_group) / len(per_group))
 
@@ -68,7 +78,7 @@ def run(distribution: str, context: int, dp: int, cp: int, n_steps: int, micro: 
     stream = steps(length_sampler(distribution, seed=seed), dp * micro * context)
     warm_up = next(steps(length_sampler(distribution, seed=seed + 1), dp * micro * context))
     balance_step(warm_up, dp, micro, context, cost, target)  # untimed: numpy's first-call costs are not a step's
-    off, balanced, plan_ms, cpu_ms, cut, kept = [], [], [], [], [], []
+    off, balanced, bound, plan_ms, cpu_ms, cut, kept = [], [], [], [], [], [], []
     for _ in range(n_steps):
         lens = next(stream)
         seq = stream_windows(lens, context)
@@ -79,7 +89,9 @@ def run(distribution: str, context: int, dp: int, cp: int, n_steps: int, micro: 
         plan_ms.append((time.perf_counter() - start) * 1e3)
         cpu_ms.append((time.process_time() - cpu) * 1e3)
         groups = [[[p.length for p in w] for w in rank] for rank in windows]
-        balanced.append(ratio([sum(planned_cost(w, cost) for w in rank) for rank in groups]))
+        per_group = [sum(planned_cost(w, cost) for w in rank) for rank in groups]
+        balanced.append(ratio(per_group))
+        bound.append(piece_bound(seq, context, cost) / (sum(per_group) / dp))
         pieces = sum(len(w) for rank in groups for w in rank)
         cut.append(pieces - len(docs))
         pairs = lambda ws: sum(n * (n + 1) // 2 for w in ws for n in w)  # noqa: E731
@@ -91,6 +103,7 @@ def run(distribution: str, context: int, dp: int, cp: int, n_steps: int, micro: 
     return {
         "off": summary(off),
         "balanced": summary(balanced),
+        "pieces_bound": summary(bound),
         "plan_ms": {"p50": float(np.percentile(plan_ms, 50)), "p99": float(np.percentile(plan_ms, 99))},
         "plan_cpu_ms": {"p50": float(np.percentile(cpu_ms, 50)), "p99": float(np.percentile(cpu_ms, 99))},
         "cuts_per_step": float(np.mean(cut)),
@@ -125,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     s = result["setting"]
     print(f"{s['distribution']} C={s['context']} DP={s['dp']} CP={s['cp']} micro={s['micro']}, {s['steps']} steps, "
           "max / mean predicted step cost over DP groups:")  # fmt: skip
-    for name in ("off", "balanced"):
+    for name in ("off", "balanced", "pieces_bound"):
         print(f"  {name:9s} mean {result[name]['mean']:.3f}  p95 {result[name]['p95']:.3f}")
     print(f"  balancing one step: p50 {result['plan_ms']['p50']:.1f} ms, p99 {result['plan_ms']['p99']:.1f} ms "
           f"(CPU p99 {result['plan_cpu_ms']['p99']:.1f} ms); "
