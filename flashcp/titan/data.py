@@ -48,10 +48,11 @@ Balance (`balance_with`, called by the trainer for `[data] balance = "mesh"` / "
 needs the model's cost per token and per attended pair): the producer takes a whole optimizer
 step at once, the pieces of the `dp_world x micro` windows stream packing would give it
 (`WindowPacker.next_step`: from a token store, vectorised over the document offsets; lengths
-only), and packs the same documents again over them (`flashcp.titan.packing.balanced_step`). That
-work grows with dp_world (~35 ms per step at DP = 64, C = 128K on one core), unlike reading; this rank's
-`micro` windows are handed out one per `next()`. Every rank computes the same assignment, and the
-cursor after a step is the one stream packing leaves, so a run may resume with balancing on or off.
+only), and packs the same documents again over them (`flashcp.titan.packing.balanced_step`).
+That work grows with dp_world (~35 ms per step at DP = 64, C = 128K on one core), unlike
+reading; this rank's `micro` windows are handed out one per `next()`. Every rank computes the
+same assignment, and the cursor after a step is the one stream packing leaves, so a run may
+resume with balancing on or off.
 
 Resuming: `state_dict()` (the same on every rank) holds the global window counter, the cursor
 (epoch, document, token offset) and a fingerprint of the packing settings, as of the last batch

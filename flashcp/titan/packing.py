@@ -7,11 +7,11 @@ next window as a new piece (positions restart at 0 there), with `overflow="trunc
 dropped. Its cursor is (epoch, doc, offset), which is all a loader state needs.
 
 `balanced_step` takes the pieces of the windows one optimizer step would train in stream order (all
-DP ranks x micro steps, `WindowPacker.next_step`) and packs their pieces again with `flashcp.data.balance.balance_step` so that every
-window's predicted cost is close to the mean: as they are (the same attention context as stream
-order, but for the short pieces a window's end cuts), or, given a target, with the pieces of a
-document joined again and the longest documents cut until every window is within the target.
-Each rank materialises only its own windows.
+DP ranks x micro steps, `WindowPacker.next_step`) and packs them again with
+`flashcp.data.balance.balance_step` so that every window's predicted cost is close to the mean:
+as they are (the same attention context as stream order, but for the short pieces a window's end
+cuts), or, given a target, with the pieces of a document joined again and the longest documents
+cut until every window is within the target. Each rank materialises only its own windows.
 """
 
 from __future__ import annotations
@@ -168,7 +168,7 @@ class WindowPacker:
             if any(w is None for w in windows):
                 return None
             return StepPieces.of([p for w in windows for p in w])
-        epochs, positions, doc, start, length, done = [], [], [], [], [], 0
+        epochs, positions, doc, start, length, done, n_docs = [], [], [], [], [], 0, 0
         for epoch, starts, pos, end in self._epoch_spans(count):
             first = int(np.searchsorted(starts, pos, side="right")) - 1
             last = int(np.searchsorted(starts, end, side="left"))  # documents [first, last) meet [pos, end)
@@ -176,25 +176,29 @@ class WindowPacker:
             cuts = np.unique(np.concatenate(([pos, end], starts[first + 1 : last], window_ends)))
             cuts = cuts[(cuts >= pos) & (cuts <= end)]
             at = np.searchsorted(starts, cuts[:-1], side="right") - 1  # the document of each piece
-            doc.append(at - first + sum(map(len, positions)))
+            doc.append(at - first + n_docs)
             start.append(cuts[:-1] - starts[at])
             length.append(np.diff(cuts))
             epochs.append(np.full(last - first, epoch))
             positions.append(np.arange(first, last))
-            done += end - pos
+            done, n_docs = done + end - pos, n_docs + last - first
         columns = (epochs, positions, doc, start, length)
         epochs, positions, *pieces = (np.concatenate(c) for c in columns)
         return StepPieces(_EpochDocuments(self.source, epochs, positions), *pieces)
 
 
 class _EpochDocuments:
-    """The documents of a step by (epoch, position), each fetched from the source when indexed."""
+    """The documents of a step by (epoch, position), each fetched from the source when first
+    indexed and then kept, so that the pieces of one document share its tokens (read once)."""
 
     def __init__(self, source: Any, epochs: np.ndarray, positions: np.ndarray):
         self.source, self.epochs, self.positions = source, epochs, positions
+        self._fetched: dict[int, Any] = {}
 
     def __getitem__(self, i: int) -> Any:
-        return self.source.document(int(self.epochs[i]), int(self.positions[i]))
+        if i not in self._fetched:
+            self._fetched[i] = self.source.document(int(self.epochs[i]), int(self.positions[i]))
+        return self._fetched[i]
 
 
 class StepPieces(NamedTuple):
