@@ -209,7 +209,7 @@ class _PartnerSearch:
 
     def back(self, x: Shard):
         """Best back trade: t tokens from x's end move t (e - |y|), so |y| <= e - need / t."""
-        s, e = x.start, x.start + x.length
+        e = x.start + x.length
         if e * e < 4 * self.need:  # t (e - |y|) with t <= |y| peaks at |y| = e / 2
             return None
         best = None
