@@ -10,7 +10,7 @@ other failure (DCP's CheckpointException, a BaseException, included) is recorded
 and exits 1, its traceback kept in the rank's log; a rank holds 1 MiB next to its log so that both
 still fit when the disk fills up.
 
-Started by `flashcp.titan.launch` (FLASHCP_LAUNCHER holds its PID), a rank dies with the launcher,
+Started by `flashcp.run.launch` (FLASHCP_LAUNCHER holds its PID), a rank dies with the launcher,
 even a SIGKILLed one: torchrun starts each rank in a session of its own, where nothing else would
 stop it. Started by plain torchrun, rank 0 takes the dump folder's lock itself.
 """
@@ -94,12 +94,12 @@ def die_with_launcher() -> None:
 
 def run(config_name: str | None, overrides: list[str]) -> None:
     from flashcp.titan.config import check_layout, load_job, resolve_config_path
-    from flashcp.titan.ownership import check_writable, RunLock
+    from flashcp.run.ownership import check_writable, RunLock
 
     cfg = load_job(resolve_config_path(config_name), overrides)
     check_layout(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     if not os.environ.get("FLASHCP_LAUNCHER") and os.environ.get("RANK", "0") == "0":
-        from flashcp.titan.launch import output_folders
+        from flashcp.run.launch import output_folders
 
         check_writable(output_folders(cfg))
         with RunLock(cfg["job"]["dump_folder"]):
@@ -114,8 +114,8 @@ def _train(cfg: dict) -> None:
 
     from flashcp.titan.config import ConfigError
     from flashcp.titan.job import trainer_config
-    from flashcp.titan.sources import DataError
-    from flashcp.titan.tokenizer import TokenizerError
+    from flashcp.data.sources import DataError
+    from flashcp.data.tokenizer import TokenizerError
     from flashcp.titan.trainer import FlashCPTrainer
 
     init_logger()
@@ -150,9 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     from flashcp.attention import BackendUnavailable
     from flashcp.titan.checkpoint import CheckpointError, root_cause
     from flashcp.titan.config import ConfigError
-    from flashcp.titan.ownership import FolderInUse, NotWritable
-    from flashcp.titan.sources import DataError
-    from flashcp.titan.tokenizer import TokenizerError
+    from flashcp.run.ownership import FolderInUse, NotWritable
+    from flashcp.data.sources import DataError
+    from flashcp.data.tokenizer import TokenizerError
 
     job_errors = (ConfigError, DataError, TokenizerError, CheckpointError, BackendUnavailable, FolderInUse,
                   NotWritable)  # fmt: skip

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from flashcp.titan.manifest import rank_entries, verify_files
+from flashcp.run.manifest import rank_entries, verify_files
 
 LLAMA8B_BYTES = 8.03e9 * 12
 RANKS = 8

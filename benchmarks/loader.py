@@ -29,8 +29,8 @@ import numpy as np
 
 from flashcp.data.balance import WindowCost
 from flashcp.data.prepare import prepare
-from flashcp.titan.data import build_loader
-from flashcp.titan.sources import DataConfig
+from flashcp.data.loader import build_loader
+from flashcp.data.sources import DataConfig
 
 TARGETS = {"mesh": None, "mesh-cut": 1.05}
 

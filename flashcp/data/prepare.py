@@ -47,7 +47,7 @@ _tokenizer: Any = None  # this process's tokenizer, loaded once
 
 def _load_tokenizer(path: str) -> None:
     global _tokenizer
-    from flashcp.titan.tokenizer import load_tokenizer
+    from flashcp.data.tokenizer import load_tokenizer
 
     _tokenizer = load_tokenizer(path)
 
@@ -129,8 +129,8 @@ def prepare(
     """Build the store at `out` (see the module docstring); returns its path."""
     from tqdm import tqdm
 
-    from flashcp.titan.sources import data_files, DataConfig, DEFAULT_CORPUS, DEFAULT_TOKENIZER, load_files
-    from flashcp.titan.tokenizer import tokenizer_file
+    from flashcp.data.sources import data_files, DataConfig, DEFAULT_CORPUS, DEFAULT_TOKENIZER, load_files
+    from flashcp.data.tokenizer import tokenizer_file
 
     out = Path(out).absolute()
     if out.exists():
@@ -242,8 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import datasets
 
-    from flashcp.titan.sources import DataError
-    from flashcp.titan.tokenizer import TokenizerError
+    from flashcp.data.sources import DataError
+    from flashcp.data.tokenizer import TokenizerError
 
     datasets.disable_progress_bars()  # this command's bar counts documents; an error stays one line
     try:

@@ -5,7 +5,7 @@ TorchTitan's CheckpointManager writes a step straight into `step-N/`: a save ove
 `.metadata` over truncated files, and nothing noticed bytes that changed after the save. Here:
 
 - Save: every rank writes into `step-N.partial-<save id>/`, hashes the files it wrote (sizes and
-  CRC-32, `flashcp.titan.manifest`), rank 0 gathers the entries and writes `manifest.json`, then
+  CRC-32, `flashcp.run.manifest`), rank 0 gathers the entries and writes `manifest.json`, then
   publishes the folder with a rename. An existing `step-N` is first renamed to
   `step-N.replaced-<save id>` and removed only after the new one is in place, so a kill at any
   moment leaves a complete, loadable step N (under one name or the other; a leftover
@@ -42,8 +42,8 @@ import torch.distributed.checkpoint.api as dcp_api
 from torchtitan.components.checkpoint import AsyncMode, CheckpointManager
 from torchtitan.tools.logging import logger
 
-from flashcp.titan.manifest import MANIFEST, read_manifest, rank_entries, verify_files, write_manifest
-from flashcp.titan.sources import DataError
+from flashcp.run.manifest import MANIFEST, read_manifest, rank_entries, verify_files, write_manifest
+from flashcp.data.sources import DataError
 
 STEP_DIR = re.compile(r"step-(\d+)(?:\.replaced-[0-9a-f]+)?")
 LEFTOVER_DIR = re.compile(r"step-(\d+)\.(partial|replaced)-[0-9a-f]+")

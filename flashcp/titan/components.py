@@ -1,7 +1,7 @@
 """The data pipeline as TorchTitan components.
 
 TorchTitan's Trainer builds its tokenizer and data loader from configs; these classes plug
-FlashCP's pipeline (`flashcp.titan.data`, `flashcp.titan.tokenizer`) into those slots (the
+FlashCP's pipeline (`flashcp.data.loader`, `flashcp.data.tokenizer`) into those slots (the
 checkpointer is `flashcp.titan.checkpoint`):
 
 - `PipelineTokenizer`: the pipeline's tokenizer (HF tokenizer.json or SentencePiece) behind
@@ -20,9 +20,9 @@ from typing import Any
 from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.components.tokenizer import BaseTokenizer
 
-from flashcp.titan.data import build_loader, WindowLoader
-from flashcp.titan.sources import DEFAULT_TOKENIZER, DataConfig, DataError
-from flashcp.titan.tokenizer import Tokenizer, load_tokenizer
+from flashcp.data.loader import build_loader, WindowLoader
+from flashcp.data.sources import DEFAULT_TOKENIZER, DataConfig, DataError
+from flashcp.data.tokenizer import Tokenizer, load_tokenizer
 
 
 def resolve_tokenizer(name: str) -> Tokenizer:

@@ -32,7 +32,7 @@ from flashcp.attention.kernels import BACKENDS as KERNELS
 from flashcp.attention.kernels import gpu_backend_problem
 from flashcp.dispatch import COMM_MODES
 from flashcp.plan import STRATEGIES
-from flashcp.titan.sources import DataConfig
+from flashcp.data.sources import DataConfig
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "train_configs"
 DEFAULT_CONFIG = "default.toml"

@@ -19,7 +19,7 @@ from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 from flashcp.titan import compat
 from flashcp.titan.checkpoint import Checkpointer
 from flashcp.titan.components import PipelineTokenizer, resolve_tokenizer, WindowDataLoader
-from flashcp.titan.sources import DataConfig
+from flashcp.data.sources import DataConfig
 from flashcp.titan.metrics import FlashCPMetrics
 from flashcp.titan.model import llama3_spec
 from flashcp.titan.trainer import FlashCPSettings, FlashCPTrainer

@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from flashcp.titan.config import ConfigError, model_dims
-from flashcp.titan.sources import build_source, DataConfig, DEFAULT_TOKENIZER
-from flashcp.titan.tokenizer import load_tokenizer
+from flashcp.data.sources import build_source, DataConfig, DEFAULT_TOKENIZER
+from flashcp.data.tokenizer import load_tokenizer
 
 
 def check_inputs(cfg: dict[str, Any]) -> int:

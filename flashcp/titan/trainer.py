@@ -20,7 +20,7 @@ step's documents over all DP ranks x micro steps by the model's predicted cost p
 dense FLOPs per token and attention FLOPs per attended pair, the same figures the MFU uses.
 
 Around the loop: on SIGTERM / SIGINT the ranks agree to stop at the next step boundary and save a
-checkpoint there (`flashcp.titan.preemption`); after a restore, the learning rate applied is the
+checkpoint there (`flashcp.run.preemption`); after a restore, the learning rate applied is the
 config's schedule at the restored step (the saved optimizer's rate was the old schedule's), a run
 restored past `training.steps` is a job error and one restored at it says it is complete,
 instead of silently training nothing.
@@ -49,7 +49,7 @@ from flashcp.titan.attention import CPStep
 from flashcp.titan.checkpoint import CheckpointError, Checkpointer
 from flashcp.titan.components import PipelineTokenizer, WindowDataLoader
 from flashcp.titan.metrics import FlashCPMetrics
-from flashcp.titan.preemption import StopRequest
+from flashcp.run.preemption import StopRequest
 
 
 @dataclass(kw_only=True, slots=True)

@@ -11,7 +11,7 @@ import torch.distributed.checkpoint as dcp
 from harness import single_rank, tiny_job, train
 
 from flashcp.titan.checkpoint import CheckpointError
-from flashcp.titan.manifest import MANIFEST, read_manifest
+from flashcp.run.manifest import MANIFEST, read_manifest
 
 
 @pytest.fixture

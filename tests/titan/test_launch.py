@@ -16,8 +16,8 @@ import pytest
 import torch.distributed.checkpoint.api as dcp_api
 
 import train
-from flashcp.titan import launch
-from flashcp.titan.ownership import check_writable, FolderInUse, LOCK_NAME, NotWritable, RunLock
+from flashcp.run import launch
+from flashcp.run.ownership import check_writable, FolderInUse, LOCK_NAME, NotWritable, RunLock
 
 ROOT = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
@@ -52,7 +52,7 @@ def test_ranks_die_when_the_launcher_is_sigkilled(tmp_path):
     dump = tmp_path / "out"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "NGPU": "2"}
     launcher = subprocess.Popen(
-        [PYTHON, "-m", "flashcp.titan.launch", "--config", "debug_cpu", "--training.steps", "100000",
+        [PYTHON, "-m", "flashcp.run.launch", "--config", "debug_cpu", "--training.steps", "100000",
          "--parallelism.data_parallel_shard_degree", "1", "--checkpoint.enable", "false",
          "--job.dump_folder", str(dump)],
         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -84,7 +84,7 @@ def test_a_second_launch_into_a_held_folder_is_refused_naming_the_holder(tmp_pat
 def test_a_lock_left_by_a_killed_run_is_taken_over_and_named(tmp_path):
     dump = tmp_path / "out"
     holder = subprocess.Popen(
-        [PYTHON, "-c", "import sys, time; from flashcp.titan.ownership import RunLock; "
+        [PYTHON, "-c", "import sys, time; from flashcp.run.ownership import RunLock; "
          f"RunLock({str(dump)!r}).acquire(); print('held', flush=True); time.sleep(600)"],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
@@ -142,7 +142,7 @@ def test_help_prints_usage_and_an_empty_config_is_an_error(capsys):
 
 def test_too_little_free_space_for_a_checkpoint_fails_before_launch(tmp_path):
     from flashcp.titan.config import load_job, resolve_config_path
-    from flashcp.titan.ownership import check_free_space
+    from flashcp.run.ownership import check_free_space
     from flashcp.titan.preflight import checkpoint_bytes
 
     free = shutil.disk_usage(tmp_path).free

@@ -22,7 +22,7 @@ from harness import single_rank, tiny_job, train
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from flashcp.titan.checkpoint import CheckpointError
-from flashcp.titan.preemption import child_pids, ForwardStop, StopRequest
+from flashcp.run.preemption import child_pids, ForwardStop, StopRequest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -173,7 +173,7 @@ def test_a_signal_while_the_trainer_is_built_stops_at_the_restored_step(tmp_path
 
 @pytest.mark.parametrize("second, code", [(signal.SIGINT, 128 + signal.SIGINT), (signal.SIGTERM, 0)])
 def test_a_second_ctrl_c_ends_a_rank_at_once_a_repeated_sigterm_does_not(second, code):
-    script = (f"import os, signal, time; from flashcp.titan.preemption import StopRequest; s = StopRequest(); "
+    script = (f"import os, signal, time; from flashcp.run.preemption import StopRequest; s = StopRequest(); "
               f"os.kill(os.getpid(), signal.SIGTERM); os.kill(os.getpid(), {int(second)}); time.sleep(0.5); "
               f"assert s.agreed() == signal.SIGTERM")  # fmt: skip
     result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -288,7 +288,7 @@ def launch(dump: Path, *args: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "NGPU": "2"}
     env.pop("LOG_RANK", None)
     return subprocess.Popen(
-        [sys.executable, "-m", "flashcp.titan.launch", "--config", "debug_cpu",
+        [sys.executable, "-m", "flashcp.run.launch", "--config", "debug_cpu",
          "--parallelism.data_parallel_shard_degree", "1", "--job.dump_folder", str(dump), *args],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip

@@ -19,7 +19,7 @@ from flashcp.data import (
     pack_windows,
 )
 
-WLBLLM_FILE = Path(__file__).resolve().parents[2] / "shared" / "data" / "lengths" / "wlbllm.json"
+WLBLLM_FILE = Path(__file__).resolve().parents[3] / "shared" / "data" / "lengths" / "wlbllm.json"
 
 
 @pytest.mark.parametrize("name", list(DISTRIBUTIONS))

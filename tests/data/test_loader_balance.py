@@ -3,7 +3,7 @@ give it, each token once over the DP ranks, in windows of exactly seq_len whose 
 documents; pieces are cut only as the mode allows; every rank agrees without talking; resuming
 inside or after a step continues exactly; a token store is read only for this rank's windows.
 
-Runs on the list-backed source of test_data, whose token ids spell out (document, position).
+Runs on the list-backed source of test_loader, whose token ids spell out (document, position).
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_data import check_pieces, list_loader, ListSource, STRIDE
+from test_loader import check_pieces, list_loader, ListSource, STRIDE
 
 from flashcp import plan_shards
 from flashcp.data.balance import WindowCost
-from flashcp.titan.data import WindowLoader, WindowPacker
-from flashcp.titan.sources import DataConfig, DataError
+from flashcp.data.loader import WindowLoader, WindowPacker
+from flashcp.data.sources import DataConfig, DataError
 
 COST = WindowCost(dense_per_token=40.0, attn_per_pair=1.0)  # attention dominates long documents
 MODES = {"mesh": None, "mesh-cut": 1.05}

@@ -1,6 +1,6 @@
 """Check a job, then start `train.py` on every device of this node through torchrun.
 
-    python -m flashcp.titan.launch [--config NAME_OR_PATH] [--section.key value ...]
+    python -m flashcp.run.launch [--config NAME_OR_PATH] [--section.key value ...]
 
 Ranks per node: `NGPU`, else the visible GPUs, else (no GPU: gloo on CPU) the world size the
 job's layout fixes, or 2. Multi-node jobs pass torchrun's rendezvous through the environment:
@@ -10,7 +10,7 @@ rank's full log goes to `<dump_folder>/logs/`. SIGTERM / Ctrl-C stop the run at 
 boundary with a checkpoint; `FLASHCP_STOP_TIMEOUT` (default 600 s) is how long the ranks get for
 that save before they are killed; a second Ctrl-C stops at once.
 
-The launcher owns its run: it holds the dump folder's lock (`flashcp.titan.ownership`) while the
+The launcher owns its run: it holds the dump folder's lock (`flashcp.run.ownership`) while the
 ranks run, so a second launch into the same folder is refused with the holder's host and PID, and
 the ranks die with it (train.py arms a parent-death signal), also when it is SIGKILLed.
 
@@ -26,12 +26,12 @@ import sys
 from pathlib import Path
 
 from flashcp.titan.config import check_layout, ConfigError, load_job, resolve_config_path, world_size_hint
-from flashcp.titan.ownership import check_free_space, check_writable, describe_stale, FolderInUse, NotWritable
-from flashcp.titan.ownership import RunLock
-from flashcp.titan.preemption import ForwardStop, TORCHRUN_SIGNALS
+from flashcp.run.ownership import check_free_space, check_writable, describe_stale, FolderInUse, NotWritable
+from flashcp.run.ownership import RunLock
+from flashcp.run.preemption import ForwardStop, TORCHRUN_SIGNALS
 from flashcp.titan.preflight import check_inputs, checkpoint_bytes
-from flashcp.titan.sources import DataError
-from flashcp.titan.tokenizer import TokenizerError
+from flashcp.data.sources import DataError
+from flashcp.data.tokenizer import TokenizerError
 
 TRAIN_PY = Path(__file__).resolve().parents[2] / "train.py"
 SHOWN_RANKS = os.environ.get("LOG_RANK", "0")  # local ranks whose output reaches the console
@@ -75,7 +75,7 @@ def torchrun_args(nproc: int, nnodes: int, log_dir: str, argv: list[str]) -> lis
         ]
     else:
         args.append("--standalone")
-    args.append(f"--signals-to-handle={TORCHRUN_SIGNALS}")  # SIGTERM / SIGINT: flashcp.titan.preemption
+    args.append(f"--signals-to-handle={TORCHRUN_SIGNALS}")  # SIGTERM / SIGINT: flashcp.run.preemption
     args += [f"--local-ranks-filter={SHOWN_RANKS}", "--tee=3", f"--log-dir={log_dir}"]
     return [*args, str(TRAIN_PY), *argv]
 

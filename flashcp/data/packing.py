@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from flashcp.data.balance import balance_step, WindowCost
-from flashcp.titan.sources import DataError, DocSource
+from flashcp.data.sources import DataError, DocSource
 
 IGNORE_INDEX = -100
 

@@ -22,9 +22,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flashcp import plan_shards
-from flashcp.titan.data import IGNORE_INDEX, WindowLoader, WindowPacker, build_loader
-from flashcp.titan.sources import DEFAULT_CORPUS, DEFAULT_TOKENIZER, DataConfig, DataError
-from flashcp.titan.tokenizer import HFTokenizer, TokenizerError, load_tokenizer
+from flashcp.data.loader import IGNORE_INDEX, WindowLoader, WindowPacker, build_loader
+from flashcp.data.sources import DEFAULT_CORPUS, DEFAULT_TOKENIZER, DataConfig, DataError
+from flashcp.data.tokenizer import HFTokenizer, TokenizerError, load_tokenizer
 
 PLANNER = {"strategy": "per_doc"}  # planning itself is tested elsewhere; any strategy does
 STRIDE = 1000  # token id = STRIDE * document + position, so documents stay shorter than this

@@ -23,9 +23,9 @@ background thread `prefetch` batches ahead (`prefetch=0`: in the caller), so the
 training step's critical path: the trainer's main thread only copies the dispatch to the device.
 
 Sources (`DataConfig.source`: the shipped corpus, local files, a hub dataset, synthetic
-lengths) are `flashcp.titan.sources`.
+lengths) are `flashcp.data.sources`.
 
-Packing (`flashcp.titan.packing`): documents are shuffled per epoch (seeded by `seed`) and laid
+Packing (`flashcp.data.packing`): documents are shuffled per epoch (seeded by `seed`) and laid
 back to back into windows of exactly `seq_len` tokens, with no padding; a document cut at a
 window's end carries its rest into the next window (`overflow="carry"`) or drops it ("truncate").
 Epochs repeat forever unless `loop=False`, which ends iteration at the end of the data, dropping
@@ -48,7 +48,7 @@ Balance (`balance_with`, called by the trainer for `[data] balance = "mesh"` / "
 needs the model's cost per token and per attended pair): the producer takes a whole optimizer
 step at once, the pieces of the `dp_world x micro` windows stream packing would give it
 (`WindowPacker.next_step`: from a token store, vectorised over the document offsets; lengths
-only), and packs the same documents again over them (`flashcp.titan.packing.balanced_step`).
+only), and packs the same documents again over them (`flashcp.data.packing.balanced_step`).
 That work grows with dp_world (~35 ms per step at DP = 64, C = 128K on one core), unlike
 reading; this rank's `micro` windows are handed out one per `next()`. Every rank computes the
 same assignment, and the cursor after a step is the one stream packing leaves, so a run may
@@ -60,7 +60,7 @@ handed out (prefetched batches are not counted; inside a balanced step, the step
 `in_step`, the batches of it already handed out). Loading it continues with the next unseen
 window, also under a different dp_world / dp_rank / cp_size; a state whose packing differs
 (source, tokenizer, seq_len, overflow, BOS/EOS, seed, shuffle) raises DataError naming what differs.
-Bad data raises DataError (see `flashcp.titan.sources`).
+Bad data raises DataError (see `flashcp.data.sources`).
 """
 
 from __future__ import annotations
@@ -78,9 +78,9 @@ import torch
 
 from flashcp import plan_shards
 from flashcp.data.balance import WindowCost
-from flashcp.titan.packing import balanced_step, IGNORE_INDEX, Window, WindowPacker
-from flashcp.titan.sources import DEFAULT_TOKENIZER, DataConfig, DataError, build_source
-from flashcp.titan.tokenizer import Tokenizer, load_tokenizer
+from flashcp.data.packing import balanced_step, IGNORE_INDEX, Window, WindowPacker
+from flashcp.data.sources import DEFAULT_TOKENIZER, DataConfig, DataError, build_source
+from flashcp.data.tokenizer import Tokenizer, load_tokenizer
 
 __all__ = ["IGNORE_INDEX", "WindowLoader", "WindowPacker", "build_loader"]
 

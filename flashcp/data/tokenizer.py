@@ -5,7 +5,7 @@
     tok.encode_batch(texts)  -> list[list[int]]
     tok.decode(ids) -> str;  tok.vocab_size, tok.bos_id, tok.eos_id (None when undefined)
 
-Why a module of our own: the packer (`flashcp.titan.data`) decides where BOS/EOS go, so encoding
+Why a module of our own: the packer (`flashcp.data.loader`) decides where BOS/EOS go, so encoding
 must return plain text tokens and expose the special ids; TorchTitan 0.3.0's tokenizer rejects
 SentencePiece models; and the data pipeline should be usable and testable without TorchTitan.
 Special-token strings that happen to occur inside a document (e.g. a literal "<|eos|>") are

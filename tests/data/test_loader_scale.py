@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from flashcp.data.prepare import prepare
-from flashcp.titan import store_source
-from flashcp.titan.data import build_loader
-from flashcp.titan.sources import DataConfig, DataError
+from flashcp.data import store_source
+from flashcp.data.loader import build_loader
+from flashcp.data.sources import DataConfig, DataError
 
 TEXTS = [f"Document number {i} says " + "hello world " * (i % 29 + 1) for i in range(300)]
 
@@ -76,9 +76,9 @@ def test_a_store_from_another_tokenizer_is_refused(data, tmp_path):
 
 def test_skipping_windows_from_offsets_lands_where_packing_them_does(data):
     """Across several epochs, with documents cut at window ends and windows ending on boundaries."""
-    from flashcp.titan.data import WindowPacker
-    from flashcp.titan.sources import build_source, DEFAULT_TOKENIZER
-    from flashcp.titan.tokenizer import load_tokenizer
+    from flashcp.data.loader import WindowPacker
+    from flashcp.data.sources import build_source, DEFAULT_TOKENIZER
+    from flashcp.data.tokenizer import load_tokenizer
 
     _, store = data
     source = build_source(DataConfig(source=str(store)), load_tokenizer(DEFAULT_TOKENIZER))
@@ -94,9 +94,9 @@ def test_skipping_windows_from_offsets_lands_where_packing_them_does(data):
 
 def test_a_steps_pieces_laid_out_from_offsets_are_the_pieces_packing_reads(data):
     """`next_step` on a store (vectorised, no document read) against packing window by window."""
-    from flashcp.titan.data import WindowPacker
-    from flashcp.titan.sources import build_source, DEFAULT_TOKENIZER
-    from flashcp.titan.tokenizer import load_tokenizer
+    from flashcp.data.loader import WindowPacker
+    from flashcp.data.sources import build_source, DEFAULT_TOKENIZER
+    from flashcp.data.tokenizer import load_tokenizer
 
     _, store = data
     source = build_source(DataConfig(source=str(store)), load_tokenizer(DEFAULT_TOKENIZER))

@@ -17,10 +17,10 @@ import pytest
 
 from flashcp.data import prepare as prep
 from flashcp.data.store import file_fingerprint, is_store, open_store, StoreError
-from flashcp.titan.sources import DEFAULT_TOKENIZER
-from flashcp.titan.tokenizer import load_tokenizer
+from flashcp.data.sources import DEFAULT_TOKENIZER
+from flashcp.data.tokenizer import load_tokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TEXTS = [f"Document {i}: " + "wörd " * (i % 37) for i in range(700)] + ["", "last one"]
 
 

@@ -4,7 +4,7 @@
     for position, tokens in source.epoch(epoch, start): ...
 
 A `DocSource` yields the token ids (BOS/EOS added) of the non-empty documents of one epoch in a
-fixed order, restartable at any position, which is all `flashcp.titan.data`'s packer needs.
+fixed order, restartable at any position, which is all `flashcp.data.loader`'s packer needs.
 
 Sources (`DataConfig.source`):
   "default"    data/default/train.jsonl.gz, real English text shipped with FlashCP (data/README.md)
@@ -15,7 +15,7 @@ Sources (`DataConfig.source`):
   "hf:NAME"    the hub dataset NAME (`hf_config`, `hf_split`), streamed; needs network (a
                local dataset directory also works); resuming re-reads the epoch up to the cursor
   DIR          a token store prepared by `python -m flashcp.data.prepare` (memory-mapped; each
-               rank reads only its own windows' tokens, `flashcp.titan.store_source`)
+               rank reads only its own windows' tokens, `flashcp.data.store_source`)
   "synthetic"  random token ids, document lengths drawn from `synthetic_lengths` (a distribution
                of `flashcp.data.lengths`, e.g. "wlbllm", "pile", or a JSON list of lengths):
                benchmarking at scale without text; `max_doc_tokens` applies to text only
@@ -41,7 +41,7 @@ from urllib.parse import urlparse
 import numpy as np
 
 from flashcp.data.store import is_store
-from flashcp.titan.tokenizer import Tokenizer
+from flashcp.data.tokenizer import Tokenizer
 
 DATA_DIR = Path(__file__).resolve().parents[2] / "data"
 DEFAULT_CORPUS = DATA_DIR / "default" / "train.jsonl.gz"
@@ -379,8 +379,8 @@ def build_source(cfg: DataConfig, tokenizer: Tokenizer) -> DocSource:
     if cfg.source == "synthetic":
         return SyntheticSource(cfg.synthetic_lengths, tokenizer, cfg.add_bos, cfg.add_eos, cfg.seed)
     if is_store(cfg.source):
-        from flashcp.titan.store_source import StoreSource
-        from flashcp.titan.tokenizer import tokenizer_file
+        from flashcp.data.store_source import StoreSource
+        from flashcp.data.tokenizer import tokenizer_file
 
         bos, eos = tokenizer.bos_id if cfg.add_bos else None, tokenizer.eos_id if cfg.add_eos else None
         tok_path = tokenizer_file(DEFAULT_TOKENIZER if cfg.tokenizer == "default" else cfg.tokenizer)
