@@ -16,4 +16,4 @@ VENV="${FLASHCP_VENV:-$ROOT/.venv}"
 
 "$ROOT/scripts/setup_env.sh"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-exec "$VENV/bin/python" -m flashcp.run.launch "$@"
+exec "$VENV/bin/python" -m flashcp.titan.launch "$@"

@@ -8,88 +8,19 @@ of the job itself (config, data, tokenizer, checkpoint, attention backend) end t
 exit code 2 and one line naming the problem, also recorded for the launcher to print once; any
 other failure (DCP's CheckpointException, a BaseException, included) is recorded as its root cause
 and exits 1, its traceback kept in the rank's log; a rank holds 1 MiB next to its log so that both
-still fit when the disk fills up.
-
-Started by `flashcp.run.launch` (FLASHCP_LAUNCHER holds its PID), a rank dies with the launcher,
-even a SIGKILLed one: torchrun starts each rank in a session of its own, where nothing else would
-stop it. Started by plain torchrun, rank 0 takes the dump folder's lock itself.
+still fit when the disk fills up (`flashcp.run.rank`). Started by the launcher, a rank dies with
+it; started by plain torchrun, rank 0 takes the dump folder's lock itself.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
-import json
 import os
 import signal
 import sys
-import threading
-import time
 import traceback
 
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
-RESERVED_BYTES = 1 << 20  # room for a traceback and the error file on a full disk
-
-
-def reserve_room_to_report() -> str | None:
-    """Hold RESERVED_BYTES on the file system of this rank's log and error file; the path, or None.
-
-    A save that fills the disk used to leave no trace: the rank's log stopped at its last whole
-    block and the error file came out empty (torchrun's agent then crashed parsing it). Released
-    as the rank ends, the reservation is the room for its traceback and one-line reason.
-    """
-    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not error_file:
-        return None
-    path = f"{error_file}.reserved"
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
-        try:
-            os.posix_fallocate(fd, 0, RESERVED_BYTES)
-        finally:
-            os.close(fd)
-    except OSError:  # already this short of space: the launcher's free-space check reports that case
-        _release(path)
-        return None
-    return path
-
-
-def _release(reserved: str | None) -> None:
-    if reserved:
-        try:
-            os.remove(reserved)
-        except FileNotFoundError:
-            pass
-
-
-def _record_for_launcher(message: str) -> None:
-    """Write the message where torchrun's agent reads a failed worker's reason (whole or not at all)."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if path:
-        with open(f"{path}.partial", "w") as f:
-            json.dump({"message": message, "timestamp": str(int(time.time()))}, f)
-        os.replace(f"{path}.partial", path)
-
-
-def die_with_launcher() -> None:
-    """Have the kernel SIGKILL this rank when the launcher dies (Linux), else poll for it."""
-    launcher = int(os.environ.get("FLASHCP_LAUNCHER", "0") or 0)
-    if launcher <= 1:
-        return
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        armed = libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
-    except (OSError, AttributeError):  # not Linux
-        armed = False
-    if os.getppid() != launcher:  # it died before the signal was armed
-        os._exit(1)
-    if not armed:
-        def watch() -> None:
-            while os.getppid() == launcher:
-                time.sleep(1.0)
-            os._exit(1)
-
-        threading.Thread(target=watch, name="flashcp-launcher-watch", daemon=True).start()
+from flashcp.run.rank import die_with_launcher, record_for_launcher, release, reserve_room_to_report
 
 
 def run(config_name: str | None, overrides: list[str]) -> None:
@@ -99,7 +30,7 @@ def run(config_name: str | None, overrides: list[str]) -> None:
     cfg = load_job(resolve_config_path(config_name), overrides)
     check_layout(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     if not os.environ.get("FLASHCP_LAUNCHER") and os.environ.get("RANK", "0") == "0":
-        from flashcp.run.launch import output_folders
+        from flashcp.titan.launch import output_folders
 
         check_writable(output_folders(cfg))
         with RunLock(cfg["job"]["dump_folder"]):
@@ -114,7 +45,7 @@ def _train(cfg: dict) -> None:
 
     from flashcp.titan.config import ConfigError
     from flashcp.titan.job import trainer_config
-    from flashcp.data.sources import DataError
+    from flashcp.data.errors import DataError
     from flashcp.data.tokenizer import TokenizerError
     from flashcp.titan.trainer import FlashCPTrainer
 
@@ -151,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     from flashcp.titan.checkpoint import CheckpointError, root_cause
     from flashcp.titan.config import ConfigError
     from flashcp.run.ownership import FolderInUse, NotWritable
-    from flashcp.data.sources import DataError
+    from flashcp.data.errors import DataError
     from flashcp.data.tokenizer import TokenizerError
 
     job_errors = (ConfigError, DataError, TokenizerError, CheckpointError, BackendUnavailable, FolderInUse,
@@ -167,14 +98,14 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit:
         raise
     except BaseException as e:  # DCP's CheckpointException is a BaseException
-        _release(reserved)
+        release(reserved)
         traceback.print_exc()  # into this rank's log, whole
         code, message = 1, root_cause(e)
     else:
         return 0
     finally:
-        _release(reserved)
-    _record_for_launcher(message)
+        release(reserved)
+    record_for_launcher(message)
     if not os.environ.get("FLASHCP_LAUNCHER") and rank == "0":
         print(f"error: {message}" if code == 2 else f"error: rank {rank} failed: {message}", file=sys.stderr)
     return code

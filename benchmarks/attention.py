@@ -44,7 +44,7 @@ from flashcp import plan_shards  # noqa: E402
 from flashcp.attention import cp_varlen_attention  # noqa: E402
 from flashcp.attention.collectives import gather_kv, launch_kv_exchange  # noqa: E402
 from flashcp.data import length_sampler, pack_windows  # noqa: E402
-from flashcp.dispatch import COMM_MODES, Dispatch  # noqa: E402
+from flashcp.dispatch import build_dispatch, COMM_MODES, Dispatch  # noqa: E402
 from flashcp.gpucheck.timing import Timer, time_varlen  # noqa: E402
 from flashcp.plan import STRATEGIES, Plan  # noqa: E402
 
@@ -70,7 +70,7 @@ def run_plan(plan: Plan, heads: int, kv_heads: int, args, timer: Timer, csv_rows
     """Per-rank times of a plan, its critical path and its communication volumes."""
     ranks = []
     for rank in range(plan.cp_size):
-        dispatch = plan.dispatch(rank)
+        dispatch = build_dispatch(plan, rank)
         ranks.append(time_rank(dispatch, heads, kv_heads, args, timer))
         q_lens = " ".join(map(str, dispatch.cu_seqlens_q.diff().tolist()))
         k_lens = " ".join(map(str, dispatch.cu_seqlens_k.diff().tolist()))
@@ -153,7 +153,7 @@ def _gloo_worker(rank: int, n: int, port: int, plans: list[Plan], args, out) -> 
     results = []
     for i, plan in enumerate(plans):
         for comm in COMM_MODES:
-            d = plan.dispatch(rank, comm, overlap=True)
+            d = build_dispatch(plan, rank, comm, overlap=True)
             rows = d.token_index.numel()
             q = torch.randn(rows, h, dim, dtype=dtype, requires_grad=True)
             k, v = (torch.randn(rows, kv, dim, dtype=dtype, requires_grad=True) for _ in "kv")

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from flashcp.data.balance import WindowCost
+from flashcp.dispatch import build_dispatch
 from flashcp.data.prepare import prepare
 from flashcp.data.loader import build_loader
 from flashcp.data.sources import DataConfig
@@ -55,7 +56,7 @@ def throughput(source: str, dp: int, context: int, cp: int, n: int, balance: str
 def main_thread(source: str, dp: int, context: int, cp: int, n: int, balance: str,
                 step_ms: float) -> dict[str, float]:  # fmt: skip
     loader = loader_for(source, dp, context, cp, balance, prefetch=2)
-    loader.dispatch_with(lambda plan: plan.dispatch(0, "compact"))
+    loader.dispatch_with(lambda plan: build_dispatch(plan, 0, "compact"))
     waits = []
     with loader:
         next(loader)

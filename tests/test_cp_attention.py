@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from flashcp import plan_shards
 from flashcp.attention import cp_varlen_attention, record_comm, varlen_attention
-from flashcp.dispatch import COMM_MODES
+from flashcp.dispatch import build_dispatch, COMM_MODES
 from flashcp.plan import STRATEGIES, Plan
 
 TOL = {torch.float64: dict(rtol=1e-10, atol=1e-12), torch.float32: dict(rtol=1e-4, atol=1e-5)}
@@ -50,7 +50,7 @@ def run_cases(rank: int, group, cases: list[Case]):
     """Worker: forward + backward of every case on this rank; rows are in local order."""
     results = []
     for case in cases:
-        dispatch = case.plan.dispatch(rank, case.comm, overlap=case.overlap)
+        dispatch = build_dispatch(case.plan, rank, case.comm, overlap=case.overlap)
         idx = dispatch.token_index
         window = window_tensors(case.plan.context, case.heads, case.dtype, case.seed)
         q, k, v, g = (t[idx].clone() for t in window)
@@ -197,7 +197,7 @@ def test_bytes_moved_equal_plan_prediction(pool, cp_size):
 def run_mismatched(rank: int, group, plan: Plan):
     qkv = [torch.zeros(plan.tokens_per_rank, 1, 4) for _ in range(3)]
     try:
-        cp_varlen_attention(*qkv, plan.dispatch(rank), group)
+        cp_varlen_attention(*qkv, build_dispatch(plan, rank), group)
     except ValueError as e:
         return str(e)
     return None
@@ -213,7 +213,7 @@ def test_dispatch_for_another_comm_mode_is_rejected():
     plan = plan_shards([8, 8], 2, "per_doc")
     t = torch.zeros(8, 1, 4)
     with pytest.raises(ValueError, match="comm='compact'"):
-        cp_varlen_attention(t, t, t, plan.dispatch(0, "compact"), comm="full")
+        cp_varlen_attention(t, t, t, build_dispatch(plan, 0, "compact"), comm="full")
 
 
 @pytest.mark.parametrize("comm", COMM_MODES)

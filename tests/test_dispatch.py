@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from flashcp import plan_shards
-from flashcp.dispatch import Dispatch
+from flashcp.dispatch import build_dispatch, Dispatch
 
 
 def _tensors(d: Dispatch) -> list[torch.Tensor]:
@@ -15,7 +15,7 @@ def _tensors(d: Dispatch) -> list[torch.Tensor]:
 
 
 def _dispatch() -> Dispatch:
-    return plan_shards([40, 3, 9, 1, 17, 2, 8], 2, "flashcp").dispatch(1, "compact", overlap=True)
+    return build_dispatch(plan_shards([40, 3, 9, 1, 17, 2, 8], 2, "flashcp"), 1, "compact", overlap=True)
 
 
 def test_to_moves_every_tensor_without_blocking(monkeypatch):
@@ -51,4 +51,4 @@ def test_overlap_split_partitions_the_shards():
     assert torch.equal(rows[split.inverse], torch.arange(d.token_index.numel()))
     assert bool((split.remote.kv_index < d.recv_size).any())  # remote shards read received rows
     assert bool((split.local.kv_index >= 0).all()) and bool((split.local.kv_index < d.token_index.numel()).all())
-    assert plan_shards([8, 8], 2, "per_doc").dispatch(0).overlap is None  # only on request
+    assert build_dispatch(plan_shards([8, 8], 2, "per_doc"), 0).overlap is None  # only on request

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from flashcp import Plan, Shard, plan_shards
-from flashcp.dispatch import COMM_MODES
+from flashcp.dispatch import build_dispatch, COMM_MODES
 from flashcp.plan import STRATEGIES
 from flashcp.plan.hybrid import balanced_head_tail
 from flashcp.plan.plan import shard_workload
@@ -138,7 +138,7 @@ def check_dispatch(plan: Plan) -> None:
     offset = [0, *itertools.accumulate(lens)]
     send_tokens, needed_tokens = plan.send_tokens(), plan.needed_tokens()
     for comm in COMM_MODES:
-        ds = [plan.dispatch(r, comm) for r in range(n)]
+        ds = [build_dispatch(plan, r, comm) for r in range(n)]
         for r, d in enumerate(ds):
             shards = plan.ranks[r]
             local = [offset[s.doc] + p for s in shards for p in range(s.start, s.start + s.length)]
@@ -362,6 +362,6 @@ def test_bad_input(args, kwargs, message) -> None:
 def test_bad_comm_mode_and_rank() -> None:
     plan = make_plan("flashcp", [3, 5], 2)
     with pytest.raises(ValueError, match="comm mode"):
-        plan.dispatch(0, "broadcast")
+        build_dispatch(plan, 0, "broadcast")
     with pytest.raises(ValueError, match="out of range"):
-        plan.dispatch(2)
+        build_dispatch(plan, 2)

@@ -10,7 +10,7 @@ from test_cp_attention import PLAN_OPTIONS, Case, oracle, window_tensors
 from flashcp import plan_shards
 from flashcp.attention import cp_varlen_attention, kernels
 from flashcp.attention.simulate import run_ranks, simulate_cp_attention
-from flashcp.dispatch import COMM_MODES
+from flashcp.dispatch import build_dispatch, COMM_MODES
 from flashcp.plan import STRATEGIES
 
 WINDOW = [61, 3, 1, 27, 9, 1, 40, 18, 2]  # 162 tokens; with +2 below divisible by 2, 4 and 8
@@ -44,7 +44,7 @@ def test_overlap_split_is_required_and_built_on_the_host():
     plan = plan_shards([40, 3, 9, 1, 17, 2, 8], 2, "flashcp")
     t = torch.zeros(plan.tokens_per_rank, 1, 4)
     with pytest.raises(ValueError, match="overlap=True"):
-        cp_varlen_attention(t, t, t, plan.dispatch(0), comm="compact", overlap=True)
+        cp_varlen_attention(t, t, t, build_dispatch(plan, 0), comm="compact", overlap=True)
 
 
 @pytest.mark.parametrize("comm", COMM_MODES)
@@ -60,7 +60,7 @@ def test_device_path_reads_nothing_back(monkeypatch, comm):
 
     monkeypatch.setitem(kernels.BACKENDS, "shape_only", kernels.Backend("shape_only", lambda q, k: None, shape_only))
     plan = plan_shards([40, 3, 9, 1, 17, 2, 8], 2, "flashcp")
-    dispatches = [plan.dispatch(r, comm, overlap=True).to("meta") for r in range(2)]
+    dispatches = [build_dispatch(plan, r, comm, overlap=True).to("meta") for r in range(2)]
     assert all(d.overlap.local.rows.numel() and d.overlap.remote.rows.numel() for d in dispatches)
 
     def program(rank, group):

@@ -1,4 +1,7 @@
-"""Attention for FlashCP: one varlen kernel interface and the context-parallel op built on it."""
+"""Attention for FlashCP: one varlen kernel interface and the context-parallel op built on it.
+
+May import: torch, `flashcp.plan` and `flashcp.dispatch` (the engine: plan -> dispatch -> attention).
+"""
 
 from flashcp.attention.collectives import CommRecord, record_comm
 from flashcp.attention.cp import cp_varlen_attention

@@ -11,7 +11,7 @@ the bottom right. Autograd runs the kernel backward and the transposed collectiv
 
 With `overlap=True` the shards whose keys are all local (whole documents, first shards) are
 computed while the collective is in flight, and only the others wait for it (the partition comes
-with the dispatch, built on the host: `plan.dispatch(rank, comm, overlap=True)`). That costs a
+with the dispatch, built on the host: `build_dispatch(plan, rank, comm, overlap=True)`). That costs a
 second kernel call plus gathers of q and the output, so it only pays when the exchange is slow
 relative to the local-only attention; `benchmarks/attention.py` measures it.
 """
@@ -30,7 +30,7 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dispatch: Dispatch
     if dispatch.comm != comm:
         raise ValueError(
             f"dispatch was built for comm={dispatch.comm!r} but comm={comm!r} was requested: "
-            f"build it with plan.dispatch(rank, comm={comm!r})"
+            f"build it with build_dispatch(plan, rank, comm={comm!r})"
         )
     rows = dispatch.token_index.numel()
     if {q.shape[0], k.shape[0], v.shape[0]} != {rows}:
@@ -60,7 +60,7 @@ def cp_varlen_attention(
 ) -> torch.Tensor:
     """Document-masked causal attention of this rank's tokens over the whole CP window.
 
-    `q [T, Hq, D]`, `k, v [T, Hkv, D]` are this rank's rows; `dispatch = plan.dispatch(rank, comm)`
+    `q [T, Hq, D]`, `k, v [T, Hkv, D]` are this rank's rows; `dispatch = build_dispatch(plan, rank, comm)`
     (on q's device); `group` is the CP process group (or any `Collectives`). Returns `[T, Hq, D]`
     in the same row order.
     """
@@ -70,7 +70,7 @@ def cp_varlen_attention(
         if split is None:
             raise ValueError(
                 "overlap=True needs the dispatch's overlap split: build it with "
-                "plan.dispatch(rank, comm, overlap=True)"
+                "build_dispatch(plan, rank, comm, overlap=True)"
             )
         if split.local.max_seqlen_q and split.remote.max_seqlen_q:  # both parts hold shards
             return _overlapped(q, k, v, dispatch, group, split, backend, softmax_scale)

@@ -9,6 +9,9 @@ Calibration comes only from measured tables (see `profiles` for their formats): 
 all-gather / reduce-scatter bus bandwidth by message size, and FlashAttention call times (a
 per-document profile or per-rank measurements). `kernel` fits the attention time model,
 `comm` prices collectives, `model` composes them per CP system.
+
+May import: numpy, the engine (`flashcp.plan`, `flashcp.dispatch`, `flashcp.attention`) and
+`flashcp.data` (length distributions); never TorchTitan.
 """
 
 from __future__ import annotations

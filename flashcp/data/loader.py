@@ -79,7 +79,8 @@ import torch
 from flashcp import plan_shards
 from flashcp.data.balance import WindowCost
 from flashcp.data.packing import balanced_step, IGNORE_INDEX, Window, WindowPacker
-from flashcp.data.sources import DEFAULT_TOKENIZER, DataConfig, DataError, build_source
+from flashcp.data.errors import DataError
+from flashcp.data.sources import DEFAULT_TOKENIZER, DataConfig, build_source
 from flashcp.data.tokenizer import Tokenizer, load_tokenizer
 
 __all__ = ["IGNORE_INDEX", "WindowLoader", "WindowPacker", "build_loader"]

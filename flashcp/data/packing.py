@@ -22,7 +22,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from flashcp.data.balance import balance_step, WindowCost
-from flashcp.data.sources import DataError, DocSource
+from flashcp.data.errors import DataError
+from flashcp.data.sources import DocSource
 
 IGNORE_INDEX = -100
 

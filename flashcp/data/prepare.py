@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import datasets
 
-    from flashcp.data.sources import DataError
+    from flashcp.data.errors import DataError
     from flashcp.data.tokenizer import TokenizerError
 
     datasets.disable_progress_bars()  # this command's bar counts documents; an error stays one line

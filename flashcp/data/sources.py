@@ -40,8 +40,10 @@ from urllib.parse import urlparse
 
 import numpy as np
 
+from flashcp.data.errors import DataError
 from flashcp.data.store import is_store
-from flashcp.data.tokenizer import Tokenizer
+from flashcp.data.store_source import StoreSource
+from flashcp.data.tokenizer import Tokenizer, tokenizer_file
 
 DATA_DIR = Path(__file__).resolve().parents[2] / "data"
 DEFAULT_CORPUS = DATA_DIR / "default" / "train.jsonl.gz"
@@ -54,10 +56,6 @@ _READ_CHUNK = 256  # rows fetched from a dataset at once
 _TOKENIZE_CHUNK = 64  # documents tokenised in one batch call
 _SYNTHETIC_BLOCK = 4096  # synthetic lengths are drawn in seeded blocks of this many documents
 _HUB_SHUFFLE_BUFFER = 10_000
-
-
-class DataError(ValueError):
-    """The data (files, contents, loader state) cannot give training windows; says why."""
 
 
 @dataclass
@@ -379,9 +377,6 @@ def build_source(cfg: DataConfig, tokenizer: Tokenizer) -> DocSource:
     if cfg.source == "synthetic":
         return SyntheticSource(cfg.synthetic_lengths, tokenizer, cfg.add_bos, cfg.add_eos, cfg.seed)
     if is_store(cfg.source):
-        from flashcp.data.store_source import StoreSource
-        from flashcp.data.tokenizer import tokenizer_file
-
         bos, eos = tokenizer.bos_id if cfg.add_bos else None, tokenizer.eos_id if cfg.add_eos else None
         tok_path = tokenizer_file(DEFAULT_TOKENIZER if cfg.tokenizer == "default" else cfg.tokenizer)
         return StoreSource(cfg.source, tok_path, bos, eos, cfg.shuffle, cfg.seed)

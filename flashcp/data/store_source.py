@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from flashcp.data.store import file_fingerprint, open_store, StoreError
-from flashcp.data.sources import DataError
+from flashcp.data.errors import DataError
 
 
 class StoreDoc:

@@ -24,6 +24,9 @@ Files in DIR: summary.md, env.json, exactness.csv, cp.csv, critical_path.csv, ef
 decoder.json and kernel_calls.csv (every timed kernel call in the format the cost model reads:
 `python benchmarks/costmodel.py refit --gpucheck DIR`). `--device cpu --quick` runs every section
 at toy sizes and is part of the test suite.
+
+May import: torch, numpy, the engine, `flashcp.data` (length distributions) and
+`flashcp.costmodel`; never TorchTitan (GPU machines have none).
 """
 
 from __future__ import annotations

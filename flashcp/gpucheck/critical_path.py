@@ -17,6 +17,7 @@ import torch
 
 from flashcp import plan_shards
 from flashcp.data import length_sampler, pack_windows
+from flashcp.dispatch import build_dispatch
 from flashcp.gpucheck.report import Budget, Report, Section
 from flashcp.gpucheck.sizes import Sizes
 from flashcp.gpucheck.timing import KERNEL_CALL_COLUMNS, Timer, time_and_log
@@ -32,7 +33,7 @@ def rank_calls(plan) -> list[tuple[list[int], list[int]]]:
     """(q_lens, k_lens) of every rank's kernel call under `plan`."""
     calls = []
     for rank in range(plan.cp_size):
-        d = plan.dispatch(rank, "compact")
+        d = build_dispatch(plan, rank, "compact")
         calls.append((d.cu_seqlens_q.diff().tolist(), d.cu_seqlens_k.diff().tolist()))
     return calls
 

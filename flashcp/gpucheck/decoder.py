@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from flashcp import plan_shards
 from flashcp.attention import cp_varlen_attention
 from flashcp.data import length_sampler, pack_windows
-from flashcp.dispatch import Dispatch
+from flashcp.dispatch import build_dispatch, Dispatch
 from flashcp.gpucheck.report import Budget, Report, Section
 from flashcp.gpucheck.sizes import Sizes
 from flashcp.gpucheck.timing import Timer, causal_flops
@@ -89,7 +89,7 @@ def apply_rope(x: torch.Tensor, rope: Rope) -> torch.Tensor:
 
 def flashcp_attention(doc_lens: list[int], device: torch.device, backend: str) -> tuple[Attention, Dispatch]:
     """FlashCP's op on one window with CP size 1 (no process group), and the dispatch it runs on."""
-    d = plan_shards(doc_lens, 1, "flashcp").dispatch(0, "compact").to(device)
+    d = build_dispatch(plan_shards(doc_lens, 1, "flashcp"), 0, "compact").to(device)
     return (lambda q, k, v: cp_varlen_attention(q, k, v, d, None, comm="compact", backend=backend)), d
 
 

@@ -5,6 +5,9 @@
 Every strategy is a small function `(doc_lens, cp_size, **options) -> (ranks, info)` in a module
 of its own; `plan_shards` checks the input, runs it, normalises the shards and validates the
 result, so a strategy only has to decide placement.
+
+May import: the standard library (scipy for `ilp`). Pure Python, no torch: planning tools start
+fast. The command-line tool (`python -m flashcp.plan`) also draws windows from `flashcp.data`.
 """
 
 from __future__ import annotations

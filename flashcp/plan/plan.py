@@ -2,18 +2,15 @@
 
 A plan says which rank holds which contiguous piece (a `Shard`) of which document. Everything the
 rest of FlashCP needs is derived from it: the per-rank attention workload (to judge balance), the
-KV each rank must receive (to judge communication) and, through `dispatch`, the index tensors the
-attention op runs on. Plans are plain Python over document lengths so that planning stays cheap,
+KV each rank must receive (to judge communication) and, through `flashcp.dispatch.build_dispatch`,
+the index tensors the attention op runs on. Plans are plain Python over document lengths so that planning stays cheap,
 deterministic and independent of any device.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
-
-if TYPE_CHECKING:
-    from flashcp.dispatch import Dispatch
+from typing import Any, NamedTuple
 
 
 class Shard(NamedTuple):
@@ -115,13 +112,6 @@ class Plan:
             "split_docs": sum(1 for c in docs_per if c > 1),
             "min_shard_len": min(s.length for s in shards),
         }
-
-    def dispatch(self, rank: int, comm: str = "compact", overlap: bool = False) -> Dispatch:
-        """Index tensors rank `rank` needs to run attention under this plan (see `flashcp.dispatch`);
-        `overlap=True` adds the partition `cp_varlen_attention(overlap=True)` runs on."""
-        from flashcp.dispatch import build_dispatch
-
-        return build_dispatch(self, rank, comm, overlap)
 
 
 def normalize(ranks: list[list[Shard]]) -> tuple[tuple[Shard, ...], ...]:

@@ -1,4 +1,13 @@
-"""FlashCP inside TorchTitan 0.3.0: the trainer, model wiring, metrics and configs of `train.py`.
+"""FlashCP inside TorchTitan 0.3.0: only what adapts TorchTitan.
+
+The job file -> TorchTitan's config (`config`, `job`), the launcher's front end that checks a job
+(`launch`, `preflight`), the model specs with FlashCP's attention swapped in from outside
+(`model`, `attention`), the trainer (`trainer`), the data loader as TorchTitan sees it
+(`components`), metrics (`metrics`), checkpoints through TorchTitan's manager (`checkpoint`) and
+the version shims (`compat`, each commented with the versions that need it).
+
+May import: torchtitan, torch, and every other room of FlashCP (the engine, `flashcp.data`,
+`flashcp.run`, `flashcp.costmodel`); no other room imports this one.
 
 Importing this package applies the version / CPU shims of `compat` before anything imports
 TorchTitan, so import `flashcp.titan` (or a module of it) before importing `torchtitan`.

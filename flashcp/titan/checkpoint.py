@@ -26,13 +26,9 @@ one interval later than with synchronous saving, and never before it is complete
 
 from __future__ import annotations
 
-import errno
 import os
-import re
 import shutil
-import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,11 +38,11 @@ import torch.distributed.checkpoint.api as dcp_api
 from torchtitan.components.checkpoint import AsyncMode, CheckpointManager
 from torchtitan.tools.logging import logger
 
+from flashcp.data.errors import DataError
 from flashcp.run.manifest import MANIFEST, read_manifest, rank_entries, verify_files, write_manifest
-from flashcp.data.sources import DataError
+from flashcp.run.publish import agreed_token, Candidate, complete_checkpoints, full_disk_named, LEFTOVER_DIR
+from flashcp.run.publish import publish, root_cause, STEP_DIR
 
-STEP_DIR = re.compile(r"step-(\d+)(?:\.replaced-[0-9a-f]+)?")
-LEFTOVER_DIR = re.compile(r"step-(\d+)\.(partial|replaced)-[0-9a-f]+")
 MISMATCH_HINTS = ("Missing key", "Unexpected key", "ize mismatch", "shape")
 
 
@@ -60,13 +56,6 @@ class Unloadable(Exception):
     def __init__(self, message: str, fits: bool = True):
         super().__init__(message)
         self.fits = fits
-
-
-@dataclass(frozen=True)
-class Candidate:
-    step: int
-    path: Path
-    verified: bool  # has a manifest
 
 
 class Checkpointer(CheckpointManager):
@@ -100,9 +89,9 @@ class Checkpointer(CheckpointManager):
         (at the next save, which every rank reaches at the same step).
         """
         target = Path(checkpoint_id)
-        save_id = _agreed_token()
+        save_id = agreed_token()
         partial = target.with_name(f"{target.name}.partial-{save_id}")
-        with _full_disk_named(partial):
+        with full_disk_named(partial):
             result = super().dcp_save(state_dict, str(partial), async_mode, **kwargs)
         if async_mode == AsyncMode.DISABLED:
             self._publish_save(partial, target, save_id)
@@ -111,7 +100,7 @@ class Checkpointer(CheckpointManager):
         return result
 
     def _wait_for_saving(self) -> None:
-        with _full_disk_named(self._pending[0] if self._pending else Path(self.folder)):
+        with full_disk_named(self._pending[0] if self._pending else Path(self.folder)):
             super()._wait_for_saving()
         if self._pending is not None:
             pending, self._pending = self._pending, None
@@ -123,7 +112,7 @@ class Checkpointer(CheckpointManager):
         dist.all_gather_object(gathered, entries)
         if dist.get_rank() == 0:
             write_manifest(partial, save_id, [e for part in gathered for e in part])
-            replaced = _publish(partial, target, save_id)
+            replaced = publish(partial, target, save_id)
             if replaced is not None:
                 self._remove(replaced)
         dist.barrier()
@@ -142,7 +131,7 @@ class Checkpointer(CheckpointManager):
             if match.group(2) == "partial" or (folder / f"step-{match.group(1)}").is_dir():
                 self._remove(path)
         if self.keep_latest_k > 0:
-            published = [c.path for c in self._candidates() if c.path.name == f"step-{c.step}"]
+            published = [c.path for c in complete_checkpoints(Path(self.folder)) if c.path.name == f"step-{c.step}"]
             published.sort(key=lambda p: (p / ".metadata").stat().st_mtime)
             for path in published[: -self.keep_latest_k]:
                 self._remove(path)
@@ -159,20 +148,8 @@ class Checkpointer(CheckpointManager):
 
     # ------------------------------------------------------------------ load
 
-    def _candidates(self) -> list[Candidate]:
-        """Complete checkpoints (a published `.metadata`), newest step first."""
-        folder = Path(self.folder)
-        if not folder.is_dir():
-            return []
-        found = []
-        for path in folder.iterdir():
-            match = STEP_DIR.fullmatch(path.name)
-            if match and (path / ".metadata").is_file():
-                found.append(Candidate(int(match.group(1)), path, (path / MANIFEST).is_file()))
-        return sorted(found, key=lambda c: (c.step, c.path.name == f"step-{c.step}"), reverse=True)
-
     def _load(self, step: int = -1) -> bool:
-        candidates = self._candidates()
+        candidates = complete_checkpoints(Path(self.folder))
         if step != -1:
             chosen = [c for c in candidates if c.step == step]
             if not chosen:
@@ -243,70 +220,3 @@ class Checkpointer(CheckpointManager):
             raise Unloadable(f"checkpoint {path} cannot be read (damaged?): {cause}") from e
 
 
-def _agreed_token() -> str:
-    """A fresh id, the same on every rank (rank 0's)."""
-    token = [uuid.uuid4().hex[:12] if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(token, src=0)
-    return token[0]
-
-
-def _publish(partial: Path, target: Path, save_id: str) -> Path | None:
-    """Rename `partial` to `target`; an existing target stays complete under another name until
-    then, which is returned for deletion."""
-    replaced = target.with_name(f"{target.name}.replaced-{save_id}")
-    if target.exists():
-        os.rename(target, replaced)
-    os.rename(partial, target)
-    _fsync_dir(target.parent)
-    return replaced if replaced.exists() else None
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-FULL_DISK_BYTES = 4 << 20  # less free than this after a failed save: the disk is full
-
-
-@contextmanager
-def _full_disk_named(folder: Path) -> Iterator[None]:
-    """Re-raise a failed save as ENOSPC when its file system is full.
-
-    torch's zip writer reports a short write as `RuntimeError: ... unexpected pos 704 vs 598`, with
-    no OSError beneath it: the real cause would appear nowhere. The original error stays chained.
-    """
-    try:
-        yield
-    except BaseException as e:
-        if isinstance(e, (KeyboardInterrupt, SystemExit)) or _os_error_in(e) is not None:
-            raise
-        existing = next((p for p in (folder, *folder.parents) if p.exists()), None)
-        if existing is None or shutil.disk_usage(existing).free >= FULL_DISK_BYTES:
-            raise
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(folder)) from e
-
-
-def _os_error_in(e: BaseException) -> OSError | None:
-    """The first OSError among `e`, the rank failures a DCP exception carries, and their causes."""
-    if isinstance(e, dcp_api.CheckpointException) and e.failures:
-        e = next(iter(e.failures.values()))[0]
-    chain, link = [], e
-    while link is not None and link not in chain:
-        chain.append(link)
-        link = link.__cause__ or link.__context__
-    return next((link for link in chain if isinstance(link, OSError)), None)
-
-
-def root_cause(e: BaseException) -> str:
-    """The first rank's underlying error of a DCP failure, in one line."""
-    os_error = _os_error_in(e)
-    if os_error is not None:
-        e = os_error
-    elif isinstance(e, dcp_api.CheckpointException) and e.failures:
-        e = next(iter(e.failures.values()))[0]
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__

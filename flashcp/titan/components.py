@@ -21,7 +21,8 @@ from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.components.tokenizer import BaseTokenizer
 
 from flashcp.data.loader import build_loader, WindowLoader
-from flashcp.data.sources import DEFAULT_TOKENIZER, DataConfig, DataError
+from flashcp.data.errors import DataError
+from flashcp.data.sources import DEFAULT_TOKENIZER, DataConfig
 from flashcp.data.tokenizer import Tokenizer, load_tokenizer
 
 

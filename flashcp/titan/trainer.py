@@ -45,6 +45,7 @@ from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
 from flashcp.data.balance import WindowCost
+from flashcp.dispatch import build_dispatch
 from flashcp.titan.attention import CPStep
 from flashcp.titan.checkpoint import CheckpointError, Checkpointer
 from flashcp.titan.components import PipelineTokenizer, WindowDataLoader
@@ -219,7 +220,7 @@ class FlashCPTrainer(Trainer):
 
     def _dispatch(self, plan: Any) -> Any:
         """This rank's dispatch of a window's plan; runs in the loader's thread."""
-        dispatch = plan.dispatch(self.cp_rank, self.flashcp.comm, overlap=self.flashcp.overlap)
+        dispatch = build_dispatch(plan, self.cp_rank, self.flashcp.comm, overlap=self.flashcp.overlap)
         # Pinned, so that post_dataloading_process's copy to the GPU does not block the host.
         return dispatch.pin_memory() if self.device.type == "cuda" else dispatch
 

@@ -23,7 +23,8 @@ from hypothesis import strategies as st
 
 from flashcp import plan_shards
 from flashcp.data.loader import IGNORE_INDEX, WindowLoader, WindowPacker, build_loader
-from flashcp.data.sources import DEFAULT_CORPUS, DEFAULT_TOKENIZER, DataConfig, DataError
+from flashcp.data.errors import DataError
+from flashcp.data.sources import DEFAULT_CORPUS, DEFAULT_TOKENIZER, DataConfig
 from flashcp.data.tokenizer import HFTokenizer, TokenizerError, load_tokenizer
 
 PLANNER = {"strategy": "per_doc"}  # planning itself is tested elsewhere; any strategy does

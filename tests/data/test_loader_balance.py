@@ -21,7 +21,8 @@ from test_loader import check_pieces, list_loader, ListSource, STRIDE
 from flashcp import plan_shards
 from flashcp.data.balance import WindowCost
 from flashcp.data.loader import WindowLoader, WindowPacker
-from flashcp.data.sources import DataConfig, DataError
+from flashcp.data.errors import DataError
+from flashcp.data.sources import DataConfig
 
 COST = WindowCost(dense_per_token=40.0, attn_per_pair=1.0)  # attention dominates long documents
 MODES = {"mesh": None, "mesh-cut": 1.05}

@@ -11,7 +11,8 @@ import pytest
 from flashcp.data.prepare import prepare
 from flashcp.data import store_source
 from flashcp.data.loader import build_loader
-from flashcp.data.sources import DataConfig, DataError
+from flashcp.data.errors import DataError
+from flashcp.data.sources import DataConfig
 
 TEXTS = [f"Document number {i} says " + "hello world " * (i % 29 + 1) for i in range(300)]
 

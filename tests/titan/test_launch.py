@@ -16,7 +16,7 @@ import pytest
 import torch.distributed.checkpoint.api as dcp_api
 
 import train
-from flashcp.run import launch
+from flashcp.titan import launch
 from flashcp.run.ownership import check_writable, FolderInUse, LOCK_NAME, NotWritable, RunLock
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -161,16 +161,16 @@ def test_dispatch_is_built_in_the_loader_thread_not_the_main_thread(tmp_path, ra
     """With prefetching, the main thread only receives each window's dispatch ready-made."""
     import threading
 
-    from flashcp.plan import Plan
+    from flashcp import dispatch as dispatch_module
+    from flashcp.titan import trainer
 
     threads = []
-    dispatch = Plan.dispatch
 
-    def recording(self, *args, **kwargs):
+    def recording(*args, **kwargs):
         threads.append(threading.current_thread().name)
-        return dispatch(self, *args, **kwargs)
+        return dispatch_module.build_dispatch(*args, **kwargs)
 
-    monkeypatch.setattr(Plan, "dispatch", recording)
+    monkeypatch.setattr(trainer, "build_dispatch", recording)
     losses = train(tiny_job(tmp_path, data={"prefetch": 2}, parallelism={"context_parallel_degree": 1}))
     assert sorted(losses) == [1, 2, 3, 4]
     assert len(threads) >= 4 and set(threads) == {"flashcp-data"}

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from flashcp.run import launch
+from flashcp.titan import launch
 from flashcp.titan.config import ConfigError, load_job
 from flashcp.titan.preflight import check_inputs
-from flashcp.data.sources import DataError
+from flashcp.data.errors import DataError
 
 
 def job(tmp_path: Path, *overrides: str, text: str = "") -> dict:

@@ -1,0 +1,104 @@
+"""Check a job, then start `train.py` on every device of this node through torchrun.
+
+    python -m flashcp.titan.launch [--config NAME_OR_PATH] [--section.key value ...]
+
+Ranks per node: `NGPU`, else the visible GPUs, else (no GPU: gloo on CPU) the world size the
+job's layout fixes, or 2. Multi-node jobs pass torchrun's rendezvous through the environment:
+`NNODES`, `NODE_RANK`, `MASTER_ADDR`, `MASTER_PORT`, or `RDZV_ENDPOINT` (+ `RDZV_ID`,
+`RDZV_BACKEND`). `LOG_RANK` (default 0) picks the local ranks shown on the console; every
+rank's full log goes to `<dump_folder>/logs/`. SIGTERM / Ctrl-C stop the run at the next step
+boundary with a checkpoint; `FLASHCP_STOP_TIMEOUT` (default 600 s) is how long the ranks get for
+that save before they are killed; a second Ctrl-C stops at once.
+
+Before anything is spawned the job file is validated for the resulting world size, its inputs are
+opened and its output folders checked (writable, room for a checkpoint); then the launcher holds
+the dump folder's lock (`flashcp.run.ownership`) while the ranks run (`flashcp.run.launch`), so a
+second launch into the same folder is refused with the holder's host and PID.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+from flashcp.data.errors import DataError
+from flashcp.data.tokenizer import TokenizerError
+from flashcp.run import launch as ranks
+from flashcp.run.ownership import check_free_space, check_writable, describe_stale, FolderInUse, NotWritable
+from flashcp.run.ownership import RunLock
+from flashcp.titan.config import check_layout, ConfigError, load_job, resolve_config_path, world_size_hint
+from flashcp.titan.preflight import check_inputs, checkpoint_bytes
+
+
+def output_folders(cfg: dict) -> list[str]:
+    """The folders a run writes to: dump folder, rank logs, checkpoints and TensorBoard when enabled."""
+    dump = cfg["job"]["dump_folder"]
+    folders = [dump, os.path.join(dump, "logs")]
+    if cfg["checkpoint"]["enable"]:
+        folders.append(os.path.join(dump, cfg["checkpoint"]["folder"]))
+    if cfg["metrics"]["enable_tensorboard"]:
+        folders.append(os.path.join(dump, cfg["metrics"]["save_tb_folder"]))
+    return folders
+
+
+def parse_args(argv: list[str]) -> tuple[str | None, list[str]]:
+    """(config name or None for the default, overrides); ConfigError for a `--config` without a value."""
+    config_name, overrides = None, []
+    i = 0
+    while i < len(argv):
+        if argv[i] == "--config" or argv[i].startswith("--config="):
+            name, _, value = argv[i].partition("=")
+            if not _:
+                value = argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("--") else ""
+                i += 1
+            if not value:
+                raise ConfigError("--config needs a job file: a path or a name in train_configs/")
+            config_name, i = value, i + 1
+        else:
+            overrides.append(argv[i])
+            i += 1
+    return config_name, overrides
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        print(__doc__)
+        return 0
+    try:
+        config_name, overrides = parse_args(argv)
+        nnodes = ranks.nodes()
+        stop_timeout = ranks.env_int("FLASHCP_STOP_TIMEOUT", 600)
+        path = resolve_config_path(config_name)
+        cfg = load_job(path, overrides)
+        nproc, on_gpu = ranks.ranks_per_node(world_size_hint(cfg), nnodes)
+        check_layout(cfg, nproc * nnodes, has_cuda=on_gpu)
+        vocab = check_inputs(cfg)
+        check_writable(output_folders(cfg))
+        if cfg["checkpoint"]["enable"]:
+            folder = os.path.join(cfg["job"]["dump_folder"], cfg["checkpoint"]["folder"])
+            check_free_space(folder, checkpoint_bytes(cfg, vocab), "one checkpoint of this model")
+        lock = RunLock(cfg["job"]["dump_folder"]).acquire() if ranks.owns_folder() else None
+    except (ConfigError, ranks.LaunchError, DataError, TokenizerError, FolderInUse, NotWritable) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        if lock is not None and lock.taken_over:
+            print(f"flashcp: {describe_stale(lock.taken_over)}", flush=True)
+        dump = cfg["job"]["dump_folder"]
+        device = "GPU" if on_gpu else "CPU (gloo)"
+        print(f"flashcp: {path.resolve()} on {nnodes} node(s) x {nproc} {device} rank(s), output in {dump}",
+              flush=True)  # fmt: skip
+        argv = [f"--config={path}", *overrides, f"--job.dump_folder={dump}"]  # absolute: every rank agrees
+        return ranks.launch(dump, argv, nproc, nnodes, on_gpu, stop_timeout)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # Ctrl-C before the ranks started: nothing to save, no traceback
+        sys.exit(128 + signal.SIGINT)
