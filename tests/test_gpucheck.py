@@ -28,10 +28,11 @@ def _rows(path: Path) -> list[dict]:
 
 
 def test_quick_check_runs_every_section(tmp_path):
-    """As a user runs it: a subprocess from the repository root, no test imports."""
+    """As a user runs it: a subprocess from the repository root, no test imports. Without budgets,
+    so that a loaded machine runs every case too (the timeout only catches a hang)."""
     out = tmp_path / "check"
-    proc = subprocess.run([sys.executable, "-m", "flashcp.gpucheck", "--out", str(out), "--device", "cpu", "--quick"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
+    cmd = [sys.executable, "-m", "flashcp.gpucheck", "--out", str(out), "--device", "cpu", "--quick", "--no-budgets"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "sections passed or measured" in proc.stdout.splitlines()[-1]
     assert sorted(p.name for p in out.iterdir()) == sorted(FILES)
@@ -67,7 +68,7 @@ def test_a_wrong_kernel_fails_the_exactness_section(tmp_path, monkeypatch):
         return good.run(q, k, v, *args) * 1.01
 
     monkeypatch.setitem(kernels.BACKENDS, "reference", kernels.Backend("reference", good.reject, off_by_a_bit))
-    assert main(["--out", str(tmp_path), "--device", "cpu", "--quick", "--sections", "exactness"]) == 1
+    assert main(["--out", str(tmp_path), "--device", "cpu", "--quick", "--no-budgets", "--sections", "exactness"]) == 1
     assert "status: **failed**" in (tmp_path / "summary.md").read_text()
     assert not all(r["ok"] == "True" for r in _rows(tmp_path / "exactness.csv"))
 
@@ -75,7 +76,7 @@ def test_a_wrong_kernel_fails_the_exactness_section(tmp_path, monkeypatch):
 def test_a_broken_exchange_fails_the_cp_section(tmp_path, monkeypatch):
     """Gradients of rows another rank used never come back: only the CP check can see this."""
     monkeypatch.setattr(SimulatedGroup, "reduce_scatter", lambda self, out, inp: out.zero_())
-    assert main(["--out", str(tmp_path), "--device", "cpu", "--quick", "--sections", "cp"]) == 1
+    assert main(["--out", str(tmp_path), "--device", "cpu", "--quick", "--no-budgets", "--sections", "cp"]) == 1
     failed = {r["tensor"] for r in _rows(tmp_path / "cp.csv") if r["ok"] == "False"}
     assert failed == {"dk", "dv"}
 
@@ -85,7 +86,8 @@ def test_a_crashing_section_is_reported_and_the_rest_still_run(tmp_path, monkeyp
         raise MemoryError("out of device memory")
 
     monkeypatch.setitem(SECTIONS, "critical_path", (SECTIONS["critical_path"][0], crash))
-    code = main(["--out", str(tmp_path), "--device", "cpu", "--quick", "--sections", "critical_path", "efficiency"])
+    argv = ["--out", str(tmp_path), "--device", "cpu", "--quick", "--no-budgets", "--sections", "critical_path", "efficiency"]
+    code = main(argv)
     assert code == 1
     summary = (tmp_path / "summary.md").read_text()
     assert "status: **error: MemoryError: out of device memory**" in summary
@@ -97,6 +99,13 @@ def test_a_spent_budget_cuts_sections_short_and_says_so(tmp_path):
     assert main(["--out", str(tmp_path), "--device", "cpu", "--quick", "--budget-scale", "1e-9",
                  "--sections", "critical_path", "efficiency"]) == 0  # fmt: skip
     assert (tmp_path / "summary.md").read_text().count("status: **cut short**") == 2
+
+
+def test_a_correctness_section_cut_short_has_not_passed(tmp_path, capsys):
+    assert main(["--out", str(tmp_path), "--device", "cpu", "--quick", "--budget-scale", "1e-9",
+                 "--sections", "exactness"]) == 1  # fmt: skip
+    assert "status: **cut short**" in (tmp_path / "summary.md").read_text()
+    assert capsys.readouterr().out.splitlines()[-1].startswith("gpucheck: NOT ALL CHECKED: exactness cut short")
 
 
 def test_cuda_without_a_gpu_is_refused(tmp_path, monkeypatch, capsys):

@@ -33,7 +33,7 @@ def _calls(python: Path) -> list[str]:
 def _setup(tmp_path: Path, python: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHON": str(python), "FLASHCP_VENV": str(tmp_path / "venv")}
     script = str(ROOT / "scripts/setup_env.sh")
-    return subprocess.run(["bash", script], env=env, capture_output=True, text=True, timeout=60)
+    return subprocess.run(["bash", script], env=env, capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.parametrize("version", ["3.10", "3.9"])

@@ -43,6 +43,7 @@ SECTIONS = {
     "efficiency": ("4. Kernel efficiency", efficiency.run),
     "decoder": ("5. Llama 3 8B decoder layer", decoder.run),
 }
+CORRECTNESS = ("exactness", "cp")  # sections that pass or fail; the others measure
 
 
 def backends_for(device: torch.device) -> list[str]:
