@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     die_with_launcher()
 
     from flashcp.attention import BackendUnavailable
-    from flashcp.titan.checkpoint import CheckpointError, root_cause
+    from flashcp.run.publish import root_cause
+    from flashcp.titan.checkpoint import CheckpointError
     from flashcp.titan.config import ConfigError
     from flashcp.run.ownership import FolderInUse, NotWritable
     from flashcp.data.errors import DataError

@@ -128,6 +128,10 @@ class WindowLoader:
         self._stop = threading.Event()
         self._done = False
 
+    @property
+    def source_name(self) -> str:
+        """What the windows are cut from, in words (the data source's name)."""
+        return self._packer.source.name
     def _snapshot(self, in_step: int = 0) -> dict[str, Any]:
         cursor = self._packer.cursor()
         state = {"format": STATE_FORMAT, "window": self._window, **cursor, "packing": dict(self._fingerprint)}

@@ -143,7 +143,7 @@ def prepare(
     _load_tokenizer(str(tok_path))
     dtype = token_dtype(_tokenizer.vocab_size, tok_path)
     files = data_files(str(DEFAULT_CORPUS) if source == "default" else source)
-    ds = load_files(files, DataConfig(text_field=text_field, txt_sample_by=txt_sample_by))
+    ds = load_files(files, DataConfig(text_field=text_field, txt_sample_by=txt_sample_by), "--text-field")
 
     out.parent.mkdir(parents=True, exist_ok=True)
     _remove_leftovers(out)

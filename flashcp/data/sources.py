@@ -236,8 +236,9 @@ def _describe(files: list[Path]) -> str:
     return str(files[0]) if len(files) == 1 else f"{len(files)} files under {files[0].parent}"
 
 
-def load_files(files: list[Path], cfg: DataConfig):
-    """One `datasets.Dataset` with a single string column "text" over all `files`."""
+def load_files(files: list[Path], cfg: DataConfig, field_setting: str = "data.text_field"):
+    """One `datasets.Dataset` with a single string column "text" over all `files`; a missing column
+    names `field_setting`, the setting that picks it where the caller reads it from."""
     import datasets
 
     groups: dict[str, list[Path]] = {}
@@ -262,7 +263,7 @@ def load_files(files: list[Path], cfg: DataConfig):
         if column not in ds.column_names:
             raise DataError(
                 f"{_describe(group)} has no column {column!r} (columns: {ds.column_names}); "
-                "set data.text_field"
+                f"set {field_setting}"
             )
         if getattr(ds.features[column], "dtype", None) not in ("string", "large_string"):
             raise DataError(f"column {column!r} of {_describe(group)} holds {ds.features[column]}, not text")

@@ -29,6 +29,7 @@ class TokenizerError(ValueError):
 
 
 class Tokenizer(Protocol):
+    path: Path  # the file it was loaded from
     vocab_size: int
     bos_id: int | None
     eos_id: int | None

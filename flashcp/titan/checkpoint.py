@@ -6,18 +6,17 @@ TorchTitan's CheckpointManager writes a step straight into `step-N/`: a save ove
 
 - Save: every rank writes into `step-N.partial-<save id>/`, hashes the files it wrote (sizes and
   CRC-32, `flashcp.run.manifest`), rank 0 gathers the entries and writes `manifest.json`, then
-  publishes the folder with a rename. An existing `step-N` is first renamed to
-  `step-N.replaced-<save id>` and removed only after the new one is in place, so a kill at any
-  moment leaves a complete, loadable step N (under one name or the other; a leftover
-  `.replaced-` folder is removed once its step is published again).
+  publishes the folder with a rename (`flashcp.run.publish`: a kill at any moment leaves a
+  complete, loadable step N; a leftover `.replaced-` folder is removed once its step is published
+  again).
 - Load: the newest published checkpoint whose files match its manifest (each rank verifies a share
   of the files; the ranks agree on the verdict) and that DCP can read. A damaged or unreadable one
   is skipped with a warning naming the file and the cause, and the next older one is tried; one
   that does not fit the job (missing keys, other shapes) is an error, as is an explicit
   `checkpoint.load_step` that cannot be loaded. Checkpoints saved without a manifest (older
   FlashCP) load unverified, with a warning.
-- Purge (`keep_latest_k`): the most recently published checkpoints are kept, leftovers of
-  interrupted saves are removed.
+- Purge (`keep_latest_k`): the most recently published checkpoints are kept, after the final save
+  too, and leftovers of interrupted saves are removed.
 
 Asynchronous saving (`async_mode`) writes the partial folder in the background and publishes it
 when TorchTitan next waits for it (the next save, or the final one): a checkpoint becomes loadable
@@ -64,6 +63,7 @@ class Checkpointer(CheckpointManager):
         pass
 
     on_restore: Callable[[], None] | None = None  # called after a checkpoint of this run was loaded
+    _loaded: bool | None = None  # what the run's one load returned
     _last_saved: int | None = None
     _pending: tuple[Path, Path, str] | None = None  # an asynchronous save in flight: (partial, target, id)
 
@@ -80,7 +80,18 @@ class Checkpointer(CheckpointManager):
         self.dcp_save(self._flattened_model_states_sd(), str(self.step_folder(step)), AsyncMode.DISABLED)
         self._purge_stale_checkpoints()
 
+    def load(self, step: int = -1) -> bool:
+        """Load once per run: the trainer loads before TorchTitan's loop to see what is left to train."""
+        if self._loaded is None:
+            self._loaded = super().load(step)
+        return self._loaded
+
     # ------------------------------------------------------------------ save
+
+    def _save_last_step(self, curr_step: int) -> None:
+        """TorchTitan's final save skips the purge: `keep_latest_k` holds after the last step too."""
+        super()._save_last_step(curr_step)
+        self._purge_stale_checkpoints()
 
     def dcp_save(self, state_dict: dict[str, Any], checkpoint_id: str, async_mode: Any, **kwargs: Any) -> Any:
         """Write into a fresh folder, record what each rank wrote, publish by rename.

@@ -19,6 +19,7 @@ from typing import Any
 
 from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.components.tokenizer import BaseTokenizer
+from torchtitan.tools.logging import logger
 
 from flashcp.data.loader import build_loader, WindowLoader
 from flashcp.data.errors import DataError
@@ -74,6 +75,8 @@ class WindowDataLoader(BaseDataLoader):
             planner_kwargs=config.planner,
             tokenizer=tokenizer.tokenizer,
         )
+        tok = tokenizer.tokenizer
+        logger.info(f"data: {self.loader.source_name}; tokenizer {tok.path} ({tok.vocab_size} tokens)")
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         return iter(self.loader)

@@ -28,7 +28,7 @@ from flashcp.run import launch as ranks
 from flashcp.run.ownership import check_free_space, check_writable, describe_stale, FolderInUse, NotWritable
 from flashcp.run.ownership import RunLock
 from flashcp.titan.config import check_layout, ConfigError, load_job, resolve_config_path, world_size_hint
-from flashcp.titan.preflight import check_inputs, checkpoint_bytes
+from flashcp.titan.preflight import check_cpu_memory, check_inputs, checkpoint_bytes
 
 
 def output_folders(cfg: dict) -> list[str]:
@@ -40,6 +40,26 @@ def output_folders(cfg: dict) -> list[str]:
     if cfg["metrics"]["enable_tensorboard"]:
         folders.append(os.path.join(dump, cfg["metrics"]["save_tb_folder"]))
     return folders
+
+
+def check_cpu_ranks(cfg: dict, nproc: int, nnodes: int, on_gpu: bool) -> None:
+    """The layout for this many ranks; on a machine without GPUs, first whether the model fits its
+    memory, and a layout that does not fit the assumed world size says it was assumed."""
+    world = nproc * nnodes
+    if on_gpu:
+        check_layout(cfg, world, has_cuda=True)
+        return
+    check_cpu_memory(cfg, nproc, world)
+    try:
+        check_layout(cfg, world, has_cuda=False)
+    except ConfigError as e:
+        if os.environ.get("NGPU"):
+            raise
+        how = "the job's layout" if world_size_hint(cfg) else "the default for CPU runs"
+        raise ConfigError(
+            f"no GPU found, so the job was laid out on {world} CPU rank(s) ({how}; set NGPU to the ranks per "
+            f"node to choose): {e}"
+        ) from e
 
 
 def parse_args(argv: list[str]) -> tuple[str | None, list[str]]:
@@ -73,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         path = resolve_config_path(config_name)
         cfg = load_job(path, overrides)
         nproc, on_gpu = ranks.ranks_per_node(world_size_hint(cfg), nnodes)
-        check_layout(cfg, nproc * nnodes, has_cuda=on_gpu)
+        check_cpu_ranks(cfg, nproc, nnodes, on_gpu)
         vocab = check_inputs(cfg)
         check_writable(output_folders(cfg))
         if cfg["checkpoint"]["enable"]:

@@ -8,6 +8,7 @@ of after the ranks spawned behind torchrun's start-up messages.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from flashcp.titan.config import ConfigError, model_dims
@@ -31,14 +32,35 @@ def check_inputs(cfg: dict[str, Any]) -> int:
     return vocab or tokenizer.vocab_size
 
 
-def checkpoint_bytes(cfg: dict[str, Any], vocab: int) -> int:
-    """A lower bound on one checkpoint's size: fp32 weights and AdamW's two fp32 moments.
+def parameter_count(cfg: dict[str, Any], vocab: int) -> int:
+    """A lower bound on the model's parameters.
 
-    The feed-forward width is taken as 8/3 dim (flavors with a multiplier are wider), so the
-    estimate never exceeds the real size: a free-space check on it refuses no run that fits.
+    The feed-forward width is taken as 8/3 dim (flavors with a multiplier are wider), so estimates
+    built on it never exceed the real size: a check on them refuses no run that fits.
     """
     dim, n_layers, n_heads, n_kv, _ = model_dims(cfg)
     kv_dim = dim // n_heads * n_kv
     per_layer = 2 * dim * dim + 2 * dim * kv_dim + 3 * dim * (8 * dim // 3)
-    params = n_layers * per_layer + 2 * vocab * dim
-    return 12 * params
+    return n_layers * per_layer + 2 * vocab * dim
+
+
+def checkpoint_bytes(cfg: dict[str, Any], vocab: int) -> int:
+    """A lower bound on one checkpoint's size: fp32 weights and AdamW's two fp32 moments."""
+    return 12 * parameter_count(cfg, vocab)
+
+
+def check_cpu_memory(cfg: dict[str, Any], ranks_per_node: int, world_size: int) -> None:
+    """ConfigError when the model cannot train on this machine's CPUs: fp32 weights, gradients and
+    AdamW's two moments (16 bytes per parameter), sharded over every rank at best, against the
+    node's memory. Run first on CPU machines, so a GPU job is named as such before anything else."""
+    params = parameter_count(cfg, model_dims(cfg)[4] or 0)
+    need = 16 * params / world_size * ranks_per_node
+    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > have:
+        model = cfg["model"]
+        raise ConfigError(
+            f"no GPU found, and {model['name']} {model['flavor']} (at least {params / 1e9:.1f}B parameters) is not a CPU "
+            f"job: its weights, gradients and AdamW states alone need at least {need / 2**30:.0f} GiB on this "
+            f"node's {ranks_per_node} CPU rank(s), which has {have / 2**30:.0f} GiB of memory; run it on a "
+            "machine whose GPUs torch can see"
+        )

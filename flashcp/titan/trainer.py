@@ -37,6 +37,7 @@ import signal
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -146,9 +147,6 @@ class FlashCPTrainer(Trainer):
                 f"the checkpoint restored is at step {self.step}, past [training] steps = {steps}: nothing to "
                 "train; raise training.steps to continue this run (or pick checkpoint.load_step)"
             )
-        if self.step == steps:
-            logger.warning(f"the run is already complete (restored step {steps} = [training] steps): nothing "
-                           "to train; raise training.steps to extend it")  # fmt: skip
         changed = []
         for scheduler in self.lr_schedulers:
             for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
@@ -162,6 +160,19 @@ class FlashCPTrainer(Trainer):
                 f"config gives {config:.3e}): following the config from step {self.step + 1}"
             )
         self.metrics_processor.resume_from(self.step)
+
+    def train(self) -> None:
+        """TorchTitan's loop, unless the checkpoint restored is already at `training.steps`: a finished
+        run started again (a scheduler's retry, the same command rerun) says so once and ends."""
+        self.checkpointer.load(step=self.config.checkpoint.load_step)
+        steps = self.config.training.steps
+        if self.step < steps:
+            return super().train()
+        if torch.distributed.get_rank() == 0:
+            folder = Path(self.checkpointer.folder).resolve()
+            print(f"flashcp: the run is already complete: the checkpoint at step {self.step} reached [training] "
+                  f"steps = {steps}; nothing to train. To extend it, raise training.steps; to start afresh, "
+                  f"choose another job.dump_folder (or move {folder} away)", flush=True)  # fmt: skip
 
     def should_continue_training(self) -> bool:
         """TorchTitan's test, plus a stop agreed by all ranks after a SIGTERM / SIGINT."""
@@ -250,4 +261,5 @@ class FlashCPTrainer(Trainer):
             self.dataloader.close()
         if hasattr(self, "stop_request"):
             self.stop_request.close()
+        super().close()  # the checkpointer's purge thread finishes its deletions
         super().close()

@@ -456,7 +456,7 @@ def bad(tmp_path, cache_dir, default_tokenizer):
         ("empty.jsonl", "", {}, "empty dataset"),
         ("empty.jsonl.gz", gzip.compress(b""), {}, "empty dataset"),
         ("blank.jsonl", '{"text": ""}\n{"text": null}\n', {}, "no document with any tokens"),
-        ("other.jsonl", '{"body": "x"}\n', {}, "no column 'text'.*columns: \\['body'\\]"),
+        ("other.jsonl", '{"body": "x"}\n', {}, "no column 'text'.*columns: \\['body'\\]\\); set data.text_field"),
         ("numbers.jsonl", '{"text": 5}\n', {}, "holds Value\\('int64'\\), not text"),
         ("broken.jsonl", '{"text": "x"\n', {}, "cannot read json data: .*broken.jsonl: line 1: not a JSON object"),
         ("long.jsonl", json.dumps({"text": "word " * 200}), {"max_doc_tokens": 50}, "max_doc_tokens=50"),

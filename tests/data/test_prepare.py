@@ -216,7 +216,7 @@ def test_token_dtype_fits_the_vocabulary():
             "default",
             "cannot read json data: {data}: line 2: not UTF-8",
         ),
-        (b'{"body": "ok"}\n', "default", "{data} has no column 'text' (columns: ['body'])"),
+        (b'{"body": "ok"}\n', "default", "{data} has no column 'text' (columns: ['body']); set --text-field"),
         (b'{"text": "ok"}\n', "{tmp}/bad.json", "cannot read tokenizer {tmp}/bad.json: "),
         (b'{"text": "ok"}\n', "{tmp}/none.model", "tokenizer file not found: {tmp}/none.model"),
     ],

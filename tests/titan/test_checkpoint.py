@@ -133,6 +133,12 @@ def test_interrupted_saves_are_ignored_and_cleaned_by_the_next_save(tmp_path, ra
     assert all((dump / "checkpoint" / n / MANIFEST).is_file() for n in names)
 
 
+def test_keep_latest_k_holds_after_the_final_save(tmp_path, rank):
+    dump = tmp_path / "run"
+    train(tiny_job(dump, training={"steps": 9}, checkpoint={"enable": True, "interval": 3, "keep_latest_k": 2}))
+    assert sorted(p.name for p in (dump / "checkpoint").iterdir()) == ["step-6", "step-9"]
+
+
 def test_an_async_save_is_published_once_complete_and_resumes_exactly(tmp_path, rank):
     def six_steps(dump: Path) -> dict:
         return tiny_job(dump, training={"steps": 6}, checkpoint={"enable": True, "interval": 2,

@@ -52,18 +52,18 @@ def test_ranks_die_when_the_launcher_is_sigkilled(tmp_path):
     dump = tmp_path / "out"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "NGPU": "2"}
     launcher = subprocess.Popen(
-        [PYTHON, "-m", "flashcp.run.launch", "--config", "debug_cpu", "--training.steps", "100000",
+        [PYTHON, "-m", "flashcp.titan.launch", "--config", "debug_cpu", "--training.steps", "100000",
          "--parallelism.data_parallel_shard_degree", "1", "--checkpoint.enable", "false",
          "--job.dump_folder", str(dump)],
         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:
-        assert wait_for(lambda: len(ranks_of(launcher.pid)) == 2, 120), "the ranks never started"
+        assert wait_for(lambda: len(ranks_of(launcher.pid)) == 2, 600), "the ranks never started"
         # Each rank is in a session of its own, so killing the launcher alone must take them down.
         assert all(os.getsid(pid) != os.getsid(launcher.pid) for pid in ranks_of(launcher.pid))
         launcher.send_signal(signal.SIGKILL)
         launcher.wait()
-        assert wait_for(lambda: not ranks_of(launcher.pid), 60), f"orphaned ranks: {ranks_of(launcher.pid)}"
+        assert wait_for(lambda: not ranks_of(launcher.pid), 300), f"orphaned ranks: {ranks_of(launcher.pid)}"
     finally:
         for pid in ranks_of(launcher.pid):
             os.kill(pid, signal.SIGKILL)
@@ -178,7 +178,7 @@ def test_a_disk_filled_by_a_save_is_named_in_the_last_line(tmp_path):
 
 
 def test_the_root_cause_is_the_os_error_beneath_a_wrapper():
-    from flashcp.titan.checkpoint import root_cause
+    from flashcp.run.publish import root_cause
 
     try:
         try:
@@ -195,23 +195,23 @@ def test_a_save_failing_on_a_full_disk_is_named_as_such(tmp_path, monkeypatch):
     """torch's zip writer reports a short write as a RuntimeError with no OSError beneath: when the
     checkpoint's file system is full afterwards, the failure is ENOSPC, the original chained."""
     from flashcp.titan import checkpoint
-    from flashcp.titan.checkpoint import _full_disk_named, root_cause
+    from flashcp.run.publish import full_disk_named, root_cause
 
     folder = tmp_path / "checkpoint" / "step-4.partial-ab"  # not created yet: its parent is measured
     short_write = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
     usage = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda p: usage._replace(free=4096))
     with pytest.raises(OSError) as raised:
-        with _full_disk_named(folder):
+        with full_disk_named(folder):
             raise dcp_api.CheckpointException("save", {2: (short_write, None)})
     assert raised.value.errno == 28 and raised.value.filename == str(folder)
     assert root_cause(raised.value) == f"OSError: [Errno 28] No space left on device: '{folder}'"
     assert isinstance(raised.value.__cause__, dcp_api.CheckpointException)
     with pytest.raises(PermissionError):  # an OSError already names the cause
-        with _full_disk_named(folder):
+        with full_disk_named(folder):
             raise PermissionError(13, "Permission denied")
 
     monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda p: usage._replace(free=64 << 20))
     with pytest.raises(RuntimeError, match="unexpected pos"):  # room left: not a full disk
-        with _full_disk_named(folder):
+        with full_disk_named(folder):
             raise short_write

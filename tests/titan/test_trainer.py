@@ -174,3 +174,13 @@ def test_dispatch_is_built_in_the_loader_thread_not_the_main_thread(tmp_path, ra
     losses = train(tiny_job(tmp_path, data={"prefetch": 2}, parallelism={"context_parallel_degree": 1}))
     assert sorted(losses) == [1, 2, 3, 4]
     assert len(threads) >= 4 and set(threads) == {"flashcp-data"}
+
+
+def test_the_log_names_the_data_and_the_tokenizer_once(tmp_path, rank, caplog):
+    from flashcp.data.sources import DEFAULT_CORPUS, DEFAULT_TOKENIZER
+
+    train(tiny_job(tmp_path, training={"steps": 1}))
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("data: ")]
+    assert len(lines) == 1, lines
+    assert DEFAULT_CORPUS.name.removesuffix(".gz") in lines[0], lines[0]
+    assert f"tokenizer {DEFAULT_TOKENIZER} (4096 tokens)" in lines[0], lines[0]

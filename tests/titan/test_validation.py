@@ -4,6 +4,7 @@ the all-default job, the tokenizer and the data (opened pre-launch), with file a
 from __future__ import annotations
 
 import gzip
+import os
 from pathlib import Path
 
 import pytest
@@ -105,3 +106,39 @@ def test_data_and_tokenizer_errors_stop_the_launcher_before_any_rank(tmp_path, c
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and message in err[0], err
     assert not dump.exists()  # checked before the folders are even created
+
+
+@pytest.fixture
+def cpu_machine(monkeypatch):
+    """No GPU and 24 GiB of memory, whatever machine runs the test."""
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 0)
+    sysconf = os.sysconf
+    memory = {"SC_PHYS_PAGES": 24 * 2**18, "SC_PAGE_SIZE": 4096}
+    monkeypatch.setattr(os, "sysconf", lambda name: memory.get(name) or sysconf(name))
+
+
+def test_a_gpu_model_on_a_cpu_machine_is_named_before_anything_else(tmp_path, capsys, cpu_machine, monkeypatch):
+    monkeypatch.setenv("NGPU", "8")
+    dump = tmp_path / "out"
+    code = launch.main(["--config", "llama8b_128k.toml", f"--job.dump_folder={dump}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith("error: no GPU found, and llama3 8B (at least 6.7B parameters) is not a CPU job: ")
+    assert "on this node's 8 CPU rank(s), which has 24 GiB of memory" in err[0]
+    assert not dump.exists()
+
+
+def test_a_layout_that_does_not_fit_the_assumed_cpu_ranks_says_they_were_assumed(tmp_path, capsys, cpu_machine,
+                                                                                 monkeypatch):  # fmt: skip
+    monkeypatch.delenv("NGPU", raising=False)
+    argv = ["--config", "debug_cpu", f"--job.dump_folder={tmp_path / 'out'}",
+            "--parallelism.data_parallel_shard_degree", "-1", "--parallelism.context_parallel_degree", "8"]  # fmt: skip
+    assert launch.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        "error: no GPU found, so the job was laid out on 2 CPU rank(s) (the default for CPU runs; set NGPU to the "
+        "ranks per node to choose): "
+    ), err
+    monkeypatch.setenv("NGPU", "2")  # chosen, not assumed: the layout's own message
+    assert launch.main(argv) == 2
+    assert "no GPU found, so" not in capsys.readouterr().err
