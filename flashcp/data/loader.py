@@ -78,7 +78,8 @@ import torch
 
 from flashcp import plan_shards
 from flashcp.data.balance import WindowCost
-from flashcp.data.packing import balanced_step, IGNORE_INDEX, Window, WindowPacker
+from flashcp.data.deferral import Deferral
+from flashcp.data.packing import balanced_step, deferred_step, IGNORE_INDEX, Window, WindowPacker
 from flashcp.data.errors import DataError
 from flashcp.data.sources import DEFAULT_TOKENIZER, DataConfig, build_source
 from flashcp.data.tokenizer import Tokenizer, load_tokenizer
@@ -98,6 +99,7 @@ class StepBalance:
     micro: int  # windows per DP rank and optimizer step (gradient accumulation steps)
     cost: WindowCost  # a window's predicted cost on its CP group
     cut_target: float | None  # None: the stream's pieces are kept; else documents cut to this max / mean
+    deferral: Deferral | None = None  # long documents may wait for later steps (bounded)
 
 
 class WindowLoader:
@@ -135,6 +137,8 @@ class WindowLoader:
     def _snapshot(self, in_step: int = 0) -> dict[str, Any]:
         cursor = self._packer.cursor()
         state = {"format": STATE_FORMAT, "window": self._window, **cursor, "packing": dict(self._fingerprint)}
+        if self._balance is not None and self._balance.deferral is not None:
+            state["deferral"] = self._balance.deferral.state()
         return {**state, "in_step": in_step} if in_step else state
 
     def _produce(self) -> list[tuple[dict[str, Any], dict[str, Any]]] | None:
@@ -155,11 +159,19 @@ class WindowLoader:
     def _produce_step(self, t0: float) -> list[tuple[dict[str, Any], dict[str, Any]]] | None:
         """Pack a whole step in stream order (lengths only), balance it, keep ours."""
         balance, start = self._balance, self._snapshot()
-        step = self._packer.next_step(self.dp_world * balance.micro)
-        if step is None:
-            return None
-        mine = balanced_step(step, self.dp_world, balance.micro, self.dp_rank, self._packer.seq_len, balance.cost,
-                             balance.cut_target)  # fmt: skip
+        figures = None
+        if balance.deferral is not None:
+            done = deferred_step(balance.deferral, self._packer, self.dp_world, balance.micro, self.dp_rank,
+                                 balance.cut_target)  # fmt: skip
+            if done is None:
+                return None
+            mine, figures = done
+        else:
+            step = self._packer.next_step(self.dp_world * balance.micro)
+            if step is None:
+                return None
+            mine = balanced_step(step, self.dp_world, balance.micro, self.dp_rank, self._packer.seq_len,
+                                 balance.cost, balance.cut_target)  # fmt: skip
         step_window, skip = self._window, self._skip
         self._window, self._skip = self._window + self.dp_world * balance.micro, 0
         load_ms = (time.perf_counter() - t0) * 1e3 / balance.micro
@@ -168,6 +180,8 @@ class WindowLoader:
             t1 = time.perf_counter()
             batch = self._batch(Window.of(pieces), step_window + m * self.dp_world + self.dp_rank,
                                 load_ms + (time.perf_counter() - t1) * 1e3)  # fmt: skip
+            if figures is not None:
+                batch["deferral"] = figures
             state = {**start, "in_step": m + 1} if m + 1 < balance.micro else self._snapshot()
             items.append((batch, state))
         return items
@@ -255,17 +269,26 @@ class WindowLoader:
         self._stop_producer()
         self._dispatcher = dispatcher
 
-    def balance_with(self, micro: int, cost: WindowCost, cut_target: float | None = None) -> None:
+    def balance_with(self, micro: int, cost: WindowCost, cut_target: float | None = None,
+                     max_delay: int | None = None, target: float = 1.05) -> None:  # fmt: skip
         """Balance each optimizer step (`micro` windows per DP rank) over the mesh by `cost`, moving
-        the stream's pieces (`cut_target` None) or cutting documents to reach `cut_target`.
+        the stream's pieces (`cut_target` None) or cutting documents to reach `cut_target`; with
+        `max_delay`, long documents wait up to that many steps so that the step's windows stay
+        within `target` x the mean (`flashcp.data.deferral`), and only what cannot wait is cut.
 
         Call at a step boundary (before iterating, or after a checkpoint's state was loaded)."""
         if micro < 1:
             raise DataError(f"micro steps per optimizer step must be >= 1, got {micro}")
         if cut_target is not None and not cut_target >= 1.0:
             raise DataError(f"the balance target must be >= 1.0, got {cut_target}")
+        if max_delay is not None and max_delay < 0:
+            raise DataError(f"data.max_delay_steps must be >= 0, got {max_delay}")
         self._stop_producer()
-        self._balance = StepBalance(micro, cost, cut_target)
+        deferral = None
+        if max_delay is not None:
+            deferral = Deferral(self._packer.seq_len, self.dp_world * micro, max_delay, cost, target)
+        self._balance = StepBalance(micro, cost, cut_target, deferral)
+        self._restore(self._state)
 
     def state_dict(self) -> dict[str, Any]:
         return {**self._state, "packing": dict(self._state["packing"])}
@@ -273,6 +296,10 @@ class WindowLoader:
     def _restore(self, state: Mapping[str, Any]) -> None:
         self._packer.restore(state["epoch"], state["doc"], state["offset"])
         self._window, self._skip = state["window"], state.get("in_step", 0)
+        if self._balance is not None and self._balance.deferral is not None:
+            seq_len = self._packer.seq_len  # a state saved without deferral has nothing pending
+            saved = state.get("deferral", {"step": 0, "stream_tokens": state["window"] * seq_len, "pending": []})
+            self._balance.deferral.load(saved)
         self._state = self._snapshot(self._skip)
         self._ready.clear()
         self._done = False
@@ -289,6 +316,10 @@ class WindowLoader:
         diff = [f"{k}: saved {saved.get(k)!r}, now {now.get(k)!r}" for k in changed]
         if diff:
             raise DataError("cannot resume the data loader, its packing changed (" + "; ".join(diff) + ")")
+        deferring = self._balance is not None and self._balance.deferral is not None
+        if state.get("deferral", {}).get("pending") and not deferring:
+            raise DataError("the data loader state holds deferred documents: resume with [data] balance = "
+                            "\"deferral\" (or \"deferral-cut\")")  # fmt: skip
         if state.get("in_step", 0) and self._balance is None:
             raise DataError("the data loader state was saved inside a balanced step: resume with [data] balance = "
                             "\"mesh\" and the same global batch")  # fmt: skip

@@ -16,12 +16,14 @@ cut until every window is within the target. Each rank materialises only its own
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from flashcp.data.balance import balance_step, WindowCost
+from flashcp.data.deferral import Deferral, DocSpan, step_figures
 from flashcp.data.errors import DataError
 from flashcp.data.sources import DocSource
 
@@ -159,6 +161,51 @@ class WindowPacker:
             pass
         return True
 
+    def read_docs(self, tokens: int) -> DocSpan | None:
+        """The stream's next whole documents (the first from the cursor's offset on) covering at
+        least `tokens` tokens, the cursor moved past them; None when the data ended first. From
+        document offsets alone where `_knows_lengths` (a DP = 64 step holds ~20K documents)."""
+        if not self._knows_lengths():
+            rows, left = [], tokens
+            while left > 0:
+                doc = self._document()
+                if doc is None:
+                    return None
+                rows.append((self.epoch, self.doc, self.offset, len(doc) - self.offset, doc))
+                left -= len(doc) - self.offset
+                self.doc, self.offset, self._current = self.doc + 1, 0, None
+            *columns, docs = zip(*rows)
+            return DocSpan(*(np.asarray(c, dtype=np.int64) for c in columns), list(docs))
+        columns: list[list[np.ndarray]] = [[], [], [], []]
+        left = tokens
+        while left > 0:
+            starts = self.source.epoch_starts(self.epoch)
+            if self.doc == len(starts) - 1:  # past the epoch's last document
+                self.restore(self.epoch + 1, 0, 0)
+                continue
+            pos = int(starts[self.doc]) + self.offset
+            last = min(int(np.searchsorted(starts, pos + left, side="left")), len(starts) - 1)
+            index = np.arange(self.doc, last)
+            start = np.zeros(index.size, dtype=np.int64)
+            start[0] = self.offset
+            for column, values in zip(columns, (np.full(index.size, self.epoch), index, start,
+                                                np.diff(starts[self.doc : last + 1]) - start)):  # fmt: skip
+                column.append(values)
+            left -= int(starts[last]) - pos
+            self.restore(self.epoch, last, 0)
+        self._epoch_empty = False
+        epochs, positions, start, length = (np.concatenate(c).astype(np.int64) for c in columns)
+        return DocSpan(epochs, positions, start, length, _EpochDocuments(self.source, epochs, positions))
+
+    def document(self, epoch: int, position: int) -> Any:
+        """The document at `position` of `epoch` (a deferred one, after a resume)."""
+        if hasattr(self.source, "document"):
+            return self.source.document(epoch, position)
+        found = next(self.source.epoch(epoch, position), None)
+        if found is None or found[0] != position:
+            raise DataError(f"{self.source.name}: deferred document {position} of epoch {epoch} is gone")
+        return found[1]
+
     def next_step(self, count: int) -> StepPieces | None:
         """The pieces of the next `count` windows in stream order, or None when the data ended
         before they were full. From document offsets alone (vectorised, no document read) where
@@ -247,3 +294,31 @@ def balanced_step(
     placed = balance_step(step.length, dp, micro, seq_len, cost, cut_target)[dp_rank]
     return [[Piece(step.docs[int(step.doc[p.doc])], int(step.start[p.doc]) + p.start, p.length) for p in window]
             for window in placed]  # fmt: skip
+
+
+def deferred_step(
+    deferral: Deferral,
+    packer: WindowPacker,
+    dp: int,
+    micro: int,
+    dp_rank: int,
+    cut_target: float | None,
+) -> tuple[list[list[Piece]], dict[str, float]] | None:
+    """This DP rank's `micro` windows of the next step under bounded deferral (`Deferral`), and the
+    step's figures (the same on every rank); None when the data ended. The step's documents are
+    packed by `balance_step`, cutting only documents over a window (`cut_target` None) or also
+    what deferral could not bring within `cut_target`."""
+    step = deferral.next_step(packer.read_docs)
+    if step is None:
+        return None
+    packer.restore(*step.cursor)
+    placed = balance_step(step.length, dp, micro, packer.seq_len, deferral.cost, cut_target)
+
+    def tokens(i: int) -> Any:
+        ref = step.tokens[i]
+        return packer.document(step.epoch[i], step.position[i]) if ref is None else ref[0][ref[1]]
+
+    fetched = functools.lru_cache(maxsize=None)(tokens)  # a document cut into pieces is read once
+    mine = [[Piece(fetched(p.doc), step.start[p.doc] + p.start, p.length) for p in window]
+            for window in placed[dp_rank]]  # fmt: skip
+    return mine, step_figures(step, placed, packer.seq_len)

@@ -1,0 +1,287 @@
+"""Bounded deferral: long documents wait up to `max_delay` steps for company instead of being cut.
+
+With windows of exactly C tokens, a window that draws one long document costs several times the
+mean (attention grows with its square), and moving the stream's pieces cannot fix that: no other
+window of the step has a similar document. WLB-LLM delays such outliers to later iterations and
+releases them together. Here a document of at least `threshold` tokens (and at most a window)
+enters a pending queue when the stream reaches it; each step releases the set of pending
+documents that keeps the step's windows within the aimed max / mean of predicted cost
+(`choose_release`: the highest "level" of long-document work per window that the pool can fill
+evenly), plus every document whose delay reached `max_delay` (forced). Short documents fill the
+rest of the step in stream order, the last one cut and carried like stream packing does. The
+step's documents are then packed into windows by `flashcp.data.balance.balance_step`.
+
+Guarantees, from the lengths alone (every rank computes the same): a step holds exactly
+`n_windows * window` tokens; a document is trained whole in the step it is released in, at most
+`max_delay` steps after the stream reached it (the queue holds at most one step's tokens, so the
+forced documents always fit); every document of the stream is trained exactly once.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from flashcp.data.balance import WindowCost
+
+AIM_SHARE = 0.8  # the release aims at this share of the tolerated imbalance (FlashCP's plan adds some)
+LEVELS = 12  # candidate levels tried per step (the largest pool documents, geometrically spaced)
+
+
+class DocSpan(NamedTuple):
+    """Documents of the stream in order: `length` tokens of each from `start` on (only the first
+    document may start inside); `docs[i]` is document i's tokens (lazily read)."""
+
+    epoch: np.ndarray
+    position: np.ndarray
+    start: np.ndarray
+    length: np.ndarray
+    docs: Any
+
+
+class Pending(NamedTuple):
+    """A deferred document: where it is, how long, when the stream reached it, its stream offset."""
+
+    epoch: int
+    position: int
+    length: int
+    arrival: int  # the step whose stream span held it
+    offset: int  # tokens the stream held before it (where stream packing would have put it)
+
+
+@dataclass
+class StepDocs:
+    """One step's documents in the order `balance_step` gets them, where the stream stops, figures."""
+
+    epoch: list[int] = field(default_factory=list)
+    position: list[int] = field(default_factory=list)
+    start: list[int] = field(default_factory=list)
+    length: list[int] = field(default_factory=list)
+    offset: list[int] = field(default_factory=list)  # stream offset of each piece's first token
+    delay: list[int] = field(default_factory=list)  # steps each document waited
+    tokens: list[Any] = field(default_factory=list)  # each document's tokens (None: fetch it)
+    cursor: tuple[int, int, int] = (0, 0, 0)  # (epoch, doc, offset) of the stream after the step
+
+    def add(self, epoch: int, position: int, start: int, length: int, offset: int, delay: int, tokens: Any) -> None:
+        for column, value in zip((self.epoch, self.position, self.start, self.length, self.offset, self.delay,
+                                  self.tokens), (epoch, position, start, length, offset, delay, tokens)):  # fmt: skip
+            column.append(value)
+
+
+def weight(n: np.ndarray, density: float) -> np.ndarray:
+    """A long document's extra load on its window: its pairs net of the short ones it displaces."""
+    return n * (n + 1) / 2 - density * n
+
+
+def _fill(order: np.ndarray, lens: np.ndarray, w: np.ndarray, forced: np.ndarray, n_windows: int, window: int,
+          level: float) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    """Documents in `order`, each into the least loaded window with room, if it stays within
+    `level` (forced ones always): (released mask, window loads)."""
+    room, load = np.full(n_windows, window, dtype=np.int64), np.zeros(n_windows)
+    heap = [(0.0, k) for k in range(n_windows)]
+    released = np.zeros(lens.size, dtype=bool)
+    for i in order.tolist():
+        n, parked = int(lens[i]), []
+        while heap and room[heap[0][1]] < n:  # windows too full for this document
+            parked.append(heapq.heappop(heap))
+        if heap and (forced[i] or heap[0][0] + w[i] <= level):
+            k = heapq.heappop(heap)[1]
+        elif forced[i]:  # fits nowhere whole: the roomiest window (balance_step cuts it)
+            k = int(np.argmax(room))
+            heap = [h for h in heap if h[1] != k]
+            parked = [h for h in parked if h[1] != k]
+            heapq.heapify(heap)
+        else:
+            for h in parked:
+                heapq.heappush(heap, h)
+            continue
+        released[i] = True
+        room[k] -= min(n, int(room[k]))
+        load[k] += w[i]
+        for h in parked:
+            heapq.heappush(heap, h)
+        if room[k]:
+            heapq.heappush(heap, (float(load[k]), k))
+    return released, load
+
+
+def choose_release(lens: np.ndarray, forced: np.ndarray, n_windows: int, window: int, density: float,
+                   slack: float) -> np.ndarray:  # fmt: skip
+    """Which pool documents the step trains: the forced ones, then, longest first, those that fit
+    under the highest level whose windows stay within `slack` (max load - mean load, in pairs)."""
+    w = weight(lens.astype(np.float64), density)
+    order = np.lexsort((np.arange(lens.size), -lens, ~forced))
+    base, load = _fill(order[: int(forced.sum())], lens, w, forced, n_windows, window, 0.0)
+    floor = float(load.max()) if load.size else 0.0
+    free = order[int(forced.sum()) :]
+    picks = sorted({0, *np.unique(np.geomspace(1, max(free.size, 1), LEVELS).astype(int) - 1).tolist()})
+    for j in picks:
+        if j >= free.size or w[free[j]] <= floor:
+            break
+        released, load = _fill(order, lens, w, forced, n_windows, window, max(float(w[free[j]]), floor))
+        if load.max() - load.mean() <= slack:
+            return released
+    released, _ = _fill(order, lens, w, forced, n_windows, window, floor)
+    return released | base
+
+
+def stream_pairs(offset: np.ndarray, length: np.ndarray, window: int) -> np.ndarray:
+    """Attended pairs of each stretch [offset, offset + length) of the stream as stream packing
+    trains it: cut wherever a window ends (at multiples of `window`)."""
+    tri = lambda n: n * (n + 1) / 2  # noqa: E731
+    head = np.minimum(length, window - offset % window)
+    full, tail = np.divmod(length - head, window)
+    return tri(head) + full * tri(window) + tri(tail)
+
+
+@dataclass
+class Deferral:
+    """The pending queue and the step counter: all the state deferral adds to the loader's."""
+
+    window: int
+    n_windows: int
+    max_delay: int
+    cost: WindowCost
+    target: float = 1.05
+    threshold: int = 0  # 0: window // 16
+    pending: list[Pending] = field(default_factory=list)
+    tokens: dict[tuple[int, int], Any] = field(default_factory=dict)  # pending documents' tokens, when read
+    step: int = 0
+    stream_tokens: int = 0  # tokens of the stream passed so far (trained or pending)
+
+    def state(self) -> dict[str, Any]:
+        """Plain ints and lists: survives any checkpoint format."""
+        return {"step": self.step, "stream_tokens": self.stream_tokens,
+                "pending": [list(p) for p in self.pending]}  # fmt: skip
+
+    def load(self, state: dict[str, Any]) -> None:
+        self.step, self.stream_tokens = int(state["step"]), int(state["stream_tokens"])
+        self.pending = [Pending(*map(int, p)) for p in state["pending"]]
+        self.tokens = {}
+
+    def next_step(self, read: Callable[[int], DocSpan | None]) -> StepDocs | None:
+        """The next step's documents; `read(tokens)` gives the stream's next whole documents
+        covering at least `tokens` tokens (None at the end of the data). The queue and counters
+        advance only when a step is returned."""
+        total = self.n_windows * self.window
+        span = read(total)
+        if span is None:
+            return None
+        candidate = self._candidates(span)
+        pend = np.array([p.length for p in self.pending], dtype=np.int64)
+        forced = np.array([self.step - p.arrival >= self.max_delay for p in self.pending], dtype=bool)
+        short = span.length[~candidate]
+        density = float((short * (short + 1) / 2).sum() / max(int(short.sum()), 1))
+        mean_pairs = density * self.window + self.cost.dense_per_token * self.window / self.cost.attn_per_pair
+        slack = AIM_SHARE * (self.target - 1) * mean_pairs
+        pool = np.concatenate((pend, span.length[candidate]))
+        release = choose_release(pool, np.concatenate((forced, np.zeros(int(candidate.sum()), dtype=bool))),
+                                 self.n_windows, self.window, density, slack)  # fmt: skip
+        out, queue = StepDocs(), []
+        for p, go in zip(self.pending, release[: pend.size].tolist()):
+            if go:
+                out.add(p.epoch, p.position, 0, p.length, p.offset, self.step - p.arrival,
+                        self.tokens.get((p.epoch, p.position)))  # fmt: skip
+            else:
+                queue.append(p)
+        walk = _Walk(self, out, queue, total - sum(out.length))
+        released = set(np.flatnonzero(candidate)[release[pend.size :]].tolist())
+        while not walk.over(span, candidate, released):
+            span = read(walk.need)
+            if span is None:
+                return None
+            candidate, released = self._candidates(span), set()  # too late to be released with this step
+        kept = {(q.epoch, q.position) for q in queue}
+        self.tokens = {k: v for k, v in self.tokens.items() if k in kept}
+        self.pending, self.step, self.stream_tokens = queue, self.step + 1, walk.offset
+        return out
+
+    def _candidates(self, span: DocSpan) -> np.ndarray:
+        """Documents that may wait: long, whole and no longer than a window."""
+        thr = self.threshold or max(1, self.window // 16)
+        return (span.start == 0) & (span.length >= thr) & (span.length <= self.window)
+
+
+class _Walk:
+    """The stream walked in order for one step: short documents fill it (the last one cut where the
+    step is full), released long ones are trained whole, the others join the queue."""
+
+    def __init__(self, deferral: Deferral, out: StepDocs, queue: list[Pending], need: int):
+        self.d, self.out, self.queue, self.need = deferral, out, queue, need
+        self.offset = deferral.stream_tokens
+        self.queued = sum(p.length for p in queue)
+
+    def _take(self, span: DocSpan, a: int, b: int, offsets: np.ndarray) -> None:
+        """Documents a..b-1 of the span whole."""
+        o = self.out
+        for column, values in ((o.epoch, span.epoch), (o.position, span.position), (o.start, span.start),
+                               (o.length, span.length), (o.offset, offsets)):  # fmt: skip
+            column.extend(values[a:b].tolist())
+        o.delay.extend([0] * (b - a))
+        o.tokens.extend((span.docs, i) for i in range(a, b))
+
+    def over(self, span: DocSpan, candidate: np.ndarray, released: set[int]) -> bool:
+        """Walk `span`; True when the step is full (the cursor set), False when it needs more."""
+        offsets = self.offset + np.concatenate(([0], np.cumsum(span.length)))
+        fill = np.concatenate(([0], np.cumsum(np.where(candidate, 0, span.length))))
+        prev = 0
+        for j in [*np.flatnonzero(candidate).tolist(), span.length.size]:
+            if fill[j] - fill[prev] >= self.need:  # the step ends inside the short documents before j
+                k = int(np.searchsorted(fill, fill[prev] + self.need, side="left")) - 1
+                self._take(span, prev, k, offsets)
+                take = self.need - int(fill[k] - fill[prev])
+                self._piece(span, k, take, offsets)
+                return True
+            self._take(span, prev, j, offsets)
+            self.need -= int(fill[j] - fill[prev])
+            if j == span.length.size:
+                break
+            e, pos, n = int(span.epoch[j]), int(span.position[j]), int(span.length[j])
+            if j in released and n <= self.need:
+                self._take(span, j, j + 1, offsets)
+                self.need -= n
+            elif self.queued + n <= self.d.n_windows * self.d.window:
+                self.queue.append(Pending(e, pos, n, self.d.step, int(offsets[j])))
+                self.d.tokens[(e, pos)] = (span.docs, j)
+                self.queued += n
+            else:  # the queue is full: it fills in stream order
+                self._piece(span, j, min(n, self.need), offsets)
+                if self.need == 0:
+                    return True
+            prev = j + 1
+            if self.need == 0:
+                self.out.cursor = (e, pos + 1, 0)
+                self.offset = int(offsets[j + 1])
+                return True
+        self.offset = int(offsets[-1])
+        return False
+
+    def _piece(self, span: DocSpan, k: int, take: int, offsets: np.ndarray) -> None:
+        """The first `take` tokens of document k (all of it: the stream moves past it)."""
+        e, pos, s, n = int(span.epoch[k]), int(span.position[k]), int(span.start[k]), int(span.length[k])
+        self.out.add(e, pos, s, take, int(offsets[k]), 0, (span.docs, k))
+        self.need -= take
+        self.out.cursor = (e, pos, s + take) if take < n else (e, pos + 1, 0)
+        self.offset = int(offsets[k]) + take
+
+
+def step_figures(step: StepDocs, placed: list[list[list[Any]]], window: int) -> dict[str, float]:
+    """What deferral did to one step: tokens of documents that waited, their mean and longest
+    wait (steps), documents trained in more than one piece, attended pairs kept relative to
+    stream packing of the same documents (cut where the stream's windows end)."""
+    delay, length = np.asarray(step.delay), np.asarray(step.length)
+    waited = delay > 0
+    pieces = np.bincount([p.doc for rank in placed for w in rank for p in w], minlength=length.size)
+    trained = sum(p.length * (p.length + 1) / 2 for rank in placed for w in rank for p in w)
+    reference = float(stream_pairs(np.asarray(step.offset), length, window).sum())
+    return {
+        "delayed_tokens": float(length[waited].sum()),
+        "delay_mean": float(delay[waited].mean()) if waited.any() else 0.0,
+        "delay_max": float(delay.max()) if delay.size else 0.0,
+        "cut_docs": float((pieces > 1).sum()),
+        "pairs_kept": trained / reference if reference else 1.0,
+    }
