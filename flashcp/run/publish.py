@@ -4,7 +4,7 @@ Every rank writes into `step-N.partial-<save id>/`; once all of them have writte
 (`flashcp.run.manifest`) is in place, the folder is published by a rename. An existing `step-N` is
 first renamed to `step-N.replaced-<save id>` and removed only after the new one is in place, so a
 kill at any moment leaves a complete, loadable step N under one name or the other. A checkpoint is
-complete when its `.metadata` (DCP's, written last) is in a published folder.
+complete when its `.metadata` (DCP's, written last) and its manifest are in a published folder.
 
 Also here: naming the real cause of a failed save or load (an OSError beneath DCP's wrappers, a
 full disk that torch's zip writer reports only as a bad position).
@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint.api as dcp_api
@@ -35,18 +36,26 @@ LEFTOVER_DIR = re.compile(r"step-(\d+)\.(partial|replaced)-[0-9a-f]+")
 class Candidate:
     step: int
     path: Path
-    verified: bool  # has a manifest
+    problem: str | None  # why it cannot be verified: no .metadata, or no manifest
 
 
-def complete_checkpoints(folder: Path) -> list[Candidate]:
-    """Complete checkpoints (a published `.metadata`), newest step first."""
+def published_checkpoints(folder: Path) -> list[Candidate]:
+    """Every published step folder, newest step first (at one step, `step-N` before a `.replaced-` copy).
+
+    One without `.metadata` (DCP's, written last) or without a manifest carries its `problem`:
+    verification cannot be switched off by deleting a file, so such a folder is damaged, not skipped
+    in silence and not loaded unverified.
+    """
     if not folder.is_dir():
         return []
     found = []
     for path in folder.iterdir():
         match = STEP_DIR.fullmatch(path.name)
-        if match and (path / ".metadata").is_file():
-            found.append(Candidate(int(match.group(1)), path, (path / MANIFEST).is_file()))
+        if match and path.is_dir():
+            problem = ("no .metadata (an incomplete save, or not a DCP checkpoint)" if not (path / ".metadata").is_file()
+                       else f"no {MANIFEST}, so its files cannot be verified" if not (path / MANIFEST).is_file()
+                       else None)  # fmt: skip
+            found.append(Candidate(int(match.group(1)), path, problem))
     return sorted(found, key=lambda c: (c.step, c.path.name == f"step-{c.step}"), reverse=True)
 
 
@@ -99,13 +108,18 @@ def full_disk_named(folder: Path) -> Iterator[None]:
 
 def os_error_in(e: BaseException) -> OSError | None:
     """The first OSError among `e`, the rank failures a DCP exception carries, and their causes."""
+    return error_in(e, OSError)
+
+
+def error_in(e: BaseException, kind: type[BaseException]) -> Any:
+    """The first `kind` among `e`, the rank failures a DCP exception carries, and their causes."""
     if isinstance(e, dcp_api.CheckpointException) and e.failures:
         e = next(iter(e.failures.values()))[0]
     chain, link = [], e
     while link is not None and link not in chain:
         chain.append(link)
         link = link.__cause__ or link.__context__
-    return next((link for link in chain if isinstance(link, OSError)), None)
+    return next((link for link in chain if isinstance(link, kind)), None)
 
 
 def root_cause(e: BaseException) -> str:

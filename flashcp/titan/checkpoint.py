@@ -12,11 +12,19 @@ TorchTitan's CheckpointManager writes a step straight into `step-N/`: a save ove
 - Load: the newest published checkpoint whose files match its manifest (each rank verifies a share
   of the files; the ranks agree on the verdict) and that DCP can read. A damaged or unreadable one
   is skipped with a warning naming the file and the cause, and the next older one is tried; one
-  that does not fit the job (missing keys, other shapes) is an error, as is an explicit
-  `checkpoint.load_step` that cannot be loaded. Checkpoints saved without a manifest (older
-  FlashCP) load unverified, with a warning.
-- Purge (`keep_latest_k`): the most recently published checkpoints are kept, after the final save
-  too, and leftovers of interrupted saves are removed.
+  that does not fit the job (`flashcp.run.safe_load`: a model, optimizer or loader key missing, a
+  checkpoint key unused, another shape) is an error, as is an explicit `checkpoint.load_step` that
+  cannot be loaded. A folder without `.metadata` or without a manifest is damaged like one whose
+  bytes changed (deleting a file must not switch verification off); only a checkpoint named
+  explicitly (`load_step` / `initial_load_path`) with `checkpoint.load_unverified = true` loads
+  without a manifest, e.g. one written by another tool. Nothing loaded can run code
+  (`flashcp.run.safe_load`).
+- Save: a state whose loss went non-finite since the last save is not published (`loss_problem`).
+- Rewind: an explicit `load_step` older than the newest checkpoint starts a new branch: the newer
+  checkpoints are moved aside into `set-aside/after-step-N.<id>/` (never deleted), so retention and a
+  later plain resume see only the new branch.
+- Purge (`keep_latest_k`): the newest checkpoints of the branch are kept, after the final save too,
+  and leftovers of interrupted saves are removed.
 
 Asynchronous saving (`async_mode`) writes the partial folder in the background and publishes it
 when TorchTitan next waits for it (the next save, or the final one): a checkpoint becomes loadable
@@ -27,22 +35,25 @@ from __future__ import annotations
 
 import os
 import shutil
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.distributed.checkpoint.api as dcp_api
-from torchtitan.components.checkpoint import AsyncMode, CheckpointManager
+from torchtitan.components.checkpoint import AsyncMode, CheckpointManager, MODEL
 from torchtitan.tools.logging import logger
 
 from flashcp.data.errors import DataError
 from flashcp.run.manifest import MANIFEST, read_manifest, rank_entries, verify_files, write_manifest
-from flashcp.run.publish import agreed_token, Candidate, complete_checkpoints, full_disk_named, LEFTOVER_DIR
-from flashcp.run.publish import publish, root_cause, STEP_DIR
+from flashcp.run.publish import agreed_token, Candidate, error_in, full_disk_named, LEFTOVER_DIR
+from flashcp.run.publish import publish, published_checkpoints, root_cause, STEP_DIR
+from flashcp.run.safe_load import MismatchedCheckpoint, SafeReader, StrictPlanner, UnsafeCheckpoint
 
-MISMATCH_HINTS = ("Missing key", "Unexpected key", "ize mismatch", "shape")
+SET_ASIDE = "set-aside"  # under the checkpoint folder: checkpoints of a branch left by a rewind
 
 
 class CheckpointError(RuntimeError):
@@ -60,12 +71,18 @@ class Unloadable(Exception):
 class Checkpointer(CheckpointManager):
     @dataclass(kw_only=True, slots=True)
     class Config(CheckpointManager.Config):
-        pass
+        load_unverified: bool = False
+        """Let the checkpoint named by load_step / initial_load_path load without a manifest."""
 
     on_restore: Callable[[], None] | None = None  # called after a checkpoint of this run was loaded
+    loss_problem: Callable[[], str | None] | None = None  # why the state must not be saved (all ranks agree)
     _loaded: bool | None = None  # what the run's one load returned
     _last_saved: int | None = None
     _pending: tuple[Path, Path, str] | None = None  # an asynchronous save in flight: (partial, target, id)
+
+    def __init__(self, config: Config, **kwargs: Any) -> None:
+        super().__init__(config, **kwargs)
+        self.load_unverified = config.load_unverified
 
     def step_folder(self, step: int) -> Path:
         return Path(self._create_checkpoint_id(step))
@@ -100,6 +117,9 @@ class Checkpointer(CheckpointManager):
         (at the next save, which every rank reaches at the same step).
         """
         target = Path(checkpoint_id)
+        problem = self.loss_problem() if self.loss_problem is not None else None
+        if problem is not None:
+            raise CheckpointError(f"not saving {target.name}: {problem}; the newest checkpoint is the last sound state")
         save_id = agreed_token()
         partial = target.with_name(f"{target.name}.partial-{save_id}")
         with full_disk_named(partial):
@@ -141,10 +161,9 @@ class Checkpointer(CheckpointManager):
                 continue
             if match.group(2) == "partial" or (folder / f"step-{match.group(1)}").is_dir():
                 self._remove(path)
-        if self.keep_latest_k > 0:
-            published = [c.path for c in complete_checkpoints(Path(self.folder)) if c.path.name == f"step-{c.step}"]
-            published.sort(key=lambda p: (p / ".metadata").stat().st_mtime)
-            for path in published[: -self.keep_latest_k]:
+        if self.keep_latest_k > 0:  # newer steps of an abandoned branch were set aside: the newest are the branch's
+            published = [c.path for c in published_checkpoints(folder) if c.problem is None and c.path.name == f"step-{c.step}"]
+            for path in published[self.keep_latest_k :]:
                 self._remove(path)
 
     def _remove(self, path: Path) -> None:
@@ -160,34 +179,48 @@ class Checkpointer(CheckpointManager):
     # ------------------------------------------------------------------ load
 
     def _load(self, step: int = -1) -> bool:
-        candidates = complete_checkpoints(Path(self.folder))
+        candidates = published_checkpoints(Path(self.folder))
         if step != -1:
             chosen = [c for c in candidates if c.step == step]
             if not chosen:
                 path = Path(self.folder) / f"step-{step}"
                 state = "is incomplete (its save was interrupted)" if path.exists() else "does not exist"
-                complete = sorted({c.step for c in candidates})
+                complete = sorted({c.step for c in candidates if c.problem is None})
                 raise CheckpointError(
                     f"checkpoint.load_step = {step}: {path} {state}; complete checkpoints: {complete or 'none'}"
                 )
-            candidates = chosen
+            newer, candidates = [c for c in candidates if c.step > step], chosen
         if not candidates:
             return self._initial_load()
         for partial in sorted(Path(self.folder).glob("step-*.partial-*")):
             logger.warning(f"ignoring {partial}: an interrupted save")
         for i, candidate in enumerate(candidates):
             try:
-                self._load_candidate(candidate, model_only=candidate.step == 0)
+                self._load_candidate(candidate, model_only=candidate.step == 0, named=step != -1)
             except Unloadable as e:
                 if not e.fits or step != -1 or i == len(candidates) - 1:
                     tried = "" if i == 0 else " (newer ones were skipped as unloadable)"
                     raise CheckpointError(f"{e}{tried}") from e
                 logger.warning(f"skipping {e}; trying the next older checkpoint")
                 continue
+            if step != -1 and newer:
+                self._set_aside(step, newer)
             if self.on_restore is not None:
                 self.on_restore()
             return True
         raise AssertionError("unreachable: the last candidate returns or raises")
+
+    def _set_aside(self, step: int, newer: list[Candidate]) -> None:
+        """A rewind starts a new branch: move the newer checkpoints out of its way, never delete them."""
+        if dist.get_rank() == 0:
+            aside = Path(self.folder) / SET_ASIDE / f"after-step-{step}.{uuid.uuid4().hex[:12]}"
+            aside.mkdir(parents=True)
+            for candidate in newer:
+                os.rename(candidate.path, aside / candidate.path.name)
+            names = ", ".join(c.path.name for c in sorted(newer, key=lambda c: c.step))
+            logger.warning(f"checkpoint.load_step = {step} starts a new branch: the newer checkpoints ({names}) were "
+                           f"moved to {aside} (not deleted); a plain resume continues from this branch")  # fmt: skip
+        dist.barrier()
 
     def _initial_load(self) -> bool:
         if not self.initial_load_path:
@@ -199,35 +232,55 @@ class Checkpointer(CheckpointManager):
                                   ("is not a folder" if path.exists() else "does not exist"))  # fmt: skip
         if not (path / ".metadata").is_file():
             raise CheckpointError(f"checkpoint.initial_load_path {path}: not a DCP checkpoint (no .metadata)")
+        problem = None if (path / MANIFEST).is_file() else f"no {MANIFEST}, so its files cannot be verified"
         try:
-            self._load_candidate(Candidate(-1, path, (path / MANIFEST).is_file()), self.initial_load_model_only)
+            self._load_candidate(Candidate(-1, path, problem), self.initial_load_model_only, named=True)
         except Unloadable as e:
             raise CheckpointError(f"checkpoint.initial_load_path: {e}") from e
         return True
 
-    def _load_candidate(self, candidate: Candidate, model_only: bool) -> None:
-        """Verify (in parallel over ranks), then load; Unloadable says why not."""
+    def _load_candidate(self, candidate: Candidate, model_only: bool, named: bool) -> None:
+        """Verify (in parallel over ranks), then load; Unloadable says why not.
+
+        `named`: the user chose this checkpoint (load_step, initial_load_path), so
+        `load_unverified` may let it load without a manifest.
+        """
         path = candidate.path
-        if candidate.verified:
+        if candidate.problem is not None:
+            manifest_only = (path / ".metadata").is_file()
+            if not (named and manifest_only and self.load_unverified):
+                hint = " (set checkpoint.load_unverified = true to load it anyway)" if named and manifest_only else ""
+                raise Unloadable(f"checkpoint {path} is damaged: {candidate.problem}{hint}")
+            logger.warning(f"checkpoint {path} has no {MANIFEST}: loading it unverified (checkpoint.load_unverified)")
+        else:
             problems = verify_files(path, read_manifest(path), dist.get_rank(), dist.get_world_size())
             gathered: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, problems)
             problems = sorted(p for part in gathered for p in part)
             if problems:
                 raise Unloadable(f"checkpoint {path} is damaged: {problems[0]}")
-        else:
-            logger.warning(f"checkpoint {path} has no {MANIFEST} (saved by an older FlashCP): loading it unverified")
         logger.info(f"Loading the checkpoint from {path}.")
+        dropped = [k for k in self.states if k != MODEL] if model_only else list(self.exclude_from_loading)
         try:
-            self.dcp_load(self._states_to_load(model_only), checkpoint_id=str(path), from_hf=False,
-                          from_quantized=False)  # fmt: skip
+            self.dcp_load(self._states_to_load(model_only), str(path), from_hf=False, from_quantized=False,
+                          dropped=dropped)  # fmt: skip
         except DataError:
             raise
         except (Exception, dcp_api.CheckpointException) as e:  # the latter is a BaseException
-            cause = root_cause(e)
-            if any(hint in cause for hint in MISMATCH_HINTS):
-                raise Unloadable(f"checkpoint {path} does not fit this job (different model or optimizer?): "
-                                 f"{cause}", fits=False) from e  # fmt: skip
-            raise Unloadable(f"checkpoint {path} cannot be read (damaged?): {cause}") from e
+            for kind in (UnsafeCheckpoint, MismatchedCheckpoint):
+                refused = error_in(e, kind)
+                if refused is not None:
+                    raise Unloadable(str(refused), fits=False) from e
+            raise Unloadable(f"checkpoint {path} cannot be read (damaged?): {root_cause(e)}") from e
 
-
+    def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool,
+                 dropped: list[str] | tuple[str, ...] = ()) -> None:  # fmt: skip
+        """TorchTitan's dcp_load, reading data only and refusing a checkpoint that does not fit whole
+        (`dropped`: states left unloaded on purpose). HF safetensors are not read (no pickles there,
+        but also no manifest): they are refused rather than loaded unverified."""
+        if from_hf:
+            raise CheckpointError("loading HF safetensors checkpoints is not supported by FlashCP")
+        path = Path(checkpoint_id)
+        dcp.load(state_dict, storage_reader=SafeReader(path), planner=StrictPlanner(path, dropped))
+        if MODEL in self.states:
+            self.states[MODEL].load_state_dict(state_dict)

@@ -6,7 +6,7 @@
 
 A job file has the sections of TorchTitan 0.3.0's `Trainer.Config` (job, model, data, training,
 optimizer, lr_scheduler, parallelism, checkpoint, metrics, activation_checkpoint, compile, comm)
-plus `[flashcp]`. Every key a job may set is declared in `SCHEMA` with its type, default and,
+plus `[flashcp]` and `[loss]`. Every key a job may set is declared in `SCHEMA` with its type, default and,
 where the set is closed, its allowed values; `flashcp.titan.job` maps the validated dict onto
 TorchTitan's dataclasses. Defaults equal TorchTitan's except where a comment says why not.
 
@@ -157,6 +157,8 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "interval": Key(int, 500),
         "keep_latest_k": Key(int, 10, doc="0 keeps all; 1 is not allowed (one may be mid-write)"),
         "load_step": Key(int, -1, doc="-1: the latest complete checkpoint"),
+        "load_unverified": Key(bool, False, doc="let the checkpoint named by load_step / initial_load_path load "
+                               "without a manifest.json (one written by another tool): unverified"),
         # Full state in the last checkpoint too, so a finished run can be extended.
         "last_save_model_only": Key(bool, False),
         "async_mode": Key(str, "disabled", ("disabled", "async", "async_with_pinned_mem")),
@@ -186,6 +188,12 @@ SCHEMA: dict[str, dict[str, Key]] = {
     "comm": {
         "init_timeout_seconds": Key(int, 300),
         "train_timeout_seconds": Key(int, 100),
+        "mode": Key(str, "default", ("default", "fake_backend"),
+                    "fake_backend: TorchTitan's dry-run process group (python -m flashcp.titan.dryrun)"),
+    },
+    "loss": {
+        "chunk_tokens": Key(int, 2048, doc="cross-entropy over at most this many tokens at a time "
+                            "(flashcp.titan.loss); 0: all of a rank's tokens at once"),
     },
     "flashcp": {
         "strategy": Key(str, "flashcp", tuple(STRATEGIES), "how each window is sharded over the CP ranks"),
@@ -259,6 +267,7 @@ def _check_semantics(cfg: dict) -> None:
     _positive(cfg, "parallelism", *names)
     _positive(cfg, "checkpoint", "interval")
     _positive(cfg, "metrics", "log_freq")
+    _positive(cfg, "loss", "chunk_tokens", minimum=0)
     _positive(cfg, "lr_scheduler", "warmup_steps", minimum=0)
     shard = par["data_parallel_shard_degree"]
     if shard == 0 or shard < -1:

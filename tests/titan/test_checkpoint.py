@@ -43,7 +43,7 @@ class Killed(BaseException):
     """Stands in for the process dying in the middle of a save."""
 
 
-def test_a_save_killed_over_an_existing_step_leaves_the_old_one_loadable(tmp_path, rank, monkeypatch):
+def test_a_rewind_sets_newer_checkpoints_aside_and_a_save_killed_there_leaves_them_whole(tmp_path, rank, monkeypatch):
     dump = tmp_path / "run"
     whole = train(job(dump))
     old_manifest = read_manifest(dump / "checkpoint/step-6")
@@ -57,13 +57,30 @@ def test_a_save_killed_over_an_existing_step_leaves_the_old_one_loadable(tmp_pat
 
     monkeypatch.setattr(dcp, "save", dying_save)
     with pytest.raises(Killed):
-        train(job(dump, load_step=3))  # re-trains 4..6 and re-saves step 6
+        train(job(dump, load_step=3))  # re-trains 4..6 and dies saving step 6
     monkeypatch.undo()
-    assert read_manifest(dump / "checkpoint/step-6") == old_manifest  # untouched
+    (aside,) = (dump / "checkpoint/set-aside").iterdir()
+    assert aside.name.startswith("after-step-3.") and read_manifest(aside / "step-6") == old_manifest  # untouched
     assert any(p.name.startswith("step-6.partial-") for p in (dump / "checkpoint").iterdir())
     with single_rank():
-        assert train(job(dump, load_step=6), ) == {}  # loads (nothing left to train) instead of failing
-    assert whole.keys() == {1, 2, 3, 4, 5, 6}
+        assert train(job(dump)) == {s: whole[s] for s in (4, 5, 6)}  # the new branch, from step 3
+
+
+def test_a_rewind_point_survives_retention_and_a_plain_resume_continues_its_branch(tmp_path, rank, caplog):
+    dump = tmp_path / "run"
+
+    def ten_steps(**checkpoint):
+        return tiny_job(dump, training={"steps": 10}, checkpoint={"enable": True, "interval": 5, "keep_latest_k": 2,
+                                                                  **checkpoint})  # fmt: skip
+
+    train(ten_steps())
+    train(ten_steps(load_step=5, interval=1), stop_after=6)  # preempted at 6 after saving it
+    assert "load_step = 5 starts a new branch: the newer checkpoints (step-10) were moved to" in caplog.text
+    folder = dump / "checkpoint"
+    assert sorted(p.name for p in folder.iterdir()) == ["set-aside", "step-5", "step-6"]
+    assert [p.name for p in folder.glob("set-aside/after-step-5.*/*")] == ["step-10"]  # moved, not deleted
+    with single_rank():
+        assert sorted(train(ten_steps())) == [7, 8, 9, 10]  # the new branch, not the abandoned step 10
 
 
 def test_a_kill_between_the_two_renames_keeps_the_replaced_checkpoint_loadable(tmp_path, rank):
