@@ -24,17 +24,20 @@ from flashcp.run.rank import die_with_launcher, record_for_launcher, release, re
 
 
 def run(config_name: str | None, overrides: list[str]) -> None:
+    from flashcp.run.ownership import check_writable
     from flashcp.titan.config import check_layout, load_job, resolve_config_path
-    from flashcp.run.ownership import check_writable, RunLock
 
     cfg = load_job(resolve_config_path(config_name), overrides)
     check_layout(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     if not os.environ.get("FLASHCP_LAUNCHER") and os.environ.get("RANK", "0") == "0":
-        from flashcp.titan.launch import output_folders
+        from flashcp.titan.launch import hold_folders, output_folders, release
 
         check_writable(output_folders(cfg))
-        with RunLock(cfg["job"]["dump_folder"]):
+        locks = hold_folders(cfg)
+        try:
             _train(cfg)
+        finally:
+            release(locks)
     else:
         _train(cfg)
 
@@ -79,15 +82,15 @@ def main(argv: list[str] | None = None) -> int:
     die_with_launcher()
 
     from flashcp.attention import BackendUnavailable
+    from flashcp.data.errors import DataError
+    from flashcp.data.tokenizer import TokenizerError
+    from flashcp.run.ownership import FolderInUse, LockUnavailable, NotWritable
     from flashcp.run.publish import root_cause
     from flashcp.titan.checkpoint import CheckpointError
     from flashcp.titan.config import ConfigError
-    from flashcp.run.ownership import FolderInUse, NotWritable
-    from flashcp.data.errors import DataError
-    from flashcp.data.tokenizer import TokenizerError
 
     job_errors = (ConfigError, DataError, TokenizerError, CheckpointError, BackendUnavailable, FolderInUse,
-                  NotWritable)  # fmt: skip
+                  NotWritable, LockUnavailable)  # fmt: skip
     rank = os.environ.get("RANK", "0")
     reserved = reserve_room_to_report()
     try:

@@ -18,8 +18,13 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
+import tempfile
+import threading
+import time
 from pathlib import Path
+from typing import Any
 
 from flashcp.run.preemption import ForwardStop, TORCHRUN_SIGNALS
 
@@ -65,34 +70,75 @@ def owns_folder() -> bool:
     return os.environ.get("NODE_RANK", "0") == "0"
 
 
-def torchrun_args(nproc: int, nnodes: int, log_dir: str, argv: list[str]) -> list[str]:
+def multi_node(nnodes: int) -> bool:
+    """Whether the launchers of several nodes meet (`flashcp.run.rendezvous`) before their ranks start."""
+    return nnodes > 1 or bool(os.environ.get("RDZV_ENDPOINT") or os.environ.get("MASTER_ADDR"))
+
+
+def node_rank() -> int | None:
+    """NODE_RANK for a static rendezvous; None with RDZV_ENDPOINT (given at rendezvous)."""
+    if os.environ.get("RDZV_ENDPOINT"):
+        return None
+    value = os.environ.get("NODE_RANK", "0")
+    if not value.isdigit():
+        raise LaunchError(f"environment variable NODE_RANK must be an integer >= 0, got {value!r}")
+    return int(value)
+
+
+def torchrun_args(nproc: int, nnodes: int, log_dir: str, run_id: str, argv: list[str]) -> list[str]:
     env = os.environ
-    args = [f"--nproc_per_node={nproc}", f"--nnodes={nnodes}"]
+    args = [f"--nproc_per_node={nproc}", f"--nnodes={nnodes}", f"--rdzv_id={run_id}"]
     if env.get("RDZV_ENDPOINT"):
+        args += [f"--rdzv_endpoint={env['RDZV_ENDPOINT']}", f"--rdzv_backend={env.get('RDZV_BACKEND', 'c10d')}"]
+    elif multi_node(nnodes):
         args += [
-            f"--rdzv_endpoint={env['RDZV_ENDPOINT']}",
-            f"--rdzv_backend={env.get('RDZV_BACKEND', 'c10d')}",
-            f"--rdzv_id={env.get('RDZV_ID', 'flashcp')}",
-        ]
-    elif nnodes > 1 or env.get("MASTER_ADDR"):
-        args += [
-            f"--node_rank={env.get('NODE_RANK', '0')}",
+            f"--node_rank={node_rank()}",
             f"--master_addr={env.get('MASTER_ADDR', '127.0.0.1')}",
             f"--master_port={env.get('MASTER_PORT', '29500')}",
         ]
-    else:
-        args.append("--standalone")
-    args.append(f"--signals-to-handle={TORCHRUN_SIGNALS}")  # SIGTERM / SIGINT: flashcp.run.preemption
+    else:  # torchrun's --standalone: a private rendezvous on a free port
+        args += ["--rdzv_backend=c10d", "--rdzv_endpoint=localhost:0"]
+    args += [f"--max-restarts={restarts()}", f"--signals-to-handle={TORCHRUN_SIGNALS}"]  # SIGTERM/INT: ours
     args += [f"--local-ranks-filter={SHOWN_RANKS}", "--tee=3", f"--log-dir={log_dir}"]
     return [*args, str(TRAIN_PY), *argv]
 
 
-def launch(dump_folder: str, argv: list[str], nproc: int, nnodes: int, on_gpu: bool, stop_timeout: int) -> int:
+def restarts() -> int:
+    """MAX_RESTARTS: how often torchrun restarts a failed group (each restart resumes from the newest
+    complete checkpoint); 0 by default."""
+    value = os.environ.get("MAX_RESTARTS", "0")
+    if not value.isdigit():
+        raise LaunchError(f"environment variable MAX_RESTARTS must be an integer >= 0, got {value!r}")
+    return int(value)
+
+
+def node_logs(log_dir: str) -> Any:
+    """torchrun's log layout with the run folder named by time, node and host instead of
+    `none_<random>`: `<log_dir>/<YYYYmmdd-HHMMSS>-node<k>-<host>/attempt_<n>/<local rank>/`."""
+    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, Std
+
+    class NodeLogs(DefaultLogsSpecs):
+        def reify(self, envs: dict[int, dict[str, str]]) -> Any:
+            if not self._run_log_dir and envs:
+                node = envs[0].get("GROUP_RANK", "0")
+                name = f"{time.strftime('%Y%m%d-%H%M%S')}-node{node}-{socket.gethostname()}"
+                self._run_log_dir = tempfile.mkdtemp(prefix=f"{name}-", dir=self.root_log_dir)
+            return super().reify(envs)
+
+    return NodeLogs(log_dir=log_dir, tee=Std.from_str("3"), local_ranks_filter=set(map(int, SHOWN_RANKS.split(","))))
+
+
+def launch(dump_folder: str, argv: list[str], nproc: int, nnodes: int, on_gpu: bool, stop_timeout: int,
+           run_id: str, locks: list[Any] = ()) -> int:  # fmt: skip
     """Run torchrun's agent in this process until every rank has ended; the exit code of the run.
 
-    `argv` goes to every rank's train.py; `dump_folder` (absolute) holds the rank logs.
+    `argv` goes to every rank's train.py; `dump_folder` (absolute) holds the rank logs. While the
+    ranks run, each of `locks` is checked every few seconds: a lock file removed or replaced stops
+    the ranks (they save at their next step) and the run fails saying so.
     """
     os.environ["FLASHCP_LAUNCHER"] = str(os.getpid())  # the ranks' parent: they die with it
+    if restarts():  # torch 2.13's agent cannot re-rendezvous on a TCP store it shares with the ranks
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     os.environ.setdefault("PYTHONUNBUFFERED", "1")  # rank logs written as they come, whole up to a crash
     if not on_gpu:  # share the cores between the ranks instead of oversubscribing them
         os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
@@ -100,12 +146,17 @@ def launch(dump_folder: str, argv: list[str], nproc: int, nnodes: int, on_gpu: b
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser, run
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args, get_args_parser
 
     stop = ForwardStop(stop_timeout)  # SIGTERM / SIGINT: the ranks save at their next step boundary
     stop.install()
+    watch = LockWatch(locks, stop)
     try:
-        run(get_args_parser().parse_args(torchrun_args(nproc, nnodes, log_dir, argv)))
+        config, cmd, cmd_args = config_from_args(get_args_parser().parse_args(
+            torchrun_args(nproc, nnodes, log_dir, run_id, argv)))  # fmt: skip
+        config.logs_specs = node_logs(log_dir)
+        elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
     except KeyboardInterrupt:
         print(f"flashcp: {signal.Signals(stop.signum).name} before the ranks started: nothing saved", flush=True)
         return 128 + stop.signum
@@ -130,5 +181,34 @@ def launch(dump_folder: str, argv: list[str], nproc: int, nnodes: int, on_gpu: b
         print(f"error: rank {rank} failed (exit code {failure.exitcode}): {detail}", file=sys.stderr)
         return 1
     finally:
+        watch.close()
         stop.close()
+    if watch.lost:
+        print(f"error: {watch.lost}: the ranks were stopped after their last step; full logs: {log_dir}",
+              file=sys.stderr)  # fmt: skip
+        return 1
     return 0
+
+
+class LockWatch:
+    """Checks the run's locks every `period_s` while the ranks run; a lost one stops them."""
+
+    def __init__(self, locks: list[Any], stop: ForwardStop, period_s: float = 2.0) -> None:
+        self.lost = ""
+        self._done = threading.Event()
+        self._thread = None
+        if locks:
+            self._thread = threading.Thread(target=self._watch, args=(locks, stop, period_s), daemon=True,
+                                            name="flashcp-lock-watch")  # fmt: skip
+            self._thread.start()
+
+    def _watch(self, locks: list[Any], stop: ForwardStop, period_s: float) -> None:
+        while not self._done.wait(period_s):
+            lost = next((lock for lock in locks if not lock.intact()), None)
+            if lost is not None:
+                self.lost = f"the run's lock file {lost.path} was removed or replaced while the ranks ran"
+                stop.stop_ranks(self.lost)
+                return
+
+    def close(self) -> None:
+        self._done.set()

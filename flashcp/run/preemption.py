@@ -53,8 +53,11 @@ class StopRequest:
         self.signum = self.signum or signum
 
     def connect(self) -> None:
-        """Create the gloo group the ranks agree over (collective: all ranks, same point)."""
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        """Create the gloo group the ranks agree over (collective: all ranks, same point).
+
+        Not under TorchTitan's fake backend (the dry run): its process group cannot create groups
+        of another backend, and one rank simulating a job receives no signals to agree on."""
+        if dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() != "fake":
             self._group = dist.new_group(backend="gloo")
 
     def agreed(self) -> int:
@@ -114,11 +117,14 @@ class ForwardStop:
                 self._kill(f"a second {name}")
             return
         self.signum = signum
-        ranks = self.ranks()
-        if not ranks:  # the ranks are not started yet: nothing to save
+        if not self.ranks():  # the ranks are not started yet: nothing to save
             raise KeyboardInterrupt
-        _signal_groups(ranks, signal.SIGTERM)
-        _say(f"flashcp: {name}: the ranks stop after their next step and save a checkpoint "
+        self.stop_ranks(name)
+
+    def stop_ranks(self, why: str) -> None:
+        """Ask the ranks to stop after their next step with a checkpoint, killing them after `timeout_s`."""
+        _signal_groups(self.ranks(), signal.SIGTERM)
+        _say(f"flashcp: {why}: the ranks stop after their next step and save a checkpoint "
              f"(up to {self.timeout_s:g} s, FLASHCP_STOP_TIMEOUT); Ctrl-C again to stop at once")  # fmt: skip
         self._timer = threading.Timer(self.timeout_s, self._kill, [f"FLASHCP_STOP_TIMEOUT = {self.timeout_s:g} s"])
         self._timer.daemon = True

@@ -4,16 +4,21 @@
 
 Ranks per node: `NGPU`, else the visible GPUs, else (no GPU: gloo on CPU) the world size the
 job's layout fixes, or 2. Multi-node jobs pass torchrun's rendezvous through the environment:
-`NNODES`, `NODE_RANK`, `MASTER_ADDR`, `MASTER_PORT`, or `RDZV_ENDPOINT` (+ `RDZV_ID`,
-`RDZV_BACKEND`). `LOG_RANK` (default 0) picks the local ranks shown on the console; every
-rank's full log goes to `<dump_folder>/logs/`. SIGTERM / Ctrl-C stop the run at the next step
+`NNODES`, `NODE_RANK`, `MASTER_ADDR`, `MASTER_PORT`, or `RDZV_ENDPOINT` (+ `RDZV_BACKEND`);
+`RUN_ID` names the job (default: derived from the dump folder), `MAX_RESTARTS` lets torchrun
+restart a failed group, which resumes from the newest complete checkpoint. `LOG_RANK` (default 0)
+picks the local ranks shown on the console; every rank's full log goes to
+`<dump_folder>/logs/<time>-node<k>-<host>/`. SIGTERM / Ctrl-C stop the run at the next step
 boundary with a checkpoint; `FLASHCP_STOP_TIMEOUT` (default 600 s) is how long the ranks get for
 that save before they are killed; a second Ctrl-C stops at once.
 
-Before anything is spawned the job file is validated for the resulting world size, its inputs are
-opened and its output folders checked (writable, room for a checkpoint); then the launcher holds
-the dump folder's lock (`flashcp.run.ownership`) while the ranks run (`flashcp.run.launch`), so a
-second launch into the same folder is refused with the holder's host and PID.
+Before anything is spawned the job file is validated for the resulting world size and its inputs
+are opened. The nodes of a multi-node job then meet (`flashcp.run.rendezvous`): one holds the
+locks, the others refuse another job, other settings, a taken node slot or a folder they do not
+share. The output folders are checked (writable, room for a checkpoint) and held by a lock
+(`flashcp.run.ownership`; `FLASHCP_LOCK` = a lock file elsewhere or `off`, `FLASHCP_BREAK_LOCK=1`
+breaks a dead host's lock) while the ranks run (`flashcp.run.launch`), so a second launch into
+the same folders is refused with the holder's host and PID.
 """
 
 from __future__ import annotations
@@ -21,14 +26,19 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from collections.abc import Callable
+from pathlib import Path
 
 from flashcp.data.errors import DataError
 from flashcp.data.tokenizer import TokenizerError
 from flashcp.run import launch as ranks
-from flashcp.run.ownership import check_free_space, check_writable, describe_stale, FolderInUse, NotWritable
-from flashcp.run.ownership import RunLock
+from flashcp.run import rendezvous
+from flashcp.run.ownership import check_free_space, check_writable, describe_broken, describe_stale, FolderInUse
+from flashcp.run.ownership import LockUnavailable, NotWritable, RunLock
 from flashcp.titan.config import check_layout, ConfigError, load_job, resolve_config_path, world_size_hint
 from flashcp.titan.preflight import check_cpu_memory, check_inputs, checkpoint_bytes
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def output_folders(cfg: dict) -> list[str]:
@@ -81,40 +91,89 @@ def parse_args(argv: list[str]) -> tuple[str | None, list[str]]:
     return config_name, overrides
 
 
+def hold_folders(cfg: dict) -> list[RunLock]:
+    """Lock every folder the run writes that is not inside another one (the dump folder, and a
+    checkpoint or TensorBoard folder configured elsewhere); FolderInUse names a holder."""
+    roots: list[Path] = []
+    for folder in sorted({Path(f).resolve() for f in output_folders(cfg)}, key=lambda f: len(f.parts)):
+        if not any(folder.is_relative_to(root) for root in roots):
+            roots.append(folder)
+    held: list[RunLock] = []
+    try:
+        for root in roots:
+            held.append(RunLock(root).acquire())
+    except BaseException:
+        release(held)
+        raise
+    return held
+
+
+def release(locks: list[RunLock]) -> None:
+    for lock in locks:
+        lock.release()
+
+
+def settings(cfg: dict) -> dict[str, object]:
+    """The resolved job as "section.key" -> value: what every node of a job must agree on."""
+    return {f"{section}.{key}": value for section, keys in cfg.items() if isinstance(keys, dict)
+            for key, value in keys.items()}  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
         print(__doc__)
         return 0
+    locks: list[RunLock] = []
+    meeting = None
     try:
         config_name, overrides = parse_args(argv)
         nnodes = ranks.nodes()
         stop_timeout = ranks.env_int("FLASHCP_STOP_TIMEOUT", 600)
+        ranks.restarts()
         path = resolve_config_path(config_name)
         cfg = load_job(path, overrides)
         nproc, on_gpu = ranks.ranks_per_node(world_size_hint(cfg), nnodes)
         check_cpu_ranks(cfg, nproc, nnodes, on_gpu)
         vocab = check_inputs(cfg)
-        check_writable(output_folders(cfg))
+        dump = cfg["job"]["dump_folder"]
+        run_id = rendezvous.run_id(dump)
+        if ranks.multi_node(nnodes):  # nothing is written before this node is known to belong to the job
+            card = rendezvous.JobCard(run_id, settings(cfg), rendezvous.code_fingerprint(ROOT))
+
+            def take_locks() -> Callable[[], None]:
+                check_writable(output_folders(cfg))
+                locks.extend(hold_folders(cfg))
+                return lambda: release(locks)
+
+            timeout = cfg["comm"]["init_timeout_seconds"]
+            meeting = rendezvous.meet(card, dump, nnodes, ranks.node_rank(), timeout, take_locks)
+        else:
+            check_writable(output_folders(cfg))
+            locks = hold_folders(cfg)
         if cfg["checkpoint"]["enable"]:
-            folder = os.path.join(cfg["job"]["dump_folder"], cfg["checkpoint"]["folder"])
+            folder = os.path.join(dump, cfg["checkpoint"]["folder"])
             check_free_space(folder, checkpoint_bytes(cfg, vocab), "one checkpoint of this model")
-        lock = RunLock(cfg["job"]["dump_folder"]).acquire() if ranks.owns_folder() else None
-    except (ConfigError, ranks.LaunchError, DataError, TokenizerError, FolderInUse, NotWritable) as e:
+    except (ConfigError, ranks.LaunchError, rendezvous.JobMismatch, DataError, TokenizerError, FolderInUse,
+            NotWritable, LockUnavailable) as e:  # fmt: skip
+        release(locks)
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        if lock is not None and lock.taken_over:
-            print(f"flashcp: {describe_stale(lock.taken_over)}", flush=True)
-        dump = cfg["job"]["dump_folder"]
+        for lock in locks:
+            if lock.broken:
+                print(f"flashcp: {describe_broken(lock.broken)}", flush=True)
+            elif lock.taken_over:
+                print(f"flashcp: {describe_stale(lock.taken_over)}", flush=True)
         device = "GPU" if on_gpu else "CPU (gloo)"
         print(f"flashcp: {path.resolve()} on {nnodes} node(s) x {nproc} {device} rank(s), output in {dump}",
               flush=True)  # fmt: skip
         argv = [f"--config={path}", *overrides, f"--job.dump_folder={dump}"]  # absolute: every rank agrees
-        return ranks.launch(dump, argv, nproc, nnodes, on_gpu, stop_timeout)
+        return ranks.launch(dump, argv, nproc, nnodes, on_gpu, stop_timeout, run_id, locks)
     finally:
-        if lock is not None:
-            lock.release()
+        if meeting is not None:
+            meeting.close()
+        release(locks)
 
 
 if __name__ == "__main__":
