@@ -1,26 +1,27 @@
-"""How evenly a step's windows load the DP groups, packed in stream order vs balanced.
+"""How evenly a step's windows load the DP groups, per `[data] balance` mode, and at what price.
 
     python benchmarks/balance.py (--distribution NAME | --lengths-file F.json) --context C --dp K --cp N
-                                 --steps S [--micro M] [--seed X] [--json]
+                                 --steps S [--micro M] [--seed X] [--mode M] [--max-delay K]
+                                 [--all-modes] [--json]
 
-Each step draws documents from the distribution until dp x micro x C tokens (the last one cut):
-the tokens one optimizer step trains. "off" packs them into windows in stream order (cut at each
-window's end); "balanced" is `flashcp.data.balance.balance_step` on the same documents: `--mode mesh-cut` (the
-default here) joins documents and cuts the longest to bring every window within 1.05 x the mean,
-`--mode mesh` (the trainer's default) moves the stream's pieces without joining or cutting them. A DP
-group's predicted step cost is the sum over its micro steps of its window's cost: dense work
-(6 x params FLOPs per token) plus 12 d L FLOPs per attended (query, key) pair on the busiest rank of
-the window's actual FlashCP plan (`plan_shards(..., "flashcp")`), for Llama 3 8B (8.03e9 params,
-d = 4096, L = 32), all per CP rank. Printed: over the S steps, the mean and p95 of max / mean
-across the DP groups, and the time to balance one step on this core (p50 / p99). The JSON keeps
-exactly `{"off": {"mean", "p95"}, "balanced": {"mean", "p95"}, "plan_ms": {"p50", "p99"}}` plus
-extra keys (balancing CPU time, cut documents, attention pairs kept, and `pieces_bound`: the
-max / mean no balance that keeps the stream's pieces whole can go below, from the step's piece with
-the most attended pairs).
-
-"off" continues a window's last document in the next window, so both columns train the same tokens;
-`flashcp.data.lengths.pack_windows` drops that remainder instead, which loses most of the long
-documents' tails and gives lower figures on pile (e.g. 2.1-2.2 instead of 2.2-2.3 at 128K, DP = 64).
+Documents are drawn from the length distribution into one stream (`prolong` is a ProLong-like mix
+defined here: 40 % of tokens in long documents, ASSUMED mean 64K, 60 % in Pile-like short ones);
+every mode trains that stream, S optimizer steps of dp x micro windows of exactly C tokens:
+  off           stream packing (each window's last document carried into the next)
+  mesh          the stream step's pieces moved between the step's windows
+  mesh-cut      the stream step's documents joined, the longest cut to reach 1.05 x the mean
+  deferral      long documents (>= C / 16) wait up to --max-delay steps (`flashcp.data.deferral`)
+  deferral-cut  the same, and what deferral could not place is cut to 1.05 x the mean
+"balanced" is the trainer's default mode (`DataConfig`) unless --mode names another. A DP group's
+predicted step time is the sum over its micro steps of its window's: dense time per token plus
+attention time per attended pair on the busiest rank of the window's FlashCP plan, Llama 3 8B with
+full activation checkpointing at measured efficiencies (`flashcp.costmodel.proxy`). Printed: the
+mean and p95 over steps of max / mean across DP groups; attended (query, key) pairs kept relative to
+stream packing of the same documents; for deferral, delay p50 / p90 (steps, over documents that
+waited) and the share of tokens that waited; balancing time per step (wall and CPU, p50 / p99, one
+core: deferral's selection plus the packing). The JSON keeps `{"off", "balanced", "plan_ms",
+"plan_cpu_ms", "attention_pairs_kept_vs_off"}` plus `delay_steps`, `delayed_token_share`,
+`pieces_bound` and, with --all-modes, `modes`: the same figures for every mode.
 """
 
 from __future__ import annotations
@@ -28,89 +29,165 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from collections.abc import Iterator
 
 import numpy as np
 
 from flashcp import plan_shards
+from flashcp.costmodel.proxy import window_cost
 from flashcp.data.balance import balance_step, stream_windows, WindowCost
-from flashcp.data.lengths import length_sampler
+from flashcp.data.deferral import Deferral, DocSpan, stream_pairs
+from flashcp.data.lengths import length_sampler, LengthSampler, LognormalMixture
+from flashcp.data.sources import DataConfig
 
-LLAMA3_8B = {"params": 8.03e9, "dim": 4096, "n_layers": 32}
+LLAMA3_8B = {"params": 8.03e9, "vocab": 128256, "dim": 4096, "n_layers": 32}
+MODES = ("off", "mesh", "mesh-cut", "deferral", "deferral-cut")
+SWEEP = (("off", 0), ("mesh", 0), ("mesh-cut", 0), *(("deferral", k) for k in (4, 8, 16, 32)),
+         ("deferral-cut", DataConfig.max_delay_steps))  # fmt: skip
+PROLONG = LognormalMixture.from_token_shares(("long", "short"), (0.4, 0.6), (65536.0, 1500.0))
 
 
-def steps(sampler, tokens: int) -> Iterator[list[int]]:
-    """Endless steps: document lengths in stream order summing to exactly `tokens` (the last one cut)."""
-    buf: list[int] = []
-    while True:
-        lens, total = [], 0
-        while total < tokens:
-            if not buf:
-                buf = sampler.sample(4096).tolist()
-            n = min(buf.pop(0), tokens - total)
-            lens.append(n)
-            total += n
-        yield lens
+def sampler(name: str, seed: int) -> LengthSampler:
+    return LengthSampler(PROLONG, seed, name) if name == "prolong" else length_sampler(name, seed=seed)
+
+
+class Stream:
+    """Documents drawn from a sampler, read like the loader's packer: whole documents from a cursor."""
+
+    def __init__(self, lengths: LengthSampler):
+        self.lengths, self.lens, self.doc, self.offset = lengths, np.zeros(0, dtype=np.int64), 0, 0
+
+    def read(self, tokens: int) -> DocSpan:
+        while int(self.lens[self.doc :].sum()) - self.offset < tokens:
+            self.lens = np.concatenate((self.lens, self.lengths.sample(4096)))
+        ends = np.cumsum(self.lens[self.doc :]) - self.offset
+        last = self.doc + int(np.searchsorted(ends, tokens, side="left")) + 1
+        index = np.arange(self.doc, last)
+        start = np.where(index == self.doc, self.offset, 0)
+        span = DocSpan(np.zeros(index.size, dtype=np.int64), index, start, self.lens[index] - start, index)
+        self.doc, self.offset = last, 0
+        return span
+
+    def restore(self, epoch: int, doc: int, offset: int) -> None:
+        self.doc, self.offset = doc, offset
+
+    def step(self, tokens: int) -> tuple[list[int], int]:
+        """Stream packing's next step: lengths of its document pieces, and its first token's offset."""
+        first = int(self.lens[: self.doc].sum()) + self.offset if self.lens.size else 0
+        span = self.read(tokens)
+        lens = span.length.tolist()
+        lens[-1] -= sum(lens) - tokens
+        self.restore(0, int(span.position[-1]) + (lens[-1] == span.length[-1]),
+                     0 if lens[-1] == span.length[-1] else int(span.start[-1]) + lens[-1])  # fmt: skip
+        return lens, first
 
 
 def planned_cost(doc_lens: list[int], cost: WindowCost) -> float:
-    """Dense work per CP rank plus the attention of the busiest rank of the FlashCP plan."""
+    """Dense time per CP rank plus the attention of the busiest rank of the FlashCP plan."""
     plan = plan_shards(doc_lens, cost.cp, strategy="flashcp")
     return cost.dense_per_token * sum(doc_lens) / cost.cp + cost.attn_per_pair * max(plan.workloads())
-
-
-def piece_bound(seq: list[list[int]], context: int, cost: WindowCost) -> float:
-    """A floor under the costliest DP group of any balance that keeps the stream's pieces whole
-    ("mesh"): the window that holds the piece with the most attended pairs costs at least its dense
-    work plus those pairs spread evenly over the CP ranks."""
-    pairs = max(n * (n + 1) // 2 for w in seq for n in w)
-    return (cost.dense_per_token * context + cost.attn_per_pair * pairs) / cost.cp
 
 
 def ratio(per_group: list[float]) -> float:
     return max(per_group) / (sum(per_group) / len(per_group))
 
 
+def pairs(lens) -> float:
+    lens = np.asarray(lens, dtype=np.float64)
+    return float((lens * (lens + 1) / 2).sum())
+
+
+def llama_cost(cp: int) -> WindowCost:
+    m = LLAMA3_8B
+    return window_cost(6.0 * (m["params"] - m["vocab"] * m["dim"]), 12.0 * m["dim"] * m["n_layers"], cp, True)
+
+
 def run(distribution: str, context: int, dp: int, cp: int, n_steps: int, micro: int, seed: int,
-        mode: str = "mesh-cut") -> dict:  # fmt: skip
-    cost = WindowCost.llama(LLAMA3_8B["params"], LLAMA3_8B["dim"], LLAMA3_8B["n_layers"], cp)
-    target = 1.05 if mode == "mesh-cut" else None
-    stream = steps(length_sampler(distribution, seed=seed), dp * micro * context)
-    warm_up = next(steps(length_sampler(distribution, seed=seed + 1), dp * micro * context))
-    balance_step(warm_up, dp, micro, context, cost, target)  # untimed: numpy's first-call costs are not a step's
-    off, balanced, bound, plan_ms, cpu_ms, cut, kept = [], [], [], [], [], [], []
+        mode: str = "deferral", max_delay: int = DataConfig.max_delay_steps) -> dict:  # fmt: skip
+    """One mode on `n_steps` steps of the stream (see the module docstring)."""
+    cost, n_windows = llama_cost(cp), dp * micro
+    target = 1.05 if mode.endswith("-cut") else None
+    warm = Stream(sampler(distribution, seed + 1)).step(n_windows * context)[0]
+    balance_step(warm, dp, micro, context, cost, target)  # untimed: numpy's first-call costs are not a step's
+    stream = Stream(sampler(distribution, seed))
+    deferral = Deferral(context, n_windows, max_delay, cost) if mode.startswith("deferral") else None
+    off, balanced, bound, wall, cpu, kept, ref, delays, waited, tokens = [], [], [], [], [], 0.0, 0.0, [], 0, 0
     for _ in range(n_steps):
-        lens = next(stream)
-        seq = stream_windows(lens, context)
-        off.append(ratio([sum(planned_cost(seq[m * dp + r], cost) for m in range(micro)) for r in range(dp)]))
-        docs = lens if target else [n for w in seq for n in w]  # "mesh" moves the stream's pieces
-        start, cpu = time.perf_counter(), time.process_time()
-        windows = balance_step(docs, dp, micro, context, cost, target)
-        plan_ms.append((time.perf_counter() - start) * 1e3)
-        cpu_ms.append((time.process_time() - cpu) * 1e3)
-        groups = [[[p.length for p in w] for w in rank] for rank in windows]
+        lens, _ = stream.step(n_windows * context) if deferral is None else (None, None)
+        t0, c0 = time.perf_counter(), time.process_time()
+        if deferral is None:
+            seq = stream_windows(lens, context)
+            docs = [n for w in seq for n in w] if mode == "mesh" else lens
+            groups = [[seq[m * dp + r] for m in range(micro)] for r in range(dp)]
+            if mode != "off":
+                placed = balance_step(docs, dp, micro, context, cost, target)
+                groups = [[[p.length for p in w] for w in rank] for rank in placed]
+        else:
+            step = deferral.next_step(stream.read)
+            stream.restore(*step.cursor)
+            placed = balance_step(step.length, dp, micro, context, cost, target)
+            groups = [[[p.length for p in w] for w in rank] for rank in placed]
+            delay = np.asarray(step.delay)
+            delays += delay[delay > 0].tolist()
+            waited += int(np.asarray(step.length)[delay > 0].sum())
+            ref += float(stream_pairs(np.asarray(step.offset), np.asarray(step.length), context).sum())
+        wall.append((time.perf_counter() - t0) * 1e3)
+        cpu.append((time.process_time() - c0) * 1e3)
+        tokens += n_windows * context
         per_group = [sum(planned_cost(w, cost) for w in rank) for rank in groups]
         balanced.append(ratio(per_group))
-        bound.append(piece_bound(seq, context, cost) / (sum(per_group) / dp))
-        pieces = sum(len(w) for rank in groups for w in rank)
-        cut.append(pieces - len(docs))
-        pairs = lambda ws: sum(n * (n + 1) // 2 for w in ws for n in w)  # noqa: E731
-        kept.append(pairs([w for rank in groups for w in rank]) / pairs(seq))
+        trained = [n for rank in groups for w in rank for n in w]
+        kept += pairs(trained)
+        if deferral is None:
+            ref += pairs([n for w in seq for n in w])
+            windows = stream_windows(lens, context)
+            off.append(ratio([sum(planned_cost(windows[m * dp + r], cost) for m in range(micro)) for r in range(dp)]))
+            bound.append((cost.dense_per_token * context + cost.attn_per_pair * max(pairs([n]) for n in docs))
+                         / cost.cp / (sum(per_group) / dp) if mode == "mesh" else 1.0)  # fmt: skip
 
     def summary(values: list[float]) -> dict[str, float]:
         return {"mean": float(np.mean(values)), "p95": float(np.percentile(values, 95))}
 
-    return {
-        "off": summary(off),
+    def pct(values: list[float]) -> dict[str, float]:
+        return {"p50": float(np.percentile(values, 50)), "p99": float(np.percentile(values, 99))}
+
+    out = {
         "balanced": summary(balanced),
-        "pieces_bound": summary(bound),
-        "plan_ms": {"p50": float(np.percentile(plan_ms, 50)), "p99": float(np.percentile(plan_ms, 99))},
-        "plan_cpu_ms": {"p50": float(np.percentile(cpu_ms, 50)), "p99": float(np.percentile(cpu_ms, 99))},
-        "cuts_per_step": float(np.mean(cut)),
-        "attention_pairs_kept_vs_off": float(np.mean(kept)),
+        "plan_ms": pct(wall),
+        "plan_cpu_ms": pct(cpu),
+        "attention_pairs_kept_vs_off": kept / ref,
+        "delay_steps": {"p50": float(np.percentile(delays, 50)) if delays else 0.0,
+                        "p90": float(np.percentile(delays, 90)) if delays else 0.0,
+                        "max": float(max(delays, default=0))},  # fmt: skip
+        "delayed_token_share": waited / tokens,
         "setting": {"distribution": distribution, "context": context, "dp": dp, "cp": cp, "micro": micro,
-                    "steps": n_steps, "seed": seed, "model": "Llama 3 8B", "mode": mode},  # fmt: skip
+                    "steps": n_steps, "seed": seed, "model": "Llama 3 8B, full AC", "mode": mode,
+                    "max_delay": max_delay if deferral is not None else None},  # fmt: skip
     }
+    if off:
+        out["off"] = summary(off)
+    if mode == "mesh":
+        out["pieces_bound"] = summary(bound)
+    return out
+
+
+def default_mode() -> tuple[str, int]:
+    """The trainer's default `[data] balance` and delay bound."""
+    return DataConfig.balance, DataConfig.max_delay_steps
+
+
+def report(source: str, context: int, dp: int, cp: int, n_steps: int, micro: int, seed: int, mode: str | None,
+           max_delay: int | None, all_modes: bool) -> dict:  # fmt: skip
+    """The issue's JSON: "off", "balanced" (the default or --mode), their keys, and every mode."""
+    name, delay = default_mode()
+    name, delay = mode or name, max_delay if max_delay is not None else delay
+    off = run(source, context, dp, cp, n_steps, micro, seed, "off")
+    result = {**run(source, context, dp, cp, n_steps, micro, seed, name, delay), "off": off["balanced"]}
+    if all_modes:
+        result["modes"] = {}
+        for m, k in SWEEP:
+            key = f"{m}-{k}" if m == "deferral" else m
+            result["modes"][key] = off if m == "off" else run(source, context, dp, cp, n_steps, micro, seed, m, k)
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -124,28 +201,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--micro", type=int, default=1, help="gradient-accumulation micro steps per step")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--mode", choices=("mesh-cut", "mesh"), default="mesh-cut",
-                        help="[data] balance mode: cut documents to 1.05 x the mean, or move the stream's pieces")
+    parser.add_argument("--mode", choices=MODES, help="[data] balance mode (default: the trainer's)")
+    parser.add_argument("--max-delay", type=int, help="deferral's bound in steps (default: the trainer's)")
+    parser.add_argument("--all-modes", action="store_true", help="also report every mode (key 'modes')")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if min(args.context, args.dp, args.cp, args.steps, args.micro) < 1 or args.context % args.cp:
         parser.error("--context, --dp, --cp, --steps and --micro must be >= 1 and --context divisible by --cp")
-    result = run(args.distribution or args.lengths_file, args.context, args.dp, args.cp, args.steps, args.micro,
-                 args.seed, args.mode)  # fmt: skip
+    result = report(args.distribution or args.lengths_file, args.context, args.dp, args.cp, args.steps, args.micro,
+                    args.seed, args.mode, args.max_delay, args.all_modes)  # fmt: skip
     if args.json:
         print(json.dumps(result))
         return 0
     s = result["setting"]
-    print(f"{s['distribution']} C={s['context']} DP={s['dp']} CP={s['cp']} micro={s['micro']}, {s['steps']} steps, "
-          "max / mean predicted step cost over DP groups:")  # fmt: skip
-    for name in ("off", "balanced", "pieces_bound"):
-        print(f"  {name:9s} mean {result[name]['mean']:.3f}  p95 {result[name]['p95']:.3f}")
-    print(f"  balancing one step: p50 {result['plan_ms']['p50']:.1f} ms, p99 {result['plan_ms']['p99']:.1f} ms "
-          f"(CPU p99 {result['plan_cpu_ms']['p99']:.1f} ms); "
-          f"{result['cuts_per_step']:.1f} extra cuts per step, attention pairs kept "
-          f"{100 * result['attention_pairs_kept_vs_off']:.1f} % of stream order")  # fmt: skip
+    print(f"{s['distribution']} C={s['context']} DP={s['dp']} CP={s['cp']} micro={s['micro']}, {s['steps']} steps; "
+          "max / mean predicted step time over DP groups (mean / p95), pairs kept vs stream packing, delay:")
+    rows = result.get("modes", {"off": {"balanced": result["off"], "attention_pairs_kept_vs_off": 1.0},
+                                f"balanced ({s['mode']})": result})  # fmt: skip
+    for name, r in rows.items():
+        d = r.get("delay_steps", {})
+        print(f"  {name:14s} {r['balanced']['mean']:.3f} / {r['balanced']['p95']:.3f}  pairs "
+              f"{100 * r['attention_pairs_kept_vs_off']:5.1f} %  delay p50 {d.get('p50', 0):.0f} p90 "
+              f"{d.get('p90', 0):.0f}  CPU ms p50 {r.get('plan_cpu_ms', {}).get('p50', 0):.1f} "
+              f"p99 {r.get('plan_cpu_ms', {}).get('p99', 0):.1f}")  # fmt: skip
     return 0
-
 
 if __name__ == "__main__":
     raise SystemExit(main())

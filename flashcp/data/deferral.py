@@ -13,8 +13,9 @@ step's documents are then packed into windows by `flashcp.data.balance.balance_s
 
 Guarantees, from the lengths alone (every rank computes the same): a step holds exactly
 `n_windows * window` tokens; a document is trained whole in the step it is released in, at most
-`max_delay` steps after the stream reached it (the queue holds at most one step's tokens, so the
-forced documents always fit); every document of the stream is trained exactly once.
+`max_delay` steps after the stream reached it (the forced ones of a step arrived in one step, and
+forced documents always fit: each step queues at most one step's tokens); every document of the
+stream is trained exactly once.
 """
 
 from __future__ import annotations
@@ -115,18 +116,20 @@ def choose_release(lens: np.ndarray, forced: np.ndarray, n_windows: int, window:
     under the highest level whose windows stay within `slack` (max load - mean load, in pairs)."""
     w = weight(lens.astype(np.float64), density)
     order = np.lexsort((np.arange(lens.size), -lens, ~forced))
-    base, load = _fill(order[: int(forced.sum())], lens, w, forced, n_windows, window, 0.0)
-    floor = float(load.max()) if load.size else 0.0
+    _, load = _fill(order[: int(forced.sum())], lens, w, forced, n_windows, window, 0.0)
+    # Up to the forced documents' level, or to the slack, a document never makes the step worse.
+    floor = max(float(load.max()), slack)
     free = order[int(forced.sum()) :]
-    picks = sorted({0, *np.unique(np.geomspace(1, max(free.size, 1), LEVELS).astype(int) - 1).tolist()})
-    for j in picks:
-        if j >= free.size or w[free[j]] <= floor:
+    picks = np.unique(np.geomspace(1, max(free.size, 1), LEVELS).astype(int) - 1)
+    levels = sorted({float(w[free].clip(0).sum()) / n_windows, *w[free[picks]].tolist()} if free.size else set(),
+                    reverse=True)  # fmt: skip
+    for level in levels:
+        if level <= floor:
             break
-        released, load = _fill(order, lens, w, forced, n_windows, window, max(float(w[free[j]]), floor))
+        released, load = _fill(order, lens, w, forced, n_windows, window, level)
         if load.max() - load.mean() <= slack:
             return released
-    released, _ = _fill(order, lens, w, forced, n_windows, window, floor)
-    return released | base
+    return _fill(order, lens, w, forced, n_windows, window, floor)[0]
 
 
 def stream_pairs(offset: np.ndarray, length: np.ndarray, window: int) -> np.ndarray:
@@ -213,7 +216,7 @@ class _Walk:
     def __init__(self, deferral: Deferral, out: StepDocs, queue: list[Pending], need: int):
         self.d, self.out, self.queue, self.need = deferral, out, queue, need
         self.offset = deferral.stream_tokens
-        self.queued = sum(p.length for p in queue)
+        self.queued = 0  # tokens this step added to the queue: at most a step's, so they fit when forced
 
     def _take(self, span: DocSpan, a: int, b: int, offsets: np.ndarray) -> None:
         """Documents a..b-1 of the span whole."""
@@ -226,6 +229,9 @@ class _Walk:
 
     def over(self, span: DocSpan, candidate: np.ndarray, released: set[int]) -> bool:
         """Walk `span`; True when the step is full (the cursor set), False when it needs more."""
+        if not self.need:  # the released documents fill the step: the stream waits
+            self.out.cursor = (int(span.epoch[0]), int(span.position[0]), int(span.start[0]))
+            return True
         offsets = self.offset + np.concatenate(([0], np.cumsum(span.length)))
         fill = np.concatenate(([0], np.cumsum(np.where(candidate, 0, span.length))))
         prev = 0
@@ -244,11 +250,11 @@ class _Walk:
             if j in released and n <= self.need:
                 self._take(span, j, j + 1, offsets)
                 self.need -= n
-            elif self.queued + n <= self.d.n_windows * self.d.window:
+            elif self.d.max_delay and self.queued + n <= self.d.n_windows * self.d.window:
                 self.queue.append(Pending(e, pos, n, self.d.step, int(offsets[j])))
                 self.d.tokens[(e, pos)] = (span.docs, j)
                 self.queued += n
-            else:  # the queue is full: it fills in stream order
+            else:  # this step queued a step's worth already: it fills in stream order
                 self._piece(span, j, min(n, self.need), offsets)
                 if self.need == 0:
                     return True

@@ -35,7 +35,7 @@ import socket
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 from urllib.parse import urlparse
 
 import numpy as np
@@ -56,6 +56,9 @@ _READ_CHUNK = 256  # rows fetched from a dataset at once
 _TOKENIZE_CHUNK = 64  # documents tokenised in one batch call
 _SYNTHETIC_BLOCK = 4096  # synthetic lengths are drawn in seeded blocks of this many documents
 _HUB_SHUFFLE_BUFFER = 10_000
+
+
+BALANCE_MODES = ("deferral", "deferral-cut", "mesh", "mesh-cut", "off")
 
 
 @dataclass
@@ -83,18 +86,34 @@ class DataConfig:
     # the same tokens with the same attention context, except where a window's end cuts a short piece.
     # "mesh-cut": the step's documents joined again and the longest cut where needed to bring every
     # window within balance_target x the mean (less attention context, tighter balance).
+    # "deferral": documents of at least seq_len / 16 tokens may wait up to max_delay_steps steps
+    # for a step where they can be balanced (flashcp.data.deferral); windows stay exactly seq_len,
+    # every document is trained once, whole unless it is longer than a window. "deferral-cut" also
+    # cuts what deferral could not bring within balance_target.
     # "off": windows in stream order.
-    balance: str = "mesh"
+    balance: str = "deferral"
     balance_target: float = 1.05
+    max_delay_steps: int = 16
+
+    def balance_args(self) -> dict[str, Any] | None:
+        """`WindowLoader.balance_with`'s arguments for `balance` (None: off)."""
+        if self.balance == "off":
+            return None
+        cut = self.balance_target if self.balance.endswith("-cut") else None
+        delay = self.max_delay_steps if self.balance.startswith("deferral") else None
+        return {"cut_target": cut, "max_delay": delay, "target": self.balance_target}
 
     def __post_init__(self) -> None:
         choices = {"overflow": ("carry", "truncate"), "txt_sample_by": ("document", "paragraph", "line"),
-                   "balance": ("mesh", "mesh-cut", "off")}  # fmt: skip
+                   "balance": BALANCE_MODES}  # fmt: skip
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
                 raise DataError(f"data.{key} must be one of {allowed}, got {getattr(self, key)!r}")
         if not self.balance_target >= 1.0:
             raise DataError(f"data.balance_target must be >= 1.0 (max / mean step cost), got {self.balance_target}")
+        if self.max_delay_steps < 0:
+            raise DataError(f"data.max_delay_steps must be >= 0 (steps a long document may wait), got "
+                            f"{self.max_delay_steps}")  # fmt: skip
         if self.max_doc_tokens < 1 or self.prefetch < 0:
             raise DataError(
                 f"data.max_doc_tokens must be >= 1 and data.prefetch >= 0, got "

@@ -41,6 +41,7 @@ class WindowStats:
     recv_bytes: dict[str, float] = field(default_factory=dict)  # comm mode -> bytes per layer
     split_docs: int = 0
     docs: int = 0
+    deferral: dict[str, float] = field(default_factory=dict)  # sums of the loader's per-step figures (max: max)
 
 
 def attention_pairs(doc_lens: list[int]) -> int:
@@ -120,9 +121,13 @@ class FlashCPMetrics(MetricsProcessor):
         if self.tensorboard is not None:
             self.tensorboard.first_step = step + 1
 
-    def record_window(self, plan: Plan, plan_ms: float) -> None:
-        """Account one window's plan (called once per micro step, on every rank)."""
+    def record_window(self, plan: Plan, plan_ms: float, deferral: dict[str, float] | None = None) -> None:
+        """Account one window's plan (called once per micro step, on every rank) and the figures of
+        its step's deferral (the same on each window of a step, so their mean is the steps' mean)."""
         s = self.stats
+        for key, value in (deferral or {}).items():
+            old = s.deferral.get(key, 0.0)
+            s.deferral[key] = max(old, value) if key == "delay_max" else old + value
         s.windows += 1
         s.attention_pairs += attention_pairs(plan.doc_lens)
         s.plan_ms += plan_ms
@@ -143,6 +148,8 @@ class FlashCPMetrics(MetricsProcessor):
             "flashcp/planning_ms": s.plan_ms / s.windows,
             "flashcp/docs_per_window": s.docs / s.windows,
         }
+        for key, value in s.deferral.items():
+            out[f"flashcp/deferral_{key}"] = value if key == "delay_max" else value / s.windows
         if s.imbalance:
             out |= {
                 "flashcp/imbalance": sum(s.imbalance) / len(s.imbalance),

@@ -15,9 +15,10 @@ TorchTitan's; this subclass only changes how a batch reaches the model:
    count and the reported loss is the sum over DP x CP ranks. CP = 1 and CP = N therefore give
    the same loss and gradients on the same data.
 
-With `[data] balance = "mesh"` (the default) or "mesh-cut" the loader spreads each optimizer
-step's documents over all DP ranks x micro steps by the model's predicted cost per window (`flashcp.data.balance`):
-dense FLOPs per token and attention FLOPs per attended pair, the same figures the MFU uses.
+With `[data] balance` (default "deferral"; "deferral-cut", "mesh", "mesh-cut") the loader spreads
+each optimizer step's documents over all DP ranks x micro steps by the model's predicted time per
+window (`flashcp.data.balance`, `flashcp.data.deferral`): the MFU's FLOPs per token and per attended
+pair at measured dense and attention efficiencies (`flashcp.costmodel.proxy`).
 
 Around the loop: on SIGTERM / SIGINT the ranks agree to stop at the next step boundary and save a
 checkpoint there (`flashcp.run.preemption`); after a restore, the learning rate applied is the
@@ -45,6 +46,7 @@ from torchtitan.components.dataloader import DataloaderExhaustedError
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
+from flashcp.costmodel.proxy import window_cost
 from flashcp.data.balance import WindowCost
 from flashcp.dispatch import build_dispatch
 from flashcp.titan.attention import CPStep
@@ -110,11 +112,9 @@ class FlashCPTrainer(Trainer):
         if self.flashcp.enable:
             self.dataloader.loader.dispatch_with(self._dispatch)
         data = config.dataloader.data
-        if data.balance != "off":
-            metrics = self.metrics_processor
-            cost = WindowCost(metrics.dense_flops_per_token, metrics.attention_flops_per_pair, dims.cp)
-            target = data.balance_target if data.balance == "mesh-cut" else None
-            self.dataloader.loader.balance_with(self.gradient_accumulation_steps, cost, target)
+        balance = data.balance_args()
+        if balance is not None:
+            self.dataloader.loader.balance_with(self.gradient_accumulation_steps, self._window_cost(), **balance)
         self.stop_request.connect()
         self.checkpointer.on_restore = self._after_restore
         self._load_schedule = self.lr_schedulers.load_state_dict
@@ -198,6 +198,12 @@ class FlashCPTrainer(Trainer):
             logger.info(f"{cause}: every rank stops after step {self.step}")
             print(f"flashcp: preempted at step {self.step}: {where}", flush=True)
 
+    def _window_cost(self) -> WindowCost:
+        """What the loader balances by: the model's FLOPs at measured efficiencies (`flashcp.costmodel.proxy`)."""
+        m = self.metrics_processor
+        full_ac = self.config.activation_checkpoint.mode == "full"
+        return window_cost(m.dense_flops_per_token, m.attention_flops_per_pair, self.parallel_dims.cp, full_ac)
+
     def _configure_metrics(self) -> None:
         """Tell the metrics what one token and one attended (query, key) pair cost."""
         metrics = self.metrics_processor
@@ -241,7 +247,7 @@ class FlashCPTrainer(Trainer):
             input_dict["dispatch"] = batch["dispatch"]
         else:
             input_dict["positions"] = document_positions(batch["doc_lens"])[None]
-        self.metrics_processor.record_window(batch["plan"], batch["plan_ms"])
+        self.metrics_processor.record_window(batch["plan"], batch["plan_ms"], batch.get("deferral"))
         return input_dict, batch["labels"][None]
 
     def post_dataloading_process(

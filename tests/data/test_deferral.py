@@ -1,0 +1,150 @@
+"""Deferral (`[data] balance = "deferral"`): every document trained once per epoch in windows of
+exactly seq_len, none waiting longer than its bound, the pending queue in the loader's state so
+that a resume (same or another DP size) continues exactly, every rank agreeing without talking.
+
+Runs on the list-backed source of test_loader, whose token ids spell out (document, position).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from test_loader import list_loader, STRIDE
+
+from flashcp.data.balance import WindowCost
+from flashcp.data.deferral import choose_release, stream_pairs
+from flashcp.data.errors import DataError
+
+COST = WindowCost(dense_per_token=40.0, attn_per_pair=1.0)  # attention dominates long documents
+SEQ = 128
+LENS = [int(n) for n in np.random.default_rng(1).choice([5, 9, 17, 30, 50, 90, 128], 400)]
+
+
+def deferring(dp_rank, dp, micro=2, max_delay=3, loop=False, prefetch=0, lens=LENS, cut=None):
+    loader = list_loader(lens, SEQ, dp_rank=dp_rank, dp_world=dp, loop=loop, prefetch=prefetch)
+    loader.balance_with(micro, COST, cut, max_delay=max_delay)
+    return loader
+
+
+def run_steps(loaders, micro, steps=None):
+    """Batches of every rank, step by step, until the data ends (or `steps` steps)."""
+    out = []
+    while steps is None or len(out) < steps:
+        try:
+            out.append([[next(loader) for _ in range(micro)] for loader in loaders])
+        except StopIteration:
+            break
+    return out
+
+
+def trained(steps) -> Counter:
+    return Counter(t for step in steps for rank in step for b in rank for t in b["input"].tolist())
+
+
+def check_once(tokens: Counter, lens=LENS):
+    """No token twice; a document is trained whole or not at all (the data ended while it waited or
+    before the stream reached it)."""
+    assert max(tokens.values()) == 1
+    docs = Counter(t // STRIDE for t in tokens)
+    partial = [d for d, n in docs.items() if n != lens[d]]
+    assert len(partial) <= 1  # at most the document the last step's window end cut
+
+
+@pytest.mark.parametrize("dp, micro, max_delay", [(1, 1, 0), (2, 2, 3), (3, 1, 6)])
+def test_every_document_once_in_full_windows_within_its_delay(dp, micro, max_delay):
+    steps = run_steps([deferring(r, dp, micro, max_delay) for r in range(dp)], micro)
+    assert len(steps) > 10
+    check_once(trained(steps))
+    for step in steps:
+        figures = [b["deferral"] for rank in step for b in rank]
+        assert all(f == figures[0] for f in figures)  # the same on every rank and micro step
+        assert figures[0]["delay_max"] <= max_delay
+        assert all(b["input"].numel() == SEQ and sum(b["doc_lens"]) == SEQ for rank in step for b in rank)
+    delayed = sum(s[0][0]["deferral"]["delayed_tokens"] for s in steps)
+    assert (delayed > 0) == (max_delay > 0)  # it deferred where allowed
+
+
+def test_an_epoch_trains_each_document_once_with_looping():
+    """1.5 epochs of a looping source: no document's tokens come more than twice, and all of the
+    first epoch's (but the few still pending) come at least once."""
+    lens = LENS[:120]
+    steps = run_steps([deferring(r, 2, lens=lens, loop=True) for r in range(2)], 2, steps=3 * sum(lens) // (8 * SEQ))
+    tokens = trained(steps)
+    assert max(tokens.values()) <= 2
+    docs = {t // STRIDE for t in tokens}
+    assert len(docs) >= len(lens) - 8 and any(n == 2 for n in tokens.values())
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_resuming_with_a_pending_queue_continues_exactly(prefetch):
+    dp, micro = 2, 2
+    reference = deferring(1, dp, micro, prefetch=prefetch)
+    want = [next(reference) for _ in range(20)]
+    reference.close()
+    for taken in (3, 6, 9):  # inside a step and after one
+        first = deferring(1, dp, micro, prefetch=prefetch)
+        for _ in range(taken):
+            next(first)
+        state = first.state_dict()
+        first.close()
+        assert state["deferral"]["pending"], "the queue travels in the state"
+        json.loads(json.dumps(state))  # plain data: any checkpoint format keeps it
+        again = deferring(1, dp, micro, prefetch=prefetch)
+        again.load_state_dict(state)
+        for w in want[taken:]:
+            got = next(again)
+            assert torch.equal(got["input"], w["input"]) and got["window"] == w["window"]
+        again.close()
+
+
+def test_resuming_under_another_dp_size_trains_every_document_once():
+    micro = 2
+    before = [deferring(r, 2, micro) for r in range(2)]
+    first = run_steps(before, micro, steps=8)
+    state = before[0].state_dict()
+    assert state == before[1].state_dict() and state["deferral"]["pending"]
+    after = [deferring(r, 3, micro) for r in range(3)]
+    for loader in after:
+        loader.load_state_dict(state)
+    second = run_steps(after, micro)
+    check_once(trained(first) + trained(second))
+    pending = {p[1] for p in state["deferral"]["pending"]}
+    assert pending <= {t // STRIDE for t in trained(second)}  # the queue was trained after the resume
+
+
+def test_a_state_with_pending_documents_needs_deferral_to_resume():
+    loader = deferring(0, 1, micro=1)
+    next(loader)
+    state = loader.state_dict()
+    assert state["deferral"]["pending"]
+    plain = list_loader(LENS, SEQ, loop=False)
+    with pytest.raises(DataError, match="deferred documents"):
+        plain.load_state_dict(state)
+
+
+def test_deferral_cut_cuts_only_what_waiting_could_not_balance():
+    steps = run_steps([deferring(r, 2, cut=1.05) for r in range(2)], 2)
+    check_once(trained(steps))
+    plain = run_steps([deferring(r, 2) for r in range(2)], 2)
+
+    def spread(run):
+        return np.mean([max(c) / np.mean(c) for c in ([COST(b["doc_lens"]) for r in s for b in r] for s in run)])
+
+    assert spread(steps) < spread(plain)
+
+
+def test_forced_documents_are_always_released_and_the_rest_within_the_slack():
+    lens = np.array([100, 90, 80, 20, 10])
+    forced = np.array([False, True, False, False, False])
+    out = choose_release(lens, forced, n_windows=2, window=128, density=2.0, slack=10.0)
+    assert out[1]
+    out = choose_release(lens, np.zeros(5, dtype=bool), n_windows=2, window=256, density=2.0, slack=1e9)
+    assert out.all()
+
+
+def test_stream_pairs_cut_at_the_stream_windows():
+    assert stream_pairs(np.array([0, 100, 6]), np.array([10, 60, 4]), 64).tolist() == [55.0, 406 + 528, 10.0]
