@@ -82,6 +82,7 @@ from flashcp.data.deferral import Deferral
 from flashcp.data.packing import balanced_step, deferred_step, IGNORE_INDEX, Window, WindowPacker
 from flashcp.data.errors import DataError
 from flashcp.data.sources import DEFAULT_TOKENIZER, DataConfig, build_source
+from flashcp.data.store import file_fingerprint
 from flashcp.data.tokenizer import Tokenizer, load_tokenizer
 
 __all__ = ["IGNORE_INDEX", "WindowLoader", "WindowPacker", "build_loader"]
@@ -357,7 +358,8 @@ def build_loader(
     fingerprint = {
         "source": source.ident,
         # Strings and numbers only, so the state survives any checkpoint format unchanged.
-        "tokenizer": f"{type(tokenizer).__name__} vocab={tokenizer.vocab_size} "
+        # The tokenizer's file by content (its ids, not only its size and specials), and its BOS / EOS.
+        "tokenizer": f"{tokenizer.path.name} {file_fingerprint(tokenizer.path)} "
         f"bos={tokenizer.bos_id} eos={tokenizer.eos_id}",
         "seq_len": seq_len,
         "overflow": cfg.overflow,

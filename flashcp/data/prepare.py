@@ -1,7 +1,8 @@
 """Tokenise a corpus once into a memory-mapped token store (`flashcp.data.store`).
 
-    python -m flashcp.data.prepare SOURCE --tokenizer T --out DIR [--workers K]
+    python -m flashcp.data.prepare SOURCE --tokenizer T --out DIR [--workers K] [--max-doc-tokens N]
                                    [--text-field F] [--txt-sample-by document|paragraph|line]
+    python -m flashcp.data.prepare --verify DIR     # every chunk against its checksum, ids in the vocabulary
 
 SOURCE is what `[data] source` accepts for local text (a file, directory or glob of .jsonl / .json /
 .parquet / .txt, optionally compressed, or `default`), T a tokenizer path or `default`.
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import hashlib
 import json
 import multiprocessing
 import os
@@ -36,7 +36,8 @@ from typing import Any
 
 import numpy as np
 
-from flashcp.data.store import file_fingerprint, FORMAT, MANIFEST, OFFSETS, StoreError, TOKENS, VERSION
+from flashcp.data.store import CHECKSUMS, ChunkHasher, CHUNK_BYTES, crc32, file_fingerprint, FORMAT, MANIFEST
+from flashcp.data.store import OFFSETS, open_store, source_manifest, StoreError, TOKENS, VERSION
 
 CHUNK_DOCS = 256  # documents per task handed to a worker
 _IN_FLIGHT_PER_WORKER = 2  # chunks queued per worker: keeps each busy, bounds memory
@@ -84,16 +85,6 @@ def token_dtype(vocab_size: int, tokenizer: str | Path = "the tokenizer") -> np.
     raise StoreError(f"{tokenizer}: a vocabulary of {vocab_size:,} ids does not fit the store's uint32 ids")
 
 
-def source_manifest(files: list[Path]) -> dict[str, Any]:
-    """Names (relative to the files' common folder), sizes and sha256 of the source files, and one
-    fingerprint over them all, so a changed, added, removed or renamed file is recognised."""
-    root = Path(os.path.commonpath([f.parent.absolute() for f in files]))
-    entries = [{"name": f.absolute().relative_to(root).as_posix(), "size": f.stat().st_size,
-                "sha256": file_fingerprint(f)} for f in files]  # fmt: skip
-    digest = hashlib.sha256(json.dumps(entries, sort_keys=True).encode())
-    return {"fingerprint": f"sha256:{digest.hexdigest()}", "files": entries}
-
-
 def _remove_leftovers(out: Path) -> None:
     """Delete partial folders of `out` whose prepare process is gone (a live one is still building)."""
     for leftover in out.parent.glob(f"{out.name}.partial-*"):
@@ -125,6 +116,7 @@ def prepare(
     text_field: str = "text",
     txt_sample_by: str = "document",
     progress: bool = True,
+    max_doc_tokens: int = 1 << 20,
 ) -> Path:
     """Build the store at `out` (see the module docstring); returns its path."""
     from tqdm import tqdm
@@ -151,13 +143,15 @@ def prepare(
     partial.mkdir()
     try:
         bar = tqdm(total=len(ds), unit="doc", desc=f"prepare {out.name}", disable=not progress)
-        n_docs, n_tokens = _write(ds, tok_path, partial, dtype, workers, bar)
+        n_docs, n_tokens = _write(ds, tok_path, partial, dtype, workers, bar, max_doc_tokens)
         manifest = {
             "format": FORMAT,
             "version": VERSION,
             "n_docs": n_docs,
             "n_tokens": n_tokens,
             "dtype": dtype.name,
+            "chunk_bytes": CHUNK_BYTES,
+            "offsets_crc32": crc32(np.memmap(partial / OFFSETS, dtype=np.uint8, mode="r")),
             "tokenizer": {
                 "fingerprint": file_fingerprint(tok_path),
                 "vocab_size": _tokenizer.vocab_size,
@@ -183,9 +177,15 @@ def prepare(
     return out
 
 
-def _write(ds, tok_path: Path, folder: Path, dtype: np.dtype, workers: int, bar) -> tuple[int, int]:
-    """Tokenise `ds` chunk by chunk, in order, into the token and offset files; (documents, tokens)."""
+def _write(ds, tok_path: Path, folder: Path, dtype: np.dtype, workers: int, bar,
+           max_doc_tokens: int) -> tuple[int, int]:  # fmt: skip
+    """Tokenise `ds` chunk by chunk, in order, into the token, offset and checksum files; (documents, tokens).
+
+    A document longer than `max_doc_tokens` is refused, as the loader refuses it from text
+    (`data.max_doc_tokens`): a store must not hold what the same text would not train on.
+    """
     n_docs = n_tokens = 0
+    hasher = ChunkHasher()
     pool = None
     with open(folder / TOKENS, "wb") as tokens, open(folder / _RAW_OFFSETS, "wb") as offsets, bar:
         offsets.write(np.zeros(1, dtype=np.int64).tobytes())
@@ -195,11 +195,17 @@ def _write(ds, tok_path: Path, folder: Path, dtype: np.dtype, workers: int, bar)
             pool = multiprocessing.get_context("spawn").Pool(workers, _load_tokenizer, (str(tok_path),))
             encoded = ordered_imap(pool, _encode, _chunks(ds), _IN_FLIGHT_PER_WORKER * workers)
         try:
-            for chunk in encoded:
+            for row, chunk in enumerate(encoded):
                 kept = [ids for ids in chunk if ids]  # an empty document is not stored
                 if kept:
                     lens = np.array([len(ids) for ids in kept], dtype=np.int64)
-                    tokens.write(np.concatenate([np.asarray(ids, dtype=dtype) for ids in kept]).tobytes())
+                    if lens.max() > max_doc_tokens:
+                        i = next(i for i, ids in enumerate(chunk) if len(ids) > max_doc_tokens)
+                        raise StoreError(f"document {row * CHUNK_DOCS + i} has {len(chunk[i]):,} tokens, more than --max-doc-tokens "
+                                         f"{max_doc_tokens:,} (a mangled or non-text file? raise the limit if intended)")  # fmt: skip
+                    data = np.concatenate([np.asarray(ids, dtype=dtype) for ids in kept]).tobytes()
+                    hasher.update(data)
+                    tokens.write(data)
                     offsets.write((n_tokens + np.cumsum(lens)).tobytes())
                     n_docs, n_tokens = n_docs + len(kept), n_tokens + int(lens.sum())
                 bar.update(len(chunk))
@@ -211,6 +217,7 @@ def _write(ds, tok_path: Path, folder: Path, dtype: np.dtype, workers: int, bar)
         os.fsync(tokens.fileno())
     if n_docs == 0:
         raise StoreError("the source holds no document with any tokens")
+    np.save(folder / CHECKSUMS, hasher.finish())
     _to_npy(folder / _RAW_OFFSETS, folder / OFFSETS, n_docs + 1)
     return n_docs, n_tokens
 
@@ -227,19 +234,39 @@ def _to_npy(raw: Path, npy: Path, n: int) -> None:
     raw.unlink()
 
 
+def verify(path: str | Path) -> str:
+    """Check a whole store (offsets, every chunk's checksum and ids); a line saying what was checked."""
+    store = open_store(path)
+    n_chunks = -(-store.n_tokens // store.chunk_tokens)
+    for c in range(n_chunks):
+        store.verify_chunk(c)
+    return f"{store.path}: intact ({store.n_docs:,} documents, {store.n_tokens:,} tokens, {n_chunks:,} chunks verified)"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m flashcp.data.prepare",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("source", help="file, directory or glob of text data, or 'default'")
-    parser.add_argument("--tokenizer", required=True, help="tokenizer.json, .model, or 'default'")
-    parser.add_argument("--out", required=True, help="the store directory to create")
+    parser.add_argument("source", nargs="?", help="file, directory or glob of text data, or 'default'")
+    parser.add_argument("--tokenizer", help="tokenizer.json, .model, or 'default'")
+    parser.add_argument("--out", help="the store directory to create")
+    parser.add_argument("--verify", metavar="DIR", help="check an existing store whole instead of preparing one")
+    parser.add_argument("--max-doc-tokens", type=int, default=1 << 20, help="refuse longer documents")
     parser.add_argument("--workers", type=int, default=1, help="tokenising processes")
     parser.add_argument("--text-field", default="text", help="the text column of .jsonl/.json/.parquet")
     parser.add_argument("--txt-sample-by", default="document", choices=("document", "paragraph", "line"))
     args = parser.parse_args(argv)
+    if args.verify:
+        try:
+            print(verify(args.verify))
+        except StoreError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        return 0
+    if not (args.source and args.tokenizer and args.out):
+        parser.error("SOURCE, --tokenizer and --out are required (or --verify DIR)")
     import datasets
 
     from flashcp.data.errors import DataError
@@ -248,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     datasets.disable_progress_bars()  # this command's bar counts documents; an error stays one line
     try:
         out = prepare(
-            args.source, args.tokenizer, args.out, args.workers, args.text_field, args.txt_sample_by
+            args.source, args.tokenizer, args.out, args.workers, args.text_field, args.txt_sample_by,
+            max_doc_tokens=args.max_doc_tokens,
         )
     except (StoreError, DataError, TokenizerError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

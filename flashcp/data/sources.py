@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import functools
 import glob
-import hashlib
 import itertools
 import socket
 from collections.abc import Callable, Iterator
@@ -41,7 +40,7 @@ from urllib.parse import urlparse
 import numpy as np
 
 from flashcp.data.errors import DataError
-from flashcp.data.store import is_store
+from flashcp.data.store import is_store, source_manifest
 from flashcp.data.store_source import StoreSource
 from flashcp.data.tokenizer import Tokenizer, tokenizer_file
 
@@ -408,7 +407,7 @@ def build_source(cfg: DataConfig, tokenizer: Tokenizer) -> DocSource:
         files = data_files(str(DEFAULT_CORPUS) if cfg.source == "default" else cfg.source)
         ds = load_files(files, cfg)
         texts = _dataset_texts(ds, cfg.shuffle, cfg.seed)
-        # Names and row count, not absolute paths: a moved dataset still resumes.
-        digest = hashlib.sha1("\n".join(f.name for f in files).encode()).hexdigest()[:12]
-        name, ident = _describe(files), f"files:{len(files)}:{digest}:{len(ds)}"
+        # By content (size and sha256 of each file, named relative to their folder): a file replaced
+        # by other text of the same name and row count is noticed; a moved dataset still resumes.
+        name, ident = _describe(files), f"files:{source_manifest(files)['fingerprint']}:{len(ds)}"
     return TextSource(name, ident, texts, tokenizer, cfg.add_bos, cfg.add_eos, cfg.max_doc_tokens)

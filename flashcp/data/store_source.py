@@ -14,26 +14,30 @@ from pathlib import Path
 
 import numpy as np
 
-from flashcp.data.store import file_fingerprint, open_store, StoreError
+from flashcp.data.store import file_fingerprint, open_store, StoreError, TokenStore
 from flashcp.data.errors import DataError
 
 
 class StoreDoc:
-    """One stored document framed by BOS / EOS, whose tokens are read at the first slice."""
+    """One stored document framed by BOS / EOS, whose tokens are read (and their chunks verified,
+    `TokenStore.read`) at the first slice."""
 
-    __slots__ = ("_view", "_bos", "_eos", "_tokens")
+    __slots__ = ("_store", "_index", "_bos", "_eos", "_tokens")
 
-    def __init__(self, view: np.ndarray, bos: int | None, eos: int | None):
-        self._view, self._bos, self._eos = view, bos, eos
+    def __init__(self, store: TokenStore, index: int, bos: int | None, eos: int | None):
+        self._store, self._index, self._bos, self._eos = store, index, bos, eos
         self._tokens: np.ndarray | None = None
 
     def __len__(self) -> int:
-        return len(self._view) + (self._bos is not None) + (self._eos is not None)
+        return int(self._store.lengths[self._index]) + (self._bos is not None) + (self._eos is not None)
 
     def __getitem__(self, index: slice) -> np.ndarray:
         if self._tokens is None:
             parts = [[self._bos]] if self._bos is not None else []
-            parts.append(self._view)
+            try:
+                parts.append(self._store.read(self._index))
+            except StoreError as e:
+                raise DataError(str(e)) from e
             if self._eos is not None:
                 parts.append([self._eos])
             self._tokens = np.concatenate([np.asarray(p, dtype=np.int64) for p in parts])
@@ -73,9 +77,9 @@ class StoreSource:
 
     def document(self, epoch: int, position: int) -> StoreDoc:
         """The document at `position` of the epoch's order, read at its first slice."""
-        return StoreDoc(self._store.document(int(self._order(epoch)[position])), self._bos, self._eos)
+        return StoreDoc(self._store, int(self._order(epoch)[position]), self._bos, self._eos)
 
     def epoch(self, epoch: int, start: int) -> Iterator[tuple[int, StoreDoc]]:
         order = self._order(epoch)
         for position in range(start, self._store.n_docs):
-            yield position, StoreDoc(self._store.document(int(order[position])), self._bos, self._eos)
+            yield position, StoreDoc(self._store, int(order[position]), self._bos, self._eos)

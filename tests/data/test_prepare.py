@@ -230,3 +230,20 @@ def test_bad_input_is_one_line_naming_the_file(tmp_path, content, tokenizer, mes
     assert len(result.stderr.splitlines()) == 1, result.stderr
     assert result.stderr.startswith("error: " + message.format(data=data, tmp=tmp_path))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.json", "data.jsonl"]
+
+
+def test_verify_checks_every_chunk_and_names_a_changed_one(tmp_path, capsys):
+    out = prep.prepare(str(corpus(tmp_path)), "default", tmp_path / "store", progress=False)
+    assert prep.main(["--verify", str(out)]) == 0
+    assert f"{out}: intact (701 documents" in capsys.readouterr().out
+    with open(out / "tokens.bin", "r+b") as f:  # a same-size edit near the end
+        f.seek(-4, 2)
+        f.write(b"\x01\x00\x02\x00")
+    assert prep.main(["--verify", str(out)]) == 2
+    assert "tokens.bin changed since it was prepared (checksum mismatch in tokens [0, " in capsys.readouterr().err
+
+
+def test_a_document_the_loader_would_refuse_is_refused(tmp_path):
+    with pytest.raises(StoreError, match="document 1 has [0-9,]+ tokens, more than --max-doc-tokens 5"):
+        prep.prepare(str(corpus(tmp_path)), "default", tmp_path / "store", progress=False, max_doc_tokens=5)
+    assert not any(p.name.startswith("store") for p in tmp_path.iterdir())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -15,13 +16,20 @@ from flashcp.data.store import file_fingerprint, is_store, open_store, StoreErro
 DOCS = [[5, 6, 7], [8], [9, 10, 11, 65535]]
 
 
+CHUNK = 4  # bytes per checksummed chunk: two uint16 ids, so documents span chunks
+
+
 def write_store(path: Path, docs: list[list[int]] = DOCS, dtype: str = "uint16", **manifest) -> Path:
     """A store as `prepare` lays it out, written directly (the reader must not need prepare)."""
     path.mkdir(parents=True)
-    np.concatenate([np.asarray(d, dtype=dtype) for d in docs]).tofile(path / "tokens.bin")
+    data = np.concatenate([np.asarray(d, dtype=dtype) for d in docs]).tobytes()
+    (path / "tokens.bin").write_bytes(data)
+    np.save(path / "checksums.npy", np.array([zlib.crc32(data[i : i + CHUNK]) for i in range(0, len(data), CHUNK)],
+                                             dtype=np.uint32))  # fmt: skip
     np.save(path / "offsets.npy", np.concatenate([[0], np.cumsum([len(d) for d in docs])]).astype(np.int64))
-    fields = {"format": "flashcp-token-store", "version": 1, "n_docs": len(docs),
-              "n_tokens": sum(map(len, docs)), "dtype": dtype, "tokenizer": {}, "source": {}}  # fmt: skip
+    fields = {"format": "flashcp-token-store", "version": 2, "n_docs": len(docs), "n_tokens": sum(map(len, docs)),
+              "dtype": dtype, "tokenizer": {}, "source": {}, "chunk_bytes": CHUNK,
+              "offsets_crc32": zlib.crc32((path / "offsets.npy").read_bytes())}  # fmt: skip
     (path / "manifest.json").write_text(json.dumps({**fields, **manifest}))
     return path
 
@@ -84,6 +92,16 @@ def damage(path: Path, what: str) -> None:
         np.save(path / "offsets.npy", np.array([0, 3, 4, 8], dtype=np.int32))
     elif what == "offsets end":
         np.save(path / "offsets.npy", np.array([0, 3, 4, 7], dtype=np.int64))
+    elif what == "offsets decreasing":  # same size, its checksum recomputed: only the order gives it away
+        np.save(path / "offsets.npy", np.array([0, 5, 4, 8], dtype=np.int64))
+        manifest["offsets_crc32"] = zlib.crc32((path / "offsets.npy").read_bytes())
+        (path / "manifest.json").write_text(json.dumps(manifest))
+    elif what == "offsets edited":
+        np.save(path / "offsets.npy", np.array([0, 2, 4, 8], dtype=np.int64))
+    elif what == "version 1":
+        (path / "manifest.json").write_text(json.dumps({**manifest, "version": 1}))
+    elif what == "no checksums":
+        (path / "checksums.npy").unlink()
     elif what == "offsets garbage":
         (path / "offsets.npy").write_bytes(b"not numpy")
     elif what == "empty":
@@ -95,7 +113,7 @@ def damage(path: Path, what: str) -> None:
     [
         ("no manifest", r"no manifest.json \(not a store, or its prepare was interrupted\)"),
         ("bad json", "unreadable manifest.json"),
-        ("version", r"describes \('flashcp-token-store', 99\), expected 'flashcp-token-store' version 1"),
+        ("version", r"describes \('flashcp-token-store', 99\), expected 'flashcp-token-store' version 2"),
         ("missing key", "manifest.json lacks source"),
         ("dtype", "manifest.json has dtype 'float32'"),
         ("short tokens", "tokens.bin holds 14 bytes, the manifest says 16"),
@@ -104,6 +122,10 @@ def damage(path: Path, what: str) -> None:
         ("offsets dtype", r"offsets.npy holds int32 \(4,\)"),
         ("offsets end", r"offsets.npy spans \[0, 7\], the manifest says \[0, 8\]"),
         ("offsets garbage", "unreadable offsets.npy"),
+        ("offsets decreasing", r"offsets.npy is not increasing: document 1 spans \[5, 4\)"),
+        ("offsets edited", "offsets.npy changed since it was prepared"),
+        ("version 1", r"format version 1 \(no checksums\); prepare it again"),
+        ("no checksums", "unreadable checksums.npy"),
         ("empty", "says 0 documents, 0 tokens"),
     ],
 )
@@ -118,3 +140,24 @@ def test_bad_stores_are_refused_naming_the_directory(tmp_path, what, message):
 def test_a_missing_directory_is_refused(tmp_path):
     with pytest.raises(StoreError, match=f"token store {tmp_path / 'nowhere'}: no such directory"):
         open_store(tmp_path / "nowhere")
+
+
+def test_a_changed_token_is_caught_on_the_first_read_of_its_chunk(tmp_path):
+    path = write_store(tmp_path / "s")
+    with open(path / "tokens.bin", "r+b") as f:  # token 5 (document 2), same size
+        f.seek(10)
+        f.write(np.array([12], dtype=np.uint16).tobytes())
+    store = open_store(path)  # opening reads no token
+    assert store.read(0).tolist() == [5, 6, 7] and store.read(1).tolist() == [8]  # other chunks read fine
+    with pytest.raises(StoreError, match=rf"token store {path}: tokens.bin changed since it was prepared "
+                                         r"\(checksum mismatch in tokens \[4, 6\)\)"):
+        store.read(2)
+
+
+def test_an_id_beyond_the_vocabulary_is_named_with_store_and_position(tmp_path):
+    path = write_store(tmp_path / "s", tokenizer={"vocab_size": 1000})
+    store = open_store(path)
+    assert store.read(0).tolist() == [5, 6, 7]
+    with pytest.raises(StoreError, match=rf"token store {path}: token 7 \(document 2\) is id 65535, beyond the "
+                                         "tokenizer's vocabulary of 1000"):
+        store.read(2)
