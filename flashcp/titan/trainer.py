@@ -201,7 +201,8 @@ class FlashCPTrainer(Trainer):
     def _window_cost(self) -> WindowCost:
         """What the loader balances by: the model's FLOPs at measured efficiencies (`flashcp.costmodel.proxy`)."""
         m = self.metrics_processor
-        full_ac = self.config.activation_checkpoint.mode == "full"
+        ac = self.config.activation_checkpoint  # None when the job checkpoints no activations
+        full_ac = ac is not None and ac.mode == "full"
         return window_cost(m.dense_flops_per_token, m.attention_flops_per_pair, self.parallel_dims.cp, full_ac)
 
     def _configure_metrics(self) -> None:
