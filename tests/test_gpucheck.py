@@ -10,12 +10,17 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from flashcp.attention import kernels
 from flashcp.attention.simulate import SimulatedGroup
 from flashcp.costmodel.profiles import KERNEL_CSV_REQUIRED
 from flashcp.gpucheck import SECTIONS
+from flashcp.gpucheck import timing
 from flashcp.gpucheck.__main__ import main
+from flashcp.gpucheck.efficiency import sweep_calls
+from flashcp.gpucheck.report import Table
+from flashcp.gpucheck.sizes import GPU, QUICK
 
 ROOT = Path(__file__).resolve().parents[1]
 FILES = ["summary.md", "env.json", "exactness.csv", "cp.csv", "critical_path.csv", "efficiency.csv",
@@ -59,6 +64,7 @@ def test_quick_check_runs_every_section(tmp_path):
     calls = _rows(out / "kernel_calls.csv")
     assert calls and set(KERNEL_CSV_REQUIRED) <= set(calls[0])
     assert all(len(r["q_lens"].split()) == len(r["k_lens"].split()) > 0 for r in calls)
+    assert all(int(r["kv_heads"]) < int(r["heads"]) for r in calls)  # GQA, as the models have it
 
 
 def test_a_wrong_kernel_fails_the_exactness_section(tmp_path, monkeypatch):
@@ -113,3 +119,52 @@ def test_cuda_without_a_gpu_is_refused(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         main(["--out", str(tmp_path), "--device", "cuda"])
     assert e.value.code == 2 and "sees no CUDA GPU" in capsys.readouterr().err
+
+
+def test_without_scipy_the_cp_section_skips_the_ilp_plan_and_says_so(tmp_path, monkeypatch):
+    """A bare GPU machine has torch and numpy only: the ILP plan (scipy's MILP) is skipped, not a crash."""
+    for name in [m for m in sys.modules if m == "scipy" or m.startswith("scipy.")] + ["flashcp.plan.ilp"]:
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.setitem(sys.modules, "scipy", None)  # import scipy -> ImportError
+    assert main(["--out", str(tmp_path), "--device", "cpu", "--quick", "--no-budgets", "--sections", "cp"]) == 0
+    summary = (tmp_path / "summary.md").read_text()
+    assert "status: **passed**" in summary and "ilp: skipped, scipy is not installed" in summary
+    assert "ilp" not in {r["strategy"] for r in _rows(tmp_path / "cp.csv")}
+
+
+@pytest.mark.parametrize("sizes", [GPU, QUICK], ids=["gpu", "quick"])
+def test_every_efficiency_point_is_a_window_that_can_exist(sizes):
+    """Whole documents fit the rank's T tokens; a Per-Doc document of 2N chunks fits the window."""
+    c, n = sizes.eff_context, sizes.eff_cp
+    layouts = {}
+    for s in sizes.eff_shard_lens:
+        calls = sweep_calls(c, s, n)
+        layouts[s] = set(calls)
+        for layout, (q_lens, k_lens) in calls.items():
+            assert sum(q_lens) == c // n and len(q_lens) == len(k_lens)
+            documents = k_lens if layout == "whole" else k_lens[1::2]  # a pair's last shard sees its whole document
+            assert max(documents) <= c and sum(documents) <= c
+    assert layouts[max(sizes.eff_shard_lens)] == {"whole"}  # its Per-Doc document would not fit the window
+    assert any(layouts[s] == {"whole", "per_doc"} for s in sizes.eff_shard_lens)
+
+
+def test_timings_use_the_shipped_models_kv_heads(tmp_path, monkeypatch):
+    """Llama 3 8B on one rank (32 query / 8 KV heads) and 70B under TP 8 (8 / 1): K and V are timed
+    with the models' KV heads, not one per query head."""
+    from flashcp.titan.config import LLAMA3_FLAVORS
+
+    (_, _, h8, kv8, _), (_, _, h70, kv70, _) = LLAMA3_FLAVORS["8B"], LLAMA3_FLAVORS["70B"]
+    shipped = {(h8, kv8), (h70 // 8, kv70 // 8)}
+    assert set(GPU.path_heads) == shipped and GPU.eff_heads in shipped
+    shapes = []
+
+    def record(q, k, v, *args, **kwargs):
+        shapes.append((tuple(q.shape), tuple(k.shape), tuple(v.shape)))
+        return kernels.varlen_attention(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(timing, "varlen_attention", record)
+    calls = Table(tmp_path / "kernel_calls.csv", timing.KERNEL_CALL_COLUMNS)
+    timer = timing.Timer(torch.device("cpu"), 1)
+    timing.time_and_log(calls, "test", [8, 4], [8, 12], (8, 2), 16, torch.float32, "reference", timer)
+    assert set(shapes) == {((12, 8, 16), (20, 2, 16), (20, 2, 16))}
+    assert (calls.rows[0]["heads"], calls.rows[0]["kv_heads"]) == (8, 2)

@@ -67,6 +67,10 @@ def run(report: Report, sec: Section, device: torch.device, sizes: Sizes, budget
                         return
                     try:
                         plan = plan_shards(doc_lens, n, strategy, **(ILP_OPTIONS if strategy == "ilp" else {}))
+                    except ImportError as e:  # scipy, for the MILP only: a bare GPU machine has torch + numpy
+                        sec.lines.append(f"- {ds} N={n} {strategy}: skipped, {e.name or 'scipy'} is not installed "
+                                         "(pip install scipy checks the ILP plan's cuts too)")
+                        continue
                     except RuntimeError as e:  # the MILP found no plan within its time limit
                         sec.lines.append(f"- {ds} N={n} {strategy}: no plan ({e})")
                         continue

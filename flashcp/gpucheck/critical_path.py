@@ -1,6 +1,7 @@
 """Section 3: the per-rank critical path of each planner at the paper's setting.
 
-A CP step waits for its slowest rank. For each packed window, CP size, head count and strategy,
+A CP step waits for its slowest rank. For each packed window, CP size, (query, key/value) head
+count of a shipped model on one rank and strategy,
 every rank's single varlen kernel call (its shards as queries, document prefix + shard as keys,
 exactly what its dispatch hands the kernel) is timed forward and forward+backward; the window's
 critical path is the slowest rank. Windows are cut from the wlbllm and pile length
@@ -24,7 +25,7 @@ from flashcp.gpucheck.timing import KERNEL_CALL_COLUMNS, Timer, time_and_log
 
 DATASETS = ("wlbllm", "pile")
 STRATEGIES = ("per_seq", "per_doc", "flashcp")
-COLUMNS = ["dataset", "window", "cp", "heads", "head_dim", "strategy", "backend", "critical_fwd_ms",
+COLUMNS = ["dataset", "window", "cp", "heads", "kv_heads", "head_dim", "strategy", "backend", "critical_fwd_ms",
            "critical_fwd_bwd_ms", "mean_fwd_bwd_ms", "measured_imbalance", "planned_imbalance",
            "comm_full_tokens", "comm_compact_tokens", "comm_needed_tokens", "documents"]  # fmt: skip
 
@@ -56,11 +57,11 @@ def run(report: Report, sec: Section, device: torch.device, sizes: Sizes, budget
             break
         doc_lens = windows[ds][w]
         plan = plan_shards(doc_lens, n, strategy)
-        m = plan.metrics(num_kv_heads=h, head_dim=d, dtype_bytes=2)
+        m = plan.metrics(num_kv_heads=h[1], head_dim=d, dtype_bytes=2)
         ranks = [time_and_log(calls, "critical_path", ql, kl, h, d, dtype, backend, timer) for ql, kl in rank_calls(plan)]
         fb = [r["fwd_bwd_ms"] for r in ranks]
         row = table.add(
-            dataset=ds, window=w, cp=n, heads=h, head_dim=d, strategy=strategy, backend=backend,
+            dataset=ds, window=w, cp=n, heads=h[0], kv_heads=h[1], head_dim=d, strategy=strategy, backend=backend,
             critical_fwd_ms=max(r["fwd_ms"] for r in ranks), critical_fwd_bwd_ms=max(fb),
             mean_fwd_bwd_ms=statistics.mean(fb), measured_imbalance=max(fb) / statistics.mean(fb),
             planned_imbalance=m["imbalance"], comm_full_tokens=m["comm_full_tokens"],
@@ -68,7 +69,7 @@ def run(report: Report, sec: Section, device: torch.device, sizes: Sizes, budget
             documents=len(doc_lens),
         )  # fmt: skip
         results.setdefault((ds, n, h, backend, strategy), []).append(row["critical_fwd_bwd_ms"])
-        print(f"{ds} w{w} N={n} H={h} {backend} {strategy}: critical fwd+bwd {row['critical_fwd_bwd_ms']:.2f} ms "
+        print(f"{ds} w{w} N={n} H={h[0]}/{h[1]} {backend} {strategy}: critical fwd+bwd {row['critical_fwd_bwd_ms']:.2f} ms "
               f"(imbalance {row['measured_imbalance']:.2f})", flush=True)
     else:
         sec.status = "measured"
@@ -86,5 +87,5 @@ def _summarize(sec: Section, results: dict[tuple, list[float]]) -> None:
             other = results.get((ds, n, h, backend, base), [])[: len(times)]
             if len(other) == len(times):
                 vs.append(f"{statistics.mean(other) / mean:.2f}x vs {base}")
-        sec.lines.append(f"- {ds} N={n} H={h} {backend}: FlashCP critical fwd+bwd {mean:.2f} ms over "
+        sec.lines.append(f"- {ds} N={n} H={h[0]}/{h[1]} {backend}: FlashCP critical fwd+bwd {mean:.2f} ms over "
                          f"{len(times)} windows ({', '.join(vs)})")

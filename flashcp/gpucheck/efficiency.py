@@ -25,13 +25,19 @@ COLUMNS = ["kind", "backend", "input", "layout", "shard_len", "sequences", "q_to
            "fwd_ms", "fwd_bwd_ms", "tflops_fwd", "tflops_fwd_bwd", "critical_fwd_bwd_ms"]  # fmt: skip
 
 
-def sweep_calls(tokens: int, s: int, cp: int) -> dict[str, tuple[list[int], list[int]]]:
-    """(q_lens, k_lens) of about `tokens` query rows (at least one sequence or pair) as whole
-    s-token documents, or as the Per-Doc shards rank 0 holds of 2N s-token-chunk documents: the
-    first chunk (s keys) and the last (the whole document as keys)."""
-    whole = [s] * max(1, tokens // s)
-    pairs = max(1, tokens // (2 * s))
-    return {"whole": (whole, whole), "per_doc": ([s, s] * pairs, [s, 2 * cp * s] * pairs)}
+def sweep_calls(context: int, s: int, cp: int) -> dict[str, tuple[list[int], list[int]]]:
+    """(q_lens, k_lens) of rank 0's T = context / N query rows as whole s-token documents, or as
+    the Per-Doc shards it holds of 2N s-token-chunk documents: the first chunk (s keys) and the
+    last (the whole document as keys). Only layouts a `context`-token window can hold: a whole
+    document fits the rank (s <= T), a Per-Doc document the window (2 N s <= context)."""
+    tokens = context // cp
+    calls = {}
+    if s <= tokens:
+        calls["whole"] = ([s] * (tokens // s),) * 2
+    if 2 * cp * s <= context:
+        pairs = tokens // (2 * s)
+        calls["per_doc"] = ([s, s] * pairs, [s, 2 * cp * s] * pairs)
+    return calls
 
 
 def run(report: Report, sec: Section, device: torch.device, sizes: Sizes, budget: Budget,
@@ -57,11 +63,11 @@ def run(report: Report, sec: Section, device: torch.device, sizes: Sizes, budget
             sec.lines.append(line)
             print(line[2:], flush=True)
         for s in sizes.eff_shard_lens:
-            for layout, (q_lens, k_lens) in sweep_calls(c // n, s, n).items():
+            for layout, (q_lens, k_lens) in sweep_calls(c, s, n).items():
                 if budget.spent():
                     return _cut(sec)
                 t = time_and_log(calls, "efficiency", q_lens, k_lens, h, d, dtype, backend, timer)
-                flops = causal_flops(q_lens, k_lens, h, d)
+                flops = causal_flops(q_lens, k_lens, h[0], d)
                 row = table.add(kind="sweep", backend=backend, layout=layout, shard_len=s, sequences=len(q_lens),
                                 q_tokens=sum(q_lens), k_tokens=sum(k_lens), **t,
                                 tflops_fwd=flops["fwd"] / t["fwd_ms"] / 1e9,

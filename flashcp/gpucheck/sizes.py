@@ -23,13 +23,13 @@ class Sizes:
     # 3. per-rank critical path
     path_context: int
     path_cp_sizes: tuple[int, ...]
-    path_heads: tuple[int, ...]
+    path_heads: tuple[tuple[int, int], ...]  # (query heads, key/value heads) per rank
     path_head_dim: int
     path_windows: int  # per dataset, at most
     # 4. kernel efficiency
     eff_context: int
     eff_cp: int
-    eff_heads: int
+    eff_heads: tuple[int, int]  # query heads, key/value heads
     eff_shard_lens: tuple[int, ...]
     # 5. decoder layer
     layer_tokens: int
@@ -42,8 +42,9 @@ class Sizes:
 GPU = Sizes(
     exact_mixes=200, exact_max_tokens=2048, exact_head_dim=128, exact_kv_heads=2,
     cp_context=32768, cp_sizes=(2, 4, 8), cp_heads=(8, 2, 128),
-    path_context=131072, path_cp_sizes=(4, 8), path_heads=(16, 32), path_head_dim=128, path_windows=3,
-    eff_context=131072, eff_cp=8, eff_heads=32,
+    # The shipped models' heads on one rank: Llama 3 8B (32 / 8), 70B under TP 8 (64 / 8 split 8 ways).
+    path_context=131072, path_cp_sizes=(4, 8), path_heads=((32, 8), (8, 1)), path_head_dim=128, path_windows=3,
+    eff_context=131072, eff_cp=8, eff_heads=(32, 8),
     eff_shard_lens=(128, 256, 512, 1024, 2048, 4096, 8192, 16384),
     layer_tokens=16384, layer_dims=(4096, 32, 8, 14336),
     repeats=3,
@@ -53,8 +54,8 @@ GPU = Sizes(
 QUICK = Sizes(
     exact_mixes=6, exact_max_tokens=64, exact_head_dim=16, exact_kv_heads=1,
     cp_context=256, cp_sizes=(2, 4, 8), cp_heads=(4, 2, 8),
-    path_context=1024, path_cp_sizes=(4,), path_heads=(2,), path_head_dim=16, path_windows=1,
-    eff_context=512, eff_cp=4, eff_heads=2, eff_shard_lens=(16, 64),
+    path_context=1024, path_cp_sizes=(4,), path_heads=((4, 2),), path_head_dim=16, path_windows=1,
+    eff_context=512, eff_cp=4, eff_heads=(4, 2), eff_shard_lens=(16, 64, 128),
     layer_tokens=256, layer_dims=(64, 4, 2, 128),
     repeats=3,  # the best of 3: even toy timings on a busy CPU keep forward+backward above forward
     budgets_s={"exactness": 60, "cp": 120, "critical_path": 60, "efficiency": 60, "decoder": 60},

@@ -91,11 +91,11 @@ KERNEL_CALL_COLUMNS = ["section", "backend", "dtype", "heads", "kv_heads", "head
                        "fwd_ms", "fwd_bwd_ms"]  # fmt: skip
 
 
-def time_and_log(calls, section: str, q_lens: Sequence[int], k_lens: Sequence[int], heads: int, head_dim: int,
-                 dtype: torch.dtype, backend: str, timer: Timer) -> dict[str, float]:  # fmt: skip
-    """`time_varlen` (query heads = key/value heads, as in the paper's setting), recorded in `calls`
-    (the kernel_calls table)."""
-    t = time_varlen(q_lens, k_lens, heads, heads, head_dim, dtype, backend, timer)
-    calls.add(section=section, backend=backend, dtype=str(dtype).removeprefix("torch."), heads=heads,
-              kv_heads=heads, head_dim=head_dim, q_lens=list(q_lens), k_lens=list(k_lens), **t)  # fmt: skip
+def time_and_log(calls, section: str, q_lens: Sequence[int], k_lens: Sequence[int], heads: tuple[int, int],
+                 head_dim: int, dtype: torch.dtype, backend: str, timer: Timer) -> dict[str, float]:  # fmt: skip
+    """`time_varlen` with `heads` = (query heads, key/value heads), recorded in `calls` (the
+    kernel_calls table). GQA as the models have it: fewer K/V rows to read than query heads."""
+    t = time_varlen(q_lens, k_lens, *heads, head_dim, dtype, backend, timer)
+    calls.add(section=section, backend=backend, dtype=str(dtype).removeprefix("torch."), heads=heads[0],
+              kv_heads=heads[1], head_dim=head_dim, q_lens=list(q_lens), k_lens=list(k_lens), **t)  # fmt: skip
     return t

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from torchtitan.components.loss import CrossEntropyLoss
 from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
 from torchtitan.components.optimizer.optimizer import ParamGroupConfig
 from torchtitan.config import TrainingConfig
@@ -19,6 +18,7 @@ from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 from flashcp.titan import compat
 from flashcp.titan.checkpoint import Checkpointer
 from flashcp.titan.components import PipelineTokenizer, resolve_tokenizer, WindowDataLoader
+from flashcp.titan.loss import loss_config
 from flashcp.data.sources import DataConfig
 from flashcp.titan.metrics import FlashCPMetrics
 from flashcp.titan.model import llama3_spec
@@ -53,7 +53,8 @@ def trainer_config(cfg: dict[str, Any]) -> FlashCPTrainer.Config:
                 if flashcp_on else {"strategy": "per_seq"}
             ),
         ),
-        loss=CrossEntropyLoss.Config(global_vocab_size=spec.model.vocab_size),
+        # Before the output projection a rank holds seq_len / cp tokens (TP replicates them there).
+        loss=loss_config(spec.model.vocab_size, train["seq_len"] // cp, cfg["loss"]["chunk_tokens"]),
         optimizer=_optimizer(cfg["optimizer"]),
         lr_scheduler=LRSchedulersContainer.Config(**cfg["lr_scheduler"]),
         training=TrainingConfig(

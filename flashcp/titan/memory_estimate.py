@@ -1,0 +1,68 @@
+"""An analytic estimate of one rank's peak memory, to check the dry run's measurement against.
+
+Counts bytes from the model's shape and the layout alone: fp32 master weights, gradients and
+AdamW's two moments sharded over FSDP x TP; bf16 copies of the layers FSDP has gathered (the
+layer at work, the one prefetched, and the output projection, kept through the step); one RoPE
+cache per layer (TorchTitan's); with full activation checkpointing one bf16 input per layer plus
+one layer's recomputed working set; FlashCP's gathered K/V and their gradients; and the loss's
+logits (bf16, fp32 copy, saved log-softmax, its fp32 gradient) for one loss slice. It assumes
+every term peaks at once, so it should sit at or above the tracked peak.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    dim: int
+    layers: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    rope_len: int  # positions each layer's RoPE cache holds
+
+
+@dataclass(frozen=True)
+class Layout:
+    fsdp: int  # ranks a parameter is sharded over (dp_shard x cp)
+    tp: int
+    sequence_parallel: bool
+    tokens: int  # this rank's tokens (seq_len / cp)
+    kv_rows: int  # K/V rows FlashCP gathers for this rank's shards in one layer
+    loss_tokens: int  # tokens of one loss slice
+    full_ac: bool
+
+
+def layer_params(m: ModelShape) -> int:
+    head_dim = m.dim // m.heads
+    attention = 2 * m.dim * m.heads * head_dim + 2 * m.dim * m.kv_heads * head_dim
+    return attention + 3 * m.dim * m.ffn + 2 * m.dim
+
+
+def estimate(m: ModelShape, lay: Layout) -> dict[str, float]:
+    """GiB per category (the dry run's names) and their sum, "peak"."""
+    head_dim = m.dim // m.heads
+    vocab_params = m.vocab * m.dim
+    params = m.layers * layer_params(m) + 2 * vocab_params + m.dim
+    shard = lay.fsdp * lay.tp
+    seq = lay.tokens // (lay.tp if lay.sequence_parallel else 1)  # tokens between blocks
+    kv_dim = 2 * (m.kv_heads // lay.tp) * head_dim  # one row of K and V on this rank
+    working = lay.tokens * (4 * m.dim + kv_dim + 3 * m.ffn) // lay.tp + 4 * seq * m.dim
+    checkpoints = m.layers * seq * m.dim if lay.full_ac else m.layers * working
+    out = {
+        "parameters": (4 * params / shard + 2 * (2 * layer_params(m) + vocab_params) / lay.tp) / GIB,
+        "gradients": (4 * params / shard + 4 * layer_params(m) / lay.tp) / GIB,
+        "optimizer_states": 8 * params / shard / GIB,
+        "model_buffers": m.layers * m.rope_len * head_dim * 4 / GIB,
+        "activations": 2 * (checkpoints + (working if lay.full_ac else 0)) / GIB,
+        "flashcp_buffers": 2 * 2 * lay.kv_rows * kv_dim / GIB,
+        "loss": (14 * lay.loss_tokens * m.vocab / lay.tp
+                 + (4 * lay.tokens * m.dim if lay.loss_tokens < lay.tokens else 0)) / GIB,
+    }  # fmt: skip
+    out["peak"] = sum(out.values())
+    return out

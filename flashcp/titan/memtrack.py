@@ -1,0 +1,99 @@
+"""One rank's peak memory by category: torch's FSDP2 tracker plus FlashCP's and the loss's share.
+
+torch's `FSDPMemTracker` (torch.distributed._tools; private API, checked on torch 2.13) follows
+every tensor storage of an FSDP2 model through one step and classifies it as sharded / unsharded
+parameter, gradient, optimizer state, buffer or activation; under fake tensors this costs no
+memory. It cannot say which activations belong to FlashCP's attention or to the loss, the two
+terms a long context makes large, so this subclass also labels the storages created while a
+`region` is open and, at each new peak, sums the labelled ones still counted as activations.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch.distributed._tools.common_utils import get_untyped_storages
+from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType as Ref
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.utils.weak import WeakIdKeyDictionary
+
+GROUPS = {
+    "parameters": (Ref.SHARDED_PARAM, Ref.UNSHARDED_PARAM, Ref.ALL_GATHER),
+    "gradients": (Ref.SHARDED_GRAD, Ref.UNSHARDED_GRAD, Ref.REDUCE_SCATTER),
+    "optimizer_states": (Ref.OPT,),
+    "model_buffers": (Ref.BUFFER,),
+    "activations": (Ref.ACT, Ref.TEMP, Ref.INP),
+}
+_TRANSIENT = (Ref.ACT, Ref.TEMP)
+
+
+class CategoryTracker(FSDPMemTracker):
+    """`FSDPMemTracker` whose peak also splits activations by the region that created them."""
+
+    def __init__(self, mod: torch.nn.Module, optm: torch.optim.Optimizer | None = None) -> None:
+        super().__init__(mod, optm)
+        self._labels: list[str] = []
+        self._labelled: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> label
+        self._peak_labelled: dict[str, int] = {}
+
+    def push(self, label: str) -> None:
+        """Label the storages created from now until the matching `pop` (the innermost label wins)."""
+        self._labels.append(label)
+
+    def pop(self) -> None:
+        self._labels.pop()
+
+    @contextlib.contextmanager
+    def region(self, label: str) -> Iterator[None]:
+        self.push(label)
+        try:
+            yield
+        finally:
+            self.pop()
+
+    def _track(self, reftype, t: torch.Tensor) -> None:
+        new = [st for st in get_untyped_storages(t) if st not in self._WINFO] if self._labels else []
+        super()._track(reftype, t)
+        for st in new:
+            self._labelled[st] = self._labels[-1]
+
+    def _fsdp_state_pre_forward(self, fsdp_mod, orig_pre_forward):
+        inner = super()._fsdp_state_pre_forward(fsdp_mod, orig_pre_forward)
+
+        def pre_forward(*args, **kwargs):
+            # Only the peak is used here, not per-module statistics: a module called again in one
+            # forward (a chunked loss's lm_head, once per slice) is not a new iteration, which the
+            # parent class would refuse.
+            if not self._mod_tracker.is_bw:
+                self.memory_tracking.pop(fsdp_mod, None)
+            return inner(*args, **kwargs)
+
+        return pre_forward
+
+    def _update_peak_stats(self, peak_state) -> None:
+        before = dict(self._peak_mem)
+        super()._update_peak_stats(peak_state)
+        if self._peak_mem != before:
+            self._peak_labelled = self._labelled_bytes()
+
+    def _labelled_bytes(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for st, label in self._labelled.items():
+            winfo = self._WINFO.get(st, (None, None))[0]
+            if winfo is not None and winfo.reftype in _TRANSIENT:
+                out[label] = out.get(label, 0) + winfo.mem_consumed
+        return out
+
+    def peak_by_category(self) -> tuple[int, dict[str, int]]:
+        """(peak bytes, bytes per category at that moment); labelled regions are their own categories."""
+        if not self._peak_mem:
+            return 0, {}
+        device = max(self._peak_mem, key=self._peak_mem.get)
+        snap = self._peak_mem_snap[device]
+        out = {name: sum(snap.get(ref, 0) for ref in refs) for name, refs in GROUPS.items()}
+        for label, size in self._peak_labelled.items():
+            out[label] = size
+            out["activations"] -= size
+        return self._peak_mem[device], out
