@@ -71,14 +71,24 @@ def _is_dtype(name: str) -> bool:
 
 
 class SafeReader(FileSystemReader):
-    """A FileSystemReader whose `.metadata` is unpickled with only DCP's own classes allowed."""
+    """A FileSystemReader whose `.metadata` is unpickled with only DCP's own classes allowed.
+
+    DCP folds a failed metadata read into the text of an AssertionError; `refused` keeps the refusal
+    itself so that the caller can raise it as what it is.
+    """
+
+    refused: UnsafeCheckpoint | None = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as f:
-            metadata = _MetadataUnpickler(f, str(path)).load()
-        if not isinstance(metadata, Metadata):
-            raise UnsafeCheckpoint(f"{path} holds {type(metadata).__name__}, not DCP metadata")
+        try:
+            with self.fs.create_stream(path, "rb") as f:
+                metadata = _MetadataUnpickler(f, str(path)).load()
+            if not isinstance(metadata, Metadata):
+                raise UnsafeCheckpoint(f"{path} holds {type(metadata).__name__}, not DCP metadata: refused")
+        except UnsafeCheckpoint as e:
+            self.refused = e
+            raise
         return self._finish_metadata(metadata)
 
     def _finish_metadata(self, metadata: Metadata) -> Metadata:

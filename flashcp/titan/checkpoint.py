@@ -281,6 +281,12 @@ class Checkpointer(CheckpointManager):
         if from_hf:
             raise CheckpointError("loading HF safetensors checkpoints is not supported by FlashCP")
         path = Path(checkpoint_id)
-        dcp.load(state_dict, storage_reader=SafeReader(path), planner=StrictPlanner(path, dropped))
+        reader = SafeReader(path)
+        try:
+            dcp.load(state_dict, storage_reader=reader, planner=StrictPlanner(path, dropped))
+        except BaseException as e:
+            if reader.refused is not None:
+                raise reader.refused from e
+            raise
         if MODEL in self.states:
             self.states[MODEL].load_state_dict(state_dict)

@@ -93,6 +93,7 @@ class FlashCPTrainer(Trainer):
         # Signals are caught from here on: one during building or loading stops at the first step boundary.
         self.stop_request = StopRequest()
         self._restored_step: int | None = None
+        self._losses_finite: torch.Tensor | None = None  # every loss since the last save finite (on the device)
         try:
             super().__init__(config)
             self._setup_flashcp(config)
@@ -117,6 +118,7 @@ class FlashCPTrainer(Trainer):
             self.dataloader.loader.balance_with(self.gradient_accumulation_steps, self._window_cost(), **balance)
         self.stop_request.connect()
         self.checkpointer.on_restore = self._after_restore
+        self.checkpointer.loss_problem = self._loss_problem
         self._load_schedule = self.lr_schedulers.load_state_dict
         self.lr_schedulers.load_state_dict = self._load_schedule_before_the_end
 
@@ -241,6 +243,25 @@ class FlashCPTrainer(Trainer):
         dispatch = build_dispatch(plan, self.cp_rank, self.flashcp.comm, overlap=self.flashcp.overlap)
         # Pinned, so that post_dataloading_process's copy to the GPU does not block the host.
         return dispatch.pin_memory() if self.device.type == "cuda" else dispatch
+
+    def forward_backward_step(self, **kwargs: Any) -> torch.Tensor:
+        """TorchTitan's step, noting on the device (no sync) whether every loss since the last save was finite.
+
+        TorchTitan checks the loss only on logging steps: a state that went to inf / NaN between two
+        would otherwise be saved, published and resumed from.
+        """
+        loss = super().forward_backward_step(**kwargs)
+        finite = torch.isfinite(loss.detach())
+        self._losses_finite = finite if self._losses_finite is None else self._losses_finite & finite
+        return loss
+
+    def _loss_problem(self) -> str | None:
+        """Why this state must not be saved, the same verdict on every rank (a collective: all ranks save)."""
+        flag = self._losses_finite
+        finite = torch.ones((), device=self.device) if flag is None else flag.to(self.device, torch.float32)
+        torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
+        self._losses_finite = None
+        return None if finite.item() else f"the loss was not finite (inf or NaN) at some step up to {self.step}"
 
     def _window_inputs(self, batch: dict[str, Any]) -> tuple[dict[str, Any], torch.Tensor]:
         input_dict: dict[str, Any] = {"input": batch["input"][None]}

@@ -3,6 +3,8 @@ damaged newest checkpoint falls back to the newest one that loads."""
 
 from __future__ import annotations
 
+import json
+import pickle
 import shutil
 from pathlib import Path
 
@@ -11,7 +13,7 @@ import torch.distributed.checkpoint as dcp
 from harness import single_rank, tiny_job, train
 
 from flashcp.titan.checkpoint import CheckpointError
-from flashcp.run.manifest import MANIFEST, read_manifest
+from flashcp.run.manifest import checksum, MANIFEST, read_manifest
 
 
 @pytest.fixture
@@ -170,3 +172,91 @@ def test_an_async_save_is_published_once_complete_and_resumes_exactly(tmp_path, 
     resumed = train(six_steps(dump))
     assert resumed == {s: whole[s] for s in (3, 4, 5, 6)}
     assert sorted(p.name for p in (dump / "checkpoint").iterdir()) == ["step-2", "step-4", "step-6"]
+
+
+class RunsCode:
+    """Unpickled, it would create `marker`: what a crafted checkpoint file does."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return exec, (f"open({str(self.marker)!r}, 'w').close()",)
+
+
+def rehash(step_dir: Path) -> None:
+    """Recompute the manifest's sizes and CRCs, as an attacker would."""
+    manifest = read_manifest(step_dir)
+    for entry in manifest["files"]:
+        entry["size"], entry["checksum"] = (step_dir / entry["name"]).stat().st_size, checksum(step_dir / entry["name"])
+    (step_dir / MANIFEST).write_text(json.dumps(manifest))
+
+
+def test_a_crafted_metadata_pickle_is_refused_and_runs_nothing(tmp_path, rank):
+    dump, marker = tmp_path / "run", tmp_path / "marker"
+    train(job(dump))
+    step = dump / "checkpoint/step-6"
+    (step / ".metadata").write_bytes(pickle.dumps(RunsCode(marker)))
+    rehash(step)
+    with pytest.raises(CheckpointError, match=r"step-6/.metadata asks to build builtins.exec, which DCP never writes"):
+        train(job(dump))
+    # The same file through initial_load_path, its manifest removed and unverified loading allowed.
+    (step / MANIFEST).unlink()
+    seeded = tiny_job(tmp_path / "other", checkpoint={"enable": True, "initial_load_path": str(step),
+                                                      "load_unverified": True})  # fmt: skip
+    with pytest.raises(CheckpointError, match=r"asks to build builtins.exec"):
+        train(seeded)
+    assert not marker.exists()
+
+
+def test_a_crafted_loader_state_item_is_refused_and_runs_nothing(tmp_path, rank, monkeypatch):
+    from flashcp.data.loader import WindowLoader
+
+    dump, marker = tmp_path / "run", tmp_path / "marker"
+    real = WindowLoader.state_dict
+    monkeypatch.setattr(WindowLoader, "state_dict", lambda self: {**real(self), "window": RunsCode(marker)})
+    train(job(dump))  # every save stores the object's pickle as the loader's `window`
+    monkeypatch.undo()
+    with pytest.raises(CheckpointError, match=r"item dataloader.window is not plain data .*refused, nothing of it was run"):
+        train(job(dump))
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("removed", [MANIFEST, ".metadata"])
+def test_a_newest_checkpoint_without_manifest_or_metadata_is_damaged_not_loaded(tmp_path, rank, caplog, removed):
+    dump = tmp_path / "run"
+    whole = train(job(dump))
+    flip_bytes(data_file(dump / "checkpoint/step-6"))
+    (dump / "checkpoint/step-6" / removed).unlink()
+    if removed == MANIFEST:  # named explicitly, it loads only when the option says it is unverified
+        with pytest.raises(CheckpointError, match="no manifest.json.*set checkpoint.load_unverified = true"):
+            train(job(dump, load_step=6))
+    assert train(job(dump)) == {s: whole[s] for s in (4, 5, 6)}  # from step 3, the newest verified one
+    assert f"skipping checkpoint {dump / 'checkpoint/step-6'} is damaged: no {removed}" in caplog.text
+
+
+def test_a_checkpoint_of_another_model_size_is_refused_naming_the_keys(tmp_path, rank):
+    dump = tmp_path / "run"
+    train(job(dump))
+    smaller = tiny_job(dump, training={"steps": 9}, checkpoint={"enable": True, "interval": 3},
+                       model={"n_layers": 1})  # fmt: skip
+    with pytest.raises(CheckpointError, match=r"step-6 does not fit this job .*the checkpoint holds "
+                                              r"optimizer.state.layers.1.\S+ \[\], \S+ \[64, 32\] \(and \d+ more\) which"):
+        train(smaller)
+    assert sorted(p.name for p in (dump / "checkpoint").iterdir()) == ["step-3", "step-6"]  # nothing saved over it
+
+
+def test_a_state_whose_loss_is_not_finite_is_not_published(tmp_path, rank, monkeypatch):
+    from torchtitan.trainer import Trainer
+
+    real = Trainer.forward_backward_step
+
+    def diverging(self, **kwargs):  # TorchTitan's step, its loss infinite at step 5
+        loss = real(self, **kwargs)
+        return loss * float("inf") if self.step == 5 else loss
+
+    monkeypatch.setattr(Trainer, "forward_backward_step", diverging)
+    dump = tmp_path / "run"
+    with pytest.raises(CheckpointError, match=r"not saving step-6: the loss was not finite .* up to 6"):
+        train(job(dump) | {"metrics": {"log_freq": 100}})  # no logging step catches it first
+    assert sorted(p.name for p in (dump / "checkpoint").iterdir()) == ["step-3"]
