@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 from torchtitan.components.dataloader import DataloaderExhaustedError
+from torchtitan.distributed.activation_checkpoint import FullAC
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
@@ -203,8 +204,7 @@ class FlashCPTrainer(Trainer):
     def _window_cost(self) -> WindowCost:
         """What the loader balances by: the model's FLOPs at measured efficiencies (`flashcp.costmodel.proxy`)."""
         m = self.metrics_processor
-        ac = self.config.activation_checkpoint  # None when the job checkpoints no activations
-        full_ac = ac is not None and ac.mode == "full"
+        full_ac = isinstance(self.config.activation_checkpoint, FullAC.Config)
         return window_cost(m.dense_flops_per_token, m.attention_flops_per_pair, self.parallel_dims.cp, full_ac)
 
     def _configure_metrics(self) -> None:
