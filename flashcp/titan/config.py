@@ -20,6 +20,7 @@ import argparse
 import dataclasses
 import math
 import os
+import re
 import sys
 import typing
 from dataclasses import dataclass
@@ -36,6 +37,16 @@ from flashcp.data.sources import DataConfig
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "train_configs"
 DEFAULT_CONFIG = "default.toml"
+# Bounds on what a job may hold, so that a mangled or hostile file fails in milliseconds with one
+# line: tomllib recurses once per nesting level (RecursionError at ~1,000, minutes at 10^6), a
+# setting is copied into every rank's log and every node's job card, and the loader holds whole
+# windows in host memory while its cu_seqlens are int32.
+MAX_JOB_BYTES = 1 << 20
+MAX_NESTING = 32  # arrays / inline tables inside each other; real jobs nest 2 deep
+MAX_STRING_CHARS = 4096  # PATH_MAX on Linux: no path or description needs more
+MAX_SEQ_LEN = 2**31 - 1  # cu_seqlens (flashcp.dispatch, the varlen kernels) are int32
+WINDOW_BYTES_PER_TOKEN = 16  # a window's int64 tokens and labels, a lower bound on the loader's memory
+MAX_PREFETCH = 64  # windows the loader's thread builds ahead; more only costs memory
 
 
 class ConfigError(ValueError):
@@ -205,6 +216,12 @@ SCHEMA: dict[str, dict[str, Key]] = {
 }
 
 
+def _shown(value: Any) -> str:
+    """repr(value), cut short: a message stays one readable line whatever a file holds."""
+    text = repr(value)
+    return text if len(text) <= 200 else f"{text[:200]}... ({len(text)} characters)"
+
+
 def _type_name(t: Any) -> str:
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string", list: "a list"}[t]
 
@@ -215,11 +232,15 @@ def _check_value(section: str, name: str, key: Key, value: Any) -> Any:
         value = float(value)
     ok = isinstance(value, key.type) and not (key.type is int and isinstance(value, bool))
     if not ok:
-        raise ConfigError(f"{where} must be {_type_name(key.type)}, got {value!r} ({type(value).__name__})")
+        raise ConfigError(f"{where} must be {_type_name(key.type)}, got {_shown(value)} ({type(value).__name__})")
     if key.type is float and not math.isfinite(value):
         raise ConfigError(f"{where} must be finite, got {value!r}")
     if key.type is list and not all(isinstance(v, str) for v in value):
-        raise ConfigError(f"{where} must be a list of strings, got {value!r}")
+        raise ConfigError(f"{where} must be a list of strings, got {_shown(value)}")
+    for text in value if key.type is list else [value] if key.type is str else []:
+        if len(text) > MAX_STRING_CHARS:
+            raise ConfigError(f"{where} is {len(text)} characters long; a setting may hold at most "
+                              f"{MAX_STRING_CHARS} (it is copied into every log)")  # fmt: skip
     if key.choices is not None and value not in key.choices:
         raise ConfigError(f"{where} must be one of {', '.join(map(str, key.choices))}; got {value!r}")
     return value
@@ -281,6 +302,7 @@ def _check_semantics(cfg: dict) -> None:
         if cfg["checkpoint"][name] and not cfg["checkpoint"]["enable"]:
             raise ConfigError(f"[checkpoint] {name} needs [checkpoint] enable = true")
     _check_optimizer(cfg)
+    _check_bounds(cfg)
     if not fcp["target_imbalance"] >= 1.0:
         raise ConfigError(f"[flashcp] target_imbalance must be >= 1.0, got {fcp['target_imbalance']}")
 
@@ -328,6 +350,27 @@ def _check_semantics(cfg: dict) -> None:
         raise ConfigError(
             "[parallelism] spmd_backend must be 'partial_dtensor' with FlashCP attention, "
             f"got {par['spmd_backend']!r}"
+        )
+
+
+def _check_bounds(cfg: dict) -> None:
+    """Values that pass every type check yet would hang or exhaust the machine instead of failing:
+    a zero timeout, a window larger than the host's memory, an unbounded prefetch queue."""
+    _positive(cfg, "comm", "init_timeout_seconds", "train_timeout_seconds")
+    prefetch = cfg["data"]["prefetch"]
+    if not 0 <= prefetch <= MAX_PREFETCH:
+        raise ConfigError(f"[data] prefetch must be in [0, {MAX_PREFETCH}] (windows the loader builds ahead; "
+                          f"more only holds memory), got {prefetch}")  # fmt: skip
+    seq_len = cfg["training"]["seq_len"]
+    if seq_len > MAX_SEQ_LEN:
+        raise ConfigError(f"[training] seq_len ({seq_len}) must be < 2**31: the attention kernels index a "
+                          "window with int32")  # fmt: skip
+    need = seq_len * WINDOW_BYTES_PER_TOKEN
+    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > have:
+        raise ConfigError(
+            f"[training] seq_len ({seq_len}) is too long for this host: one window's int64 tokens and labels "
+            f"alone need {need / 2**30:.1f} GiB and it has {have / 2**30:.1f} GiB of memory"
         )
 
 
@@ -461,21 +504,52 @@ def check_layout(cfg: dict, world_size: int, has_cuda: bool | None = None) -> di
 
 
 def resolve_config_path(name: str | None) -> Path:
-    """A job file by path, or by name (with or without .toml) inside train_configs/."""
+    """A job file by path of any name, or by name (with or without .toml) inside train_configs/.
+
+    A path that exists but is no file (a directory, a pipe) is returned too, so that reading it
+    says what it is instead of "not found"."""
     name = name or DEFAULT_CONFIG
     path = Path(name)
-    candidates = [path] if path.suffix == ".toml" else [path.with_suffix(".toml")]
+    named = path if path.suffix == ".toml" else path.with_name(path.name + ".toml")
+    candidates = [path, named]
     if len(path.parts) == 1:
-        candidates.append(CONFIG_DIR / candidates[0].name)
+        candidates.append(CONFIG_DIR / named.name)
     for candidate in candidates:
         if candidate.is_file():
             return candidate
+    if path.exists():
+        return path
     shipped = ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.toml")))
     raise ConfigError(f"config {name!r} not found (as a path or in {CONFIG_DIR}); shipped configs: {shipped}")
 
 
-def _parse_value(text: str) -> Any:
+def _check_nesting(text: str, where: str) -> None:
+    """ConfigError when arrays / inline tables nest deeper than MAX_NESTING, found on the raw text
+    (brackets outside strings and comments) before tomllib, which recurses once per level."""
+    depth = 0
+    for token in _TOML_TOKENS.finditer(text):
+        bracket = token.group()
+        if bracket in ("[", "{"):
+            depth += 1
+            if depth > MAX_NESTING:
+                line = text.count("\n", 0, token.start()) + 1
+                raise ConfigError(f"{where}: line {line}: arrays or tables nested more than {MAX_NESTING} deep; "
+                                  "a job file may nest at most that")  # fmt: skip
+        elif bracket in ("]", "}"):
+            depth = max(depth - 1, 0)
+
+
+# Strings (basic, literal, multi-line) and comments, matched whole so that their brackets are
+# skipped, or a single bracket.
+_TOML_TOKENS = re.compile(
+    r'"""(?:\\.|[^\\])*?"""' r"|'''.*?'''" r'|"(?:\\.|[^"\\\n])*"' r"|'[^'\n]*'" r"|#[^\n]*" r"|[\[\]{}]",
+    re.DOTALL,
+)
+
+
+def _parse_value(text: str, where: str) -> Any:
     """A CLI value as a TOML value (20, 1e-3, true, ["a"]) or else the plain string."""
+    _check_nesting(text, where)
     try:
         return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
@@ -501,7 +575,7 @@ def apply_overrides(raw: dict[str, Any], args: list[str]) -> dict[str, Any]:
             raise ConfigError(f"override {arg!r} must name one key as --section.key")
         if not isinstance(out.get(section, {}), dict):
             raise ConfigError(f"[{section}] is not a table")
-        out.setdefault(section, {})[key] = _parse_value(value)
+        out.setdefault(section, {})[key] = _parse_value(value, f"override --{name}")
         i += 1
     return out
 
@@ -509,12 +583,24 @@ def apply_overrides(raw: dict[str, Any], args: list[str]) -> dict[str, Any]:
 def load_job(path: str | Path, overrides: list[str] | None = None) -> dict[str, dict[str, Any]]:
     """Read, override and validate a job file (see the module docstring)."""
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"{path} is a directory, not a job file")
     try:
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path} is not valid TOML: {e}") from e
+        with open(path, "rb") as f:
+            data = f.read(MAX_JOB_BYTES + 1)  # bounded: a path may be a device or a pipe
     except OSError as e:
         raise ConfigError(f"cannot read {path}: {e}") from e
+    if len(data) > MAX_JOB_BYTES:
+        raise ConfigError(f"{path} is larger than {MAX_JOB_BYTES >> 20} MiB, the most a job file may hold")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path} is not UTF-8 text (byte {e.start}): not a job file") from e
+    _check_nesting(text, str(path))
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path} is not valid TOML: {e}") from e
     cfg = validate(apply_overrides(raw, overrides or []))
     cfg["_path"] = str(path)
     return cfg

@@ -113,6 +113,15 @@ def test_shipped_gpu_configs_pick_the_kernel_that_is_installed():
         ({"data": {"overflow": 3}}, r"\[data\] overflow must be a string"),
         ({"checkpoint": {"create_seed_checkpoint": True}}, r"create_seed_checkpoint needs .* enable"),
         ({"checkpoint": {"initial_load_path": "/x"}}, r"initial_load_path needs \[checkpoint\] enable"),
+        ({"job": {"description": "x" * 5000}},
+         r"^\[job\] description is 5000 characters long; a setting may hold at most 4096 \(it is copied"),
+        ({"compile": {"components": ["model", "y" * 4097]}}, r"^\[compile\] components is 4097 characters long"),
+        ({"training": {"seq_len": 2**40}},
+         r"^\[training\] seq_len \(1099511627776\) must be < 2\*\*31: the attention kernels index a window with int32"),
+        ({"comm": {"init_timeout_seconds": 0}}, r"^\[comm\] init_timeout_seconds must be >= 1, got 0$"),
+        ({"comm": {"train_timeout_seconds": -5}}, r"^\[comm\] train_timeout_seconds must be >= 1, got -5$"),
+        ({"data": {"prefetch": 1000000}}, r"^\[data\] prefetch must be in \[0, 64\] \(windows the loader builds "
+                                          r"ahead; more only holds memory\), got 1000000$"),
     ],
 )
 def test_bad_files_name_the_key(tmp_path, sections, message):
@@ -177,6 +186,44 @@ def test_config_lookup_by_name_or_path(tmp_path):
         load_job(broken)
 
 
+def test_a_job_file_of_any_name_is_read_and_a_directory_is_named_as_such(tmp_path):
+    conf = tmp_path / "job.conf"
+    conf.write_text("[training]\nsteps = 3\n[lr_scheduler]\nwarmup_steps = 1\n")
+    assert load_job(resolve_config_path(str(conf)))["training"]["steps"] == 3
+    (tmp_path / "runs").mkdir()
+    with pytest.raises(ConfigError, match=r"^\S+/runs is a directory, not a job file$"):
+        load_job(resolve_config_path(str(tmp_path / "runs")))
+    (tmp_path / "debug_cpu").mkdir()  # a folder of a shipped config's name does not hide the config
+    assert resolve_config_path(str(tmp_path / "debug_cpu")) == tmp_path / "debug_cpu"
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("x = " + "[" * 100_000 + "]" * 100_000, r"job.toml: line 1: arrays or tables nested more than 32 deep"),
+        ("[job]\n" + "x = " + "{a = " * 40 + "1" + "}" * 40, r"job.toml: line 2: arrays or tables nested more than 32"),
+        ("x = " + "[" * 10**6 + "]" * 10**6, r"job.toml is larger than 1 MiB, the most a job file may hold$"),
+        ("# " + "x" * (1 << 20), r"job.toml is larger than 1 MiB"),
+    ],
+)
+def test_a_hostile_job_file_is_refused_before_parsing(tmp_path, text, message):
+    """Checked on the raw text: tomllib recurses once per level (RecursionError at 100,000, minutes at 10^6)."""
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load_job(path)
+    with pytest.raises(ConfigError, match=r"^override --compile.components: line 1: arrays or tables nested more"):
+        apply_overrides({}, ["--compile.components", "[" * 100_000])
+
+
+def test_brackets_in_strings_and_comments_are_not_nesting(tmp_path):
+    deep = "[" * 40 + "{" * 40
+    path = tmp_path / "job.toml"
+    path.write_text(f'[job]\ndescription = "{deep}"  # {deep}\n[compile]\n'
+                    f"components = ['{deep}', \"\"\"\n{deep}\\\"\"\"\"]\n")  # fmt: skip
+    assert load_job(path)["compile"]["components"] == [deep, f'{deep}"']
+
+
 def test_llama3_flavors_match_torchtitan():
     from torchtitan.models.llama3 import llama3_configs
 
@@ -231,6 +278,16 @@ def test_check_cli_exit_codes():
     bad = subprocess.run([*run, "--training.steps", "x"], cwd=ROOT, capture_output=True, text=True)
     assert bad.returncode == 2
     assert bad.stderr.strip() == "error: [training] steps must be an integer, got 'x' (str)"
+
+
+def test_check_cli_refuses_a_deeply_nested_file_with_one_line(tmp_path):
+    path = tmp_path / "deep.conf"  # any name
+    path.write_text("[job]\nx = " + "[" * 100_000 + "]" * 100_000)
+    run = [sys.executable, "-m", "flashcp.titan.config", "--check", str(path)]
+    bad = subprocess.run(run, cwd=ROOT, capture_output=True, text=True)
+    assert bad.returncode == 2
+    assert bad.stderr.strip() == f"error: {path}: line 2: arrays or tables nested more than 32 deep; a job file " \
+                                 "may nest at most that"  # fmt: skip
 
 
 def test_validate_fills_defaults():

@@ -43,6 +43,34 @@ def test_optimizer_and_schedule_values_are_checked(tmp_path, override, message):
     assert message in str(e.value)
 
 
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("--training.seq_len=1099511627776",
+         "error: [training] seq_len (1099511627776) must be < 2**31: the attention kernels index a window with int32"),
+        ("--comm.init_timeout_seconds=-1", "error: [comm] init_timeout_seconds must be >= 1, got -1"),
+        ("--comm.train_timeout_seconds=0", "error: [comm] train_timeout_seconds must be >= 1, got 0"),
+        ("--data.prefetch=1000000", "error: [data] prefetch must be in [0, 64] (windows the loader builds ahead; "
+                                    "more only holds memory), got 1000000"),
+        ("--job.description=" + "x" * 5000, "error: [job] description is 5000 characters long; a setting may hold "
+                                            "at most 4096 (it is copied into every log)"),
+    ],
+)
+def test_values_that_would_hang_or_exhaust_the_machine_stop_the_launcher_with_one_line(tmp_path, capsys, override,
+                                                                                       message):  # fmt: skip
+    dump = tmp_path / "out"
+    assert launch.main(["--config", "debug_cpu", f"--job.dump_folder={dump}", override]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [message]
+    assert not dump.exists()
+
+
+def test_a_window_larger_than_the_host_memory_is_refused(tmp_path, cpu_machine):
+    with pytest.raises(ConfigError) as e:
+        job(tmp_path, "--training.seq_len=2147483646")
+    assert str(e.value) == ("[training] seq_len (2147483646) is too long for this host: one window's int64 tokens "
+                            "and labels alone need 32.0 GiB and it has 24.0 GiB of memory")  # fmt: skip
+
+
 def test_a_relative_dump_folder_becomes_absolute_where_the_job_is_loaded(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cfg = job(tmp_path, "--job.dump_folder=runs/a")
