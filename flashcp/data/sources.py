@@ -154,6 +154,7 @@ class TextSource:
         self._max_tokens = max_doc_tokens
         self._texts = texts
         self._tok = tokenizer
+        self._vocab = tokenizer.vocab_size
         self._prefix = [tokenizer.bos_id] if add_bos else []
         self._suffix = [tokenizer.eos_id] if add_eos else []
 
@@ -168,6 +169,13 @@ class TextSource:
                         f"{self.name}: document {row} has {len(ids)} tokens, more than "
                         f"data.max_doc_tokens={self._max_tokens} (a mangled or non-text file? raise "
                         "the limit if such documents are intended)"
+                    )
+                # A tokenizer whose ids have gaps gives ids past its size, which the embedding
+                # (sized to the tokenizer) would meet as a bare IndexError on some rank.
+                if ids and max(ids) >= self._vocab:
+                    raise DataError(
+                        f"{self.name}: document {row}: token id {max(ids)} is outside the tokenizer's vocabulary "
+                        f"of {self._vocab} ids (a tokenizer whose ids have gaps?)"
                     )
                 if ids:
                     yield position, np.array(self._prefix + ids + self._suffix, dtype=np.int64)
@@ -276,7 +284,7 @@ def load_files(files: list[Path], cfg: DataConfig, field_setting: str = "data.te
         except StopIteration as e:  # what datasets raises for a compressed file with no records
             raise DataError(f"empty dataset: no records in {_describe(group)}") from e
         except Exception as e:  # datasets raises many types for unreadable files; name the files
-            problem = _locate_problem(group, builder) or f"{_describe(group)}: {_innermost(e)}"
+            problem = _locate_problem(group, column, field_setting) or f"{_describe(group)}: {_innermost(e)}"
             raise DataError(f"cannot read {builder} data: {problem}") from e
         if column not in ds.column_names:
             raise DataError(
@@ -284,7 +292,9 @@ def load_files(files: list[Path], cfg: DataConfig, field_setting: str = "data.te
                 f"set {field_setting}"
             )
         if getattr(ds.features[column], "dtype", None) not in ("string", "large_string"):
-            raise DataError(f"column {column!r} of {_describe(group)} holds {ds.features[column]}, not text")
+            row = _locate_problem(group, column, field_setting)
+            raise DataError(f"column {column!r} of {_describe(group)} holds {ds.features[column]}, not text"
+                            + (f" (first at {row})" if row else ""))  # fmt: skip
         ds = ds.select_columns([column])
         parts.append(ds.rename_column(column, "text") if column != "text" else ds)
     ds = datasets.concatenate_datasets(parts)
@@ -309,10 +319,12 @@ def _open_binary(path: Path):
     return opener(path, "rb")
 
 
-def _locate_problem(files: list[Path], builder: str) -> str | None:
-    """`file: line N: cause` for the first line that is not UTF-8 (or, for JSON lines, not JSON).
+def _locate_problem(files: list[Path], column: str, field_setting: str) -> str | None:
+    """`file: line N: cause` for the first line that is not UTF-8 (or, for JSON lines, not a JSON
+    object with a text or null `column`).
 
-    Run only after datasets failed, to say where: its own errors name neither file nor line.
+    Run only after datasets failed, to say where: its own errors (a bare KeyError for a row
+    without the column, a CastError for a file without it) name neither file nor line.
     """
     import json
 
@@ -325,9 +337,15 @@ def _locate_problem(files: list[Path], builder: str) -> str | None:
                     return f"{path}: line {lineno}: not UTF-8 text (byte {e.start} of the line: {e.reason})"
                 if ".jsonl" in path.suffixes and line.strip():
                     try:
-                        json.loads(line)
+                        row = json.loads(line)
                     except ValueError as e:
                         return f"{path}: line {lineno}: not a JSON object ({e})"
+                    if not isinstance(row, dict):
+                        return f"{path}: line {lineno}: not a JSON object (a {type(row).__name__})"
+                    if column not in row:
+                        return f"{path}: line {lineno}: no field {column!r} (fields: {list(row)[:10]}); set {field_setting}"
+                    if not isinstance(row[column], str | None):
+                        return f"{path}: line {lineno}: field {column!r} is not text: {json.dumps(row[column])[:40]}"
     return None
 
 

@@ -459,6 +459,11 @@ def bad(tmp_path, cache_dir, default_tokenizer):
         ("other.jsonl", '{"body": "x"}\n', {}, "no column 'text'.*columns: \\['body'\\]\\); set data.text_field"),
         ("numbers.jsonl", '{"text": 5}\n', {}, "holds Value\\('int64'\\), not text"),
         ("broken.jsonl", '{"text": "x"\n', {}, "cannot read json data: .*broken.jsonl: line 1: not a JSON object"),
+        ("partial.jsonl", '{"text": "a"}\n{"body": "x"}\n{"text": "b"}\n', {},  # datasets: a bare KeyError
+         r"cannot read json data: \S*partial.jsonl: line 2: no field 'text' \(fields: \['body'\]\); set data.text_field$"),
+        ("mixed.jsonl", '{"text": "a"}\n{"text": "b"}\n{"text": [1]}\n', {},
+         r"column 'text' of \S*mixed.jsonl holds Json\(decode=True\), not text \(first at \S*mixed.jsonl: line 3: field "
+         r"'text' is not text: \[1\]\)$"),
         ("long.jsonl", json.dumps({"text": "word " * 200}), {"max_doc_tokens": 50}, "max_doc_tokens=50"),
     ],
 )
@@ -486,6 +491,19 @@ def test_tokenizer_without_bos_is_refused_unless_bos_is_off(tmp_path, bad):
     with pytest.raises(DataError, match="no BOS token; set data.add_bos=false"):
         bad("d.jsonl", '{"text": "x x"}\n', tokenizer=tok)
     assert bad("d.jsonl", add_bos=False, add_eos=False, tokenizer=tok)["doc_lens"] == [2] * 8
+
+
+def test_a_token_id_past_the_tokenizer_size_is_named_with_the_document(tmp_path, bad):
+    """ids with gaps: 4 ids, one of them 9000, which the embedding (4 rows) would meet as a bare IndexError."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    gaps = Tokenizer(models.WordLevel({"<s>": 0, "</s>": 1, "[UNK]": 2, "far": 9000}, unk_token="[UNK]"))
+    gaps.pre_tokenizer = pre_tokenizers.Whitespace()
+    gaps.save(str(tmp_path / "tokenizer.json"))
+    tok = load_tokenizer(tmp_path / "tokenizer.json")
+    with pytest.raises(DataError, match=r"d.jsonl: document 1: token id 9000 is outside the tokenizer's vocabulary "
+                                        r"of 4 ids"):  # fmt: skip
+        bad("d.jsonl", '{"text": "x x"}\n{"text": "x far"}\n', tokenizer=tok, shuffle=False)
 
 
 def test_bad_config_and_mismatched_state_fail_naming_the_problem(default_tokenizer, cache_dir):
