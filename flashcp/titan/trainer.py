@@ -42,13 +42,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torchtitan.components.dataloader import DataloaderExhaustedError
 from torchtitan.distributed.activation_checkpoint import FullAC
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
 from flashcp.costmodel.proxy import window_cost
 from flashcp.data.balance import WindowCost
+from flashcp.data.errors import DataError
 from flashcp.dispatch import build_dispatch
 from flashcp.titan.attention import CPStep
 from flashcp.titan.checkpoint import CheckpointError, Checkpointer
@@ -225,14 +225,23 @@ class FlashCPTrainer(Trainer):
     def batch_generator(
         self, data_iterable: Iterable[dict[str, Any]]
     ) -> Iterator[tuple[dict[str, Any], torch.Tensor]]:
-        """Windows from the loader as TorchTitan's `(input_dict, labels)`, with this rank's dispatch."""
+        """Windows from the loader as TorchTitan's `(input_dict, labels)`, with this rank's dispatch.
+
+        The loader ends only with `[data] loop = false`, and every step this is asked for is one that
+        `training.steps` still wants: a DataError (exit 2, one line on the launcher's console), where
+        TorchTitan's DataloaderExhaustedError would end the run early with exit 0 and a rank-log warning.
+        """
         data_iterator = iter(data_iterable)
         while True:
             start = time.perf_counter()
             try:
                 batch = next(data_iterator)
             except StopIteration as ex:
-                raise DataloaderExhaustedError() from ex
+                raise DataError(
+                    f"the data ran out in step {self.step} of [training] steps = {self.config.training.steps} with "
+                    f"[data] loop = false ({self.config.dataloader.data.source!r} holds too few windows); set "
+                    f"training.steps to at most {self.step - 1} or data.loop = true"
+                ) from ex
             self.metrics_processor.data_loading_times.append(time.perf_counter() - start)
             input_dict, labels = self._window_inputs(batch)
             self.metrics_processor.ntokens_since_last_log += labels.numel()

@@ -4,7 +4,9 @@ the all-default job, the tokenizer and the data (opened pre-launch), with file a
 from __future__ import annotations
 
 import gzip
+import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -69,6 +71,25 @@ def test_a_window_larger_than_the_host_memory_is_refused(tmp_path, cpu_machine):
         job(tmp_path, "--training.seq_len=2147483646")
     assert str(e.value) == ("[training] seq_len (2147483646) is too long for this host: one window's int64 tokens "
                             "and labels alone need 32.0 GiB and it has 24.0 GiB of memory")  # fmt: skip
+
+
+def test_data_running_out_before_the_last_step_ends_the_run_with_a_job_error(tmp_path):
+    """loop = false: TorchTitan's trainer stops early on exhausted data and exits 0; this is a DataError
+    (train.py: exit 2 and one line the launcher prints), naming the step and what to change."""
+    from harness import single_rank, tiny_job, train
+
+    data = tmp_path / "few.jsonl"
+    data.write_text("".join(json.dumps({"text": f"document {i} " + "word " * 120}) + "\n" for i in range(4)))
+    cfg = tiny_job(tmp_path / "out", data={"source": str(data), "loop": False},
+                   training={"steps": 50})  # fmt: skip
+    with single_rank(), pytest.raises(DataError) as e:
+        train(cfg)
+    found = re.fullmatch(
+        rf"the data ran out in step (\d+) of \[training\] steps = 50 with \[data\] loop = false \({str(data)!r} "
+        r"holds too few windows\); set training.steps to at most (\d+) or data.loop = true",
+        str(e.value),
+    )
+    assert found and 1 < int(found[1]) < 50 and int(found[2]) == int(found[1]) - 1, str(e.value)
 
 
 def test_a_relative_dump_folder_becomes_absolute_where_the_job_is_loaded(tmp_path, monkeypatch):
