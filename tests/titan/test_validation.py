@@ -79,7 +79,7 @@ def test_data_running_out_before_the_last_step_ends_the_run_with_a_job_error(tmp
     from harness import single_rank, tiny_job, train
 
     data = tmp_path / "few.jsonl"
-    data.write_text("".join(json.dumps({"text": f"document {i} " + "word " * 120}) + "\n" for i in range(4)))
+    data.write_text("".join(json.dumps({"text": f"document {i} " + "word " * 120}) + "\n" for i in range(20)))
     cfg = tiny_job(tmp_path / "out", data={"source": str(data), "loop": False},
                    training={"steps": 50})  # fmt: skip
     with single_rank(), pytest.raises(DataError) as e:
