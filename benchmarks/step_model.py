@@ -2,24 +2,32 @@
 
     python benchmarks/step_model.py [--models 8b 70b] [--contexts 131072 524288] [--dp 1 8 64]
                                     [--datasets wlbllm pile] [--cp 8] [--steps S] [--seed X]
-                                    [--dense-tflops T] [--inter-node-gbps B] [--json]
+                                    [--dense-tflops T] [--inter-node-gbps B] [--no-ac]
+                                    [--no-paper-ratio] [--ratio-windows W] [--json]
+    python benchmarks/step_model.py validate [the same calibration options]
 
-Each step draws documents from the length distribution until dp x C tokens (one window per DP
-group and step, the last document cut): the tokens one optimizer step trains. Every system trains
-the same documents:
-  llama3     Llama3-style CP (per-sequence plan, full KV all-gather), windows in stream order
-  per_doc    Per-Doc CP (every document split over the ranks, full all-gather), stream order
-  flashcp    FlashCP (Algorithm 1, compact all-gather), stream order
-  flashcp+balance      the stream's pieces moved between the DP groups' windows (`[data] balance =
-                       "mesh"`): the same tokens and, but for a few short pieces cut at a window's
-                       end, the same attended pairs
-  flashcp+balance-cut  the step's documents joined and the longest cut until every window is within
-                       1.05 x the mean (`balance = "mesh-cut"`): fewer attended pairs, so part of
-                       its gain is work not done; `attention_pairs_kept` says how much
-The step model is `flashcp.costmodel.step` (dense GEMMs at an assumed efficiency, the calibrated
-attention-layer model, FSDP traffic, the slowest DP group); the attention layer is calibrated from
-the shared H100 FlashAttention profile and H200 nccl-tests tables in ../shared/data/gpu_profiles
-(or --kernel / --collectives). Results: benchmarks/results/step_model.json.
+Each step is stream packing's next dp x C tokens of documents drawn from the length distribution
+(`prolong`: benchmarks/balance.py's ProLong-like mix), the last one carried into the next step:
+the tokens one optimizer step trains (one window per DP group). Every system trains
+the same documents, each in two layouts, so what the CP system adds and what balance adds are
+separate figures:
+  llama3    Llama3 CP (per-sequence plan, full KV all-gather)
+  per_doc   Per-Doc CP (every document split over the ranks, full all-gather)
+  flashcp   FlashCP (Algorithm 1, compact all-gather)
+  +mesh     the same, with the stream's pieces moved between the DP groups' windows (`[data]
+            balance = "mesh"`): the same tokens and, but for a few short pieces cut at a window's
+            end, the same attended pairs. Any CP system can use it.
+The model is `flashcp.costmodel.step`: dense GEMMs at TorchTitan's published 33 % MFU (one number,
+`flashcp.costmodel.proxy.DENSE_MFU`, which the balancer's cost uses too), full activation
+checkpointing's recompute (the shipped configs), the attention-layer model calibrated from the
+shared H100 FlashAttention profile and H200 nccl-tests tables (or --kernel / --collectives), each
+system's attention scaled to the paper's measured speedups (`paper_ratio_scales`, evaluated here
+on the paper's setting with --ratio-windows windows per dataset; --no-paper-ratio once a GPU
+check's per-rank timings calibrate the kernel model), FSDP traffic and the slowest DP group.
+Results: benchmarks/results/step_model.json.
+
+`validate` prints the model's prediction next to every public measurement it can predict, with
+the error of each and whether the comparison is like for like (results/step_model_validate.json).
 """
 
 from __future__ import annotations
@@ -27,8 +35,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -36,58 +45,130 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from balance import steps  # noqa: E402
+from balance import sampler, Stream  # noqa: E402
+from costmodel import PAPER_SPEEDUP, evaluate as layer_times  # noqa: E402
 
-from flashcp.costmodel import load_cost_model, ProfileError  # noqa: E402
-from flashcp.costmodel.step import LLAMA3_8B, LLAMA3_70B, MeshAssumptions, StepModel  # noqa: E402
-from flashcp.data.balance import balance_step, stream_windows, WindowCost  # noqa: E402
-from flashcp.data.lengths import length_sampler  # noqa: E402
+from flashcp.costmodel import load_cost_model, CostModel, ProfileError  # noqa: E402
+from flashcp.costmodel.proxy import window_cost  # noqa: E402
+from flashcp.costmodel.step import (  # noqa: E402
+    LLAMA3_8B,
+    LLAMA3_70B,
+    MeshAssumptions,
+    StepModel,
+    paper_ratio_scales,
+)
+from flashcp.data.balance import balance_step, stream_windows  # noqa: E402
 
 SHARED_PROFILES = ROOT.parent / "shared" / "data" / "gpu_profiles"
 MODELS = {"8b": LLAMA3_8B, "70b": LLAMA3_70B}
-SYSTEMS = ("llama3", "per_doc", "flashcp", "flashcp+balance", "flashcp+balance-cut")
-TARGET = {"flashcp+balance": None, "flashcp+balance-cut": 1.05}
+SYSTEMS = ("llama3", "per_doc", "flashcp")
+PARTS = ("dense", "attention", "recompute", "fsdp_exposed")
+PAPER_COMM_CUT = {"wlbllm": 0.236, "pile": 0.345}  # paper Sec. 5.3: FlashCP's comm below Per-Doc CP's, N = 8
+# TorchTitan docs/performance.md (torchtitan 9dec370, 2024-12): Llama 3.1 8B, one causal sequence per
+# window, tokens/s/GPU. (table, DP, CP, sequence, local batch, full AC, eager bf16 like this model)
+TORCHTITAN = (
+    ("Table 1: FSDP 8, 8K", 8, 1, 8192, 2, False, True, 5762.0),
+    ("Table 3: FSDP 128, 8K", 128, 1, 8192, 2, False, True, 5605.0),
+    ("Table 2: FSDP 8, CP 1, 32K", 8, 1, 32768, 1, True, False, 3890.0),
+    ("Table 2: FSDP 4, CP 2, 64K", 4, 2, 65536, 1, True, False, 2540.0),
+    ("Table 2: FSDP 2, CP 4, 128K", 2, 4, 131072, 1, True, False, 1071.0),
+    ("Table 2: FSDP 1, CP 8, 256K", 1, 8, 262144, 1, True, False, 548.0),
+)
 
 
 def pairs(windows) -> float:
     return float(sum(n * (n + 1) / 2 for w in windows for n in w))
 
 
+def paper_layer_times(attention: CostModel, windows: int, seed: int) -> dict:
+    """The layer model on the paper's Fig. 5 setting: 128K, 3 datasets, N in {4, 8}, H in {16, 32}, MHA."""
+    args = SimpleNamespace(windows=windows, seed=seed, target_imbalance=1.05, kv_heads=None)
+    return {(d, n): layer_times(attention, d, 131072, n, (16, 32), args)
+            for d in ("wlbllm", "pile", "redpajama") for n in (4, 8)}  # fmt: skip
+
+
+def modelled_speedups(times: dict) -> dict[str, float]:
+    """FlashCP's speedup over every system, averaged over the paper's configurations (training)."""
+    per = [{s: t[s]["training"] / t["flashcp"]["training"] for s in t}
+           for r in times.values() for t in r["heads"].values()]  # fmt: skip
+    return {s: float(np.mean([p[s] for p in per])) for s in per[0]}
+
+
 def evaluate(model: StepModel, doc_lens_per_step: list[list[int]], context: int) -> dict:
-    m, dp, cp = model.model, model.dp, model.cp
-    cost = WindowCost(m.dense_flops_per_token, 12.0 * m.dim * m.n_layers, cp)
-    totals = {s: [] for s in SYSTEMS}
-    spread = {s: [] for s in SYSTEMS}
-    parts = {s: np.zeros(3) for s in SYSTEMS}
-    kept = {s: [] for s in TARGET}
+    m = model.model
+    cost = window_cost(m.dense_flops_per_token, 12.0 * m.heads * m.head_dim * m.n_layers, model.cp,
+                       model.assume.full_ac)  # fmt: skip
+    names = [f"{s}{layout}" for s in SYSTEMS for layout in ("", "+mesh")]
+    totals, spread, kept = {n: [] for n in names}, {n: [] for n in names}, []
+    parts = {n: np.zeros(4) for n in names}
     for lens in doc_lens_per_step:
         stream = [[w] for w in stream_windows(lens, context)]
-        pieces = [n for w in stream for n in w[0]]
-        for system in SYSTEMS:
-            if system in TARGET:
-                docs = pieces if TARGET[system] is None else lens
-                placed = balance_step(docs, dp, 1, context, cost, TARGET[system])
-                windows = [[[p.length for p in w] for w in rank] for rank in placed]
-                kept[system].append(pairs(w[0] for w in windows) / pairs(w[0] for w in stream))
-                result = model.step("flashcp", windows)
-            else:
-                result = model.step(system, stream)
-            totals[system].append(result.total)
-            spread[system].append(float(np.mean(result.group_spread)))
-            parts[system] += (result.dense, result.attention, result.fsdp_exposed)
+        placed = balance_step([n for w in stream for n in w[0]], model.dp, 1, context, cost, None)
+        mesh = [[[p.length for p in w] for w in rank] for rank in placed]
+        kept.append(pairs(w[0] for w in mesh) / pairs(w[0] for w in stream))
+        for name in names:
+            result = model.step(name.removesuffix("+mesh"), mesh if name.endswith("+mesh") else stream)
+            totals[name].append(result.total)
+            spread[name].append(float(np.mean(result.group_spread)))
+            parts[name] += (result.dense, result.attention, result.recompute, result.fsdp_exposed)
     n = len(doc_lens_per_step)
     step_s = {s: float(np.mean(v)) / 1e3 for s, v in totals.items()}
     return {
         "step_s": step_s,
+        "tokens_per_s_per_gpu": {s: context / model.cp / t for s, t in step_s.items()},
         "speedup_vs_llama3": {s: step_s["llama3"] / t for s, t in step_s.items()},
         "dp_group_max_over_mean": {s: float(np.mean(v)) for s, v in spread.items()},
-        "breakdown_s": {s: dict(zip(("dense", "attention", "fsdp_exposed"), (p / n / 1e3).tolist()))
+        "breakdown_s": {s: dict(zip(PARTS, (p / n / 1e3).tolist()))
                         for s, p in parts.items()},  # fmt: skip
-        "attention_pairs_kept": {s: float(np.mean(v)) for s, v in kept.items()},
+        "mesh_attention_pairs_kept": float(np.mean(kept)),
     }
 
 
+def throughput(system: str, attention: CostModel, assume: MeshAssumptions, dp: int, cp: int,
+               seq: int, batch: int, full_ac: bool) -> float:  # fmt: skip
+    """Predicted Llama 3 8B tokens/s/GPU of `batch` causal sequences of `seq` tokens per DP group."""
+    step = StepModel(attention, LLAMA3_8B, cp, dp, replace(assume, full_ac=full_ac))
+    ms = step.step(system, [[[seq] * batch]] * dp).total
+    return batch * seq / cp / (ms / 1e3)
+
+
+def validate(attention: CostModel, assume: MeshAssumptions, times: dict, raw: dict[str, float]) -> list[dict]:
+    """Every public measurement the model predicts: (what, measured, predicted, error, like for like)."""
+    f = assume.attention_scale.get("flashcp", 1.0)
+    rows = []
+    for base, label in (("llama3", "Llama3 CP"), ("per_doc", "Per-Doc CP"), ("ring", "Ring-Attn"),
+                        ("zigzag", "Ring-Attn (Zigzag)")):  # fmt: skip
+        fitted = base in assume.attention_scale
+        rows.append({"what": f"paper Fig. 5: FlashCP / {label}, layer model alone",
+                     "measured": PAPER_SPEEDUP[base], "predicted": raw[base],
+                     "note": "like for like (avg of 12 configs, training)"})  # fmt: skip
+        scaled = raw[base] * assume.attention_scale.get(base, 1.0) / f
+        rows.append({"what": f"paper Fig. 5: FlashCP / {label}, calibrated", "measured": PAPER_SPEEDUP[base],
+                     "predicted": scaled,
+                     "note": "fitted to this row (no test)" if fitted else "held out"})  # fmt: skip
+    for d, cut in PAPER_COMM_CUT.items():
+        t = times[(d, 8)]["heads"]["32"]
+        comm = {s: t[s]["comm_fwd"] + t[s]["comm_bwd"] for s in ("flashcp", "per_doc")}
+        rows.append({"what": f"paper Sec. 5.3: FlashCP comm below Per-Doc CP, {d}, N = 8",
+                     "measured": cut, "predicted": 1 - comm["flashcp"] / comm["per_doc"],
+                     "note": "paper's H not stated (H = 32 here)"})  # fmt: skip
+    for what, dp, cp, seq, batch, full_ac, alike, tps in TORCHTITAN:
+        note = "selective op AC modelled as none" if alike else "measured compiled, Float8; modelled eager bf16"
+        note += "; their H100s at 500 W"
+        # PyTorch's context_parallel (default all-gather rotation, head-tail balance): one all-gather as in
+        # Llama3 CP, then blockwise kernels with partial-result merges as in zigzag ring attention.
+        for system in ("llama3", "zigzag") if cp > 1 else ("llama3",):
+            rows.append({"what": f"TorchTitan {what} tokens/s/GPU" + (f", as {system}" if cp > 1 else ""),
+                         "measured": tps, "note": note,
+                         "predicted": throughput(system, attention, assume, dp, cp, seq, batch, full_ac)})
+    for r in rows:
+        r["error"] = r["predicted"] / r["measured"] - 1.0
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
+    given = list(sys.argv[1:] if argv is None else argv)
+    command, options = (given[0], given[1:]) if given[:1] == ["validate"] else ("table", given)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     p.add_argument("--contexts", nargs="+", type=int, default=[131072, 524288])
@@ -98,44 +179,66 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dense-tflops", type=float, default=MeshAssumptions.dense_tflops)
     p.add_argument("--inter-node-gbps", type=float, default=MeshAssumptions.inter_node_busbw_gbps)
+    p.add_argument("--no-ac", action="store_true", help="no activation checkpointing (no recompute)")
+    p.add_argument("--no-paper-ratio", action="store_true", help="the layer model's attention times unscaled")
+    p.add_argument("--ratio-windows", type=int, default=30, help="windows per dataset of the paper's setting")
     p.add_argument("--kernel", nargs="+", type=Path, default=[SHARED_PROFILES])
     p.add_argument("--collectives", nargs="+", type=Path, default=[SHARED_PROFILES])
     p.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
-    args = p.parse_args(argv)
+    args = p.parse_args(options)
     try:
         attention, _ = load_cost_model(args.collectives, args.kernel)
     except (OSError, ProfileError) as e:
         p.error(f"cannot load the attention model's calibration: {e}")
-    assume = MeshAssumptions(dense_tflops=args.dense_tflops, inter_node_busbw_gbps=args.inter_node_gbps)
+    times = paper_layer_times(attention, args.ratio_windows, args.seed)
+    raw = modelled_speedups(times)
+    scales = {} if args.no_paper_ratio else paper_ratio_scales(raw, PAPER_SPEEDUP)
+    assume = MeshAssumptions(dense_tflops=args.dense_tflops, full_ac=not args.no_ac, attention_scale=scales,
+                             inter_node_busbw_gbps=args.inter_node_gbps)  # fmt: skip
+    payload = {
+        "command": "python benchmarks/step_model.py " + " ".join(given),
+        "modelled": "predictions are modelled (flashcp.costmodel.step); only 'measured' values are measured",
+        "assumptions": {**asdict(assume), "attention_scale": dict(scales)},
+        "calibration": {"kernel": [str(k) for k in args.kernel],
+                        "collectives": [str(c) for c in args.collectives],
+                        "paper_ratio_windows": args.ratio_windows, "layer_model_speedups": raw},  # fmt: skip
+    }
+    if command == "validate":
+        payload["rows"] = validate(attention, assume, times, raw)
+        print(f"{'measurement':62s} {'measured':>9s} {'predicted':>9s} {'error':>7s}  note")
+        for r in payload["rows"]:
+            print(f"{r['what']:62s} {r['measured']:9.3f} {r['predicted']:9.3f} {100 * r['error']:+6.1f}%  "
+                  + r["note"])
+        name = "step_model_validate.json"
+    else:
+        payload["runs"] = table(args, attention, assume)
+        name = "step_model.json"
+    args.results.mkdir(parents=True, exist_ok=True)
+    (args.results / name).write_text(json.dumps(payload, indent=1) + "\n")
+    if args.json:
+        print(json.dumps(payload))
+    return 0
+
+
+def table(args: argparse.Namespace, attention: CostModel, assume: MeshAssumptions) -> list[dict]:
+    """Every (dataset, context, DP, model) setting of the options; one line of speedups each on stderr."""
     runs = []
     for dataset in args.datasets:
         for context in args.contexts:
             for dp in args.dp:
-                draws = steps(length_sampler(dataset, seed=args.seed), dp * context)
-                lens = [next(draws) for _ in range(args.steps)]
+                stream = Stream(sampler(dataset, args.seed))
+                lens = [stream.step(dp * context)[0] for _ in range(args.steps)]
                 plans: dict = {}  # plans depend on the windows only: shared by the models
                 for name in args.models:
-                    model = StepModel(attention, MODELS[name], args.cp, dp, assume, plans)
-                    out = evaluate(model, lens, context)
+                    out = evaluate(StepModel(attention, MODELS[name], args.cp, dp, assume, plans), lens, context)
                     out["setting"] = {"model": MODELS[name].name, "dataset": dataset, "context": context,
                                       "dp": dp, "cp": args.cp, "steps": args.steps, "seed": args.seed}  # fmt: skip
                     runs.append(out)
                     speed = "  ".join(f"{s} {v:.2f}x" for s, v in out["speedup_vs_llama3"].items() if s != "llama3")
                     print(f"{MODELS[name].name:12s} {dataset:7s} C={context // 1024}K DP={dp:<3d} Llama3 CP "
                           f"{out['step_s']['llama3']:7.2f} s/step  {speed}", file=sys.stderr, flush=True)  # fmt: skip
-    payload = {
-        "command": "python benchmarks/step_model.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "modelled": "every figure is predicted by flashcp.costmodel.step, none is measured",
-        "assumptions": asdict(assume),
-        "calibration": {"kernel": [str(k) for k in args.kernel], "collectives": [str(c) for c in args.collectives]},
-        "runs": runs,
-    }
-    args.results.mkdir(parents=True, exist_ok=True)
-    (args.results / "step_model.json").write_text(json.dumps(payload, indent=1) + "\n")
-    if args.json:
-        print(json.dumps(payload))
-    return 0
+    return runs
 
 
 if __name__ == "__main__":

@@ -2,12 +2,14 @@
 
 Balancing compares windows by predicted time, so dense work and attention must be priced at what
 each achieves, not both as FLOPs: the dense GEMMs at TorchTitan's published MFU for Llama 3.1 8B
-on H100 (33 %, eager, FSDP on 8 GPUs: docs/performance.md of TorchTitan), attention at what the
-step model's kernel model (fitted to the H100 FlashAttention profile) gives a long causal document
-forward + backward (~326 TFLOP/s). The embedding lookup is no GEMM and is left out. With full
-activation checkpointing the forward runs twice: dense 8 instead of 6 FLOPs per parameter and
-token, attention 18 instead of 14 FLOPs per head dimension and pair (backward = 2.5 x forward).
-`flashcp.costmodel.step` uses the same constants.
+on H100 (33 %, eager, FSDP on 8 GPUs: docs/performance.md of TorchTitan, Table 1's 5,762
+tokens/s per GPU at 8K against the SXM peak; `DENSE_MFU` is the one place this number lives),
+attention at what the step model's kernel model (fitted to the H100 FlashAttention profile) gives
+a long causal document forward + backward (~326 TFLOP/s). The embedding lookup is no GEMM and is
+left out. With full activation checkpointing the forward runs twice: dense 8 instead of 6 FLOPs
+per parameter and token, attention 18 instead of 14 FLOPs per head dimension and pair (backward =
+2.5 x forward).
+`flashcp.costmodel.step` uses the same constants (and validates them: benchmarks/step_model.py validate).
 """
 
 from __future__ import annotations
