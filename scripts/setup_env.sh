@@ -12,13 +12,22 @@ VENV="${FLASHCP_VENV:-$ROOT/.venv}"
 PYTHON="${PYTHON:-python3}"
 
 # Installed distributions are looked up without importing them (importing torchtitan takes seconds).
-if [[ -x "$VENV/bin/python" ]] && "$VENV/bin/python" -c "
+ready() {
+    [[ -x "$VENV/bin/python" ]] && "$VENV/bin/python" -c "
 import importlib.metadata as m
 for name in ('torch', 'torchtitan', 'triton', 'tensorboard', 'tokenizers', 'sentencepiece',
              'datasets', 'pytest', 'hypothesis'):
     m.version(name)
-" 2>/dev/null; then
-    exit 0
+" 2>/dev/null
+}
+ready && exit 0
+
+# Several nodes sharing one checkout start here at once: one sets the venv up, the others wait for
+# it and then find it ready (flock works on NFS through its lock daemon, and on local disks).
+if command -v flock >/dev/null; then
+    exec 9>"$VENV.setup.lock"
+    flock 9
+    ready && exit 0
 fi
 
 # torchtitan 0.3.0 requires Python >= 3.11: check the interpreter before creating or installing

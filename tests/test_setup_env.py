@@ -3,6 +3,7 @@ installs anything (rather than failing deep inside pip), also inside a venv an e
 
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 from pathlib import Path
@@ -71,3 +72,21 @@ def test_a_missing_interpreter_is_named(tmp_path):
 
 def test_the_declared_requirement_matches():
     assert 'requires-python = ">=3.11"' in (ROOT / "pyproject.toml").read_text()
+
+
+def test_a_second_node_waits_for_the_first_ones_setup(tmp_path):
+    """Two nodes sharing a checkout: while one holds the set-up lock, another does nothing; it goes on
+    (and finds the venv made or makes it) once the lock is free."""
+    python = _fake_python(tmp_path / "bin/python3", "3.11")
+    lock = os.open(tmp_path / "venv.setup.lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(lock, fcntl.LOCK_EX)  # the first node, setting up
+    try:
+        env = {**os.environ, "PYTHON": str(python), "FLASHCP_VENV": str(tmp_path / "venv")}
+        waiting = subprocess.Popen(["bash", str(ROOT / "scripts/setup_env.sh")], env=env, stderr=subprocess.PIPE)
+        with pytest.raises(subprocess.TimeoutExpired):
+            waiting.wait(timeout=3)
+        assert _calls(python) == []  # waited before the version check, so before creating anything
+    finally:
+        os.close(lock)
+    assert waiting.wait(timeout=300) != 0  # the fake cannot make a venv, but it went on to try
+    assert any(call.startswith("-m venv") for call in _calls(python))

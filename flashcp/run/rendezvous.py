@@ -7,8 +7,8 @@ meet first, on a small store of their own at the rendezvous port + 1 (`meet`):
 
 - the coordinator (NODE_RANK 0, or with `RDZV_ENDPOINT` whichever launcher binds the address)
   holds the dump folder's lock, writes a random token into the folder and publishes the job's
-  card: its identity (`RUN_ID`, else the dump folder), a fingerprint of the resolved settings and
-  of the code, and the token;
+  card: its identity (`RUN_ID`, else the dump folder), the resolved settings, a fingerprint of
+  the code, and the token;
 - every other node refuses, with one line, another job's card, other settings (naming the first
   setting that differs), a node slot already taken, or a dump folder that does not hold the
   coordinator's token (a node-local folder: the folder must be shared);
@@ -48,10 +48,8 @@ class JobCard:
     settings: dict[str, Any]  # the resolved job, flattened to "section.key" -> value
     code: str  # fingerprint of the code the ranks run
 
-    @property
-    def fingerprint(self) -> str:
-        text = json.dumps([self.settings, self.code], sort_keys=True, default=str)
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
+    def __post_init__(self) -> None:  # as the other nodes see it: through JSON
+        object.__setattr__(self, "settings", json.loads(json.dumps(self.settings, default=str)))
 
 
 def run_id(dump_folder: str) -> str:
@@ -151,7 +149,7 @@ def meet(card: JobCard, dump_folder: str, nnodes: int, node_rank: int | None, ti
         try:
             token = secrets.token_hex(16)
             _write_token(Path(dump_folder), token)
-            store.set("flashcp/card", json.dumps({**asdict(card), "fingerprint": card.fingerprint}))
+            store.set("flashcp/card", json.dumps(asdict(card)))
             store.set("flashcp/token", token)
             store.add("flashcp/nodes", 1)
             if node_rank is not None:
@@ -184,11 +182,11 @@ def _check_card(theirs: dict[str, Any], mine: JobCard, host: str, port: int) -> 
             f"(dump folder {theirs['settings'].get('job.dump_folder')}), not to this node's job {mine.run_id} "
             f"(dump folder {mine.settings.get('job.dump_folder')}): give each job its own rendezvous address"
         )
-    if theirs["code"] != mine.code:
-        raise JobMismatch("this node runs other code than the coordinator (another FlashCP version or local edits)")
-    if theirs["fingerprint"] != mine.fingerprint:
+    if theirs["settings"] != mine.settings:
         diff = first_difference(mine.settings, theirs["settings"])
         raise JobMismatch(f"this node's settings differ from the coordinator's: {diff}")
+    if theirs["code"] != mine.code:
+        raise JobMismatch("this node runs other code than the coordinator (another FlashCP version or local edits)")
 
 
 class _Stop(Exception):
