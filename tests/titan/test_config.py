@@ -240,15 +240,16 @@ OWN_DEFAULTS = {("training", "local_batch_size"), ("checkpoint", "last_save_mode
 
 
 def test_schema_defaults_and_names_match_torchtitan():
-    """Every TOML key that maps onto a TorchTitan field exists there with the same default."""
-    from torchtitan.components.checkpoint import CheckpointManager
+    """Every TOML key that maps onto a TorchTitan field exists there with the same default (the
+    checkpoint section through FlashCP's Checkpointer.Config, which adds `load_unverified`)."""
+    from flashcp.titan.checkpoint import Checkpointer
     from torchtitan.components.metrics import MetricsProcessor
     from torchtitan.components.optimizer import LRSchedulersContainer
     from torchtitan.config import TrainingConfig
     from torchtitan.config.configs import CommConfig, CompileConfig, ParallelismConfig
 
     targets = {
-        "training": TrainingConfig, "parallelism": ParallelismConfig, "checkpoint": CheckpointManager.Config,
+        "training": TrainingConfig, "parallelism": ParallelismConfig, "checkpoint": Checkpointer.Config,
         "metrics": MetricsProcessor.Config, "lr_scheduler": LRSchedulersContainer.Config,
         "compile": CompileConfig, "comm": CommConfig,
     }  # fmt: skip
