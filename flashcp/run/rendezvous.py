@@ -221,6 +221,8 @@ def _connect(host: str, port: int, timeout_s: float) -> Any:
         try:
             while True:
                 try:
+                    # A plain socket probes first: c10d's client logs every failed attempt on the console.
+                    socket.create_connection((host, port), timeout=CONNECT_TRY_S).close()
                     store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=CONNECT_TRY_S))
                     store.get("flashcp/card")  # a store that is not a FlashCP coordinator's times out here
                     return store
