@@ -5,7 +5,8 @@
 - the token store: `prepare` (tokenise once, `python -m flashcp.data.prepare`), `store` (numpy
   memory maps) and `store_source` (a rank reads only its own windows);
 - windows: `packing` (documents back to back into windows of exactly C tokens), `balance`
-  (global-batch balancing over data-parallel ranks and micro steps);
+  (global-batch balancing over data-parallel ranks and micro steps), `deferral` (balancing by
+  letting long documents wait a bounded number of steps);
 - batches: `loader` (the background thread that reads, packs, plans and dispatches, and its
   resumable state);
 - `lengths`: document-length distributions for planning studies and synthetic data.

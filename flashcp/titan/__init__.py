@@ -3,7 +3,8 @@
 The job file -> TorchTitan's config (`config`, `job`), the launcher's front end that checks a job
 (`launch`, `preflight`), the model specs with FlashCP's attention swapped in from outside
 (`model`, `attention`), the trainer (`trainer`), the data loader as TorchTitan sees it
-(`components`), metrics (`metrics`), checkpoints through TorchTitan's manager (`checkpoint`) and
+(`components`), the chunked loss (`loss`), metrics (`metrics`), checkpoints through TorchTitan's
+manager (`checkpoint`), the dry run on fake tensors (`dryrun`, `memtrack`, `memory_estimate`) and
 the version shims (`compat`, each commented with the versions that need it).
 
 May import: torchtitan, torch, and every other room of FlashCP (the engine, `flashcp.data`,
