@@ -4,8 +4,9 @@ The job front end (`flashcp.titan.launch`) checks the job; this module knows not
 it gets the dump folder and the ranks' arguments. Ranks per node: `NGPU`, else the visible GPUs,
 else (no GPU: gloo on CPU) the world size the job's layout fixes, or 2. Multi-node jobs pass
 torchrun's rendezvous through the environment: `NNODES`, `NODE_RANK`, `MASTER_ADDR`,
-`MASTER_PORT`, or `RDZV_ENDPOINT` (+ `RDZV_ID`, `RDZV_BACKEND`). `LOG_RANK` (default 0) picks the
-local ranks shown on the console; every rank's full log goes to `<dump_folder>/logs/`.
+`MASTER_PORT`, or `RDZV_ENDPOINT` (+ `RDZV_BACKEND`); `MAX_RESTARTS` allows elastic restarts.
+`LOG_RANK` (default 0) picks the local ranks shown on the console; every rank's full log goes to
+`<dump_folder>/logs/<time>-node<k>-<host>/`.
 
 SIGTERM / Ctrl-C stop the run at the next step boundary with a checkpoint (`flashcp.run.preemption`);
 `FLASHCP_STOP_TIMEOUT` (default 600 s) is how long the ranks get for that save before they are
