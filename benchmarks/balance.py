@@ -22,6 +22,13 @@ waited) and the share of tokens that waited; balancing time per step (wall and C
 core: deferral's selection plus the packing). The JSON keeps `{"off", "balanced", "plan_ms",
 "plan_cpu_ms", "attention_pairs_kept_vs_off"}` plus `delay_steps`, `delayed_token_share`,
 `pieces_bound` and, with --all-modes, `modes`: the same figures for every mode.
+
+    python benchmarks/balance.py --rule benchmarks/results/balance_modes.jsonl
+
+applies the issue's rule to saved `--json` lines (one per setting, --all-modes or one --mode each):
+the default is the mode that reaches p95 <= 1.05 with delay p90 <= 8 steps in the most settings,
+then keeps the most attended pairs; it prints every setting's figures and says whether the chosen
+mode meets the rule everywhere.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -42,7 +50,7 @@ from flashcp.data.sources import DataConfig
 LLAMA3_8B = {"params": 8.03e9, "vocab": 128256, "dim": 4096, "n_layers": 32}
 MODES = ("off", "mesh", "mesh-cut", "deferral", "deferral-cut")
 SWEEP = (("off", 0), ("mesh", 0), ("mesh-cut", 0), *(("deferral", k) for k in (4, 8, 16, 32)),
-         ("deferral-cut", DataConfig.max_delay_steps))  # fmt: skip
+         *(("deferral-cut", k) for k in (8, 16)))  # fmt: skip
 PROLONG = LognormalMixture.from_token_shares(("long", "short"), (0.4, 0.6), (65536.0, 1500.0))
 
 
@@ -185,9 +193,57 @@ def report(source: str, context: int, dp: int, cp: int, n_steps: int, micro: int
     if all_modes:
         result["modes"] = {}
         for m, k in SWEEP:
-            key = f"{m}-{k}" if m == "deferral" else m
+            key = f"{m}-{k}" if m.startswith("deferral") else m
             result["modes"][key] = off if m == "off" else run(source, context, dp, cp, n_steps, micro, seed, m, k)
     return result
+
+
+def by_setting(records: Iterable[dict]) -> dict[str, dict[str, dict]]:
+    """Every mode's figures per setting ("pile 512K DP 64"), deferral modes named with their bound."""
+    table: dict[str, dict[str, dict]] = {}
+    for record in records:
+        s = record["setting"]
+        key = f"{s['distribution']} {s['context'] // 1024}K DP {s['dp']}"
+        for fig in (record.get("modes") or {"": record}).values():
+            mode, delay = fig["setting"]["mode"], fig["setting"]["max_delay"]
+            table.setdefault(key, {})[mode if delay is None else f"{mode}-{delay}"] = fig
+    return table
+
+
+def meets(fig: dict, target: float = 1.05, max_p90: float = 8.0) -> bool:
+    return fig["balanced"]["p95"] <= target and fig["delay_steps"]["p90"] <= max_p90
+
+
+def choose(table: dict[str, dict[str, dict]]) -> tuple[str, dict[str, tuple[int, float]]]:
+    """The mode meeting the rule in the most settings, then keeping the most pairs (mean over settings),
+    among the modes measured in every setting; and each such mode's (settings met, mean pairs kept)."""
+    modes = set.intersection(*(set(m) for m in table.values()))
+    if not modes:
+        raise SystemExit("no mode was measured in every setting")
+    score = {}
+    for m in modes:
+        kept = float(np.mean([t[m]["attention_pairs_kept_vs_off"] for t in table.values()]))
+        score[m] = (sum(meets(t[m]) for t in table.values()), kept)
+    return max(score, key=score.__getitem__), score
+
+
+def print_rule(path: str) -> None:
+    with open(path) as f:
+        table = by_setting(json.loads(line) for line in f if line.strip())
+    best, score = choose(table)
+    print("p95 max / mean, attended pairs kept vs stream packing, delay p90 (steps), balancing CPU ms p99:")
+    for setting, modes in table.items():
+        print(f"  {setting}")
+        for mode, fig in sorted(modes.items()):
+            kept = 100 * fig["attention_pairs_kept_vs_off"]
+            print(f"    {mode:16s} {fig['balanced']['p95']:6.3f}  {kept:5.1f} %  p90 {fig['delay_steps']['p90']:4.1f}"
+                  f"  CPU p99 {fig['plan_cpu_ms']['p99']:5.1f}" + ("  meets" if meets(fig) else ""))
+    for mode, (met, kept) in sorted(score.items(), key=lambda kv: kv[1], reverse=True):
+        print(f"  {mode:16s} meets p95 <= 1.05 with delay p90 <= 8 in {met} / {len(table)} settings, "
+              f"mean pairs kept {100 * kept:.1f} %")
+    met = score[best][0]
+    verdict = "everywhere" if met == len(table) else f"in {met} of {len(table)} settings: none meets it everywhere"
+    print(f"rule's choice: {best} (meets the rule {verdict})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -195,10 +251,11 @@ def main(argv: list[str] | None = None) -> int:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--distribution", help="a flashcp.data.lengths distribution: wlbllm, pile, redpajama")
     source.add_argument("--lengths-file", help="a JSON list of document lengths to sample from")
-    parser.add_argument("--context", type=int, required=True, help="window length C (tokens)")
-    parser.add_argument("--dp", type=int, required=True)
-    parser.add_argument("--cp", type=int, required=True)
-    parser.add_argument("--steps", type=int, required=True)
+    source.add_argument("--rule", help="apply the default's rule to saved --json lines (a .jsonl file)")
+    parser.add_argument("--context", type=int, help="window length C (tokens)")
+    parser.add_argument("--dp", type=int)
+    parser.add_argument("--cp", type=int)
+    parser.add_argument("--steps", type=int)
     parser.add_argument("--micro", type=int, default=1, help="gradient-accumulation micro steps per step")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--mode", choices=MODES, help="[data] balance mode (default: the trainer's)")
@@ -206,6 +263,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--all-modes", action="store_true", help="also report every mode (key 'modes')")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    if args.rule:
+        print_rule(args.rule)
+        return 0
+    if None in (args.context, args.dp, args.cp, args.steps):
+        parser.error("--context, --dp, --cp and --steps are required")
     if min(args.context, args.dp, args.cp, args.steps, args.micro) < 1 or args.context % args.cp:
         parser.error("--context, --dp, --cp, --steps and --micro must be >= 1 and --context divisible by --cp")
     result = report(args.distribution or args.lengths_file, args.context, args.dp, args.cp, args.steps, args.micro,
