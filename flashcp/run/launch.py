@@ -152,7 +152,7 @@ def launch(dump_folder: str, argv: list[str], nproc: int, nnodes: int, on_gpu: b
 
     stop = ForwardStop(stop_timeout)  # SIGTERM / SIGINT: the ranks save at their next step boundary
     stop.install()
-    watch = LockWatch(locks, stop)
+    watch = RunWatch(locks, stop)
     try:
         config, cmd, cmd_args = config_from_args(get_args_parser().parse_args(
             torchrun_args(nproc, nnodes, log_dir, run_id, argv)))  # fmt: skip
@@ -179,6 +179,12 @@ def launch(dump_folder: str, argv: list[str], nproc: int, nnodes: int, on_gpu: b
             print(f"error: {detail}", file=sys.stderr)
             return 2
         print(f"full logs of every rank: {log_dir}", file=sys.stderr)
+        if watch.stopped and rank not in watch.stopped:
+            frozen = min(watch.stopped)
+            print(f"error: rank {frozen} (PID {watch.stopped[frozen]}) was stopped (SIGSTOP or a debugger) and "
+                  f"stopped answering; rank {rank} then failed (exit code {failure.exitcode}): {detail}",
+                  file=sys.stderr)  # fmt: skip
+            return 1
         print(f"error: rank {rank} failed (exit code {failure.exitcode}): {detail}", file=sys.stderr)
         return 1
     finally:
@@ -191,25 +197,44 @@ def launch(dump_folder: str, argv: list[str], nproc: int, nnodes: int, on_gpu: b
     return 0
 
 
-class LockWatch:
-    """Checks the run's locks every `period_s` while the ranks run; a lost one stops them."""
+class RunWatch:
+    """Every `period_s` while the ranks run: are the run's locks intact, is any local rank stopped?
+
+    A lost lock stops the ranks (they save at their next step). A rank stopped by SIGSTOP or a
+    debugger is only noted: its peers then time out in a collective and the agent reports one of
+    *them* as failing, so the failure line names the stopped rank instead.
+    """
 
     def __init__(self, locks: list[Any], stop: ForwardStop, period_s: float = 2.0) -> None:
         self.lost = ""
+        self.stopped: dict[int, int] = {}  # rank -> pid of ranks seen stopped
         self._done = threading.Event()
-        self._thread = None
-        if locks:
-            self._thread = threading.Thread(target=self._watch, args=(locks, stop, period_s), daemon=True,
-                                            name="flashcp-lock-watch")  # fmt: skip
-            self._thread.start()
+        self._thread = threading.Thread(target=self._watch, args=(locks, stop, period_s), daemon=True,
+                                        name="flashcp-run-watch")  # fmt: skip
+        self._thread.start()
 
     def _watch(self, locks: list[Any], stop: ForwardStop, period_s: float) -> None:
         while not self._done.wait(period_s):
+            self.stopped.update(stopped_ranks(stop.ranks()))
             lost = next((lock for lock in locks if not lock.intact()), None)
-            if lost is not None:
+            if lost is not None and not self.lost:
                 self.lost = f"the run's lock file {lost.path} was removed or replaced while the ranks ran"
                 stop.stop_ranks(self.lost)
-                return
 
     def close(self) -> None:
         self._done.set()
+
+
+def stopped_ranks(pids: list[int]) -> dict[int, int]:
+    """{rank: pid} of the processes among `pids` that are stopped (state T / t in /proc)."""
+    found = {}
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except (OSError, IndexError):
+            continue
+        rank = next((e[5:].decode() for e in environ if e.startswith(b"RANK=")), "")
+        if state in ("T", "t") and rank.isdigit():
+            found[int(rank)] = pid
+    return found

@@ -273,3 +273,26 @@ def test_a_lock_file_removed_while_the_ranks_run_stops_the_run(tmp_path):
     assert err.strip().splitlines()[-1].startswith(
         f"error: the run's lock file {dump / '.flashcp-run.lock'} was removed or replaced while the ranks ran"), err
     assert list((dump / "checkpoint").glob("step-*")), "the ranks saved where they stopped"
+
+
+def test_a_frozen_rank_is_named_not_the_rank_that_timed_out_waiting_for_it(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "NGPU": "2"}
+    dump = tmp_path / "job"
+    run = subprocess.Popen([sys.executable, "-m", "flashcp.titan.launch", *TWO_RANKS, "--training.steps", "100000",
+                            f"--job.dump_folder={dump}", "--comm.train_timeout_seconds", "5"], cwd=ROOT, env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    try:
+        for line in run.stdout:
+            if losses(line) and 3 in losses(line):  # past the first step, whose timeout is the longer one
+                break
+        frozen = next(int(p) for p in os.listdir("/proc") if p.isdigit() and _is_rank(int(p), dump)
+                      and b"RANK=1\0" in Path(f"/proc/{p}/environ").read_bytes())  # fmt: skip
+        os.kill(frozen, signal.SIGSTOP)
+        code, out, err = finish(run)
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+    assert code == 1, err[-2000:]
+    assert err.strip().splitlines()[-1].startswith(
+        f"error: rank 1 (PID {frozen}) was stopped (SIGSTOP or a debugger) and stopped answering; rank 0 then failed"
+    ), err[-2000:]
