@@ -123,10 +123,16 @@ def test_cuda_without_a_gpu_is_refused(tmp_path, monkeypatch, capsys):
 
 def test_without_scipy_the_cp_section_skips_the_ilp_plan_and_says_so(tmp_path, monkeypatch):
     """A bare GPU machine has torch and numpy only: the ILP plan (scipy's MILP) is skipped, not a crash."""
+    import flashcp.plan as planning
+
     for name in [m for m in sys.modules if m == "scipy" or m.startswith("scipy.")] + ["flashcp.plan.ilp"]:
         monkeypatch.delitem(sys.modules, name, raising=False)
     monkeypatch.setitem(sys.modules, "scipy", None)  # import scipy -> ImportError
-    assert main(["--out", str(tmp_path), "--device", "cpu", "--quick", "--no-budgets", "--sections", "cp"]) == 0
+    planning._strategy.cache_clear()  # an earlier test may have looked the ILP strategy up already
+    try:
+        assert main(["--out", str(tmp_path), "--device", "cpu", "--quick", "--no-budgets", "--sections", "cp"]) == 0
+    finally:
+        planning._strategy.cache_clear()
     summary = (tmp_path / "summary.md").read_text()
     assert "status: **passed**" in summary and "ilp: skipped, scipy is not installed" in summary
     assert "ilp" not in {r["strategy"] for r in _rows(tmp_path / "cp.csv")}
