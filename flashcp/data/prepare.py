@@ -15,9 +15,10 @@ come back. The output is plain numpy memmaps, the layout Megatron and nanoGPT us
 loader reads random windows of it on every rank: a flat file plus offsets does that with numpy
 alone, paging in only the bytes read.
 
-Atomic: the store is built in `DIR.partial-<pid>`, and renamed to DIR after its manifest is written
-last and everything is synced, so an interrupted prepare leaves no store that opens; the next
-prepare removes leftovers of dead processes. An existing DIR is never overwritten.
+Atomic: the store is built in `DIR.partial-<host>-<pid>`, and renamed to DIR after its manifest is
+written last and everything is synced, so an interrupted prepare leaves no store that opens; the
+next prepare removes leftovers it can prove dead (its own host's, of ended processes) and names the
+others. An existing DIR is never overwritten.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import json
 import multiprocessing
 import os
 import shutil
+import socket
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -85,19 +87,29 @@ def token_dtype(vocab_size: int, tokenizer: str | Path = "the tokenizer") -> np.
     raise StoreError(f"{tokenizer}: a vocabulary of {vocab_size:,} ids does not fit the store's uint32 ids")
 
 
+def _partial(out: Path) -> Path:
+    """This process's build folder: its name says which host and process own it."""
+    return out.with_name(f"{out.name}.partial-{socket.gethostname()}-{os.getpid()}")
+
+
 def _remove_leftovers(out: Path) -> None:
-    """Delete partial folders of `out` whose prepare process is gone (a live one is still building)."""
+    """Delete the partial folders of `out` whose prepare is provably gone: built on this host by a
+    process that no longer exists. A folder of another host (a shared file system) or of a live
+    process is kept, and one of another host is named, since only that host can tell."""
+    host = socket.gethostname()
     for leftover in out.parent.glob(f"{out.name}.partial-*"):
-        pid = leftover.name.rpartition("-")[2]
-        if pid.isdigit() and int(pid) != os.getpid():
-            try:
-                os.kill(int(pid), 0)
-                continue
-            except ProcessLookupError:
-                pass
-            except PermissionError:  # alive, another user's
-                continue
-        shutil.rmtree(leftover, ignore_errors=True)
+        owner, _, pid = leftover.name.removeprefix(f"{out.name}.partial-").rpartition("-")
+        if owner != host or not pid.isdigit():
+            print(f"prepare: leaving {leftover}: built by {owner or 'an unknown host'} (PID {pid}), which this "
+                  "host cannot check; remove it once that prepare has ended", file=sys.stderr)  # fmt: skip
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # still building
+        except ProcessLookupError:
+            shutil.rmtree(leftover, ignore_errors=True)
+        except PermissionError:  # alive, another user's
+            continue
 
 
 def _fsync(path: Path) -> None:
@@ -139,7 +151,7 @@ def prepare(
 
     out.parent.mkdir(parents=True, exist_ok=True)
     _remove_leftovers(out)
-    partial = out.with_name(f"{out.name}.partial-{os.getpid()}")
+    partial = _partial(out)
     partial.mkdir()
     try:
         bar = tqdm(total=len(ds), unit="doc", desc=f"prepare {out.name}", disable=not progress)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import socket
 import subprocess
 import sys
 import tracemalloc
@@ -163,10 +164,12 @@ def test_a_killed_prepare_leaves_a_partial_folder_that_never_opens_and_a_rerun_w
     assert (partial / "tokens.bin").exists() and not out.exists() and not is_store(partial)
     with pytest.raises(StoreError, match="no manifest.json"):
         open_store(partial)
-    live = tmp_path / f"store.partial-{os.getppid()}"  # another prepare, still running
+    live = tmp_path / f"store.partial-{socket.gethostname()}-{os.getppid()}"  # another prepare, still running
+    elsewhere = tmp_path / "store.partial-other-host-1"  # a dead-looking PID, but on a host this one cannot see
     live.mkdir()
+    elsewhere.mkdir()
     assert open_store(prep.prepare(source, "default", out, progress=False)).n_docs == len(TEXTS) - 1
-    assert not partial.exists() and live.exists()
+    assert not partial.exists() and live.exists() and elsewhere.exists()
 
 
 def test_an_existing_store_is_never_overwritten(tmp_path):
