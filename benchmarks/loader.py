@@ -31,6 +31,7 @@ import torch
 from flashcp.data.balance import WindowCost
 from flashcp.dispatch import build_dispatch
 from flashcp.data.prepare import prepare
+from flashcp.data.store import TokenStore
 from flashcp.data.loader import build_loader
 from flashcp.data.sources import DataConfig
 
@@ -76,9 +77,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--windows", type=int, default=10)
     parser.add_argument("--step-ms", type=float, default=50.0, help="the training step simulated between next() calls")
     parser.add_argument("--balance", choices=("off", *TARGETS), default="off")
+    parser.add_argument("--no-verify", action="store_true",
+                        help="read a token store without its chunk checksums (to measure what they cost)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # as the launcher does: 2 threads on a loaded machine slowed a dispatch 10-30x
+    if args.no_verify:  # the training path reads through TokenStore.read, which checks each chunk once
+        TokenStore.read = TokenStore.document
     if min(args.dp, args.context, args.cp, args.windows) < 1 or args.context % args.cp or args.step_ms < 0:
         parser.error("--dp, --context, --cp, --windows must be >= 1, --context divisible by --cp, --step-ms >= 0")
     with tempfile.TemporaryDirectory() as tmp:
@@ -86,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         result = {
             "source": args.source or "shipped corpus, prepared into a temporary token store",
             "dp": args.dp, "context": args.context, "cp": args.cp, "windows": args.windows, "balance": args.balance,
+            "verify": not args.no_verify,
             "step_ms": args.step_ms,
             **throughput(source, args.dp, args.context, args.cp, args.windows, args.balance),
             "main_thread_ms": main_thread(source, args.dp, args.context, args.cp, args.windows, args.balance,
