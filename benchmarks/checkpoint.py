@@ -28,6 +28,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from flashcp.run.manifest import rank_entries, verify_files
+from flashcp.run.safe_load import SafeReader, StrictPlanner
 
 LLAMA8B_BYTES = 8.03e9 * 12
 RANKS = 8
@@ -63,13 +64,19 @@ def run(gib: float, root: Path) -> dict:
     target = {k: torch.empty_like(v) for k, v in states.items()}
     load_s, _ = timed(lambda: dcp.load(target, checkpoint_id=str(folder), no_dist=True))
     assert all(torch.equal(target[k], states[k]) for k in states)
+    strict = {k: torch.empty_like(v) for k, v in states.items()}  # as the trainer loads: data only, strict keys
+    strict_s, _ = timed(lambda: dcp.load(strict, storage_reader=SafeReader(folder), planner=StrictPlanner(folder),
+                                         no_dist=True))  # fmt: skip
+    assert all(torch.equal(strict[k], states[k]) for k in states)
     gbps = {name: nbytes / s / 1e9 for name, s in (("save", save_s), ("hash", hash_s), ("verify", verify_s),
                                                     ("load", load_s))}  # fmt: skip
     per_rank = LLAMA8B_BYTES / RANKS
     return {
         "measured": {
             "bytes": nbytes,
-            "seconds": {"save": save_s, "hash_at_save": hash_s, "verify_at_load": verify_s, "load": load_s},
+            "seconds": {"save": save_s, "hash_at_save": hash_s, "verify_at_load": verify_s, "load": load_s,
+                        "safe_strict_load": strict_s},
+            "safe_strict_over_load_pct": 100 * (strict_s - load_s) / load_s,
             "GB_per_s": gbps,
             "hash_over_save_pct": 100 * hash_s / save_s,
             "verify_over_load_pct": 100 * verify_s / load_s,
@@ -109,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         rate = m["GB_per_s"][{"hash_at_save": "hash", "verify_at_load": "verify"}.get(key, key)]
         print(f"  {name:15s} {m['seconds'][key]:7.2f} s  {rate:6.2f} GB/s")
     print(f"  checksums add {m['hash_over_save_pct']:.0f} % to a save and {m['verify_over_load_pct']:.0f} % to a load")
+    print(f"  a safe, strict load takes {m['seconds']['safe_strict_load']:.2f} s "
+          f"({m['safe_strict_over_load_pct']:+.0f} % against DCP's plain load)")
     print(f"modelled, Llama 3 8B ({p['bytes_total'] / 1e9:.0f} GB with AdamW) on {p['ranks']} ranks, "
           f"{p['bytes_per_rank'] / 1e9:.0f} GB per rank:")  # fmt: skip
     for key, seconds in p["seconds_per_rank"].items():
