@@ -21,6 +21,7 @@ import dataclasses
 import math
 import os
 import re
+import shlex
 import sys
 import typing
 from dataclasses import dataclass
@@ -606,6 +607,13 @@ def load_job(path: str | Path, overrides: list[str] | None = None) -> dict[str, 
     return cfg
 
 
+def dryrun_command(path: str | Path, world_size: int, overrides: list[str] | None = None) -> str:
+    """The command that measures a job's memory per GPU on a machine without GPUs (`flashcp.titan.dryrun`):
+    named wherever a check passes or fails for lack of GPUs, since no other check sees activations."""
+    argv = ["python", "-m", "flashcp.titan.dryrun", "--config", str(path), "--world-size", str(world_size)]
+    return shlex.join([*argv, *(overrides or [])])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Check a FlashCP job file without launching anything.")
     parser.add_argument("--check", metavar="CONFIG", required=True, help="job file or name in train_configs/")
@@ -623,6 +631,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"{path}: OK for {world} ranks: " + ", ".join(f"{k}={v}" for k, v in deg.items()))
+    if cfg["model"]["attention"] == "flashcp":  # the jobs the dry run builds
+        print(f"memory per GPU, checked without GPUs: {dryrun_command(path, world, overrides)}")
     return 0
 
 

@@ -4,9 +4,14 @@ Counts bytes from the model's shape and the layout alone: fp32 master weights, g
 AdamW's two moments sharded over FSDP x TP; bf16 copies of the layers FSDP has gathered (the
 layer at work, the one prefetched, and the output projection, kept through the step); one RoPE
 cache per layer (TorchTitan's); with full activation checkpointing one bf16 input per layer plus
-one layer's recomputed working set; FlashCP's gathered K/V and their gradients; and the loss's
-logits (bf16, fp32 copy, saved log-softmax, its fp32 gradient) for one loss slice. It assumes
-every term peaks at once, so it should sit at or above the tracked peak.
+one layer's recomputed working set (under TP the projections' inputs and their gradients are
+gathered to all of the rank's tokens at full width, the rest is split by TP), and the final hidden
+states the output projection reads; FlashCP's gathered K/V and their gradients; and the loss's
+logits (bf16, fp32 copy, saved log-softmax, its fp32 gradient) for one loss slice. A chunked loss
+adds the fp32 gradient of the hidden states and, under FSDP, the output projection's gradient kept
+unsharded across the slices in fp32 (FSDP's reduce dtype in the shipped configs) plus the fp32
+reduce-scatter input it is copied into at the last slice. It assumes every term peaks at once, so
+it should sit at or above the tracked peak.
 """
 
 from __future__ import annotations
@@ -52,17 +57,22 @@ def estimate(m: ModelShape, lay: Layout) -> dict[str, float]:
     shard = lay.fsdp * lay.tp
     seq = lay.tokens // (lay.tp if lay.sequence_parallel else 1)  # tokens between blocks
     kv_dim = 2 * (m.kv_heads // lay.tp) * head_dim  # one row of K and V on this rank
-    working = lay.tokens * (4 * m.dim + kv_dim + 3 * m.ffn) // lay.tp + 4 * seq * m.dim
+    # One layer's bf16 elements: gathered projection inputs and gradients (full width); q, attention
+    # output, k / v and the feed-forward's four intermediates (this rank's share); the residual
+    # stream, norms and their gradients between blocks (fp32 in places, hence 8).
+    sharded = lay.tokens * (2 * m.dim + kv_dim + 4 * m.ffn) // lay.tp
+    working = 4 * lay.tokens * m.dim + sharded + 8 * seq * m.dim
     checkpoints = m.layers * seq * m.dim if lay.full_ac else m.layers * working
+    chunked = lay.loss_tokens < lay.tokens
+    chunk_buffers = 4 * lay.tokens * m.dim + (2 * 4 * vocab_params // lay.tp if lay.fsdp > 1 else 0)
     out = {
         "parameters": (4 * params / shard + 2 * (2 * layer_params(m) + vocab_params) / lay.tp) / GIB,
         "gradients": (4 * params / shard + 4 * layer_params(m) / lay.tp) / GIB,
         "optimizer_states": 8 * params / shard / GIB,
         "model_buffers": m.layers * m.rope_len * head_dim * 4 / GIB,
-        "activations": 2 * (checkpoints + (working if lay.full_ac else 0)) / GIB,
+        "activations": 2 * (checkpoints + (working if lay.full_ac else 0) + lay.tokens * m.dim) / GIB,
         "flashcp_buffers": 2 * 2 * lay.kv_rows * kv_dim / GIB,
-        "loss": (14 * lay.loss_tokens * m.vocab / lay.tp
-                 + (4 * lay.tokens * m.dim if lay.loss_tokens < lay.tokens else 0)) / GIB,
+        "loss": (14 * lay.loss_tokens * m.vocab / lay.tp + (chunk_buffers if chunked else 0)) / GIB,
     }  # fmt: skip
     out["peak"] = sum(out.values())
     return out

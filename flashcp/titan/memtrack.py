@@ -6,17 +6,26 @@ parameter, gradient, optimizer state, buffer or activation; under fake tensors t
 memory. It cannot say which activations belong to FlashCP's attention or to the loss, the two
 terms a long context makes large, so this subclass also labels the storages created while a
 `region` is open and, at each new peak, sums the labelled ones still counted as activations.
+
+It also leaves out DTensor's sharding propagation. For every DTensor op (FSDP2's parameters and
+gradients are DTensors) torch runs the op once more on global-shape fake tensors to learn the
+output's shape, under the active fake mode. On a GPU that costs nothing; here the active fake mode
+is the dry run's own, so torch's tracker (which skips only a fake mode other than the one it was
+entered under) counted those tensors as activations: gradient clipping's one foreach op over all
+gradients then "allocated" an fp32 copy of the whole unsharded model (30 GiB for Llama 3 8B).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType as Ref
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.utils.weak import WeakIdKeyDictionary
 
 GROUPS = {
@@ -37,6 +46,36 @@ class CategoryTracker(FSDPMemTracker):
         self._labels: list[str] = []
         self._labelled: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> label
         self._peak_labelled: dict[str, int] = {}
+        self._propagating = 0  # > 0 inside DTensor's sharding propagation: nothing is allocated there
+        self._propagate = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def __enter__(self) -> CategoryTracker:
+        if self._depth == 0:
+            ShardingPropagator._propagate_tensor_meta_non_cached = self._untracked_propagation()
+        return super().__enter__()
+
+    def __exit__(self, *args) -> None:
+        super().__exit__(*args)
+        if self._depth == 0:
+            ShardingPropagator._propagate_tensor_meta_non_cached = self._propagate
+
+    def _untracked_propagation(self) -> Callable[[ShardingPropagator, Any], Any]:
+        """torch's propagation (a function of the propagator and the op's schema), its tensors untracked."""
+
+        def propagate(propagator: ShardingPropagator, op_schema: Any) -> Any:
+            self._propagating += 1
+            try:
+                return self._propagate(propagator, op_schema)
+            finally:
+                self._propagating -= 1
+
+        return propagate
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        """Ops of DTensor's shape propagation run on the fake mode below, unseen (see the module doc)."""
+        if self._propagating:
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
     def push(self, label: str) -> None:
         """Label the storages created from now until the matching `pop` (the innermost label wins)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from flashcp.titan.config import ConfigError, model_dims
+from flashcp.titan.config import ConfigError, dryrun_command, model_dims
 from flashcp.data.sources import build_source, DataConfig, DEFAULT_TOKENIZER
 from flashcp.data.tokenizer import load_tokenizer
 
@@ -62,5 +62,6 @@ def check_cpu_memory(cfg: dict[str, Any], ranks_per_node: int, world_size: int) 
             f"no GPU found, and {model['name']} {model['flavor']} (at least {params / 1e9:.1f}B parameters) is not a CPU "
             f"job: its weights, gradients and AdamW states alone need at least {need / 2**30:.0f} GiB on this "
             f"node's {ranks_per_node} CPU rank(s), which has {have / 2**30:.0f} GiB of memory; run it on a "
-            "machine whose GPUs torch can see"
+            "machine whose GPUs torch can see, or check its memory per GPU here, without GPUs: "
+            f"{dryrun_command(cfg['_path'], world_size)}"
         )

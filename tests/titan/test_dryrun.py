@@ -1,5 +1,6 @@
 """`python -m flashcp.titan.dryrun`: a tiny job as rank 0 of 8 on fake tensors prints one JSON object
-with the peak by category, and a GPU too small for it exits 1 with one line naming the biggest term."""
+with the peak by category, a GPU too small for it exits 1 with one line naming the biggest term, and
+with full activation checkpointing each layer adds only its checkpointed input to the activations."""
 
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ chunk_tokens = 256
 
 
 def _dry_run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    """The CLI on JOB with `args` (options, then `--section.key value` overrides)."""
     job = tmp_path / "tiny.toml"
     job.write_text(JOB)
     cmd = [sys.executable, "-m", "flashcp.titan.dryrun", "--config", str(job), "--world-size", "8", "--json", *args]
@@ -62,3 +64,29 @@ def test_a_gpu_too_small_exits_1_naming_the_biggest_term(tmp_path):
     assert json.loads(proc.stdout)["fits"] is False
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: does not fit:") and "biggest term:" in last
+
+
+def test_a_passing_config_check_names_the_dry_run_with_its_overrides(capsys):
+    from flashcp.titan import config
+
+    argv = ["--check", "llama8b_128k", "--world-size", "8", "--loss.chunk_tokens", "0"]
+    assert config.main(argv) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    job = config.CONFIG_DIR / "llama8b_128k.toml"
+    assert last.endswith(f"python -m flashcp.titan.dryrun --config {job} --world-size 8 --loss.chunk_tokens 0")
+
+
+def test_full_checkpointing_keeps_one_input_per_layer(tmp_path):
+    """A wide, short job whose parameters outweigh its activations: the step's DTensor ops on the
+    (fake) parameters must not count as activations, and an added layer adds its bf16 input only
+    (without checkpointing it would add its whole working set)."""
+    dim, seq_len, cp = 256, 1024, 4
+    wide = ["--model.dim", str(dim), "--model.ffn_dim_multiplier", "4", "--training.seq_len", str(seq_len),
+            "--loss.chunk_tokens", "0"]  # fmt: skip
+    activations = {}
+    for layers in (2, 4):
+        proc = _dry_run(tmp_path, *wide, "--model.n_layers", str(layers))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        activations[layers] = json.loads(proc.stdout)["by_category"]["activations"] * 2**30
+    checkpoint_per_layer = seq_len // cp * dim * 2
+    assert 0 <= (activations[4] - activations[2]) / 2 <= 1.5 * checkpoint_per_layer, activations

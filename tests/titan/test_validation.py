@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from flashcp.titan import launch
-from flashcp.titan.config import ConfigError, load_job
+from flashcp.titan.config import CONFIG_DIR, ConfigError, load_job
 from flashcp.titan.preflight import check_inputs
 from flashcp.data.errors import DataError
 
@@ -174,6 +174,8 @@ def test_a_gpu_model_on_a_cpu_machine_is_named_before_anything_else(tmp_path, ca
     assert code == 2 and len(err) == 1, err
     assert err[0].startswith("error: no GPU found, and llama3 8B (at least 6.7B parameters) is not a CPU job: ")
     assert "on this node's 8 CPU rank(s), which has 24 GiB of memory" in err[0]
+    job = CONFIG_DIR / "llama8b_128k.toml"
+    assert err[0].endswith(f"without GPUs: python -m flashcp.titan.dryrun --config {job} --world-size 8")
     assert not dump.exists()
 
 
