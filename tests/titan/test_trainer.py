@@ -50,7 +50,7 @@ def test_chosen_missing_incomplete_and_mismatched_checkpoints(tmp_path, rank):
     (tmp_path / "a/checkpoint/step-5").mkdir()
     with pytest.raises(CheckpointError, match=r"= 4: .*step-4 does not exist; complete checkpoints: \[3\]"):
         train(checkpoint_job(tmp_path / "a", checkpoint={"load_step": 4}))
-    with pytest.raises(CheckpointError, match=r"step-5 is incomplete \(its save was interrupted\)"):
+    with pytest.raises(CheckpointError, match=r"step-5 is damaged: no \.metadata \(an incomplete save, or not a DCP"):
         train(checkpoint_job(tmp_path / "a", checkpoint={"load_step": 5}))
     shutil.rmtree(tmp_path / "a/checkpoint/step-5")
     with pytest.raises(CheckpointError, match=r"step-3 does not fit this job"):
