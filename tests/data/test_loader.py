@@ -454,7 +454,7 @@ def bad(tmp_path, cache_dir, default_tokenizer):
         ("missing.jsonl", None, {}, "data path not found"),
         ("table.csv", "text\nhello\n", {}, "unsupported data file type"),
         ("empty.jsonl", "", {}, "empty dataset"),
-        ("empty.jsonl.gz", gzip.compress(b""), {}, "empty dataset"),
+        ("empty.jsonl.gz", gzip.compress(b"", mtime=0), {}, "empty dataset"),
         ("blank.jsonl", '{"text": ""}\n{"text": null}\n', {}, "no document with any tokens"),
         ("other.jsonl", '{"body": "x"}\n', {}, "no column 'text'.*columns: \\['body'\\]\\); set data.text_field"),
         ("numbers.jsonl", '{"text": 5}\n', {}, "holds Value\\('int64'\\), not text"),
