@@ -254,21 +254,26 @@ def test_every_folder_a_run_writes_is_held(tmp_path):
         launch.release(held)
 
 
-def test_a_lock_file_removed_while_the_ranks_run_stops_the_run(tmp_path):
+def train_until(dump: Path, step: int, disturb, *args: str) -> tuple[int, str, str]:
+    """Launch an endless two-rank job, call `disturb()` once rank 0 logged `step`; the run's outcome."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "NGPU": "2"}
-    dump = tmp_path / "job"
     run = subprocess.Popen([sys.executable, "-m", "flashcp.titan.launch", *TWO_RANKS, "--training.steps", "100000",
-                            f"--job.dump_folder={dump}", "--checkpoint.interval", "100000"], cwd=ROOT, env=env,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+                            f"--job.dump_folder={dump}", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
     try:
         for line in run.stdout:
-            if losses(line):  # the ranks train
+            if step in losses(line):
                 break
-        (dump / ".flashcp-run.lock").unlink()
-        code, out, err = finish(run)
+        disturb()
+        return finish(run)
     finally:
         if run.poll() is None:
             os.killpg(run.pid, signal.SIGKILL)
+
+
+def test_a_lock_file_removed_while_the_ranks_run_stops_the_run(tmp_path):
+    dump = tmp_path / "job"
+    code, out, err = train_until(dump, 1, (dump / ".flashcp-run.lock").unlink, "--checkpoint.interval", "100000")
     assert code == 1, err[-2000:]
     assert err.strip().splitlines()[-1].startswith(
         f"error: the run's lock file {dump / '.flashcp-run.lock'} was removed or replaced while the ranks ran"), err
@@ -276,23 +281,17 @@ def test_a_lock_file_removed_while_the_ranks_run_stops_the_run(tmp_path):
 
 
 def test_a_frozen_rank_is_named_not_the_rank_that_timed_out_waiting_for_it(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "NGPU": "2"}
     dump = tmp_path / "job"
-    run = subprocess.Popen([sys.executable, "-m", "flashcp.titan.launch", *TWO_RANKS, "--training.steps", "100000",
-                            f"--job.dump_folder={dump}", "--comm.train_timeout_seconds", "5"], cwd=ROOT, env=env,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
-    try:
-        for line in run.stdout:
-            if losses(line) and 3 in losses(line):  # past the first step, whose timeout is the longer one
-                break
-        frozen = next(int(p) for p in os.listdir("/proc") if p.isdigit() and _is_rank(int(p), dump)
-                      and b"RANK=1\0" in Path(f"/proc/{p}/environ").read_bytes())  # fmt: skip
-        os.kill(frozen, signal.SIGSTOP)
-        code, out, err = finish(run)
-    finally:
-        if run.poll() is None:
-            os.killpg(run.pid, signal.SIGKILL)
+    frozen = []
+
+    def freeze_rank_1() -> None:
+        frozen.append(next(int(p) for p in os.listdir("/proc") if p.isdigit() and _is_rank(int(p), dump)
+                           and b"\0RANK=1\0" in b"\0" + Path(f"/proc/{p}/environ").read_bytes()))  # fmt: skip
+        os.kill(frozen[0], signal.SIGSTOP)
+
+    # From step 3 on: past the first step, whose collective timeout is the longer one.
+    code, out, err = train_until(dump, 3, freeze_rank_1, "--comm.train_timeout_seconds", "5")
     assert code == 1, err[-2000:]
     assert err.strip().splitlines()[-1].startswith(
-        f"error: rank 1 (PID {frozen}) was stopped (SIGSTOP or a debugger) and stopped answering; rank 0 then failed"
+        f"error: rank 1 (PID {frozen[0]}) was stopped (SIGSTOP or a debugger) and stopped answering; rank 0 then failed"
     ), err[-2000:]
