@@ -119,6 +119,7 @@ def node_logs(log_dir: str) -> Any:
     from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, Std
 
     class NodeLogs(DefaultLogsSpecs):
+        # Sets DefaultLogsSpecs' own run folder (`_run_log_dir`, torch 2.11-2.13) before it makes one.
         def reify(self, envs: dict[int, dict[str, str]]) -> Any:
             if not self._run_log_dir and envs:
                 node = envs[0].get("GROUP_RANK", "0")
