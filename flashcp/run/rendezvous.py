@@ -116,8 +116,8 @@ def port_problem(host: str, port: int) -> str | None:
 class Meeting:
     """This node's place in the job: the coordinator keeps its store (and the lock) until `close`."""
 
-    def __init__(self, store: Any, coordinator: bool, release: Callable[[], None] | None = None):
-        self.store, self.coordinator, self._release = store, coordinator, release
+    def __init__(self, store: Any, release: Callable[[], None] | None = None):
+        self.store, self._release = store, release
 
     def close(self) -> None:
         if self._release is not None:
@@ -157,7 +157,7 @@ def meet(card: JobCard, dump_folder: str, nnodes: int, node_rank: int | None, ti
         except BaseException:
             release()
             raise
-        return Meeting(store, True, release)
+        return Meeting(store, release)
     store = _connect(host, port, timeout_s)
     _check_card(json.loads(store.get("flashcp/card")), card, host, port)
     if node_rank is not None and store.add(f"flashcp/node/{node_rank}", 1) > 1:
@@ -172,7 +172,7 @@ def meet(card: JobCard, dump_folder: str, nnodes: int, node_rank: int | None, ti
             f"job.dump_folder {dump_folder} on this host {state}: it is not the folder the coordinator writes; "
             "the dump folder must be on a file system that every node shares"
         )
-    return Meeting(store, False)
+    return Meeting(store)
 
 
 def _check_card(theirs: dict[str, Any], mine: JobCard, host: str, port: int) -> None:
