@@ -59,8 +59,9 @@ def llama3_spec(model_cfg: dict[str, Any], flashcp_cfg: dict[str, Any], tokenize
         raise ConfigError(
             f"[model] vocab_size ({vocab}) is smaller than the tokenizer's vocabulary ({tokenizer_vocab})"
         )
-    # No pipeline parallelism, and checkpoints stay in DCP format (no HF conversion adapter).
-    spec = dataclasses.replace(spec, pipelining_fn=None, state_dict_adapter=None)
+    # No pipeline parallelism. The spec keeps TorchTitan's HF state_dict_adapter: checkpoints stay
+    # DCP, the adapter maps Hugging Face weights in (initial_load_in_hf) and out (flashcp.titan.export).
+    spec = dataclasses.replace(spec, pipelining_fn=None)
     if attention == "flashcp":
         use_flashcp_attention(spec.model, backend=flashcp_cfg["backend"], overlap=flashcp_cfg["overlap"])
         return dataclasses.replace(spec, parallelize_fn=parallelize_flashcp)
