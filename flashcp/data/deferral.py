@@ -15,7 +15,9 @@ Guarantees, from the lengths alone (every rank computes the same): a step holds 
 `n_windows * window` tokens; a document is trained whole in the step it is released in, at most
 `max_delay` steps after the stream reached it (the forced ones of a step arrived in one step, and
 forced documents always fit: each step queues at most one step's tokens); every document of the
-stream is trained exactly once.
+stream is trained exactly once. With `loop = false` the data's end flushes the queue
+(`final_step`): the remaining steps hold the pending documents, oldest first, then the rest of the
+stream, and only the last incomplete step is dropped, as stream packing drops it.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class Pending(NamedTuple):
     length: int
     arrival: int  # the step whose stream span held it
     offset: int  # tokens the stream held before it (where stream packing would have put it)
+    start: int = 0  # tokens of it already trained (only when the data's end cut it, `final_step`)
 
 
 @dataclass
@@ -65,7 +68,12 @@ class StepDocs:
     offset: list[int] = field(default_factory=list)  # stream offset of each piece's first token
     delay: list[int] = field(default_factory=list)  # steps each document waited
     tokens: list[Any] = field(default_factory=list)  # each document's tokens (None: fetch it)
-    cursor: tuple[int, int, int] = (0, 0, 0)  # (epoch, doc, offset) of the stream after the step
+    cursor: tuple[int, int, int] | None = None  # (epoch, doc, offset) of the stream after the step
+    # (None: where the last read left it, the data's end)
+
+    def release(self, p: Pending, take: int, step: int, tokens: Any) -> None:
+        """The first `take` tokens still waiting of pending document `p`."""
+        self.add(p.epoch, p.position, p.start, take, p.offset + p.start, step - p.arrival, tokens)
 
     def add(self, epoch: int, position: int, start: int, length: int, offset: int, delay: int, tokens: Any) -> None:
         for column, value in zip((self.epoch, self.position, self.start, self.length, self.offset, self.delay,
@@ -166,13 +174,14 @@ class Deferral:
         self.pending = [Pending(*map(int, p)) for p in state["pending"]]
         self.tokens = {}
 
-    def next_step(self, read: Callable[[int], DocSpan | None]) -> StepDocs | None:
+    def next_step(self, read: Callable[[int], DocSpan]) -> StepDocs | None:
         """The next step's documents; `read(tokens)` gives the stream's next whole documents
-        covering at least `tokens` tokens (None at the end of the data). The queue and counters
-        advance only when a step is returned."""
+        covering at least `tokens` tokens (fewer at the end of the data: then None, and the caller
+        rewinds the stream to the step's start for `final_step`). The queue and counters advance
+        only when a step is returned."""
         total = self.n_windows * self.window
         span = read(total)
-        if span is None:
+        if int(span.length.sum()) < total:
             return None
         candidate = self._candidates(span)
         pend = np.array([p.length for p in self.pending], dtype=np.int64)
@@ -187,17 +196,50 @@ class Deferral:
         out, queue = StepDocs(), []
         for p, go in zip(self.pending, release[: pend.size].tolist()):
             if go:
-                out.add(p.epoch, p.position, 0, p.length, p.offset, self.step - p.arrival,
-                        self.tokens.get((p.epoch, p.position)))  # fmt: skip
+                out.release(p, p.length, self.step, self.tokens.get((p.epoch, p.position)))
             else:
                 queue.append(p)
         walk = _Walk(self, out, queue, total - sum(out.length))
         released = set(np.flatnonzero(candidate)[release[pend.size :]].tolist())
         while not walk.over(span, candidate, released):
-            span = read(walk.need)
-            if span is None:
+            need = walk.need
+            span = read(need)
+            if int(span.length.sum()) < need:
                 return None
             candidate, released = self._candidates(span), set()  # too late to be released with this step
+        return self._advance(out, queue, walk)
+
+    def final_step(self, read: Callable[[int], DocSpan]) -> StepDocs | None:
+        """A step at the data's end (`loop = false`, `next_step` found too few tokens; the stream
+        rewound to the step's start): the pending documents that fit, oldest first, then the rest
+        of the stream in order (nothing new waits), then, if the stream ran out, the next pending
+        documents, the last one cut (its rest waits, as it would have waited). None when pending and
+        stream together hold less than a step: that last incomplete step is dropped."""
+        total = self.n_windows * self.window
+        out, queue, room = StepDocs(), [], total
+        for p in self.pending:
+            if p.length <= room:
+                out.release(p, p.length, self.step, self.tokens.get((p.epoch, p.position)))
+                room -= p.length
+            else:
+                queue.append(p)
+        walk = _Walk(self, out, queue, room)
+        if room:
+            span = read(room)
+            if not walk.over(span, np.zeros(span.length.size, dtype=bool), set()):
+                if sum(q.length for q in queue) < walk.need:
+                    return None
+                while walk.need:  # the stream ran out: waiting documents fill the rest
+                    p = queue.pop(0)
+                    take = min(p.length, walk.need)
+                    out.release(p, take, self.step, self.tokens.get((p.epoch, p.position)))
+                    walk.need -= take
+                    if take < p.length:
+                        queue.insert(0, p._replace(start=p.start + take, length=p.length - take))
+        return self._advance(out, queue, walk)
+
+    def _advance(self, out: StepDocs, queue: list[Pending], walk: _Walk) -> StepDocs:
+        """The step is made: the queue and counters move on."""
         kept = {(q.epoch, q.position) for q in queue}
         self.tokens = {k: v for k, v in self.tokens.items() if k in kept}
         self.pending, self.step, self.stream_tokens = queue, self.step + 1, walk.offset
@@ -230,7 +272,8 @@ class _Walk:
     def over(self, span: DocSpan, candidate: np.ndarray, released: set[int]) -> bool:
         """Walk `span`; True when the step is full (the cursor set), False when it needs more."""
         if not self.need:  # the released documents fill the step: the stream waits
-            self.out.cursor = (int(span.epoch[0]), int(span.position[0]), int(span.start[0]))
+            if span.length.size:
+                self.out.cursor = (int(span.epoch[0]), int(span.position[0]), int(span.start[0]))
             return True
         offsets = self.offset + np.concatenate(([0], np.cumsum(span.length)))
         fill = np.concatenate(([0], np.cumsum(np.where(candidate, 0, span.length))))

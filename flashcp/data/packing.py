@@ -161,20 +161,18 @@ class WindowPacker:
             pass
         return True
 
-    def read_docs(self, tokens: int) -> DocSpan | None:
+    def read_docs(self, tokens: int) -> DocSpan:
         """The stream's next whole documents (the first from the cursor's offset on) covering at
-        least `tokens` tokens, the cursor moved past them; None when the data ended first. From
-        document offsets alone where `_knows_lengths` (a DP = 64 step holds ~20K documents)."""
+        least `tokens` tokens, the cursor moved past them; fewer (maybe none) when the data ended
+        first (loop = false). From document offsets alone where `_knows_lengths` (a DP = 64 step
+        holds ~20K documents)."""
         if not self._knows_lengths():
             rows, left = [], tokens
-            while left > 0:
-                doc = self._document()
-                if doc is None:
-                    return None
+            while left > 0 and (doc := self._document()) is not None:
                 rows.append((self.epoch, self.doc, self.offset, len(doc) - self.offset, doc))
                 left -= len(doc) - self.offset
                 self.doc, self.offset, self._current = self.doc + 1, 0, None
-            *columns, docs = zip(*rows)
+            *columns, docs = zip(*rows) if rows else ((),) * 5
             return DocSpan(*(np.asarray(c, dtype=np.int64) for c in columns), list(docs))
         columns: list[list[np.ndarray]] = [[], [], [], []]
         left = tokens
@@ -307,11 +305,29 @@ def deferred_step(
     """This DP rank's `micro` windows of the next step under bounded deferral (`Deferral`), and the
     step's figures (the same on every rank); None when the data ended. The step's documents are
     packed by `balance_step`, cutting only documents over a window (`cut_target` None) or also
-    what deferral could not bring within `cut_target`."""
-    step = deferral.next_step(packer.read_docs)
+    what deferral could not bring within `cut_target`.
+
+    With loop = false the steps from where less than three steps of the stream are left flush the
+    pending queue (`Deferral.final_step`, pending documents first): a normal step takes at most
+    two steps' tokens of the stream (a step's worth may join the queue), so at least one step of
+    stream is left then and the flush trains every pending document; only the last incomplete
+    step's tokens, from the stream's tail, are dropped, as stream packing drops them. Finding that
+    point reads the next three steps' documents ahead (read again for the step: loop = false only).
+    """
+    start = packer.cursor()
+    step, total = None, dp * micro * packer.seq_len
+    ahead = packer.loop or int(packer.read_docs(3 * total).length.sum()) >= 3 * total
+    if not packer.loop:
+        packer.restore(start["epoch"], start["doc"], start["offset"])
+    if ahead:
+        step = deferral.next_step(packer.read_docs)
     if step is None:
-        return None
-    packer.restore(*step.cursor)
+        packer.restore(start["epoch"], start["doc"], start["offset"])
+        step = deferral.final_step(packer.read_docs)
+        if step is None:
+            return None
+    if step.cursor is not None:
+        packer.restore(*step.cursor)
     placed = balance_step(step.length, dp, micro, packer.seq_len, deferral.cost, cut_target)
 
     def tokens(i: int) -> Any:

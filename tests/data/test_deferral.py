@@ -68,6 +68,27 @@ def test_every_document_once_in_full_windows_within_its_delay(dp, micro, max_del
     assert (delayed > 0) == (max_delay > 0)  # it deferred where allowed
 
 
+@pytest.mark.parametrize("dp, micro, max_delay", [(1, 1, 3), (2, 2, 3), (3, 1, 6), (2, 1, 40)])
+def test_the_data_end_flushes_the_queue_and_drops_only_the_last_incomplete_step(dp, micro, max_delay):
+    """loop = false: as many steps as stream packing makes, every document that ever waited trained
+    whole, and what is left untrained is less than one step (the last incomplete one)."""
+    step_tokens = dp * micro * SEQ
+    loaders = [deferring(r, dp, micro, max_delay) for r in range(dp)]
+    steps, waited = [], set()
+    while True:
+        try:
+            steps.append([[next(loader) for _ in range(micro)] for loader in loaders])
+        except StopIteration:
+            break
+        waited |= {p[1] for p in loaders[0].state_dict()["deferral"]["pending"]}
+    assert len(steps) == sum(LENS) // step_tokens  # stream packing's count
+    tokens = trained(steps)
+    assert max(tokens.values()) == 1 and sum(LENS) - len(tokens) < step_tokens
+    docs = Counter(t // STRIDE for t in tokens)
+    assert waited and all(docs[d] == LENS[d] for d in waited)
+    assert all(b["input"].numel() == SEQ for step in steps for rank in step for b in rank)
+
+
 def test_an_epoch_trains_each_document_once_with_looping():
     """1.5 epochs of a looping source: no document's tokens come more than twice, and all of the
     first epoch's (but the few still pending) come at least once."""
