@@ -13,7 +13,15 @@ import pytest
 from test_costmodel import SHARED_PROFILES, synthetic_model
 
 from flashcp import plan_shards
-from flashcp.costmodel.proxy import DENSE_MFU, H100_BF16_TFLOPS, window_cost
+from flashcp.costmodel import load_cost_model
+from flashcp.costmodel.proxy import (
+    ATTENTION_TFLOPS,
+    CALIBRATION_CALL,
+    DENSE_MFU,
+    H100_BF16_TFLOPS,
+    kernel_tflops,
+    window_cost,
+)
 from flashcp.costmodel.step import (
     LLAMA3_8B,
     LLAMA3_70B,
@@ -69,6 +77,23 @@ def test_dense_work_is_priced_at_the_one_published_mfu_the_balancer_uses():
     model = StepModel(synthetic_model(), TINY, cp=2, dp=1)
     cost = window_cost(TINY.dense_flops_per_token, 1.0, cp=2)
     assert model.dense_ms(1000) == pytest.approx(cost.dense_per_token * 1000 * 1e3)
+
+
+@pytest.mark.skipif(not SHARED_PROFILES.is_dir(), reason="needs ../shared/data/gpu_profiles (the calibration)")
+def test_the_balancers_cost_and_the_step_model_price_a_window_alike():
+    """One source of numbers: the proxy's attention TFLOP/s is the calibrated kernel model's, and a
+    window on one rank (no KV exchange) costs the same in both, dense, attention and AC recompute."""
+    attention, _ = load_cost_model([SHARED_PROFILES], [SHARED_PROFILES])
+    assert kernel_tflops(attention.kernel, *CALIBRATION_CALL) == pytest.approx(ATTENTION_TFLOPS, rel=0.005)
+    model = LLAMA3_8B
+    for full_ac in (True, False):
+        step = StepModel(attention, model, cp=1, dp=1, assumptions=MeshAssumptions(full_ac=full_ac))
+        cost = window_cost(model.dense_flops_per_token, 12.0 * model.heads * model.head_dim * model.n_layers, 1,
+                           full_ac)  # fmt: skip
+        for lens in ([32768], [65536], [4096] * 16):
+            dense, attn, again = step.window_ms("llama3", lens)
+            assert dense + attn + again == pytest.approx(cost(lens) * 1e3, rel=0.05), lens
+            assert dense * (1 + (1 / 3 if full_ac else 0)) == pytest.approx(cost.dense_per_token * sum(lens) * 1e3)
 
 
 def test_an_attention_scale_multiplies_only_its_systems_attention():

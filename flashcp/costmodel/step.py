@@ -14,7 +14,8 @@ FSDP's parameter and gradient traffic, on every DP group, and waits for the slow
   per-rank kernel timings calibrate it, each system's time is scaled to the measured ratios). The
   CP group synchronises at every layer's collective, so the group's time is its slowest rank's.
 - Full activation checkpointing (the shipped configs) runs every layer's forward again in the
-  backward: 2 more FLOPs per parameter and token of dense work and one more attention forward
+  backward: 2 more FLOPs per parameter and token of dense work (`proxy.FULL_AC_DENSE`) and one
+  more attention forward
   (its KV exchange included, the op is re-run whole), counted as `recompute`.
 - FSDP over all DP x CP ranks (TorchTitan shards parameters over dp_shard x cp): per micro step
   every rank gathers the bf16 parameters twice (forward, and again in backward after
@@ -36,7 +37,7 @@ from dataclasses import dataclass, field
 
 from flashcp import plan_shards
 from flashcp.costmodel.model import COLLECTIVE_SYSTEMS, AttentionShape, CostModel
-from flashcp.costmodel.proxy import DENSE_MFU, H100_BF16_TFLOPS
+from flashcp.costmodel.proxy import DENSE_MFU, FULL_AC_DENSE, H100_BF16_TFLOPS
 from flashcp.plan.plan import Plan
 
 
@@ -124,7 +125,7 @@ class StepModel:
         """(dense, attention, recompute) of one window on its CP group."""
         dense = self.dense_ms(sum(doc_lens) // self.cp)
         attention, again = self.attention_ms(system, doc_lens)
-        return dense, attention, again + (dense / 3 if self.assume.full_ac else 0.0)  # 2 of 6 FLOPs
+        return dense, attention, again + (dense * (FULL_AC_DENSE - 1) if self.assume.full_ac else 0.0)
 
     def fsdp_ms(self) -> float:
         """FSDP's traffic of one micro step on one rank, not yet overlapped."""
