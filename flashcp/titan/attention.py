@@ -43,10 +43,15 @@ class FlashCPAttention(Module):
         overlap: bool = False
         """Compute shards whose keys are all local while the KV exchange is in flight."""
 
+        scale_factor: float = 1.0
+        """Multiplies the softmax scale (1 / sqrt(head_dim) unless the model passes its own): YaRN's
+        attention factor squared, which HF applies to cos and sin (flashcp.titan.rope)."""
+
     def __init__(self, config: Config) -> None:
         super().__init__()
         self.backend = config.backend
         self.overlap = config.overlap
+        self.scale_factor = config.scale_factor
 
     def forward(
         self,
@@ -65,6 +70,8 @@ class FlashCPAttention(Module):
             )
         if q_BLNH.shape[0] != 1:
             raise ValueError(f"FlashCP attention takes one window per step (batch 1), got {q_BLNH.shape[0]}")
+        if self.scale_factor != 1.0:
+            scale = (q_BLNH.shape[-1] ** -0.5 if scale is None else scale) * self.scale_factor
         out = _attention(q_BLNH[0], k_BLNH[0], v_BLNH[0], attention_masks, self.backend, scale, self.overlap)
         return out.unsqueeze(0)
 
@@ -79,9 +86,17 @@ def _attention(q, k, v, step: CPStep, backend: str, scale: float | None, overlap
     )  # fmt: skip
 
 
-def use_flashcp_attention(model_config, backend: str = "auto", overlap: bool = False) -> None:
-    """Replace the inner attention of every layer of a TorchTitan decoder config, in place."""
+def use_flashcp_attention(
+    model_config, backend: str = "auto", overlap: bool = False, scale_factor: float = 1.0
+) -> None:
+    """Replace the inner attention of every layer of a TorchTitan decoder config, in place.
+
+    Works for every TorchTitan `GQAttention` (Llama 3, Qwen3): q / k / v reach the inner attention
+    after QK-norm and RoPE as `[B, L, heads, head_dim]`, K/V with their own (fewer) heads under
+    GQA, and the softmax scale of a head_dim other than dim / n_heads comes as `scale`."""
     for layer in model_config.layers:
         attention = getattr(layer, "attention", None)
         if attention is not None:
-            attention.inner_attention = FlashCPAttention.Config(backend=backend, overlap=overlap)
+            attention.inner_attention = FlashCPAttention.Config(
+                backend=backend, overlap=overlap, scale_factor=scale_factor
+            )

@@ -34,7 +34,10 @@ from flashcp.attention.kernels import BACKENDS as KERNELS
 from flashcp.attention.kernels import gpu_backend_problem
 from flashcp.dispatch import COMM_MODES
 from flashcp.plan import STRATEGIES
+from flashcp.data.errors import DataError
 from flashcp.data.sources import DataConfig
+from flashcp.titan.hf_config import Architecture, HFConfigError, read_hf_config
+from flashcp.titan.rope import FAMILY_ROPE, rope_for_job, RopeError, SCALINGS
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "train_configs"
 DEFAULT_CONFIG = "default.toml"
@@ -75,8 +78,22 @@ LLAMA3_FLAVORS: dict[str, tuple[int, int, int, int, int]] = {
     "70B": (8192, 80, 64, 8, 128256),
     "405B": (16384, 126, 128, 8, 128256),
 }
+# Qwen3 dense flavors of TorchTitan 0.3.0 (torchtitan.models.qwen3.qwen3_configs), the same
+# fields; every one has head_dim 128 (QWEN3_HEAD_DIM), which is not dim / n_heads in all of them.
+QWEN3_FLAVORS: dict[str, tuple[int, int, int, int, int]] = {
+    "debugmodel": (256, 8, 16, 8, 2048),
+    "0.6B": (1024, 28, 16, 8, 151936),
+    "1.7B": (2048, 28, 16, 8, 151936),
+    "4B": (2560, 36, 32, 8, 151936),
+    "8B": (4096, 36, 32, 8, 151936),
+    "14B": (5120, 40, 40, 8, 151936),
+    "32B": (5120, 64, 64, 8, 151936),
+}
+QWEN3_HEAD_DIM = 128
+QWEN3_MOE_FLAVORS = ("debugmodel_moe", "30B-A3B", "235B-A22B")
+FLAVORS = {"llama3": LLAMA3_FLAVORS, "qwen3": QWEN3_FLAVORS}
 CUSTOM_MODEL_KEYS = (
-    "dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim_multiplier", "multiple_of"
+    "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "ffn_dim_multiplier", "multiple_of"
 )  # fmt: skip
 # A debug model has no vocabulary of its own: it takes the tokenizer's, so that the defaults
 # (debugmodel, 2048 in TorchTitan, and the shipped 4,096-token tokenizer) train together.
@@ -94,7 +111,8 @@ def _data_keys() -> dict[str, Key]:
         hint = hints[f.name]
         optional = type(None) in typing.get_args(hint)
         base = next(a for a in typing.get_args(hint) if a is not type(None)) if optional else hint
-        keys[f.name] = Key(base, f.default)
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        keys[f.name] = Key(typing.get_origin(base) or base, default)  # dict[str, ...] -> dict (data.mix)
     return keys
 
 
@@ -104,8 +122,10 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "dump_folder": Key(str, "./outputs", doc="logs, TensorBoard files and checkpoints go here"),
     },
     "model": {
-        "name": Key(str, "llama3", ("llama3",)),
-        "flavor": Key(str, "debugmodel", (*LLAMA3_FLAVORS, "custom")),
+        "name": Key(str, "llama3", tuple(FLAVORS), "the model family (TorchTitan's registry)"),
+        "flavor": Key(str, "debugmodel", doc="a dense flavor TorchTitan registers for the family, or custom"),
+        "hf_config": Key(str, doc="a Hugging Face model folder (or its config.json) giving the architecture "
+                         "instead of flavor; default with [checkpoint] initial_load_in_hf: initial_load_path"),
         "attention": Key(
             str, "flashcp", ("flashcp", "flex", "varlen"),
             "flashcp: FlashCP's op (CP through [flashcp]); flex / varlen: TorchTitan's own "
@@ -116,10 +136,20 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "n_layers": Key(int),
         "n_heads": Key(int),
         "n_kv_heads": Key(int),
+        "head_dim": Key(int, doc="qwen3 only; default dim / n_heads"),
         "vocab_size": Key(int),
         "ffn_dim_multiplier": Key(float),
         "multiple_of": Key(int),
-        "rope_theta": Key(float, 500000.0),
+        # RoPE (flashcp.titan.rope); unset: the model's own (flavor, config.json; custom: the family's).
+        "rope_theta": Key(float, doc="RoPE base"),
+        "rope_scaling": Key(str, None, SCALINGS, "RoPE scaling type; unset keeps the model's"),
+        "rope_factor": Key(float, doc="llama3 / yarn: context extension factor"),
+        "rope_original_max_position_embeddings": Key(int, doc="llama3 / yarn: the context before scaling"),
+        "rope_low_freq_factor": Key(float, doc="llama3 (HF default 1)"),
+        "rope_high_freq_factor": Key(float, doc="llama3 (HF default 4)"),
+        "rope_beta_fast": Key(float, doc="yarn (HF default 32)"),
+        "rope_beta_slow": Key(float, doc="yarn (HF default 1)"),
+        "rope_attention_factor": Key(float, doc="yarn: logits scale factor (squared); default 0.1 ln(factor) + 1"),
     },
     "data": _data_keys(),
     "training": {
@@ -224,7 +254,8 @@ def _shown(value: Any) -> str:
 
 
 def _type_name(t: Any) -> str:
-    return {int: "an integer", float: "a number", bool: "true or false", str: "a string", list: "a list"}[t]
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string", list: "a list",
+            dict: "a table"}[t]
 
 
 def _check_value(section: str, name: str, key: Key, value: Any) -> Any:
@@ -283,6 +314,10 @@ def _positive(cfg: dict, section: str, *names: str, minimum: int = 1) -> None:
 
 def _check_semantics(cfg: dict) -> None:
     """Checks that need several keys but no world size."""
+    try:  # the data pipeline's own checks of [data] (choices, bounds, a mixture's entries)
+        DataConfig(**cfg["data"])
+    except DataError as e:
+        raise ConfigError(str(e)) from e
     model, train, par, fcp = cfg["model"], cfg["training"], cfg["parallelism"], cfg["flashcp"]
     _positive(cfg, "training", "seq_len", "steps", "local_batch_size", "gc_freq")
     names = ("data_parallel_replicate_degree", "context_parallel_degree", "tensor_parallel_degree")
@@ -307,6 +342,7 @@ def _check_semantics(cfg: dict) -> None:
     if not fcp["target_imbalance"] >= 1.0:
         raise ConfigError(f"[flashcp] target_imbalance must be >= 1.0, got {fcp['target_imbalance']}")
 
+    _check_model(cfg)
     custom = [k for k in CUSTOM_MODEL_KEYS if model[k] is not None]
     if model["flavor"] == "custom":
         missing = [k for k in ("dim", "n_layers", "n_heads") if model[k] is None]
@@ -314,7 +350,7 @@ def _check_semantics(cfg: dict) -> None:
             raise ConfigError(f"[model] flavor = 'custom' needs {', '.join(missing)}")
         _positive(cfg, "model", "dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of")
         n_kv = model["n_kv_heads"] or model["n_heads"]
-        if model["dim"] % model["n_heads"] or model["n_heads"] % n_kv:
+        if (model["head_dim"] is None and model["dim"] % model["n_heads"]) or model["n_heads"] % n_kv:
             raise ConfigError(
                 f"[model] dim ({model['dim']}) must be divisible by n_heads ({model['n_heads']}) and "
                 f"n_heads by n_kv_heads ({n_kv})"
@@ -399,15 +435,77 @@ def _check_optimizer(cfg: dict) -> None:
         )
 
 
+def _check_model(cfg: dict) -> None:
+    """The architecture named once (flavor of the family, or an HF config.json read now) and its RoPE.
+
+    With [checkpoint] initial_load_in_hf and no flavor given, the architecture is the loaded folder's:
+    `hf_config` is set to initial_load_path and `flavor` to "hf"."""
+    model, given = cfg["model"], cfg["_given"].get("model", [])
+    ckpt = cfg["checkpoint"]
+    if model["hf_config"] is None and ckpt.get("initial_load_in_hf") and "flavor" not in given:
+        model["hf_config"] = ckpt["initial_load_path"]
+    if model["hf_config"] is not None:
+        if "flavor" in given:
+            raise ConfigError("[model] flavor and hf_config both name the architecture; give one of them")
+        arch = _hf_architecture(model["hf_config"])
+        if "name" in given and model["name"] != arch.name:
+            raise ConfigError(f"[model] name = {model['name']!r} but {model['hf_config']} holds a {arch.name} model")
+        model["name"], model["flavor"], base = arch.name, "hf", arch.rope
+    else:
+        flavors = FLAVORS[model["name"]]
+        if model["name"] == "qwen3" and model["flavor"] in QWEN3_MOE_FLAVORS:
+            raise ConfigError(f"[model] flavor {model['flavor']!r} is a mixture-of-experts Qwen3: FlashCP trains dense "
+                              f"models only ({', '.join(flavors)})")  # fmt: skip
+        if model["flavor"] not in (*flavors, "custom"):
+            raise ConfigError(f"[model] flavor must be one of {', '.join((*flavors, 'custom'))} for "
+                              f"name = {model['name']!r}; got {model['flavor']!r}")  # fmt: skip
+        base = FAMILY_ROPE[model["name"]]
+    try:
+        rope = rope_for_job(base, model)
+        if model["name"] == "qwen3" and rope.scaling == "llama3":
+            raise RopeError("llama3 RoPE scaling is Llama's; TorchTitan's Qwen3 RoPE takes none or yarn")
+    except RopeError as e:
+        raise ConfigError(f"[model] {e}") from e
+    if rope.softmax_scale_factor != 1.0 and model["attention"] != "flashcp":
+        raise ConfigError(
+            f"[model] yarn RoPE's attention factor ({rope.yarn_attention_factor:.4g}) is applied by FlashCP's "
+            f"attention; model.attention = {model['attention']!r} would drop it: use 'flashcp'"
+        )
+    if model["head_dim"] is not None and model["name"] != "qwen3":
+        raise ConfigError("[model] head_dim applies to name = 'qwen3' only; Llama 3's is dim / n_heads")
+
+
+def _hf_architecture(path: str) -> Architecture:
+    try:
+        return read_hf_config(path)
+    except HFConfigError as e:
+        raise ConfigError(f"[model] hf_config: {e}") from e
+
+
 def model_dims(cfg: dict) -> tuple[int, int, int, int, int | None]:
     """(dim, n_layers, n_heads, n_kv_heads, vocab_size or None = the tokenizer's) of the job's model."""
     model = cfg["model"]
+    if model["hf_config"] is not None:
+        arch = _hf_architecture(model["hf_config"])
+        return arch.dim, arch.n_layers, arch.n_heads, arch.n_kv_heads, arch.vocab_size
+    flavors = FLAVORS[model["name"]]
     if model["flavor"] in TOKENIZER_SIZED_FLAVORS:
-        return (*LLAMA3_FLAVORS[model["flavor"]][:4], None)
+        return (*flavors[model["flavor"]][:4], None)
     if model["flavor"] != "custom":
-        return LLAMA3_FLAVORS[model["flavor"]]
+        return flavors[model["flavor"]]
     n_kv = model["n_kv_heads"] or model["n_heads"]
     return model["dim"], model["n_layers"], model["n_heads"], n_kv, model["vocab_size"]
+
+
+def model_head_dim(cfg: dict) -> int:
+    """The job's attention head size (Qwen3's is not always dim / n_heads)."""
+    model = cfg["model"]
+    if model["hf_config"] is not None:
+        return _hf_architecture(model["hf_config"]).head_dim
+    if model["name"] == "qwen3" and model["flavor"] != "custom":
+        return QWEN3_HEAD_DIM
+    dim, _, n_heads, _, _ = model_dims(cfg)
+    return model["head_dim"] or dim // n_heads
 
 
 def degrees(cfg: dict, world_size: int) -> dict[str, int]:
@@ -572,11 +670,21 @@ def apply_overrides(raw: dict[str, Any], args: list[str]) -> dict[str, Any]:
             else:
                 value = "true"  # a bare flag switches a boolean on
         section, _, key = name.partition(".")
-        if not section or not key or "." in key:
-            raise ConfigError(f"override {arg!r} must name one key as --section.key")
+        path = key.split(".")
+        nested = len(path) > 1 and getattr(SCHEMA.get(section, {}).get(path[0]), "type", None) is dict
+        if not section or not all(path) or (len(path) > 1 and not nested):
+            raise ConfigError(f"override {arg!r} must name one key as --section.key (--section.table.key "
+                              "inside a table key such as data.mix)")  # fmt: skip
         if not isinstance(out.get(section, {}), dict):
             raise ConfigError(f"[{section}] is not a table")
-        out.setdefault(section, {})[key] = _parse_value(value, f"override --{name}")
+        table = out.setdefault(section, {})
+        for depth, part in enumerate(path[:-1]):  # copied on the way down: `raw` stays as read
+            inner = table.get(part, {})
+            if not isinstance(inner, dict):
+                raise ConfigError(f"[{section}] {'.'.join(path[: depth + 1])} is not a table")
+            table[part] = dict(inner)
+            table = table[part]
+        table[path[-1]] = _parse_value(value, f"override --{name}")
         i += 1
     return out
 

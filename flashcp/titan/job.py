@@ -1,6 +1,6 @@
 """A validated job (`flashcp.titan.config.load_job`) as TorchTitan's `Trainer.Config`.
 
-Each section maps onto the TorchTitan dataclass of the same name; `[model]` picks the Llama 3
+Each section maps onto the TorchTitan dataclass of the same name; `[model]` picks the model
 spec, `[data]` and `[flashcp]` configure the window loader and the attention, `[job]` the output
 folder. Building the config loads the tokenizer (to size the vocabulary) but starts nothing.
 """
@@ -21,7 +21,7 @@ from flashcp.titan.components import PipelineTokenizer, resolve_tokenizer, Windo
 from flashcp.titan.loss import loss_config
 from flashcp.data.sources import DataConfig
 from flashcp.titan.metrics import FlashCPMetrics
-from flashcp.titan.model import llama3_spec
+from flashcp.titan.model import model_spec
 from flashcp.titan.trainer import FlashCPSettings, FlashCPTrainer
 
 
@@ -33,8 +33,8 @@ def trainer_config(cfg: dict[str, Any]) -> FlashCPTrainer.Config:
     data = DataConfig(**cfg["data"])
     tokenizer = resolve_tokenizer(data.tokenizer)
     flashcp_on = cfg["model"]["attention"] == "flashcp"
-    spec = llama3_spec(cfg["model"], cfg["flashcp"], tokenizer.vocab_size)
     train, par, fcp = cfg["training"], dict(cfg["parallelism"]), cfg["flashcp"]
+    spec = model_spec(cfg["model"], fcp, tokenizer.vocab_size, train["seq_len"])
     if cfg["checkpoint"]["create_seed_checkpoint"]:  # one rank, no sharding
         par |= {f"{name}_degree": 1 for name in SEED_DEGREES}
     cp = par["context_parallel_degree"]

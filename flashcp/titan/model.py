@@ -1,96 +1,63 @@
-"""TorchTitan's Llama 3, its attention swapped for FlashCP's, and parallelism applied from outside.
+"""The job's Llama 3 / Qwen3 as a TorchTitan ModelSpec, its attention swapped for FlashCP's from outside.
 
-The model definition is TorchTitan's (`torchtitan.models.llama3`): named flavors come from its
-registry, a "custom" flavor is built with the same per-layer builder and initialisers. With
+The architecture comes from `flashcp.titan.decoders` (a TorchTitan flavor, a custom size or an HF
+config.json, with the job's RoPE keys), built by TorchTitan's own per-layer builders. With
 `model.attention = "flashcp"` only each layer's inner-attention config is replaced
 (`use_flashcp_attention`) and the model is parallelised by `parallelize_flashcp`: TorchTitan's
-Llama 3 recipe without its own CP forward hook, because FlashCP's attention op does the CP
-exchange itself. FSDP shards over dp_shard x cp (TorchTitan's "fsdp" mesh), TP splits heads.
+recipe for both families ("partial_dtensor" backend) without its own CP forward hook, because
+FlashCP's attention op does the CP exchange itself. FSDP shards over dp_shard x cp (TorchTitan's
+"fsdp" mesh), TP splits heads; tied embeddings stay one parameter (FSDP's root group holds them).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
-from torchtitan.models.common import ComplexRoPE, compute_ffn_hidden_dim, Embedding, Linear, RMSNorm
-from torchtitan.models.llama3 import model_registry, parallelize_llama
-from torchtitan.models.llama3 import (  # TorchTitan 0.3.0's own Llama 3 builder and initialisers
-    _build_llama3_layers,
-    _EMBEDDING_INIT,
-    _NORM_INIT,
-    _output_linear_init,
-)
-from torchtitan.models.llama3.model import Llama3Model
+from torchtitan.models.llama3 import parallelize_llama
+from torchtitan.models.qwen3 import parallelize_qwen3, Qwen3Model
 from torchtitan.protocols.model_spec import ModelSpec
 
 from flashcp.titan import compat
 from flashcp.titan.attention import use_flashcp_attention
-from flashcp.titan.config import ConfigError, TOKENIZER_SIZED_FLAVORS
+from flashcp.titan.config import ConfigError
+from flashcp.titan.decoders import ADAPTERS, job_architecture, titan_config
 
 
-def llama3_spec(model_cfg: dict[str, Any], flashcp_cfg: dict[str, Any], tokenizer_vocab: int) -> ModelSpec:
-    """The job's Llama 3 as a TorchTitan ModelSpec, with FlashCP attention when selected."""
-    attention = model_cfg["attention"]
-    titan_backend = "flex" if attention == "flashcp" else attention  # replaced below for flashcp
-    if model_cfg["flavor"] == "custom":
-        vocab = model_cfg["vocab_size"] or tokenizer_vocab
-        spec = dataclasses.replace(
-            model_registry("debugmodel"),
-            flavor="custom",
-            model=_custom_llama3(model_cfg, vocab, titan_backend),
-        )
-    else:
-        spec = model_registry(model_cfg["flavor"], attn_backend=titan_backend)
-        vocab = spec.model.vocab_size
-        if model_cfg["flavor"] in TOKENIZER_SIZED_FLAVORS:
-            vocab = tokenizer_vocab
-            model = spec.model
-            spec = dataclasses.replace(spec, model=dataclasses.replace(
-                model,
-                vocab_size=vocab,
-                tok_embeddings=dataclasses.replace(model.tok_embeddings, num_embeddings=vocab),
-                lm_head=dataclasses.replace(model.lm_head, out_features=vocab),
-            ))  # fmt: skip
-    if tokenizer_vocab > vocab:
+def model_spec(model_cfg: dict[str, Any], flashcp_cfg: dict[str, Any], tokenizer_vocab: int, seq_len: int) -> ModelSpec:
+    """The job's model as a TorchTitan ModelSpec, with FlashCP attention when selected."""
+    arch = job_architecture(model_cfg, tokenizer_vocab, seq_len)
+    if tokenizer_vocab > arch.vocab_size:
         raise ConfigError(
-            f"[model] vocab_size ({vocab}) is smaller than the tokenizer's vocabulary ({tokenizer_vocab})"
+            f"[model] vocab_size ({arch.vocab_size}) is smaller than the tokenizer's vocabulary ({tokenizer_vocab})"
         )
+    attention = model_cfg["attention"]
+    scale_factor = arch.rope.softmax_scale_factor
+    if attention != "flashcp" and scale_factor != 1.0:
+        raise ConfigError(
+            f"[model] yarn RoPE's attention factor ({arch.rope.yarn_attention_factor:.4g}) is applied by "
+            f"FlashCP's attention; model.attention = {attention!r} would drop it: use 'flashcp'"
+        )
+    # The RoPE cache covers every position inside a document: < seq_len.
+    model = titan_config(arch, "flex" if attention == "flashcp" else attention, max_seq_len=seq_len)
+    if attention == "flashcp":
+        use_flashcp_attention(model, backend=flashcp_cfg["backend"], overlap=flashcp_cfg["overlap"],
+                              scale_factor=scale_factor)  # fmt: skip
+        parallelize = parallelize_flashcp
+    else:
+        parallelize = _parallelize_titan_cp
     # No pipeline parallelism. The spec keeps TorchTitan's HF state_dict_adapter: checkpoints stay
     # DCP, the adapter maps Hugging Face weights in (initial_load_in_hf) and out (flashcp.titan.export).
-    spec = dataclasses.replace(spec, pipelining_fn=None)
-    if attention == "flashcp":
-        use_flashcp_attention(spec.model, backend=flashcp_cfg["backend"], overlap=flashcp_cfg["overlap"])
-        return dataclasses.replace(spec, parallelize_fn=parallelize_flashcp)
-    return dataclasses.replace(spec, parallelize_fn=_parallelize_titan_cp)
-
-
-def _custom_llama3(model_cfg: dict[str, Any], vocab: int, attn_backend: str) -> Llama3Model.Config:
-    """A Llama 3 of any size, built like TorchTitan's flavors (llama3_configs)."""
-    dim, n_heads = model_cfg["dim"], model_cfg["n_heads"]
-    hidden = compute_ffn_hidden_dim(
-        dim, multiple_of=model_cfg["multiple_of"] or 256, ffn_dim_multiplier=model_cfg["ffn_dim_multiplier"]
-    )
-    return Llama3Model.Config(
-        dim=dim,
-        vocab_size=vocab,
-        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=_EMBEDDING_INIT),
-        norm=RMSNorm.Config(normalized_shape=dim, param_init=_NORM_INIT),
-        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=_output_linear_init(dim)),
-        layers=_build_llama3_layers(
-            n_layers=model_cfg["n_layers"],
-            dim=dim,
-            n_heads=n_heads,
-            n_kv_heads=model_cfg["n_kv_heads"],
-            hidden_dim=hidden,
-            rope=ComplexRoPE.Config(
-                dim=dim // n_heads, max_seq_len=131072, theta=model_cfg["rope_theta"], scaling="llama"
-            ),
-            attn_backend=attn_backend,
-        ),
+    return ModelSpec(
+        name=arch.name,
+        flavor="hf" if model_cfg.get("hf_config") else model_cfg["flavor"],
+        model=model,
+        parallelize_fn=parallelize,
+        pipelining_fn=None,
+        post_optimizer_build_fn=None,
+        state_dict_adapter=ADAPTERS[arch.name],
     )
 
 
@@ -98,8 +65,8 @@ def parallelize_flashcp(model: torch.nn.Module, *, parallel_dims, training, para
                         ac_config, dump_folder: str) -> torch.nn.Module:  # fmt: skip
     """TP, activation checkpointing, per-block compile and FSDP over dp_shard x cp.
 
-    The same order as TorchTitan's `parallelize_llama` ("partial_dtensor" backend), minus its
-    context-parallel forward hook: FlashCP's attention exchanges KV itself, and every other
+    The same order as TorchTitan's `parallelize_llama` and `parallelize_qwen3` ("partial_dtensor"
+    backend, dense), minus their context-parallel forward hook: FlashCP's attention exchanges KV itself, and every other
     layer is token-wise, so CP needs nothing else from the model.
     """
     if parallel_dims.tp_enabled:
@@ -128,6 +95,7 @@ def parallelize_flashcp(model: torch.nn.Module, *, parallel_dims, training, para
 
 def _parallelize_titan_cp(model: torch.nn.Module, **kwargs) -> torch.nn.Module:
     """TorchTitan's own recipe (its built-in CP included), for comparing against FlashCP."""
-    model = parallelize_llama(model, **kwargs)
+    recipe = parallelize_qwen3 if isinstance(model, Qwen3Model) else parallelize_llama
+    model = recipe(model, **kwargs)
     compat.force_sum_reduction_on_gloo(model)
     return model

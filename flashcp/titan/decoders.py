@@ -1,0 +1,184 @@
+"""FlashCP's `Architecture` <-> TorchTitan's Llama 3 / Qwen3 model configs, built with TorchTitan's own code.
+
+    arch = job_architecture(cfg["model"], tokenizer_vocab, seq_len)  # named flavor, custom or HF config.json
+    model_config = titan_config(arch, attn_backend="flex", max_seq_len=seq_len)
+    adapter = state_dict_adapter(model_config, hf_assets_path)       # TorchTitan's HF <-> TorchTitan mapping
+
+Every model is built through one path: a named flavor's config from TorchTitan's registry is read
+back into an `Architecture` (`architecture_of`), then every architecture is built with TorchTitan's
+per-layer builders and initialisers (`_build_llama3_layers`, `_build_qwen3_layers`), so named
+flavors, custom sizes and HF config.json models differ only in their numbers. Each family keeps its
+RoPE convention: Llama 3 rotates adjacent pairs (ComplexRoPE; its adapter permutes HF's q / k
+weights), Qwen3 rotates halves (CosSinRoPE) after its per-head QK-norm.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from torchtitan.models import llama3 as titan_llama3
+from torchtitan.models import qwen3 as titan_qwen3
+from torchtitan.models.common import ComplexRoPE, compute_ffn_hidden_dim, CosSinRoPE, Embedding, Linear, RMSNorm
+from torchtitan.models.common.decoder import Decoder
+from torchtitan.models.llama3 import Llama3Model
+from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
+from torchtitan.models.qwen3 import Qwen3Model
+from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
+from torchtitan.protocols.state_dict_adapter import BaseStateDictAdapter
+
+from flashcp.titan.config import ConfigError, TOKENIZER_SIZED_FLAVORS
+from flashcp.titan.hf_config import Architecture, HFConfigError, read_hf_config, with_rope
+from flashcp.titan.rope import FAMILY_ROPE, Rope, rope_for_job, RopeError
+
+REGISTRIES = {"llama3": titan_llama3.llama3_configs, "qwen3": titan_qwen3.qwen3_configs}
+ADAPTERS: dict[str, type[BaseStateDictAdapter]] = {"llama3": Llama3StateDictAdapter, "qwen3": Qwen3StateDictAdapter}
+# TorchTitan's name of each scaling, and back.
+_TITAN_SCALING = {"none": "none", "llama3": "llama", "yarn": "yarn"}
+# The RMSNorm eps of each family's flavors, which a custom size takes with the family's RoPE.
+_NORM_EPS = {"llama3": 1e-5, "qwen3": 1e-6}
+
+
+def family(model_config: Decoder.Config) -> str:
+    """"llama3" or "qwen3" for a TorchTitan model config."""
+    if isinstance(model_config, Qwen3Model.Config):
+        return "qwen3"
+    if isinstance(model_config, Llama3Model.Config):
+        return "llama3"
+    raise TypeError(f"not a Llama 3 or Qwen3 config: {type(model_config).__name__}")
+
+
+def architecture_of(model_config: Decoder.Config) -> Architecture:
+    """The architecture of a TorchTitan Llama 3 / Qwen3 config (e.g. a registry flavor)."""
+    attention = model_config.first_attention
+    rope = attention.rope
+    scaling = {titan: ours for ours, titan in _TITAN_SCALING.items()}[rope.scaling]
+    if scaling == "llama3":
+        factor, original = rope.scaling_factor, rope.original_max_position_embeddings
+    else:
+        factor, original = rope.rope_factor, rope.original_seq_len
+    return Architecture(
+        name=family(model_config),
+        dim=model_config.dim,
+        n_layers=len(model_config.layers),
+        n_heads=attention.n_heads,
+        n_kv_heads=attention.n_kv_heads or attention.n_heads,
+        head_dim=attention.head_dim or model_config.dim // attention.n_heads,
+        hidden_dim=model_config.layers[0].feed_forward.w1.out_features,
+        vocab_size=model_config.vocab_size,
+        norm_eps=model_config.norm.eps,
+        rope=Rope(
+            theta=float(rope.theta), scaling=scaling, factor=factor, original_max_position_embeddings=original,
+            low_freq_factor=rope.low_freq_factor, high_freq_factor=rope.high_freq_factor,
+            beta_fast=rope.beta_fast, beta_slow=rope.beta_slow, truncate=rope.truncate,
+        ),  # fmt: skip
+        tie_embeddings=model_config.enable_weight_tying,
+        max_position_embeddings=rope.max_seq_len,
+    )
+
+
+def titan_rope(arch: Architecture, max_seq_len: int):
+    """TorchTitan's RoPE config for `arch`: ComplexRoPE for Llama 3, CosSinRoPE for Qwen3."""
+    rope = arch.rope
+    cls = ComplexRoPE if arch.name == "llama3" else CosSinRoPE
+    if rope.scaling == "llama3" and cls is CosSinRoPE:
+        raise RopeError("llama3 RoPE scaling is Llama's (complex RoPE); TorchTitan's Qwen3 RoPE supports none or yarn")
+    scaling: dict[str, Any] = {"scaling": _TITAN_SCALING[rope.scaling]}
+    if rope.scaling == "llama3":
+        scaling |= {
+            "scaling_factor": rope.factor, "low_freq_factor": rope.low_freq_factor,
+            "high_freq_factor": rope.high_freq_factor,
+            "original_max_position_embeddings": rope.original_max_position_embeddings,
+        }  # fmt: skip
+    elif rope.scaling == "yarn":
+        scaling |= {
+            "rope_factor": rope.factor, "beta_fast": rope.beta_fast, "beta_slow": rope.beta_slow,
+            "original_seq_len": rope.original_max_position_embeddings, "truncate": rope.truncate,
+        }  # fmt: skip
+    return cls.Config(dim=arch.head_dim, max_seq_len=max_seq_len, theta=rope.theta, **scaling)
+
+
+def titan_config(arch: Architecture, attn_backend: str, max_seq_len: int) -> Decoder.Config:
+    """TorchTitan's model config for `arch`, its RoPE cache covering positions < max_seq_len.
+
+    YaRN's attention factor is not in it (TorchTitan's RoPE is a pure rotation): FlashCP's attention
+    applies it (`Rope.softmax_scale_factor`, see flashcp.titan.model)."""
+    rope = titan_rope(arch, max_seq_len)
+    tied, dim, vocab = arch.tie_embeddings, arch.dim, arch.vocab_size
+    if arch.name == "llama3":
+        lib, cls, head_init = titan_llama3, Llama3Model.Config, titan_llama3._output_linear_init(dim)
+        layers = titan_llama3._build_llama3_layers(
+            n_layers=arch.n_layers, dim=dim, n_heads=arch.n_heads, n_kv_heads=arch.n_kv_heads,
+            hidden_dim=arch.hidden_dim, rope=rope, attn_backend=attn_backend, fuse_qkv=True,
+        )  # fmt: skip
+    else:
+        lib, cls, head_init = titan_qwen3, Qwen3Model.Config, titan_qwen3._LINEAR_INIT
+        layers = titan_qwen3._build_qwen3_layers(
+            n_layers=arch.n_layers, dim=dim, n_heads=arch.n_heads, n_kv_heads=arch.n_kv_heads,
+            head_dim=arch.head_dim, hidden_dim=arch.hidden_dim, rope=rope, attn_backend=attn_backend, fuse_qkv=True,
+        )  # fmt: skip
+    model = cls(
+        dim=dim,
+        vocab_size=vocab,
+        enable_weight_tying=tied,
+        # A tied embedding is the output projection's weight, initialised there (TorchTitan's flavors).
+        tok_embeddings=Embedding.Config(
+            num_embeddings=vocab, embedding_dim=dim, param_init=lib._EMBEDDING_SKIP_INIT if tied else lib._EMBEDDING_INIT
+        ),
+        norm=RMSNorm.Config(normalized_shape=dim, eps=arch.norm_eps, param_init=lib._NORM_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=head_init),
+        layers=layers,
+    )
+    for layer in model.layers:  # TorchTitan's builders fix each family's eps; a config.json may differ
+        for norm in (layer.attention_norm, layer.ffn_norm, layer.attention.qk_norm):
+            if norm is not None:
+                norm.eps = arch.norm_eps
+    return model
+
+
+def job_architecture(model_cfg: dict[str, Any], tokenizer_vocab: int, seq_len: int) -> Architecture:
+    """The job's model: `[model] hf_config` (a config.json), a named flavor or a custom size, with the
+    job's RoPE keys applied and trained at `seq_len`. ConfigError names what cannot be built."""
+    name, flavor = model_cfg["name"], model_cfg["flavor"]
+    try:
+        if model_cfg.get("hf_config"):
+            arch = read_hf_config(model_cfg["hf_config"])
+        elif flavor == "custom":
+            arch = _custom(model_cfg, tokenizer_vocab)
+        else:
+            arch = architecture_of(REGISTRIES[name][flavor](attn_backend="flex"))
+            if flavor in TOKENIZER_SIZED_FLAVORS:
+                arch = dataclasses.replace(arch, vocab_size=tokenizer_vocab)
+        rope = rope_for_job(arch.rope, model_cfg)
+    except (HFConfigError, RopeError) as e:
+        raise ConfigError(f"[model] {e}") from e
+    return with_rope(arch, rope, seq_len)
+
+
+def _custom(model_cfg: dict[str, Any], tokenizer_vocab: int) -> Architecture:
+    """A size given by its dims, built like the family's flavors."""
+    name, dim, n_heads = model_cfg["name"], model_cfg["dim"], model_cfg["n_heads"]
+    hidden = compute_ffn_hidden_dim(
+        dim, multiple_of=model_cfg["multiple_of"] or 256, ffn_dim_multiplier=model_cfg["ffn_dim_multiplier"]
+    )
+    return Architecture(
+        name=name,
+        dim=dim,
+        n_layers=model_cfg["n_layers"],
+        n_heads=n_heads,
+        n_kv_heads=model_cfg["n_kv_heads"] or n_heads,
+        head_dim=model_cfg.get("head_dim") or dim // n_heads,
+        hidden_dim=hidden,
+        vocab_size=model_cfg["vocab_size"] or tokenizer_vocab,
+        norm_eps=_NORM_EPS[name],
+        rope=FAMILY_ROPE[name],
+        tie_embeddings=False,
+    )
+
+
+def state_dict_adapter(model_config: Decoder.Config, hf_assets_path: str | None = None) -> BaseStateDictAdapter:
+    """TorchTitan's HF adapter for the model: `from_hf(hf_state) -> titan_state`, `to_hf(titan_state)`.
+
+    `hf_assets_path` (a folder with model.safetensors.index.json) only sets how `to_hf` shards an
+    HF save; None writes one file."""
+    return ADAPTERS[family(model_config)](model_config, hf_assets_path)

@@ -1,0 +1,174 @@
+"""A model's architecture as Hugging Face's config.json describes it, in both directions.
+
+    arch = read_hf_config("path/to/hf_model")            # folder or its config.json; HFConfigError
+    arch = architecture_from_hf(json_dict, where="...")  # the same from a parsed config.json
+    to_hf_config(arch, torch_dtype="bfloat16", base=None) -> dict  # the config.json an export writes
+
+`Architecture` is FlashCP's description of a dense decoder (Llama 3.x: model_type "llama";
+Qwen3: "qwen3", with QK-norm and its own head_dim), the one value every consumer reads: the
+pre-launch checks (`flashcp.titan.config.model_dims`), the TorchTitan model config
+(`flashcp.titan.decoders.titan_config(arch, attn_backend, max_seq_len)`), the job's model
+(`flashcp.titan.decoders.job_architecture(model_cfg, tokenizer_vocab, seq_len)`, also for named
+flavors) and HF import / export (`flashcp.titan.decoders.state_dict_adapter(model_config,
+hf_assets_path)`: TorchTitan's Llama3StateDictAdapter / Qwen3StateDictAdapter, which map names and,
+for Llama, permute q / k between HF's rotate-half layout and TorchTitan's adjacent pairs).
+`to_hf_config` writes the RoPE actually trained (`rope_theta`, `rope_scaling`) and the context
+(`max_position_embeddings`), starting from the base model's config.json when given so that its
+other entries (token ids, ...) carry over.
+
+Pure Python (json only): the launcher reads config.json before any rank starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from flashcp.titan.rope import Rope, rope_from_hf, rope_to_hf, RopeError
+
+# HF model_type -> FlashCP / TorchTitan model name, and back with its HF class.
+MODEL_TYPES = {"llama": "llama3", "qwen3": "qwen3"}
+HF_NAMES = {"llama3": ("llama", "LlamaForCausalLM"), "qwen3": ("qwen3", "Qwen3ForCausalLM")}
+HF_DEFAULT_THETA = 10000.0  # transformers' default rope_theta for both
+MAX_CONFIG_BYTES = 1 << 20
+
+
+class HFConfigError(ValueError):
+    """A config.json FlashCP cannot train; the message names the file and the entry."""
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """A dense decoder: everything that fixes its parameters' shapes and its forward pass."""
+
+    name: str  # llama3 | qwen3 (qwen3: RMSNorm on q and k per head before RoPE)
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    hidden_dim: int  # feed-forward width (HF intermediate_size)
+    vocab_size: int
+    norm_eps: float
+    rope: Rope
+    tie_embeddings: bool = False
+    max_position_embeddings: int = 8192  # the context the model is meant for (export writes the trained one)
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.name == "qwen3"
+
+
+def read_hf_config(path: str | Path) -> Architecture:
+    """The architecture in `path` (an HF model folder or its config.json); HFConfigError names the problem."""
+    path = Path(path)
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        raise HFConfigError(f"{file}: no such file (an HF model folder holds config.json)")
+    try:
+        with open(file, "rb") as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)
+        if len(data) > MAX_CONFIG_BYTES:
+            raise HFConfigError(f"{file} is larger than {MAX_CONFIG_BYTES >> 20} MiB: not a model's config.json")
+        hf = json.loads(data)
+    except OSError as e:
+        raise HFConfigError(f"cannot read {file}: {e}") from e
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise HFConfigError(f"{file} is not valid JSON: {e}") from e
+    if not isinstance(hf, dict):
+        raise HFConfigError(f"{file} must hold a JSON object, got {type(hf).__name__}")
+    return architecture_from_hf(hf, where=str(file))
+
+
+def architecture_from_hf(hf: dict[str, Any], where: str = "config.json") -> Architecture:
+    """The architecture of a parsed config.json (transformers 4.x or 5.x layout)."""
+    model_type = hf.get("model_type")
+    if model_type not in MODEL_TYPES:
+        moe = " (mixture-of-experts models are not supported)" if "moe" in str(model_type) else ""
+        raise HFConfigError(
+            f"{where}: model_type {model_type!r} is not supported{moe}; supported: {', '.join(MODEL_TYPES)}"
+        )
+
+    def value(key: str, kind: type, default: Any = None) -> Any:
+        got = hf.get(key, default)
+        if got is None:
+            raise HFConfigError(f"{where}: {key} is missing")
+        if kind is float and isinstance(got, int) and not isinstance(got, bool):
+            got = float(got)
+        if not isinstance(got, kind) or (kind is int and isinstance(got, bool)) or (kind is not bool and got <= 0):
+            raise HFConfigError(f"{where}: {key} must be a positive {kind.__name__}, got {got!r}")
+        return got
+
+    dim, n_heads = value("hidden_size", int), value("num_attention_heads", int)
+    n_kv = value("num_key_value_heads", int, n_heads)
+    head_dim = value("head_dim", int, dim // n_heads)
+    name = MODEL_TYPES[model_type]
+    unsupported = [
+        f"{key} = {hf[key]!r}" for key, ok in (
+            ("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False), ("use_sliding_window", False),
+        ) if key in hf and hf[key] != ok
+    ]  # fmt: skip
+    if name == "llama3" and head_dim != dim // n_heads:
+        unsupported.append(f"head_dim = {head_dim} (Llama needs hidden_size / num_attention_heads = {dim // n_heads})")
+    if n_heads % n_kv:
+        unsupported.append(f"num_attention_heads = {n_heads} not a multiple of num_key_value_heads = {n_kv}")
+    if unsupported:
+        raise HFConfigError(f"{where}: {'; '.join(unsupported)} is not supported")
+    try:
+        rope = rope_from_hf(hf, HF_DEFAULT_THETA)
+    except (RopeError, KeyError, TypeError, ValueError) as e:
+        raise HFConfigError(f"{where}: {e}") from e
+    return Architecture(
+        name=name,
+        dim=dim,
+        n_layers=value("num_hidden_layers", int),
+        n_heads=n_heads,
+        n_kv_heads=n_kv,
+        head_dim=head_dim,
+        hidden_dim=value("intermediate_size", int),
+        vocab_size=value("vocab_size", int),
+        norm_eps=value("rms_norm_eps", float, 1e-6),
+        rope=rope,
+        tie_embeddings=value("tie_word_embeddings", bool, False),
+        max_position_embeddings=value("max_position_embeddings", int, 8192),
+    )
+
+
+def to_hf_config(arch: Architecture, torch_dtype: str = "bfloat16", base: dict[str, Any] | None = None) -> dict:
+    """config.json for `arch` (AutoModelForCausalLM loads it), over the base model's config.json if given."""
+    model_type, hf_class = HF_NAMES[arch.name]
+    out = {k: v for k, v in (base or {}).items() if k not in ("rope_parameters", "transformers_version")}
+    if base is not None and base.get("model_type") != model_type:
+        out = {}  # another family's entries would not load
+    out |= {
+        "architectures": [hf_class],
+        "model_type": model_type,
+        "hidden_size": arch.dim,
+        "num_hidden_layers": arch.n_layers,
+        "num_attention_heads": arch.n_heads,
+        "num_key_value_heads": arch.n_kv_heads,
+        "head_dim": arch.head_dim,
+        "intermediate_size": arch.hidden_dim,
+        "vocab_size": arch.vocab_size,
+        "rms_norm_eps": arch.norm_eps,
+        "tie_word_embeddings": arch.tie_embeddings,
+        "max_position_embeddings": arch.max_position_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "torch_dtype": torch_dtype,
+        "dtype": torch_dtype,  # transformers 5's name for it
+        **rope_to_hf(arch.rope),
+    }
+    if arch.name == "llama3":
+        out["mlp_bias"] = False
+    else:
+        out["use_sliding_window"] = False
+    return out
+
+
+def with_rope(arch: Architecture, rope: Rope, context: int) -> Architecture:
+    """`arch` trained with `rope` at `context` tokens: what an export's config.json says."""
+    return dataclasses.replace(arch, rope=rope, max_position_embeddings=max(arch.max_position_embeddings, context))
