@@ -42,7 +42,7 @@ import numpy as np
 
 from flashcp import plan_shards
 from flashcp.costmodel.proxy import window_cost
-from flashcp.data.balance import balance_step, stream_windows, WindowCost
+from flashcp.data.balance import layout_step, StepLayout, stream_windows, WindowCost
 from flashcp.data.deferral import Deferral, DocSpan, stream_pairs
 from flashcp.data.lengths import length_sampler, LengthSampler, LognormalMixture
 from flashcp.data.sources import DataConfig
@@ -104,6 +104,11 @@ def pairs(lens) -> float:
     return float((lens * (lens + 1) / 2).sum())
 
 
+def window_lengths(layout: StepLayout) -> list[list[list[int]]]:
+    """Piece lengths of every window `[dp rank][micro step]`."""
+    return [[layout.length[layout.bounds[w] : layout.bounds[w + 1]].tolist() for w in rank] for rank in layout.slot]
+
+
 def llama_cost(cp: int) -> WindowCost:
     m = LLAMA3_8B
     return window_cost(6.0 * (m["params"] - m["vocab"] * m["dim"]), 12.0 * m["dim"] * m["n_layers"], cp, True)
@@ -115,7 +120,7 @@ def run(distribution: str, context: int, dp: int, cp: int, n_steps: int, micro: 
     cost, n_windows = llama_cost(cp), dp * micro
     target = 1.05 if mode.endswith("-cut") else None
     warm = Stream(sampler(distribution, seed + 1)).step(n_windows * context)[0]
-    balance_step(warm, dp, micro, context, cost, target)  # untimed: numpy's first-call costs are not a step's
+    layout_step(warm, dp, micro, context, cost, target).rank(0)  # untimed: numpy's first-call costs are not a step's
     stream = Stream(sampler(distribution, seed))
     deferral = Deferral(context, n_windows, max_delay, cost) if mode.startswith("deferral") else None
     off, balanced, bound, wall, cpu, kept, ref, delays, waited, tokens = [], [], [], [], [], 0.0, 0.0, [], 0, 0
@@ -127,19 +132,22 @@ def run(distribution: str, context: int, dp: int, cp: int, n_steps: int, micro: 
             docs = [n for w in seq for n in w] if mode == "mesh" else lens
             groups = [[seq[m * dp + r] for m in range(micro)] for r in range(dp)]
             if mode != "off":
-                placed = balance_step(docs, dp, micro, context, cost, target)
-                groups = [[[p.length for p in w] for w in rank] for rank in placed]
+                layout = layout_step(docs, dp, micro, context, cost, target)
+                layout.rank(0)  # what one rank builds
         else:
             step = deferral.next_step(stream.read)
             stream.restore(*step.cursor)
-            placed = balance_step(step.length, dp, micro, context, cost, target)
-            groups = [[[p.length for p in w] for w in rank] for rank in placed]
+            layout = layout_step(step.length, dp, micro, context, cost, target)
+            layout.rank(0)
+        wall.append((time.perf_counter() - t0) * 1e3)
+        cpu.append((time.process_time() - c0) * 1e3)
+        if mode != "off":
+            groups = window_lengths(layout)
+        if deferral is not None:
             delay = np.asarray(step.delay)
             delays += delay[delay > 0].tolist()
             waited += int(np.asarray(step.length)[delay > 0].sum())
             ref += float(stream_pairs(np.asarray(step.offset), np.asarray(step.length), context).sum())
-        wall.append((time.perf_counter() - t0) * 1e3)
-        cpu.append((time.process_time() - c0) * 1e3)
         tokens += n_windows * context
         per_group = [sum(planned_cost(w, cost) for w in rank) for rank in groups]
         balanced.append(ratio(per_group))

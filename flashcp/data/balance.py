@@ -26,7 +26,7 @@ between the step's windows so that every window's predicted cost is close to the
 4. Windows go to (micro step, DP rank) from the most to the least expensive, snaking over the
    ranks, so that each micro step and each rank's sum are balanced.
 
-Pieces are a `NamedTuple` (immutable, ordered, field access like a frozen dataclass) because a
+Each rank builds only its own windows' pieces (`layout_step(...).rank(r)`). Pieces are a `NamedTuple` (immutable, ordered, field access like a frozen dataclass) because a
 step at DP = 64 holds ~20K of them and a tuple is built in half the time.
 
 Every rank computes the same result from the document lengths alone (no randomness, ties broken by
@@ -246,18 +246,43 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
+class StepLayout(NamedTuple):
+    """A balanced step as arrays: the pieces sorted by (window, doc, start), where each window's
+    pieces begin, and which window each (DP rank, micro step) trains. A rank materialises only
+    its own windows' pieces (`rank`): a DP = 64 step holds ~20K pieces, 64 x one rank's."""
+
+    doc: np.ndarray
+    start: np.ndarray
+    length: np.ndarray
+    bounds: np.ndarray  # window w's pieces are [bounds[w], bounds[w + 1])
+    slot: np.ndarray  # [dp rank, micro step] -> window
+
+    @gc_paused()
+    def rank(self, r: int) -> list[list[Piece]]:
+        """DP rank r's windows, one per micro step, pieces ordered by (doc, start)."""
+        make = functools.partial(tuple.__new__, Piece)  # Piece._make without its Python-level call
+        out = []
+        for w in self.slot[r].tolist():
+            a, b = int(self.bounds[w]), int(self.bounds[w + 1])
+            out.append(list(map(make, zip(self.doc[a:b].tolist(), self.start[a:b].tolist(),
+                                          self.length[a:b].tolist()))))  # fmt: skip
+        return out
+
+    def ranks(self) -> list[list[list[Piece]]]:
+        """Every rank's windows `[dp rank][micro step]`."""
+        return [self.rank(r) for r in range(self.slot.shape[0])]
+
+
 @gc_paused()
-def balance_step(
+def layout_step(
     doc_lens: Sequence[int],
     dp: int,
     micro: int,
     window: int,
     cost: WindowCost,
     max_imbalance: float | None = 1.05,
-) -> list[list[list[Piece]]]:
-    """The step's documents (stream order, summing to dp * micro * window tokens) as pieces in
-    windows `[dp rank][micro step]`, each exactly `window` tokens, every token once, pieces of a
-    window ordered by (doc, start)."""
+) -> StepLayout:
+    """`balance_step` as arrays, no piece built (see `StepLayout`)."""
     lens = np.asarray(doc_lens, dtype=np.int64)
     n_windows = dp * micro
     if dp < 1 or micro < 1 or window < 1:
@@ -288,14 +313,24 @@ def balance_step(
 
     # 4. Most expensive windows first, snaking over the ranks micro step by micro step.
     order = np.lexsort((start, doc, win))
-    make = functools.partial(tuple.__new__, Piece)  # Piece._make without its Python-level call
-    pieces = list(map(make, zip(doc[order].tolist(), start[order].tolist(), length[order].tolist())))
-    bounds = np.cumsum(np.bincount(win, minlength=n_windows)).tolist()
-    windows = [pieces[a:b] for a, b in zip([0] + bounds, bounds)]
     w_pairs = np.bincount(win, length * (length + 1) / 2, n_windows)
-    ranked = np.lexsort((np.arange(n_windows), -w_pairs)).tolist()
-    out: list[list[list[Piece]]] = [[[] for _ in range(micro)] for _ in range(dp)]
-    for k, w in enumerate(ranked):
-        m, r = divmod(k, dp)
-        out[r if m % 2 == 0 else dp - 1 - r][m] = windows[w]
-    return out
+    ranked = np.lexsort((np.arange(n_windows), -w_pairs))
+    m, r = np.divmod(np.arange(n_windows), dp)
+    slot = np.empty((dp, micro), dtype=np.int64)
+    slot[np.where(m % 2 == 0, r, dp - 1 - r), m] = ranked
+    bounds = np.concatenate(([0], np.cumsum(np.bincount(win, minlength=n_windows))))
+    return StepLayout(doc[order], start[order], length[order], bounds, slot)
+
+
+def balance_step(
+    doc_lens: Sequence[int],
+    dp: int,
+    micro: int,
+    window: int,
+    cost: WindowCost,
+    max_imbalance: float | None = 1.05,
+) -> list[list[list[Piece]]]:
+    """The step's documents (stream order, summing to dp * micro * window tokens) as pieces in
+    windows `[dp rank][micro step]`, each exactly `window` tokens, every token once, pieces of a
+    window ordered by (doc, start)."""
+    return layout_step(doc_lens, dp, micro, window, cost, max_imbalance).ranks()

@@ -9,7 +9,7 @@ documents that keeps the step's windows within the aimed max / mean of predicted
 (`choose_release`: the highest "level" of long-document work per window that the pool can fill
 evenly), plus every document whose delay reached `max_delay` (forced). Short documents fill the
 rest of the step in stream order, the last one cut and carried like stream packing does. The
-step's documents are then packed into windows by `flashcp.data.balance.balance_step`.
+step's documents are then packed into windows by `flashcp.data.balance.layout_step`.
 
 Guarantees, from the lengths alone (every rank computes the same): a step holds exactly
 `n_windows * window` tokens; a document is trained whole in the step it is released in, at most
@@ -23,13 +23,14 @@ stream, and only the last incomplete step is dropped, as stream packing drops it
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from flashcp.data.balance import WindowCost
+from flashcp.data.balance import StepLayout, WindowCost
 
 AIM_SHARE = 0.8  # the release aims at this share of the tolerated imbalance (FlashCP's plan adds some)
 LEVELS = 12  # candidate levels tried per step (the largest pool documents, geometrically spaced)
@@ -93,6 +94,7 @@ def _fill(order: np.ndarray, lens: np.ndarray, w: np.ndarray, forced: np.ndarray
     room, load = np.full(n_windows, window, dtype=np.int64), np.zeros(n_windows)
     heap = [(0.0, k) for k in range(n_windows)]
     released = np.zeros(lens.size, dtype=bool)
+    shortest = int(lens.min()) if lens.size else 0  # a window with less room takes no more
     for i in order.tolist():
         n, parked = int(lens[i]), []
         while heap and room[heap[0][1]] < n:  # windows too full for this document
@@ -113,7 +115,7 @@ def _fill(order: np.ndarray, lens: np.ndarray, w: np.ndarray, forced: np.ndarray
         load[k] += w[i]
         for h in parked:
             heapq.heappush(heap, h)
-        if room[k]:
+        if room[k] >= shortest:
             heapq.heappush(heap, (float(load[k]), k))
     return released, load
 
@@ -131,13 +133,18 @@ def choose_release(lens: np.ndarray, forced: np.ndarray, n_windows: int, window:
     picks = np.unique(np.geomspace(1, max(free.size, 1), LEVELS).astype(int) - 1)
     levels = sorted({float(w[free].clip(0).sum()) / n_windows, *w[free[picks]].tolist()} if free.size else set(),
                     reverse=True)  # fmt: skip
-    for level in levels:
-        if level <= floor:
-            break
-        released, load = _fill(order, lens, w, forced, n_windows, window, level)
+    # The highest level within the slack, by bisection (a lower level releases less long work, so
+    # the slack is met from some level down, nearly always): 4 fills instead of up to LEVELS.
+    levels = [level for level in levels if level > floor]
+    best, lo, hi = None, 0, len(levels)  # levels[hi:] meet the slack (as far as bisection assumes)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        released, load = _fill(order, lens, w, forced, n_windows, window, levels[mid])
         if load.max() - load.mean() <= slack:
-            return released
-    return _fill(order, lens, w, forced, n_windows, window, floor)[0]
+            best, hi = released, mid
+        else:
+            lo = mid + 1
+    return best if best is not None else _fill(order, lens, w, forced, n_windows, window, floor)[0]
 
 
 def stream_pairs(offset: np.ndarray, length: np.ndarray, window: int) -> np.ndarray:
@@ -267,7 +274,7 @@ class _Walk:
                                (o.length, span.length), (o.offset, offsets)):  # fmt: skip
             column.extend(values[a:b].tolist())
         o.delay.extend([0] * (b - a))
-        o.tokens.extend((span.docs, i) for i in range(a, b))
+        o.tokens.extend(zip(itertools.repeat(span.docs, b - a), range(a, b)))  # C-level: ~20K per step
 
     def over(self, span: DocSpan, candidate: np.ndarray, released: set[int]) -> bool:
         """Walk `span`; True when the step is full (the cursor set), False when it needs more."""
@@ -318,14 +325,14 @@ class _Walk:
         self.offset = int(offsets[k]) + take
 
 
-def step_figures(step: StepDocs, placed: list[list[list[Any]]], window: int) -> dict[str, float]:
-    """What deferral did to one step: tokens of documents that waited, their mean and longest
-    wait (steps), documents trained in more than one piece, attended pairs kept relative to
-    stream packing of the same documents (cut where the stream's windows end)."""
+def step_figures(step: StepDocs, layout: StepLayout, window: int) -> dict[str, float]:
+    """What deferral did to one step (`layout`: its balanced pieces): tokens of documents that
+    waited, their mean and longest wait (steps), documents trained in more than one piece, attended
+    pairs kept relative to stream packing of the same documents (cut where the stream's windows end)."""
     delay, length = np.asarray(step.delay), np.asarray(step.length)
     waited = delay > 0
-    pieces = np.bincount([p.doc for rank in placed for w in rank for p in w], minlength=length.size)
-    trained = sum(p.length * (p.length + 1) / 2 for rank in placed for w in rank for p in w)
+    pieces = np.bincount(layout.doc, minlength=length.size)
+    trained = float((layout.length * (layout.length + 1) / 2).sum())
     reference = float(stream_pairs(np.asarray(step.offset), length, window).sum())
     return {
         "delayed_tokens": float(length[waited].sum()),

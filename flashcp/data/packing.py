@@ -8,7 +8,7 @@ dropped. Its cursor is (epoch, doc, offset), which is all a loader state needs.
 
 `balanced_step` takes the pieces of the windows one optimizer step would train in stream order (all
 DP ranks x micro steps, `WindowPacker.next_step`) and packs them again with
-`flashcp.data.balance.balance_step` so that every window's predicted cost is close to the mean:
+`flashcp.data.balance.layout_step` so that every window's predicted cost is close to the mean:
 as they are (the same attention context as stream order, but for the short pieces a window's end
 cuts), or, given a target, with the pieces of a document joined again and the longest documents
 cut until every window is within the target. Each rank materialises only its own windows.
@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from flashcp.data.balance import balance_step, WindowCost
+from flashcp.data.balance import layout_step, WindowCost
 from flashcp.data.deferral import Deferral, DocSpan, step_figures
 from flashcp.data.errors import DataError
 from flashcp.data.sources import DocSource
@@ -285,11 +285,11 @@ def balanced_step(
 ) -> list[list[Piece]]:
     """This DP rank's `micro` windows of a step whose stream-order pieces (`dp * micro` windows of
     them, in the loader's order) are given: the same tokens, balanced over the mesh
-    (`balance_step`), the stream's pieces kept (`cut_target` None) or documents cut to reach
+    (`layout_step`), the stream's pieces kept (`cut_target` None) or documents cut to reach
     `cut_target`. Every rank computes the same assignment from the lengths alone."""
     if cut_target is not None:
         step = step.documents()
-    placed = balance_step(step.length, dp, micro, seq_len, cost, cut_target)[dp_rank]
+    placed = layout_step(step.length, dp, micro, seq_len, cost, cut_target).rank(dp_rank)
     return [[Piece(step.docs[int(step.doc[p.doc])], int(step.start[p.doc]) + p.start, p.length) for p in window]
             for window in placed]  # fmt: skip
 
@@ -304,7 +304,7 @@ def deferred_step(
 ) -> tuple[list[list[Piece]], dict[str, float]] | None:
     """This DP rank's `micro` windows of the next step under bounded deferral (`Deferral`), and the
     step's figures (the same on every rank); None when the data ended. The step's documents are
-    packed by `balance_step`, cutting only documents over a window (`cut_target` None) or also
+    packed by `layout_step`, cutting only documents over a window (`cut_target` None) or also
     what deferral could not bring within `cut_target`.
 
     With loop = false the steps from where less than three steps of the stream are left flush the
@@ -328,7 +328,7 @@ def deferred_step(
             return None
     if step.cursor is not None:
         packer.restore(*step.cursor)
-    placed = balance_step(step.length, dp, micro, packer.seq_len, deferral.cost, cut_target)
+    layout = layout_step(step.length, dp, micro, packer.seq_len, deferral.cost, cut_target)
 
     def tokens(i: int) -> Any:
         ref = step.tokens[i]
@@ -336,5 +336,5 @@ def deferred_step(
 
     fetched = functools.lru_cache(maxsize=None)(tokens)  # a document cut into pieces is read once
     mine = [[Piece(fetched(p.doc), step.start[p.doc] + p.start, p.length) for p in window]
-            for window in placed[dp_rank]]  # fmt: skip
-    return mine, step_figures(step, placed, packer.seq_len)
+            for window in layout.rank(dp_rank)]  # fmt: skip
+    return mine, step_figures(step, layout, packer.seq_len)
