@@ -43,10 +43,15 @@ def rank_entries(folder: Path, rank: int) -> list[dict[str, Any]]:
             for n in names]  # fmt: skip
 
 
-def write_manifest(folder: Path, save_id: str, entries: list[dict[str, Any]]) -> None:
+def write_manifest(folder: Path, save_id: str, entries: list[dict[str, Any]],
+                   model: dict[str, Any] | None = None) -> None:  # fmt: skip
+    """`model`: what the checkpoint holds, for tools that read it without the job (the HF export)."""
     path = folder / MANIFEST
+    manifest = {"format": FORMAT, "save_id": save_id, "files": sorted(entries, key=lambda e: e["name"])}
+    if model is not None:
+        manifest["model"] = model
     with open(path, "w") as f:
-        json.dump({"format": FORMAT, "save_id": save_id, "files": sorted(entries, key=lambda e: e["name"])}, f)
+        json.dump(manifest, f)
         f.flush()
         os.fsync(f.fileno())
 

@@ -19,6 +19,15 @@ TorchTitan's CheckpointManager writes a step straight into `step-N/`: a save ove
   explicitly (`load_step` / `initial_load_path`) with `checkpoint.load_unverified = true` loads
   without a manifest, e.g. one written by another tool. Nothing loaded can run code
   (`flashcp.run.safe_load`).
+- Hugging Face import (`initial_load_path` + `initial_load_in_hf`): an HF folder has no manifest;
+  its `config.json` and safetensors headers are checked against the model first
+  (`flashcp.titan.hf_folder`: every tensor present with its shape, files whole, safetensors only),
+  then TorchTitan's state_dict_adapter maps the weights in through DCP's HF reader, strictly.
+- The manifest records the model (`model_record`: its HF config.json and the tokenizer), so that
+  `python -m flashcp.titan.export` can turn a checkpoint into an HF folder without the job file.
+  `last_save_in_hf` keeps the final checkpoint a full, resumable DCP checkpoint (TorchTitan would
+  write safetensors into `step-N` instead, a folder no resume could load); the trainer exports it
+  to `step-N-hf` beside it once the run has ended.
 - Save: a state whose loss went non-finite since the last save is not published (`loss_problem`).
 - Rewind: an explicit `load_step` older than the newest checkpoint starts a new branch: the newer
   checkpoints are moved aside into `set-aside/after-step-N.<id>/` (never deleted), so retention and a
@@ -41,6 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.distributed.checkpoint.api as dcp_api
@@ -52,6 +62,8 @@ from flashcp.run.manifest import MANIFEST, read_manifest, rank_entries, verify_f
 from flashcp.run.publish import agreed_token, Candidate, error_in, full_disk_named, LEFTOVER_DIR
 from flashcp.run.publish import publish, published_checkpoints, root_cause, STEP_DIR
 from flashcp.run.safe_load import MismatchedCheckpoint, SafeReader, StrictPlanner, UnsafeCheckpoint
+from flashcp.titan.hf_config import HFConfigError, read_hf_config
+from flashcp.titan.hf_folder import check_weights, HFFolderError
 
 SET_ASIDE = "set-aside"  # under the checkpoint folder: checkpoints of a branch left by a rewind
 
@@ -68,11 +80,32 @@ class Unloadable(Exception):
         self.fits = fits
 
 
+def _unloadable(e: BaseException, path: Path) -> Unloadable:
+    """What a failed load of `path` was, in one line: refused (unsafe, does not fit) or unreadable."""
+    for kind in (UnsafeCheckpoint, MismatchedCheckpoint):
+        refused = error_in(e, kind)
+        if refused is not None:
+            return Unloadable(str(refused), fits=False)
+    return Unloadable(f"checkpoint {path} cannot be read (damaged?): {root_cause(e)}")
+
+
 class Checkpointer(CheckpointManager):
     @dataclass(kw_only=True, slots=True)
     class Config(CheckpointManager.Config):
         load_unverified: bool = False
         """Let the checkpoint named by load_step / initial_load_path load without a manifest."""
+
+        model_record: dict[str, Any] | None = None
+        """What each manifest records about the model (flashcp.titan.hf_export.model_record)."""
+
+        def __post_init__(self) -> None:
+            """TorchTitan's checks, except that last_save_in_hf needs no model-only last save: the
+            HF export is written beside the (full) final checkpoint, not instead of it."""
+            in_hf, self.last_save_in_hf = self.last_save_in_hf, False
+            try:
+                CheckpointManager.Config.__post_init__(self)
+            finally:
+                self.last_save_in_hf = in_hf
 
     on_restore: Callable[[], None] | None = None  # called after a checkpoint of this run was loaded
     loss_problem: Callable[[], str | None] | None = None  # why the state must not be saved (all ranks agree)
@@ -83,6 +116,7 @@ class Checkpointer(CheckpointManager):
     def __init__(self, config: Config, **kwargs: Any) -> None:
         super().__init__(config, **kwargs)
         self.load_unverified = config.load_unverified
+        self.model_record = config.model_record
 
     def step_folder(self, step: int) -> Path:
         return Path(self._create_checkpoint_id(step))
@@ -106,8 +140,13 @@ class Checkpointer(CheckpointManager):
     # ------------------------------------------------------------------ save
 
     def _save_last_step(self, curr_step: int) -> None:
-        """TorchTitan's final save skips the purge: `keep_latest_k` holds after the last step too."""
-        super()._save_last_step(curr_step)
+        """TorchTitan's final save skips the purge: `keep_latest_k` holds after the last step too. It is
+        a DCP save whatever `last_save_in_hf` says (the trainer exports it to HF afterwards)."""
+        in_hf, self.last_save_in_hf = self.last_save_in_hf, False
+        try:
+            super()._save_last_step(curr_step)
+        finally:
+            self.last_save_in_hf = in_hf
         self._purge_stale_checkpoints()
 
     def dcp_save(self, state_dict: dict[str, Any], checkpoint_id: str, async_mode: Any, **kwargs: Any) -> Any:
@@ -142,7 +181,7 @@ class Checkpointer(CheckpointManager):
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, entries)
         if dist.get_rank() == 0:
-            write_manifest(partial, save_id, [e for part in gathered for e in part])
+            write_manifest(partial, save_id, [e for part in gathered for e in part], self.model_record)
             replaced = publish(partial, target, save_id)
             if replaced is not None:
                 self._remove(replaced)
@@ -230,6 +269,9 @@ class Checkpointer(CheckpointManager):
         if not path.is_dir():
             raise CheckpointError(f"checkpoint.initial_load_path {path}: " +
                                   ("is not a folder" if path.exists() else "does not exist"))  # fmt: skip
+        if self.initial_load_in_hf:
+            self._load_hf(path)
+            return True
         if not (path / ".metadata").is_file():
             raise CheckpointError(f"checkpoint.initial_load_path {path}: not a DCP checkpoint (no .metadata)")
         problem = None if (path / MANIFEST).is_file() else f"no {MANIFEST}, so its files cannot be verified"
@@ -267,20 +309,40 @@ class Checkpointer(CheckpointManager):
         except DataError:
             raise
         except (Exception, dcp_api.CheckpointException) as e:  # the latter is a BaseException
-            for kind in (UnsafeCheckpoint, MismatchedCheckpoint):
-                refused = error_in(e, kind)
-                if refused is not None:
-                    raise Unloadable(str(refused), fits=False) from e
-            raise Unloadable(f"checkpoint {path} cannot be read (damaged?): {root_cause(e)}") from e
+            raise _unloadable(e, path) from e
+
+    def _load_hf(self, path: Path) -> None:
+        """The model's weights from a Hugging Face folder, checked before reading (flashcp.titan.hf_folder)."""
+        if self.sd_adapter is None:
+            raise CheckpointError("checkpoint.initial_load_in_hf: this model has no Hugging Face state_dict adapter")
+        model_state = self.states[MODEL].state_dict()
+        meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in model_state.items()}
+        try:
+            read_hf_config(path)
+            check_weights(path, {k: tuple(v.shape) for k, v in self.sd_adapter.to_hf(meta).items()})
+        except (HFConfigError, HFFolderError) as e:
+            raise CheckpointError(f"checkpoint.initial_load_path: {e}") from e
+        logger.info(f"Loading the Hugging Face model from {path} (safetensors headers checked against the "
+                    "model; an HF folder has no manifest to verify its bytes)")  # fmt: skip
+        try:
+            self.dcp_load(model_state, str(path), from_hf=True, from_quantized=False)
+        except (Exception, dcp_api.CheckpointException) as e:
+            raise CheckpointError(f"checkpoint.initial_load_path: {_unloadable(e, path)}") from e
 
     def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool,
                  dropped: list[str] | tuple[str, ...] = ()) -> None:  # fmt: skip
         """TorchTitan's dcp_load, reading data only and refusing a checkpoint that does not fit whole
-        (`dropped`: states left unloaded on purpose). HF safetensors are not read (no pickles there,
-        but also no manifest): they are refused rather than loaded unverified."""
-        if from_hf:
-            raise CheckpointError("loading HF safetensors checkpoints is not supported by FlashCP")
+        (`dropped`: states left unloaded on purpose). HF safetensors go through the model's
+        state_dict_adapter and DCP's HF reader, as in TorchTitan, with the same strict plan."""
         path = Path(checkpoint_id)
+        if from_hf:
+            if from_quantized:
+                raise CheckpointError("checkpoint.initial_load_in_hf_quantized: quantized HF weights are not supported")
+            hf_state = self.sd_adapter.to_hf(state_dict)
+            dcp.load(hf_state, storage_reader=self.sd_adapter.get_hf_storage_reader(str(path)),
+                     planner=StrictPlanner(path))  # fmt: skip
+            self.states[MODEL].load_state_dict(self.sd_adapter.from_hf(hf_state))
+            return
         reader = SafeReader(path)
         try:
             dcp.load(state_dict, storage_reader=reader, planner=StrictPlanner(path, dropped))

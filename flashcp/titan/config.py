@@ -205,6 +205,11 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "last_save_model_only": Key(bool, False),
         "async_mode": Key(str, "disabled", ("disabled", "async", "async_with_pinned_mem")),
         "initial_load_path": Key(str),
+        "initial_load_in_hf": Key(bool, False, doc="initial_load_path is a Hugging Face model folder (safetensors)"),
+        "last_save_in_hf": Key(bool, False, doc="also export the final checkpoint as a Hugging Face folder, "
+                               "<checkpoint folder>/step-N-hf (python -m flashcp.titan.export)"),
+        "export_dtype": Key(str, "float32", ("float16", "bfloat16", "float32"),
+                            "dtype of the last_save_in_hf export (and of a model-only last save)"),
         "enable_first_step_checkpoint": Key(bool, False),
         "create_seed_checkpoint": Key(
             bool, False, doc="save the initial model as step-0 on 1 rank and exit: identical initial "
@@ -334,9 +339,11 @@ def _check_semantics(cfg: dict) -> None:
             "[checkpoint] keep_latest_k must be 0 (keep all) or >= 2 (the newest may be mid-write), "
             f"got {cfg['checkpoint']['keep_latest_k']}"
         )
-    for name in ("create_seed_checkpoint", "initial_load_path"):
+    for name in ("create_seed_checkpoint", "initial_load_path", "last_save_in_hf"):
         if cfg["checkpoint"][name] and not cfg["checkpoint"]["enable"]:
             raise ConfigError(f"[checkpoint] {name} needs [checkpoint] enable = true")
+    if cfg["checkpoint"]["initial_load_in_hf"] and not cfg["checkpoint"]["initial_load_path"]:
+        raise ConfigError("[checkpoint] initial_load_in_hf needs initial_load_path (the Hugging Face model folder)")
     _check_optimizer(cfg)
     _check_bounds(cfg)
     if not fcp["target_imbalance"] >= 1.0:

@@ -18,6 +18,7 @@ from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 from flashcp.titan import compat
 from flashcp.titan.checkpoint import Checkpointer
 from flashcp.titan.components import PipelineTokenizer, resolve_tokenizer, WindowDataLoader
+from flashcp.titan.hf_export import job_model_record
 from flashcp.titan.loss import loss_config
 from flashcp.data.sources import DataConfig
 from flashcp.titan.metrics import FlashCPMetrics
@@ -67,8 +68,12 @@ def trainer_config(cfg: dict[str, Any]) -> FlashCPTrainer.Config:
             spmd_backend=par["spmd_backend"] or spmd_backend,
         ),
         checkpoint=Checkpointer.Config(
-            **cfg["checkpoint"], initial_load_model_only=cfg["checkpoint"]["initial_load_path"] is not None
+            **cfg["checkpoint"], initial_load_model_only=cfg["checkpoint"]["initial_load_path"] is not None,
+            model_record=job_model_record(cfg, tokenizer.vocab_size, tokenizer.path),
         ),
+        # Read by TorchTitan's state_dict_adapter only to shard its own HF saves, which FlashCP does not use
+        # (flashcp.titan.hf_export writes them); its default would name a folder of TorchTitan's tests.
+        hf_assets_path=None,
         metrics=FlashCPMetrics.Config(**cfg["metrics"]),
         activation_checkpoint=_activation_checkpoint(cfg["activation_checkpoint"]["mode"]),
         compile=CompileConfig(**cfg["compile"]),

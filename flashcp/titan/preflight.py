@@ -9,6 +9,7 @@ of after the ranks spawned behind torchrun's start-up messages.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 from flashcp.titan.config import ConfigError, dryrun_command, model_dims
@@ -29,7 +30,35 @@ def check_inputs(cfg: dict[str, Any]) -> int:
         )
     source = build_source(data, tokenizer)
     next(iter(source.epoch(0, 0)), None)  # reads and tokenises the first document
+    check_hf_import(cfg, tokenizer.vocab_size)
     return vocab or tokenizer.vocab_size
+
+
+def check_hf_import(cfg: dict[str, Any], tokenizer_vocab: int) -> None:
+    """With `initial_load_in_hf`: ConfigError naming the first problem of the HF folder (config.json,
+    a missing or truncated safetensors file, a tensor the model lacks or shapes it otherwise)
+    against the job's model, from the files' headers only (`flashcp.titan.hf_folder`)."""
+    ckpt = cfg["checkpoint"]
+    if not ckpt["initial_load_in_hf"]:
+        return
+    import torch
+
+    from flashcp.titan.decoders import job_architecture, state_dict_adapter, titan_config
+    from flashcp.titan.hf_config import HFConfigError, read_hf_config
+    from flashcp.titan.hf_folder import check_weights, HFFolderError
+
+    path = Path(ckpt["initial_load_path"])
+    try:
+        if not path.is_dir():
+            raise HFFolderError(f"{path} " + ("is not a folder" if path.exists() else "does not exist"))
+        read_hf_config(path)
+        model_config = titan_config(job_architecture(cfg["model"], tokenizer_vocab, cfg["training"]["seq_len"]),
+                                    attn_backend="flex", max_seq_len=cfg["training"]["seq_len"])  # fmt: skip
+        with torch.device("meta"):
+            state = model_config.build().state_dict()
+        check_weights(path, {k: tuple(v.shape) for k, v in state_dict_adapter(model_config).to_hf(state).items()})
+    except (HFConfigError, HFFolderError) as e:
+        raise ConfigError(f"[checkpoint] initial_load_path: {e}") from e
 
 
 def parameter_count(cfg: dict[str, Any], vocab: int) -> int:

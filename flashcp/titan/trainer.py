@@ -53,6 +53,7 @@ from flashcp.dispatch import build_dispatch
 from flashcp.titan.attention import CPStep
 from flashcp.titan.checkpoint import CheckpointError, Checkpointer
 from flashcp.titan.components import PipelineTokenizer, WindowDataLoader
+from flashcp.titan.hf_export import export, ExportError
 from flashcp.titan.metrics import FlashCPMetrics
 from flashcp.run.preemption import StopRequest
 
@@ -170,12 +171,32 @@ class FlashCPTrainer(Trainer):
         self.checkpointer.load(step=self.config.checkpoint.load_step)
         steps = self.config.training.steps
         if self.step < steps:
-            return super().train()
+            super().train()
+            self._export_hf()
+            return
+        self._export_hf()
         if torch.distributed.get_rank() == 0:
             folder = Path(self.checkpointer.folder).resolve()
             print(f"flashcp: the run is already complete: the checkpoint at step {self.step} reached [training] "
                   f"steps = {steps}; nothing to train. To extend it, raise training.steps; to start afresh, "
                   f"choose another job.dump_folder (or move {folder} away)", flush=True)  # fmt: skip
+
+    def _export_hf(self) -> None:
+        """With `checkpoint.last_save_in_hf`, rank 0 exports the final checkpoint to `step-N-hf` beside it
+        (`flashcp.titan.hf_export`) once training is over, so the other ranks wait in no collective
+        meanwhile; a run started again after a crashed export exports then."""
+        ckpt, steps = self.checkpointer, self.config.training.steps
+        if not (ckpt.enable and self.config.checkpoint.last_save_in_hf and self.step == steps):
+            return
+        source = ckpt.step_folder(steps)
+        target = source.with_name(f"{source.name}-hf")
+        if torch.distributed.get_rank() != 0 or target.exists() or not source.is_dir():
+            return
+        try:
+            export(source, target, dtype=self.config.checkpoint.export_dtype)
+        except ExportError as e:
+            raise CheckpointError(f"checkpoint.last_save_in_hf: {e}") from e
+        logger.info(f"Hugging Face export of step {steps} written to {target}")
 
     def should_continue_training(self) -> bool:
         """TorchTitan's test, plus a stop agreed by all ranks after a SIGTERM / SIGINT."""

@@ -1,0 +1,205 @@
+"""A FlashCP checkpoint written out as a Hugging Face model folder, whole or not at all.
+
+    export(Path("out/checkpoint/step-100"), Path("hf-model"), dtype="bfloat16", max_shard_bytes=5 * 10**9)
+
+What the checkpoint holds is read from its manifest: every save records the model
+(`model_record`: the HF `config.json` of the architecture trained, with the RoPE settings and
+context actually used, and the job's tokenizer file), so no job file is needed and a checkpoint
+folder copied elsewhere still exports. The checkpoint is verified against its manifest like
+every load, read as data only (`flashcp.run.safe_load`) and strictly (the model's keys and shapes
+exactly), converted by the model's TorchTitan state_dict_adapter, and written as
+`model.safetensors` (or shards with `model.safetensors.index.json` above `max_shard_bytes`),
+`config.json` and the tokenizer's files, into a fresh folder beside the target that is renamed
+into place at the end: a crash leaves no half export under the target's name. A non-empty target
+is refused. The whole model is held in host memory once, in the checkpoint's dtype.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
+from torchtitan.components.checkpoint import DATALOADER, LR_SCHEDULER, OPTIMIZER, TRAIN_STATE
+
+from flashcp.run.manifest import MANIFEST, read_manifest, verify_files
+from flashcp.run.publish import fsync_dir
+from flashcp.run.safe_load import MismatchedCheckpoint, SafeReader, StrictPlanner, UnsafeCheckpoint
+from flashcp.titan.decoders import job_architecture, state_dict_adapter, titan_config
+from flashcp.titan.hf_config import architecture_from_hf, HFConfigError, to_hf_config
+from flashcp.titan.hf_folder import CONFIG, INDEX, SINGLE
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
+NON_MODEL_STATES = (OPTIMIZER, LR_SCHEDULER, DATALOADER, TRAIN_STATE)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)?", re.IGNORECASE)
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
+
+
+class ExportError(ValueError):
+    """A checkpoint that cannot be exported, or a target that must not be written; one line."""
+
+
+def model_record(hf_config: dict[str, Any], tokenizer: str | Path | None) -> dict[str, Any]:
+    """What a checkpoint's manifest says about its model: the HF config.json of the architecture
+    trained and the job's tokenizer file (absolute), for the export."""
+    return {"hf_config": hf_config, "tokenizer": str(Path(tokenizer).resolve()) if tokenizer else None}
+
+
+def job_model_record(cfg: dict[str, Any], tokenizer_vocab: int, tokenizer: str | Path | None) -> dict[str, Any]:
+    """The record of a validated job's model: its architecture as trained (RoPE, context) over the
+    config.json it came from, if any, so that the base model's other entries (token ids, ...) carry over."""
+    arch = job_architecture(cfg["model"], tokenizer_vocab, cfg["training"]["seq_len"])
+    ckpt = cfg["checkpoint"]
+    source = cfg["model"].get("hf_config") or (ckpt["initial_load_path"] if ckpt["initial_load_in_hf"] else None)
+    base = None
+    if source:
+        path = Path(source)
+        base = json.loads(((path / CONFIG) if path.is_dir() else path).read_text())
+    return model_record(to_hf_config(arch, torch_dtype=cfg["training"]["dtype"], base=base), tokenizer)
+
+
+def parse_size(text: str) -> int:
+    """Bytes in "5GB" (10**9, as transformers counts), "500MiB", "1000"."""
+    match = _SIZE.fullmatch(text.strip())
+    if not match or float(match.group(1)) <= 0:
+        raise ExportError(f"--max-shard-size {text!r}: expected a positive size such as 5GB, 500MB or 2GiB")
+    return int(float(match.group(1)) * _UNITS[(match.group(2) or "b").lower()])
+
+
+def check_target(out: Path) -> None:
+    """ExportError unless `out` is absent or an empty folder (a complete export is never overwritten)."""
+    if out.exists() and not (out.is_dir() and not any(out.iterdir())):
+        raise ExportError(f"{out} " + ("is not empty" if out.is_dir() else "exists and is not a folder") +
+                          ": refusing to overwrite it; choose another output folder")  # fmt: skip
+
+
+def export(checkpoint: Path, out: Path, dtype: str | None = None, max_shard_bytes: int = 5 * 10**9) -> list[Path]:
+    """Write `checkpoint` as an HF model folder `out`; returns the files written (see the module docstring)."""
+    checkpoint, out = Path(checkpoint), Path(out)
+    check_target(out)
+    record = verified_record(checkpoint)
+    try:
+        arch = architecture_from_hf(record["hf_config"], where=f"{checkpoint / MANIFEST} (model.hf_config)")
+    except HFConfigError as e:
+        raise ExportError(str(e)) from e
+    model_config = titan_config(arch, attn_backend="flex", max_seq_len=arch.max_position_embeddings)
+    weights = read_weights(checkpoint, model_config)
+    hf_weights = state_dict_adapter(model_config).to_hf(weights)
+    target = DTYPES[dtype] if dtype else next(iter(weights.values())).dtype
+    hf_weights = {k: v.to(target).contiguous() for k, v in hf_weights.items()}
+    hf_config = dict(record["hf_config"]) | {"torch_dtype": _dtype_name(target), "dtype": _dtype_name(target)}
+    return write_folder(out, hf_weights, hf_config, record.get("tokenizer"), max_shard_bytes)
+
+
+def verified_record(checkpoint: Path) -> dict[str, Any]:
+    """The checkpoint's model record, once its files match its manifest."""
+    if not checkpoint.is_dir():
+        raise ExportError(f"{checkpoint}: " + ("is not a folder" if checkpoint.exists() else "does not exist"))
+    if not (checkpoint / ".metadata").is_file() or not (checkpoint / MANIFEST).is_file():
+        missing = ".metadata" if not (checkpoint / ".metadata").is_file() else MANIFEST
+        raise ExportError(f"{checkpoint} is not a complete FlashCP checkpoint (no {missing})")
+    manifest = read_manifest(checkpoint)
+    problems = verify_files(checkpoint, manifest, 0, 1)
+    if problems:
+        raise ExportError(f"checkpoint {checkpoint} is damaged: {problems[0]}")
+    record = manifest.get("model")
+    if not isinstance(record, dict) or not isinstance(record.get("hf_config"), dict):
+        raise ExportError(f"{checkpoint / MANIFEST} does not record the model (a checkpoint saved before FlashCP "
+                          "recorded it): resume the run for one step to save a checkpoint that does")  # fmt: skip
+    return record
+
+
+def read_weights(checkpoint: Path, model_config: Any) -> dict[str, torch.Tensor]:
+    """The model's weights from a DCP checkpoint into plain host tensors of the stored dtype, strictly:
+    exactly the model's keys and shapes (optimizer, schedule, loader and step states are skipped)."""
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in model_config.build().state_dict().items()}
+    stored = SafeReader(checkpoint).read_metadata().state_dict_metadata
+    weights = {k: torch.empty(shape, dtype=stored[k].properties.dtype if k in stored else torch.float32)
+               for k, shape in shapes.items()}  # fmt: skip
+    try:
+        # no_dist: read in this process alone, also on rank 0 of a finished run (last_save_in_hf)
+        dcp.load(weights, storage_reader=SafeReader(checkpoint), planner=StrictPlanner(checkpoint, NON_MODEL_STATES),
+                 no_dist=True)  # fmt: skip
+    except BaseException as e:
+        from flashcp.run.publish import error_in, root_cause
+
+        for kind in (UnsafeCheckpoint, MismatchedCheckpoint):
+            if error_in(e, kind) is not None:
+                raise ExportError(str(error_in(e, kind))) from e
+        raise ExportError(f"checkpoint {checkpoint} cannot be read (damaged?): {root_cause(e)}") from e
+    return weights
+
+
+def write_folder(out: Path, weights: dict[str, torch.Tensor], hf_config: dict[str, Any], tokenizer: str | None,
+                 max_shard_bytes: int) -> list[Path]:  # fmt: skip
+    """Safetensors shards, index, config.json and tokenizer files into a temporary folder, renamed to `out`."""
+    check_target(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(f".{out.name}.partial-{uuid.uuid4().hex[:12]}")
+    partial.mkdir()
+    try:
+        shards = _shards(weights, max_shard_bytes)
+        names = [SINGLE] if len(shards) == 1 else [f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+                                                  for i in range(1, len(shards) + 1)]  # fmt: skip
+        for name, shard in zip(names, shards):
+            save_file(shard, partial / name, metadata={"format": "pt"})
+        if len(shards) > 1:
+            index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in weights.values())},
+                     "weight_map": {k: name for name, shard in zip(names, shards) for k in shard}}  # fmt: skip
+            (partial / INDEX).write_text(json.dumps(index, indent=2))
+        (partial / CONFIG).write_text(json.dumps(hf_config, indent=2))
+        _copy_tokenizer(tokenizer, partial)
+        for path in partial.iterdir():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+        check_target(out)
+        if out.exists():
+            out.rmdir()
+        os.rename(partial, out)
+        fsync_dir(out.parent)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return sorted(out.iterdir())
+
+
+def _shards(weights: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
+    """Tensors in order, a new shard whenever the next would pass `max_bytes` (a larger tensor alone)."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in weights.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    return shards
+
+
+def _copy_tokenizer(tokenizer: str | None, folder: Path) -> None:
+    """The job's tokenizer file and its companions (tokenizer_config.json, ...) from the same folder."""
+    if not tokenizer:
+        return
+    path = Path(tokenizer)
+    if not path.is_file():
+        raise ExportError(f"the job's tokenizer {path} (recorded in the checkpoint) no longer exists")
+    shutil.copyfile(path, folder / ("tokenizer.model" if path.suffix == ".model" else "tokenizer.json"))
+    for name in TOKENIZER_FILES:
+        companion = path.parent / name
+        if companion.is_file() and not (folder / name).exists():
+            shutil.copyfile(companion, folder / name)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -1,0 +1,73 @@
+"""Create a tiny random Hugging Face Llama (or Qwen3) folder, to try importing / exporting without downloads.
+
+    python scripts/make_tiny_hf.py /tmp/tiny-llama                  # Llama, vocab 4096 (the shipped tokenizer's)
+    python scripts/make_tiny_hf.py /tmp/tiny-qwen3 --model-type qwen3
+
+Written with `transformers` (the test extra: pip install -e .[test]) as `save_pretrained` writes
+any HF model: config.json and model.safetensors, plus the shipped tokenizer's files, so that the
+folder loads in transformers and imports into FlashCP (`[checkpoint] initial_load_in_hf`). The
+weights are random (seeded): the point is the plumbing, not the text it writes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKENIZER_DIR = ROOT / "data" / "default"  # the shipped tokenizer: 4,096 tokens
+
+
+def tiny_config(model_type: str = "llama", vocab_size: int = 4096, **overrides: Any) -> Any:
+    """A small GQA config: 2 layers, 4 heads over 2 KV heads, dim 32 (Qwen3: head_dim 16, tied embeddings)."""
+    import transformers
+
+    common = dict(
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=1,
+    )  # fmt: skip
+    if model_type == "llama":
+        return transformers.LlamaConfig(**(common | {"rope_theta": 500000.0} | overrides))
+    if model_type == "qwen3":
+        qwen = {"head_dim": 16, "tie_word_embeddings": True, "rope_theta": 1000000.0}
+        return transformers.Qwen3Config(**(common | qwen | overrides))
+    raise ValueError(f"model type {model_type!r}: llama or qwen3")
+
+
+def make_tiny_hf(folder: Path, model_type: str = "llama", seed: int = 0, **overrides: Any) -> Path:
+    """Write the tiny model (random weights from `seed`) and the shipped tokenizer into `folder`."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides))
+    model.save_pretrained(folder, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(TOKENIZER_DIR / name, Path(folder) / name)
+    return Path(folder)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("folder", type=Path, help="where to write the model (must not exist)")
+    parser.add_argument("--model-type", default="llama", choices=("llama", "qwen3"))
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.folder.exists():
+        print(f"error: {args.folder} exists; choose a new folder", file=sys.stderr)
+        return 2
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        print("error: this script needs transformers (pip install -e .[test])", file=sys.stderr)
+        return 2
+    make_tiny_hf(args.folder, args.model_type, args.seed)
+    print(f"tiny {args.model_type} written to {args.folder}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

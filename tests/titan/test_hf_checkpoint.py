@@ -1,0 +1,177 @@
+"""Hugging Face import (`initial_load_in_hf`) and export (`python -m flashcp.titan.export`,
+`last_save_in_hf`) against transformers itself, on tiny random models written with transformers.
+
+- Round trip: import -> one step at a negligible learning rate -> export gives the original
+  model's logits (fp32, <= 1e-5); after real steps the exported weights differ and load.
+- The export refuses a non-empty folder, shards above --max-shard-size with an index that
+  transformers loads, writes --dtype, copies the job's tokenizer, names a damaged checkpoint.
+- A bad HF folder (missing / truncated safetensors, wrong shapes, unsupported model_type, only a
+  pickle) is one line before launch (`preflight.check_inputs`), and at load.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="the test extra (pip install -e .[test]) provides transformers")
+import transformers  # noqa: E402
+from safetensors import safe_open  # noqa: E402
+
+from scripts.make_tiny_hf import make_tiny_hf  # noqa: E402
+from titan.harness import single_rank, tiny_job, train  # noqa: E402
+
+from flashcp.titan.checkpoint import CheckpointError  # noqa: E402
+from flashcp.titan.config import ConfigError  # noqa: E402
+from flashcp.titan.export import main as export_main  # noqa: E402
+from flashcp.titan.hf_export import export  # noqa: E402
+from flashcp.titan.preflight import check_inputs  # noqa: E402
+
+
+def hf_job(dump: Path, hf: Path, **sections: dict) -> dict:
+    """The tiny job with its architecture and weights from the HF folder `hf`."""
+    checkpoint = {"enable": True, "interval": 1, "initial_load_path": str(hf), "initial_load_in_hf": True}
+    return tiny_job(dump, model=None, **{"checkpoint": checkpoint | sections.pop("checkpoint", {}), **sections})
+
+
+def logits(folder: Path, ids: torch.Tensor) -> torch.Tensor:
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        return model(ids).logits
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> Path:
+    return make_tiny_hf(tmp_path_factory.mktemp("hf") / "llama")
+
+
+@pytest.fixture(scope="module")
+def negligible_step(tmp_path_factory, tiny_llama) -> Path:
+    """The checkpoint after importing the tiny Llama and one step at lr 1e-12."""
+    dump = tmp_path_factory.mktemp("negligible")
+    with single_rank():
+        train(hf_job(dump, tiny_llama, training={"steps": 1}, optimizer={"lr": 1e-12}))
+    return dump / "checkpoint" / "step-1"
+
+
+IDS = torch.randint(0, 4096, (2, 48), generator=torch.Generator().manual_seed(0))
+
+
+def test_round_trip_at_negligible_lr_gives_the_original_logits(negligible_step, tiny_llama, tmp_path):
+    out = tmp_path / "export"
+    assert export_main(["--checkpoint", str(negligible_step), "--out", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json",
+                                                     "tokenizer_config.json"]  # fmt: skip
+    original, exported = logits(tiny_llama, IDS), logits(out, IDS)
+    assert (exported - original).abs().max() <= 1e-5
+    config = json.loads((out / "config.json").read_text())
+    assert config["torch_dtype"] == "float32" and config["max_position_embeddings"] == 2048
+    assert config["eos_token_id"] == 1  # the base model's entries carry over
+    assert not list(tmp_path.glob(".export.partial-*"))
+
+
+def test_real_steps_change_the_weights_and_last_save_in_hf_exports_them(tiny_llama, tmp_path):
+    with single_rank():
+        losses = train(hf_job(tmp_path, tiny_llama, training={"steps": 3},
+                              checkpoint={"last_save_in_hf": True, "export_dtype": "bfloat16"}))  # fmt: skip
+    assert losses[3] < losses[1]
+    folder = tmp_path / "checkpoint"
+    out = folder / "step-3-hf"
+    assert (folder / "step-3" / ".metadata").is_file()  # the final checkpoint stays a resumable DCP one
+    with safe_open(out / "model.safetensors", "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+    exported = transformers.AutoModelForCausalLM.from_pretrained(out)
+    original = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama)
+    changed = {k: (v.float() - original.state_dict()[k]).abs().max().item() for k, v in exported.state_dict().items()}
+    assert min(changed.values()) > 1e-4, changed
+    assert torch.isfinite(logits(out, IDS)).all()
+    assert (out / "tokenizer.json").read_bytes() == (tiny_llama / "tokenizer.json").read_bytes()
+
+
+def test_export_shards_above_the_size_limit_and_casts(negligible_step, tiny_llama, tmp_path):
+    out = tmp_path / "sharded"
+    files = export(negligible_step, out, dtype="bfloat16", max_shard_bytes=200_000)
+    shards = [p.name for p in files if p.suffix == ".safetensors"]
+    assert len(shards) > 1 and "model.safetensors" not in shards
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == sorted(shards)
+    for name in shards:
+        with safe_open(out / name, "pt") as f:
+            assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+    original, exported = logits(tiny_llama, IDS), logits(out, IDS)
+    assert 0 < (exported - original).abs().max() < 0.05  # bf16 rounding only
+
+
+def test_export_refuses_a_non_empty_folder(negligible_step, tmp_path, capsys):
+    out = tmp_path / "taken"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    assert export_main(["--checkpoint", str(negligible_step), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is not empty: refusing to overwrite" in err
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+
+
+def test_export_names_a_damaged_checkpoint(negligible_step, tmp_path, capsys):
+    copy = tmp_path / "step-1"
+    shutil.copytree(negligible_step, copy)
+    data = next(copy.glob("*.distcp"))
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    assert export_main(["--checkpoint", str(copy), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{data.name}: contents changed since the save" in err
+    assert not (tmp_path / "out").exists()
+
+
+def _broken(tiny_llama: Path, tmp_path: Path, how: str) -> Path:
+    folder = tmp_path / how
+    shutil.copytree(tiny_llama, folder)
+    config = json.loads((folder / "config.json").read_text())
+    if how == "missing":
+        (folder / "model.safetensors").unlink()
+    elif how == "pickle":
+        (folder / "model.safetensors").rename(folder / "pytorch_model.bin")
+    elif how == "truncated":
+        data = (folder / "model.safetensors").read_bytes()
+        (folder / "model.safetensors").write_bytes(data[:-100])
+    elif how == "shape":  # config.json says a narrower feed-forward than the weights hold
+        (folder / "config.json").write_text(json.dumps(config | {"intermediate_size": 64}))
+    elif how == "model_type":
+        (folder / "config.json").write_text(json.dumps(config | {"model_type": "mixtral"}))
+    elif how == "shard":
+        (folder / "model.safetensors").rename(folder / "model-00001-of-00002.safetensors")
+        index = {"weight_map": {"model.norm.weight": "model-00001-of-00002.safetensors",
+                                "lm_head.weight": "model-00002-of-00002.safetensors"}}  # fmt: skip
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    return folder
+
+
+@pytest.mark.parametrize("how, named", [
+    ("missing", "no model.safetensors or model.safetensors.index.json"),
+    ("pickle", "pytorch_model.bin is a pickle, which can run code: refused"),
+    ("truncated", "truncated or damaged"),
+    ("shape", "model.layers.0.mlp.gate_proj.weight is [96, 32] in model.safetensors, the model needs [64, 32] (and 5 more)"),
+    ("model_type", "model_type 'mixtral' is not supported"),
+    ("shard", "model-00002-of-00002.safetensors is missing (listed in model.safetensors.index.json)"),
+])  # fmt: skip
+def test_a_bad_hf_folder_is_one_line_before_launch(tiny_llama, tmp_path, how, named):
+    folder = _broken(tiny_llama, tmp_path, how)
+    with pytest.raises(ConfigError) as e:
+        check_inputs(hf_job(tmp_path / "out", folder))
+    assert named in str(e.value) and "\n" not in str(e.value)
+    assert str(e.value).startswith("[") and str(folder) in str(e.value)
+
+
+def test_a_folder_damaged_after_launch_is_refused_at_load(tiny_llama, tmp_path):
+    """The checkpointer checks the headers again: the ranks never read a truncated file."""
+    cfg = hf_job(tmp_path / "out", tiny_llama)
+    folder = _broken(tiny_llama, tmp_path, "truncated")
+    cfg["checkpoint"]["initial_load_path"] = str(folder)
+    with single_rank(), pytest.raises(CheckpointError, match="truncated or damaged"):
+        train(cfg)
