@@ -18,12 +18,14 @@ accumulation, i.e. calling `next()` several times. A batch is a dict:
   load_ms   float           time to read, tokenise and pack this step's windows
   plan_ms   float           time to plan this window and build its dispatch
   wait_ms   float           time `next()` blocked the caller (near 0 when prefetching keeps up)
+  source_tokens  dict[str, int]  a mixture only: tokens the stream took from each source so far
 Reading, tokenising, packing, planning and the rank's dispatch (index building, pinning) run in a
 background thread `prefetch` batches ahead (`prefetch=0`: in the caller), so they stay off the
 training step's critical path: the trainer's main thread only copies the dispatch to the device.
 
 Sources (`DataConfig.source`: the shipped corpus, local files, a hub dataset, synthetic
-lengths) are `flashcp.data.sources`.
+lengths) are `flashcp.data.sources`; several of them mixed by token weights (`DataConfig.mix`)
+are `flashcp.data.mixture`, one stream for everything below.
 
 Packing (`flashcp.data.packing`): documents are shuffled per epoch (seeded by `seed`) and laid
 back to back into windows of exactly `seq_len` tokens, with no padding; a document cut at a
@@ -55,9 +57,10 @@ same assignment, and the cursor after a step is the one stream packing leaves, s
 resume with balancing on or off.
 
 Resuming: `state_dict()` (the same on every rank) holds the global window counter, the cursor
-(epoch, document, token offset) and a fingerprint of the packing settings, as of the last batch
-handed out (prefetched batches are not counted; inside a balanced step, the step's start and
-`in_step`, the batches of it already handed out). Loading it continues with the next unseen
+(epoch, document, token offset), a mixture's mixer (each source's cursor and tokens taken) and a
+fingerprint of the packing settings, as of the last batch handed out (prefetched batches are
+not counted; inside a balanced step, the step's start and `in_step`, the batches of it already
+handed out). Loading it continues with the next unseen
 window, also under a different dp_world / dp_rank / cp_size; a state whose packing differs
 (source, tokenizer, seq_len, overflow, BOS/EOS, seed, shuffle) raises DataError naming what differs.
 Bad data raises DataError (see `flashcp.data.sources`).
@@ -81,7 +84,8 @@ from flashcp.data.balance import WindowCost
 from flashcp.data.deferral import Deferral
 from flashcp.data.packing import balanced_step, deferred_step, IGNORE_INDEX, Window, WindowPacker
 from flashcp.data.errors import DataError
-from flashcp.data.sources import DEFAULT_TOKENIZER, DataConfig, build_source
+from flashcp.data.mixture import build_data, MixedSource
+from flashcp.data.sources import DEFAULT_TOKENIZER, DataConfig
 from flashcp.data.store import file_fingerprint
 from flashcp.data.tokenizer import Tokenizer, load_tokenizer
 
@@ -138,8 +142,12 @@ class WindowLoader:
     def _snapshot(self, in_step: int = 0) -> dict[str, Any]:
         cursor = self._packer.cursor()
         state = {"format": STATE_FORMAT, "window": self._window, **cursor, "packing": dict(self._fingerprint)}
-        if self._balance is not None and self._balance.deferral is not None:
-            state["deferral"] = self._balance.deferral.state()
+        deferral = self._balance.deferral if self._balance is not None else None
+        if deferral is not None:
+            state["deferral"] = deferral.state()
+        if isinstance(self._packer.source, MixedSource):  # anchored where a deferred document waits
+            waiting = [p.position for p in deferral.pending] if deferral is not None else []
+            state["mix"] = self._packer.source.state(min([cursor["doc"], *waiting]), cursor["doc"])
         return {**state, "in_step": in_step} if in_step else state
 
     def _produce(self) -> list[tuple[dict[str, Any], dict[str, Any]]] | None:
@@ -263,6 +271,8 @@ class WindowLoader:
             raise StopIteration
         batch, self._state = item
         batch["wait_ms"] = (time.perf_counter() - t0) * 1e3
+        if "mix" in self._state:  # the stream's tokens so far from each source of a mixture
+            batch["source_tokens"] = dict(self._state["mix"]["tokens"])
         return batch
 
     def dispatch_with(self, dispatcher: Callable[[Any], Any]) -> None:
@@ -296,6 +306,8 @@ class WindowLoader:
 
     def _restore(self, state: Mapping[str, Any]) -> None:
         self._packer.restore(state["epoch"], state["doc"], state["offset"])
+        if isinstance(self._packer.source, MixedSource):
+            self._packer.source.load(state.get("mix"))
         self._window, self._skip = state["window"], state.get("in_step", 0)
         if self._balance is not None and self._balance.deferral is not None:
             seq_len = self._packer.seq_len  # a state saved without deferral has nothing pending
@@ -354,7 +366,7 @@ def build_loader(
         tokenizer = load_tokenizer(DEFAULT_TOKENIZER if cfg.tokenizer == "default" else cfg.tokenizer)
     planner = functools.partial(plan_shards, cp_size=cp_size, **dict(planner_kwargs or {}))
     planner([seq_len])  # a bad strategy or option fails here, at start-up, not in the producer
-    source = build_source(cfg, tokenizer)
+    source = build_data(cfg, tokenizer)
     fingerprint = {
         "source": source.ident,
         # Strings and numbers only, so the state survives any checkpoint format unchanged.

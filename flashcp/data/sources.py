@@ -20,6 +20,9 @@ Sources (`DataConfig.source`):
                of `flashcp.data.lengths`, e.g. "wlbllm", "pile", or a JSON list of lengths):
                benchmarking at scale without text; `max_doc_tokens` applies to text only
 
+Several sources mixed by token weights (`[data.mix.NAME]`) are `flashcp.data.mixture`; the
+settings themselves are `flashcp.data.settings.DataConfig`.
+
 Bad data raises DataError (or TokenizerError), both ValueError, naming the problem: missing or
 unsupported files, an empty dataset or one without any tokens, a missing or non-text column, a
 document longer than `max_doc_tokens`, a tokenizer without the BOS/EOS asked for, a bad state.
@@ -32,14 +35,14 @@ import glob
 import itertools
 import socket
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 from urllib.parse import urlparse
 
 import numpy as np
 
 from flashcp.data.errors import DataError
+from flashcp.data.settings import DataConfig
 from flashcp.data.store import is_store, source_manifest
 from flashcp.data.store_source import StoreSource
 from flashcp.data.tokenizer import Tokenizer, tokenizer_file
@@ -55,71 +58,6 @@ _READ_CHUNK = 256  # rows fetched from a dataset at once
 _TOKENIZE_CHUNK = 64  # documents tokenised in one batch call
 _SYNTHETIC_BLOCK = 4096  # synthetic lengths are drawn in seeded blocks of this many documents
 _HUB_SHUFFLE_BUFFER = 10_000
-
-
-BALANCE_MODES = ("deferral", "deferral-cut", "mesh", "mesh-cut", "off")
-
-
-@dataclass
-class DataConfig:
-    """Where documents come from and how they are packed; see the module docstring."""
-
-    source: str = "default"
-    tokenizer: str = "default"  # tokenizer.json, SentencePiece .model, or a directory holding one
-    text_field: str = "text"  # column with the text in .jsonl/.json/.parquet and hub datasets
-    txt_sample_by: str = "document"  # .txt files: "document" (whole file), "paragraph" or "line"
-    hf_config: str | None = None
-    hf_split: str = "train"
-    overflow: str = "carry"  # "carry" or "truncate": what happens to a document cut by a window end
-    add_bos: bool = True
-    add_eos: bool = True
-    max_doc_tokens: int = 1 << 20  # a longer text document is an error (a mangled or non-text file)
-    shuffle: bool = True
-    seed: int = 0
-    loop: bool = True
-    prefetch: int = 2
-    synthetic_lengths: str = "wlbllm"  # a flashcp.data.lengths name or a JSON list of lengths
-    cache_dir: str | None = None  # HF datasets cache (default: HF's own)
-    # "mesh": the pieces stream packing gives one optimizer step moved between all its windows (DP
-    # ranks x micro steps) so that every window's predicted cost is close to the mean; the step trains
-    # the same tokens with the same attention context, except where a window's end cuts a short piece.
-    # "mesh-cut": the step's documents joined again and the longest cut where needed to bring every
-    # window within balance_target x the mean (less attention context, tighter balance).
-    # "deferral": documents of at least seq_len / 16 tokens may wait up to max_delay_steps steps
-    # for a step where they can be balanced (flashcp.data.deferral); windows stay exactly seq_len,
-    # every document is trained once, whole unless it is longer than a window. "deferral-cut" also
-    # cuts what deferral could not bring within balance_target.
-    # "off": windows in stream order.
-    balance: str = "mesh-cut"  # the only mode meeting issue 18's rule everywhere (balance.py --rule, README)
-    balance_target: float = 1.05
-    max_delay_steps: int = 16
-
-    def balance_args(self) -> dict[str, Any] | None:
-        """`WindowLoader.balance_with`'s arguments for `balance` (None: off)."""
-        if self.balance == "off":
-            return None
-        cut = self.balance_target if self.balance.endswith("-cut") else None
-        delay = self.max_delay_steps if self.balance.startswith("deferral") else None
-        return {"cut_target": cut, "max_delay": delay, "target": self.balance_target}
-
-    def __post_init__(self) -> None:
-        choices = {"overflow": ("carry", "truncate"), "txt_sample_by": ("document", "paragraph", "line"),
-                   "balance": BALANCE_MODES}  # fmt: skip
-        for key, allowed in choices.items():
-            if getattr(self, key) not in allowed:
-                raise DataError(f"data.{key} must be one of {allowed}, got {getattr(self, key)!r}")
-        if not self.balance_target >= 1.0:
-            raise DataError(f"data.balance_target must be >= 1.0 (max / mean step cost), got {self.balance_target}")
-        if self.max_delay_steps < 0:
-            raise DataError(f"data.max_delay_steps must be >= 0 (steps a long document may wait), got "
-                            f"{self.max_delay_steps}")  # fmt: skip
-        if self.max_doc_tokens < 1 or self.prefetch < 0:
-            raise DataError(
-                f"data.max_doc_tokens must be >= 1 and data.prefetch >= 0, got "
-                f"{self.max_doc_tokens} and {self.prefetch}"
-            )
-
-
 
 
 class DocSource(Protocol):
@@ -189,6 +127,8 @@ class SyntheticSource:
     (seed, position), so any position can be regenerated exactly on resume. `distribution` is a
     name of `flashcp.data.lengths.DISTRIBUTIONS` or the path of a JSON list of lengths.
     """
+
+    endless = True  # its epoch never ends (a mixture's length filter cannot wait for an epoch's end)
 
     def __init__(self, distribution: str, tokenizer: Tokenizer, add_bos: bool, add_eos: bool, seed: int):
         from flashcp.data.lengths import length_sampler

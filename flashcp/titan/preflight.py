@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from flashcp.titan.config import ConfigError, dryrun_command, model_dims
-from flashcp.data.sources import build_source, DataConfig, DEFAULT_TOKENIZER
+from flashcp.data.mixture import build_data, open_first
+from flashcp.data.sources import DataConfig, DEFAULT_TOKENIZER
 from flashcp.data.tokenizer import load_tokenizer
 
 
@@ -28,8 +29,7 @@ def check_inputs(cfg: dict[str, Any]) -> int:
             f"[model] vocab_size ({vocab}, flavor {cfg['model']['flavor']!r}) is smaller than the "
             f"tokenizer's vocabulary ({tokenizer.vocab_size}, [data] tokenizer = {data.tokenizer!r})"
         )
-    source = build_source(data, tokenizer)
-    next(iter(source.epoch(0, 0)), None)  # reads and tokenises the first document
+    open_first(build_data(data, tokenizer))  # reads and tokenises the first (kept) document
     check_hf_import(cfg, tokenizer.vocab_size)
     return vocab or tokenizer.vocab_size
 

@@ -299,7 +299,8 @@ class FlashCPTrainer(Trainer):
             input_dict["dispatch"] = batch["dispatch"]
         else:
             input_dict["positions"] = document_positions(batch["doc_lens"])[None]
-        self.metrics_processor.record_window(batch["plan"], batch["plan_ms"], batch.get("deferral"))
+        self.metrics_processor.record_window(batch["plan"], batch["plan_ms"], batch.get("deferral"),
+                                             batch.get("source_tokens"))  # fmt: skip
         return input_dict, batch["labels"][None]
 
     def post_dataloading_process(
