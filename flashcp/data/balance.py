@@ -22,7 +22,8 @@ between the step's windows so that every window's predicted cost is close to the
    least loaded, cut where a window is full: one vectorised pass (`fill`).
    If a window still ends above most of the tolerance (a long uncut document whose window got
    longer short pieces than the cap predicted), the cap is tightened to that window's longest
-   piece and the step is packed again (at most twice).
+   piece and the step is packed again (at most `RETRIES` times: a step whose forced deferred
+   documents arrive without company may need several).
 4. Windows go to (micro step, DP rank) from the most to the least expensive, snaking over the
    ranks, so that each micro step and each rank's sum are balanced.
 
@@ -50,7 +51,7 @@ REST_SHARE = 0.005  # the short pieces poured in step 3 hold at most this share 
 GREEDY_PER_WINDOW = 64  # and at most this many pieces per window are placed one by one
 CAP_SHARE = 0.8  # a capped piece's window aims at this share of the tolerated imbalance
 RETRY_SHARE = 0.9  # a step with a window above this share of it is packed again with a tighter cap
-RETRIES = 2
+RETRIES = 8
 
 
 class Piece(NamedTuple):

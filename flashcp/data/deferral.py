@@ -3,8 +3,9 @@
 With windows of exactly C tokens, a window that draws one long document costs several times the
 mean (attention grows with its square), and moving the stream's pieces cannot fix that: no other
 window of the step has a similar document. WLB-LLM delays such outliers to later iterations and
-releases them together. Here a document of at least `threshold` tokens (and at most a window)
-enters a pending queue when the stream reaches it; each step releases the set of pending
+releases them together. Here a document of at least `threshold` tokens enters a pending queue
+when the stream reaches it (one longer than a window as window-long pieces and a rest, which
+stream packing would not keep together either); each step releases the set of pending
 documents that keeps the step's windows within the aimed max / mean of predicted cost
 (`choose_release`: the highest "level" of long-document work per window that the pool can fill
 evenly), plus every document whose delay reached `max_delay` (forced). Short documents fill the
@@ -136,7 +137,11 @@ def choose_release(lens: np.ndarray, forced: np.ndarray, n_windows: int, window:
     # The highest level within the slack, by bisection (a lower level releases less long work, so
     # the slack is met from some level down, nearly always): 4 fills instead of up to LEVELS.
     levels = [level for level in levels if level > floor]
-    best, lo, hi = None, 0, len(levels)  # levels[hi:] meet the slack (as far as bisection assumes)
+    if levels:  # the top level: every window one of the longest pieces (window-long ones gathered)
+        released, load = _fill(order, lens, w, forced, n_windows, window, levels[0])
+        if load.max() - load.mean() <= slack:
+            return released
+    best, lo, hi = None, 1, len(levels)  # levels[hi:] meet the slack (as far as bisection assumes)
     while lo < hi:
         mid = (lo + hi) // 2
         released, load = _fill(order, lens, w, forced, n_windows, window, levels[mid])
@@ -253,9 +258,10 @@ class Deferral:
         return out
 
     def _candidates(self, span: DocSpan) -> np.ndarray:
-        """Documents that may wait: long, whole and no longer than a window."""
+        """Documents that may wait: long and whole (one longer than a window waits as window-long
+        pieces, `_Walk.over`)."""
         thr = self.threshold or max(1, self.window // 16)
-        return (span.start == 0) & (span.length >= thr) & (span.length <= self.window)
+        return (span.start == 0) & (span.length >= thr)
 
 
 class _Walk:
@@ -301,7 +307,12 @@ class _Walk:
                 self._take(span, j, j + 1, offsets)
                 self.need -= n
             elif self.d.max_delay and self.queued + n <= self.d.n_windows * self.d.window:
-                self.queue.append(Pending(e, pos, n, self.d.step, int(offsets[j])))
+                # A document longer than a window waits as window-long pieces from its head on (each
+                # a whole window, attending within itself as in stream packing's windows), released
+                # once enough company for a whole window's attention has gathered.
+                window = self.d.window
+                self.queue.extend(Pending(e, pos, min(window, n - s), self.d.step, int(offsets[j]), s)
+                                  for s in range(0, n, window))  # fmt: skip
                 self.d.tokens[(e, pos)] = (span.docs, j)
                 self.queued += n
             else:  # this step queued a step's worth already: it fills in stream order

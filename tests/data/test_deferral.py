@@ -89,6 +89,25 @@ def test_the_data_end_flushes_the_queue_and_drops_only_the_last_incomplete_step(
     assert all(b["input"].numel() == SEQ for step in steps for rank in step for b in rank)
 
 
+def test_a_document_longer_than_a_window_waits_as_window_long_pieces():
+    """Stream packing would cut it where its windows end (at 28, 156, ...: it starts 540 tokens in);
+    waiting, it is trained as pieces of a whole window from its head on, and a rest."""
+    lens = [9] * 60 + [300] + [9] * 200
+    dp, micro = 2, 2
+    steps = run_steps([deferring(r, dp, micro, max_delay=4, lens=lens) for r in range(dp)], micro)
+    check_once(trained(steps), lens)
+    pieces = []
+    for step in steps:
+        for b in (b for rank in step for b in rank):
+            ends = np.cumsum(b["doc_lens"])
+            for end, n in zip(ends.tolist(), b["doc_lens"]):
+                first = int(b["input"][end - n])
+                if first // STRIDE == 60:
+                    pieces.append((first % STRIDE, n, b["deferral"]["delay_max"]))
+    assert sorted(p[:2] for p in pieces) == [(0, 128), (128, 128), (256, 44)]
+    assert all(p[2] > 0 for p in pieces)
+
+
 def test_an_epoch_trains_each_document_once_with_looping():
     """1.5 epochs of a looping source: no document's tokens come more than twice, and all of the
     first epoch's (but the few still pending) come at least once."""
