@@ -54,9 +54,19 @@ def architecture_of(model_config: Decoder.Config) -> Architecture:
     rope = attention.rope
     scaling = {titan: ours for ours, titan in _TITAN_SCALING.items()}[rope.scaling]
     if scaling == "llama3":
-        factor, original = rope.scaling_factor, rope.original_max_position_embeddings
+        ours = Rope(
+            theta=float(rope.theta), scaling=scaling, factor=rope.scaling_factor,
+            original_max_position_embeddings=rope.original_max_position_embeddings,
+            low_freq_factor=rope.low_freq_factor, high_freq_factor=rope.high_freq_factor,
+        )  # fmt: skip
+    elif scaling == "yarn":
+        ours = Rope(
+            theta=float(rope.theta), scaling=scaling, factor=rope.rope_factor,
+            original_max_position_embeddings=rope.original_seq_len, beta_fast=rope.beta_fast,
+            beta_slow=rope.beta_slow, truncate=rope.truncate,
+        )  # fmt: skip
     else:
-        factor, original = rope.rope_factor, rope.original_seq_len
+        ours = Rope(theta=float(rope.theta))
     return Architecture(
         name=family(model_config),
         dim=model_config.dim,
@@ -67,11 +77,7 @@ def architecture_of(model_config: Decoder.Config) -> Architecture:
         hidden_dim=model_config.layers[0].feed_forward.w1.out_features,
         vocab_size=model_config.vocab_size,
         norm_eps=model_config.norm.eps,
-        rope=Rope(
-            theta=float(rope.theta), scaling=scaling, factor=factor, original_max_position_embeddings=original,
-            low_freq_factor=rope.low_freq_factor, high_freq_factor=rope.high_freq_factor,
-            beta_fast=rope.beta_fast, beta_slow=rope.beta_slow, truncate=rope.truncate,
-        ),  # fmt: skip
+        rope=ours,
         tie_embeddings=model_config.enable_weight_tying,
         max_position_embeddings=rope.max_seq_len,
     )
@@ -108,8 +114,9 @@ def titan_config(arch: Architecture, attn_backend: str, max_seq_len: int) -> Dec
     if arch.name == "llama3":
         lib, cls, head_init = titan_llama3, Llama3Model.Config, titan_llama3._output_linear_init(dim)
         layers = titan_llama3._build_llama3_layers(
-            n_layers=arch.n_layers, dim=dim, n_heads=arch.n_heads, n_kv_heads=arch.n_kv_heads,
-            hidden_dim=arch.hidden_dim, rope=rope, attn_backend=attn_backend, fuse_qkv=True,
+            n_layers=arch.n_layers, dim=dim, n_heads=arch.n_heads, hidden_dim=arch.hidden_dim, rope=rope,
+            n_kv_heads=None if arch.n_kv_heads == arch.n_heads else arch.n_kv_heads,  # as TorchTitan's MHA flavors
+            attn_backend=attn_backend, fuse_qkv=True,
         )  # fmt: skip
     else:
         lib, cls, head_init = titan_qwen3, Qwen3Model.Config, titan_qwen3._LINEAR_INIT

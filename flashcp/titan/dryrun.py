@@ -264,10 +264,12 @@ def _shape_and_layout(trainer, dispatch) -> tuple[ModelShape, Layout]:
     model, dims, cfg = trainer.model_config, trainer.parallel_dims, trainer.config
     attention = model.first_attention
     tokens = cfg.training.seq_len // dims.cp
+    rope_cache = trainer.model_parts[0].layers["0"].attention.rope.cache
     shape = ModelShape(
         dim=model.dim, layers=len(model.layers), heads=attention.n_heads,
-        kv_heads=attention.n_kv_heads or attention.n_heads, ffn=model.layers[0].feed_forward.w1.out_features,
-        vocab=model.vocab_size, rope_len=attention.rope.max_seq_len,
+        kv_heads=attention.n_kv_heads or attention.n_heads, head_dim=attention.head_dim or model.dim // attention.n_heads,
+        ffn=model.layers[0].feed_forward.w1.out_features, vocab=model.vocab_size,
+        rope_len=attention.rope.max_seq_len, rope_row_bytes=rope_cache.shape[-1] * rope_cache.element_size(),
     )  # fmt: skip
     chunks = getattr(trainer.loss_fn, "num_chunks", 1)
     layout = Layout(

@@ -27,9 +27,11 @@ class ModelShape:
     layers: int
     heads: int
     kv_heads: int
+    head_dim: int  # Qwen3's is not always dim / heads
     ffn: int
     vocab: int
     rope_len: int  # positions each layer's RoPE cache holds
+    rope_row_bytes: int  # one position of it (complex Llama RoPE: 4 x head_dim, cos / sin Qwen3 RoPE: 8 x)
 
 
 @dataclass(frozen=True)
@@ -44,19 +46,17 @@ class Layout:
 
 
 def layer_params(m: ModelShape) -> int:
-    head_dim = m.dim // m.heads
-    attention = 2 * m.dim * m.heads * head_dim + 2 * m.dim * m.kv_heads * head_dim
+    attention = 2 * m.dim * m.heads * m.head_dim + 2 * m.dim * m.kv_heads * m.head_dim
     return attention + 3 * m.dim * m.ffn + 2 * m.dim
 
 
 def estimate(m: ModelShape, lay: Layout) -> dict[str, float]:
     """GiB per category (the dry run's names) and their sum, "peak"."""
-    head_dim = m.dim // m.heads
     vocab_params = m.vocab * m.dim
     params = m.layers * layer_params(m) + 2 * vocab_params + m.dim
     shard = lay.fsdp * lay.tp
     seq = lay.tokens // (lay.tp if lay.sequence_parallel else 1)  # tokens between blocks
-    kv_dim = 2 * (m.kv_heads // lay.tp) * head_dim  # one row of K and V on this rank
+    kv_dim = 2 * (m.kv_heads // lay.tp) * m.head_dim  # one row of K and V on this rank
     # One layer's bf16 elements: gathered projection inputs and gradients (full width); q, attention
     # output, k / v and the feed-forward's four intermediates (this rank's share); the residual
     # stream, norms and their gradients between blocks (fp32 in places, hence 8).
@@ -69,7 +69,7 @@ def estimate(m: ModelShape, lay: Layout) -> dict[str, float]:
         "parameters": (4 * params / shard + 2 * (2 * layer_params(m) + vocab_params) / lay.tp) / GIB,
         "gradients": (4 * params / shard + 4 * layer_params(m) / lay.tp) / GIB,
         "optimizer_states": 8 * params / shard / GIB,
-        "model_buffers": m.layers * m.rope_len * head_dim * 4 / GIB,
+        "model_buffers": m.layers * m.rope_len * m.rope_row_bytes / GIB,
         "activations": 2 * (checkpoints + (working if lay.full_ac else 0) + lay.tokens * m.dim) / GIB,
         "flashcp_buffers": 2 * 2 * lay.kv_rows * kv_dim / GIB,
         "loss": (14 * lay.loss_tokens * m.vocab / lay.tp + (chunk_buffers if chunked else 0)) / GIB,

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from flashcp.titan.config import ConfigError, dryrun_command, model_dims
+from flashcp.titan.config import ConfigError, dryrun_command, model_dims, model_head_dim
 from flashcp.data.mixture import build_data, open_first
 from flashcp.data.sources import DataConfig, DEFAULT_TOKENIZER
 from flashcp.data.tokenizer import load_tokenizer
@@ -68,8 +68,8 @@ def parameter_count(cfg: dict[str, Any], vocab: int) -> int:
     built on it never exceed the real size: a check on them refuses no run that fits.
     """
     dim, n_layers, n_heads, n_kv, _ = model_dims(cfg)
-    kv_dim = dim // n_heads * n_kv
-    per_layer = 2 * dim * dim + 2 * dim * kv_dim + 3 * dim * (8 * dim // 3)
+    head_dim = model_head_dim(cfg)
+    per_layer = 2 * dim * n_heads * head_dim + 2 * dim * n_kv * head_dim + 3 * dim * (8 * dim // 3)
     return n_layers * per_layer + 2 * vocab * dim
 
 

@@ -178,7 +178,7 @@ def rope_for_job(base: Rope, model_cfg: dict[str, Any]) -> Rope:
     stray = [key for key, field in SCALING_KEYS.items() if field in given and field not in KEYS_OF[rope.scaling]]
     if stray:
         raise RopeError(
-            f"{', '.join(stray)} do not apply to rope scaling {rope.scaling!r}"
+            f"{', '.join(stray)} {'does' if len(stray) == 1 else 'do'} not apply to rope scaling {rope.scaling!r}"
             + (" (the model's own; set rope_scaling to choose one)" if scaling is None else "")
         )
     rope = dataclasses.replace(rope, **given)

@@ -234,7 +234,7 @@ class FlashCPTrainer(Trainer):
         model = self.model_config
         attention = model.first_attention
         n_heads, n_kv = attention.n_heads, attention.n_kv_heads or attention.n_heads
-        head_dim = model.dim // n_heads
+        head_dim = attention.head_dim or model.dim // n_heads  # Qwen3's differs from dim / n_heads
         per_pair = 12 * len(model.layers) * n_heads * head_dim  # QK^T and PV, forward + backward
         metrics.total_steps = self.config.training.steps
         metrics.attention_flops_per_pair = per_pair

@@ -1,0 +1,174 @@
+"""Architectures from TorchTitan's flavors and from HF config.json files, RoPE keys, and the
+config.json an export writes: all checked before launch with one line per mistake."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+import flashcp.titan  # noqa: F401  (TorchTitan shims first)
+from flashcp.titan.config import check_layout, ConfigError, model_dims, model_head_dim, validate
+from flashcp.titan.config_model import FLAVORS, QWEN3_FLAVORS, QWEN3_HEAD_DIM
+from flashcp.titan.decoders import architecture_of, job_architecture, REGISTRIES, titan_config
+from flashcp.titan.hf_config import architecture_from_hf, read_hf_config, to_hf_config
+from flashcp.titan.model import model_spec
+from flashcp.titan.rope import FAMILY_ROPE, Rope
+
+# The config.json files Meta and Qwen publish (transformers 4.x layout: rope_theta + rope_scaling).
+LLAMA31_8B = {
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 128000,
+    "eos_token_id": 128001, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+    "intermediate_size": 14336, "max_position_embeddings": 131072, "mlp_bias": False, "model_type": "llama",
+    "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8, "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05, "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192, "rope_type": "llama3"}, "rope_theta": 500000.0,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True, "vocab_size": 128256,
+}  # fmt: skip
+QWEN3_8B = {
+    "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 151643,
+    "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+    "intermediate_size": 12288, "max_position_embeddings": 40960, "max_window_layers": 36, "model_type": "qwen3",
+    "num_attention_heads": 32, "num_hidden_layers": 36, "num_key_value_heads": 8, "rms_norm_eps": 1e-06,
+    "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
+}  # fmt: skip
+DENSE = [(name, flavor) for name, table in FLAVORS.items() for flavor in table]
+
+
+def hf_folder(tmp_path: Path, config: dict, name: str = "model") -> Path:
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def _shapes(config) -> object:
+    """A TorchTitan config without its initialiser functions (which are new closures per build)."""
+    if dataclasses.is_dataclass(config):
+        return (type(config), {f.name: _shapes(getattr(config, f.name)) for f in dataclasses.fields(config)
+                               if f.name != "param_init"})  # fmt: skip
+    if isinstance(config, list):
+        return [_shapes(c) for c in config]
+    return config
+
+
+@pytest.mark.parametrize("name, flavor", DENSE)
+def test_every_dense_flavor_rebuilds_as_torchtitan_registers_it(name, flavor):
+    """One build path: a flavor read back into an Architecture builds TorchTitan's own config."""
+    registered = REGISTRIES[name][flavor](attn_backend="flex")
+    arch = architecture_of(registered)
+    assert arch.rope == FAMILY_ROPE[name]
+    assert _shapes(titan_config(arch, "flex", registered.first_attention.rope.max_seq_len)) == _shapes(registered)
+
+
+def test_qwen3_flavor_table_matches_torchtitan():
+    for flavor, dims in QWEN3_FLAVORS.items():
+        arch = architecture_of(REGISTRIES["qwen3"][flavor](attn_backend="flex"))
+        assert (arch.dim, arch.n_layers, arch.n_heads, arch.n_kv_heads, arch.vocab_size) == dims, flavor
+        assert arch.head_dim == QWEN3_HEAD_DIM
+
+
+@pytest.mark.parametrize("hf, name, flavor", [(LLAMA31_8B, "llama3", "8B"), (QWEN3_8B, "qwen3", "8B")])
+def test_published_config_json_builds_torchtitans_flavor(tmp_path, hf, name, flavor):
+    """Llama 3.1 8B's and Qwen3 8B's config.json give exactly TorchTitan's 8B flavors."""
+    cfg = validate({"model": {"hf_config": str(hf_folder(tmp_path, hf))}})
+    assert (cfg["model"]["name"], cfg["model"]["flavor"]) == (name, "hf")
+    arch = job_architecture(cfg["model"], 4096, 8192)
+    registered = REGISTRIES[name][flavor](attn_backend="flex")
+    assert _shapes(titan_config(arch, "flex", 8192)) == _shapes(titan_config(architecture_of(registered), "flex", 8192))
+    assert model_dims(cfg) == (*FLAVORS[name][flavor][:4], hf["vocab_size"])
+
+
+def test_initial_load_in_hf_without_flavor_takes_the_folders_architecture(tmp_path):
+    folder = str(hf_folder(tmp_path, QWEN3_8B))
+    ckpt = {"enable": True, "initial_load_path": folder, "initial_load_in_hf": True}
+    cfg = validate({"checkpoint": ckpt})
+    assert (cfg["model"]["hf_config"], cfg["model"]["name"], model_head_dim(cfg)) == (folder, "qwen3", 128)
+    named = validate({"checkpoint": ckpt, "model": {"flavor": "1B"}})  # an explicit flavor wins
+    assert (named["model"]["hf_config"], named["model"]["flavor"]) == (None, "1B")
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"model_type": "mistral"}, r"model_type 'mistral' is not supported; supported: llama, qwen3"),
+        ({"model_type": "qwen3_moe"}, r"model_type 'qwen3_moe' is not supported \(mixture-of-experts"),
+        ({"use_sliding_window": True}, r"use_sliding_window = True is not supported"),
+        ({"hidden_size": None}, r"hidden_size is missing"),
+        ({"num_key_value_heads": 0}, r"num_key_value_heads must be a positive int, got 0"),
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, r"rope type 'dynamic' is not supported"),
+    ],
+)
+def test_a_config_json_flashcp_cannot_train_is_one_line(tmp_path, change, message):
+    folder = hf_folder(tmp_path, QWEN3_8B | change)
+    with pytest.raises(ConfigError, match=r"^\[model\] hf_config: .*config\.json: " + message):
+        validate({"model": {"hf_config": str(folder)}})
+
+
+def test_a_missing_or_broken_config_json_is_one_line(tmp_path):
+    with pytest.raises(ConfigError, match=r"config\.json: no such file"):
+        validate({"model": {"hf_config": str(tmp_path)}})
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match=r"config\.json is not valid JSON"):
+        validate({"model": {"hf_config": str(tmp_path)}})
+    with pytest.raises(ConfigError, match=r"flavor and hf_config both name the architecture"):
+        validate({"model": {"hf_config": str(tmp_path), "flavor": "8B"}})
+
+
+def test_model_checks_name_the_problem():
+    with pytest.raises(ConfigError, match=r"'30B-A3B' is a mixture-of-experts Qwen3: FlashCP trains dense models"):
+        validate({"model": {"name": "qwen3", "flavor": "30B-A3B"}})
+    with pytest.raises(ConfigError, match=r"flavor must be one of .*0.6B.* for name = 'qwen3'; got '70B'"):
+        validate({"model": {"name": "qwen3", "flavor": "70B"}})
+    with pytest.raises(ConfigError, match=r"tensor_parallel_degree \(16\) must divide n_heads \(32\) and n_kv_heads \(8\)"):
+        check_layout(validate({"model": {"name": "qwen3", "flavor": "8B"},
+                               "parallelism": {"tensor_parallel_degree": 16}}), 16, has_cuda=True)  # fmt: skip
+
+
+def test_rope_keys_keep_or_replace_the_models_scaling(tmp_path):
+    folder = str(hf_folder(tmp_path, LLAMA31_8B))
+    kept = job_architecture(validate({"model": {"hf_config": folder, "rope_theta": 4e6}})["model"], 4096, 131072)
+    assert kept.rope == Rope(theta=4e6, scaling="llama3", factor=8.0, original_max_position_embeddings=8192)
+    yarn = {"hf_config": folder, "rope_scaling": "yarn", "rope_factor": 16.0, "rope_original_max_position_embeddings": 8192}
+    arch = job_architecture(validate({"model": yarn})["model"], 4096, 1 << 20)
+    assert (arch.rope.scaling, arch.rope.factor, arch.rope.beta_fast, arch.max_position_embeddings) == (
+        "yarn", 16.0, 32.0, 1 << 20)  # fmt: skip
+    for model, message in [
+        ({"rope_scaling": "yarn"}, r"rope_scaling = 'yarn' needs rope_factor and rope_original_max_position"),
+        ({"rope_beta_fast": 16.0}, r"rope_beta_fast does not apply to rope scaling 'llama3' \(the model's own"),
+        ({"rope_scaling": "none", "rope_factor": 2.0}, r"rope_factor does not apply to rope scaling 'none'"),
+        ({"name": "qwen3", "rope_scaling": "llama3", "rope_factor": 8.0, "rope_original_max_position_embeddings": 8},
+         r"llama3 RoPE scaling is Llama's"),
+        ({**yarn, "attention": "flex"}, r"yarn RoPE's attention factor \(1.277\) is applied by FlashCP's attention"),
+        ({"rope_scaling": "llama3", "rope_low_freq_factor": 5.0}, r"llama3 scaling needs 0 < rope_low_freq_factor < rope_high_freq_factor, got 5.0 and 4.0"),
+    ]:  # fmt: skip
+        with pytest.raises(ConfigError, match=r"^\[model\] " + message):
+            validate({"model": model})
+
+
+def test_rope_cache_covers_a_million_token_context():
+    cfg = validate({"model": {"name": "qwen3", "flavor": "0.6B"}, "training": {"seq_len": 1 << 20}})
+    spec = model_spec(cfg["model"], cfg["flashcp"], 4096, 1 << 20)
+    assert {layer.attention.rope.max_seq_len for layer in spec.model.layers} == {1 << 20}
+
+
+@pytest.mark.parametrize("hf", [LLAMA31_8B, QWEN3_8B])
+@pytest.mark.parametrize("rope", [None, Rope(theta=1e6, scaling="yarn", factor=4.0, original_max_position_embeddings=4096)])
+def test_exported_config_json_reads_back_through_transformers(tmp_path, hf, rope):
+    """to_hf_config -> transformers' AutoConfig (its own RoPE standardisation) -> the same architecture."""
+    transformers = pytest.importorskip("transformers", reason="needs the test extra (transformers)")
+    arch = architecture_from_hf(hf)
+    if rope is not None:
+        arch = dataclasses.replace(arch, rope=rope, max_position_embeddings=16384)
+    config = to_hf_config(arch, "bfloat16", base=hf)
+    assert config["bos_token_id"] == hf["bos_token_id"] and config["torch_dtype"] == "bfloat16"
+    hf_folder(tmp_path, config, "export")
+    loaded = transformers.AutoConfig.from_pretrained(tmp_path / "export")
+    assert type(loaded).__name__ == config["architectures"][0].replace("ForCausalLM", "Config")
+    if rope is not None:  # the export names YaRN's attention factor explicitly
+        arch = dataclasses.replace(arch, rope=dataclasses.replace(rope, attention_factor=rope.yarn_attention_factor))
+    assert read_hf_config(tmp_path / "export") == arch
+    assert architecture_from_hf(loaded.to_dict()) == arch

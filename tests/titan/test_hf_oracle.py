@@ -1,0 +1,175 @@
+"""Oracle: transformers' own models decide whether ours are right.
+
+Tiny random Hugging Face models are built locally (`save_pretrained`): a Llama with Llama 3.1's
+`rope_scaling` and GQA, a Qwen3 with QK-norm, tied embeddings and a head_dim other than
+hidden_size / heads, and a Llama with YaRN (its attention factor included). Our model is built
+from the saved config.json (`[model] hf_config`) and loaded with TorchTitan's state_dict_adapter
+(`from_hf`: q / k permuted for Llama's complex RoPE). On one packed window of several documents,
+ours (FlashCP's attention, the document mask, per-document positions, fp32) must give
+transformers' logits -- each document run alone from position 0 -- to RELATIVE_TOLERANCE, at
+CP = 1 and at CP = 2 on gloo under every sharding strategy, and one step's gradients (mean
+cross-entropy over the packed documents) mapped back to HF names by the adapter (`to_hf`) must
+equal transformers' gradients.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from distributed_pool import DistributedPool
+
+import flashcp.titan  # noqa: F401  (TorchTitan shims before transformers / torchtitan)
+from flashcp.dispatch import build_dispatch
+from flashcp.plan import plan_shards, STRATEGIES
+from flashcp.titan.attention import CPStep
+from flashcp.titan.config import validate
+from flashcp.titan.decoders import state_dict_adapter
+from flashcp.titan.model import model_spec
+
+transformers = pytest.importorskip("transformers", reason="the oracle needs the test extra (transformers)")
+from safetensors.torch import load_file  # noqa: E402
+
+RELATIVE_TOLERANCE = 1e-4  # max |ours - HF| / max |HF|, fp32
+DOC_LENS = (23, 9, 30, 2)  # one window of 64 tokens: documents cut across the CP ranks by most plans
+WINDOW = sum(DOC_LENS)
+VOCAB = 101
+PLAN_OPTIONS = {"ilp": dict(target_imbalance=2.0, time_limit=1.0)}  # the ILP solver: quick, any valid plan
+COMMON = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.2,
+)  # fmt: skip
+MODELS = {
+    "llama3-scaled": lambda: transformers.LlamaConfig(**COMMON, rms_norm_eps=1e-5, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 16,
+    }),  # fmt: skip
+    "qwen3-tied": lambda: transformers.Qwen3Config(
+        **COMMON, head_dim=32, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    ),  # fmt: skip
+    "llama3-yarn": lambda: transformers.LlamaConfig(**COMMON | {"max_position_embeddings": 64}, rms_norm_eps=1e-5, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+    }),  # fmt: skip
+}
+
+
+@pytest.fixture(scope="module")
+def hf_models(tmp_path_factory) -> dict[str, tuple[Path, dict]]:
+    """name -> (saved folder, transformers' logits and gradients on the window)."""
+    torch.manual_seed(0)
+    tokens = torch.randint(0, VOCAB, (WINDOW,))
+    out = {}
+    for name, make in MODELS.items():
+        folder = tmp_path_factory.mktemp(name)
+        model = transformers.AutoModelForCausalLM.from_config(make(), attn_implementation="eager").float()
+        model.save_pretrained(folder)
+        out[name] = (folder, _hf_reference(model, tokens))
+    return out
+
+
+def _labels(tokens: torch.Tensor) -> torch.Tensor:
+    """Next token inside each document; -100 (ignored) at each document's last token."""
+    labels = torch.full_like(tokens, -100)
+    start = 0
+    for n in DOC_LENS:
+        labels[start : start + n - 1] = tokens[start + 1 : start + n]
+        start += n
+    return labels
+
+
+def _hf_reference(model, tokens: torch.Tensor) -> dict:
+    """Each document alone through transformers (positions from 0); loss over the packed window."""
+    labels = _labels(tokens)
+    logits = torch.cat([model(input_ids=doc[None]).logits[0] for doc in tokens.split(DOC_LENS)])
+    loss = torch.nn.functional.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
+    (loss / (labels != -100).sum()).backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    return {"tokens": tokens, "logits": logits.detach(), "grads": grads}
+
+
+def our_model(folder: Path) -> torch.nn.Module:
+    """Ours from the folder's config.json, its weights mapped in by TorchTitan's adapter."""
+    cfg = validate({"model": {"hf_config": str(folder)}, "flashcp": {"backend": "reference"},
+                    "training": {"seq_len": WINDOW}})  # fmt: skip
+    spec = model_spec(cfg["model"], cfg["flashcp"], VOCAB, WINDOW)
+    model = spec.model.build()
+    adapter = state_dict_adapter(spec.model)
+    model.load_state_dict(adapter.from_hf(load_file(folder / "model.safetensors")), strict=True)
+    return model
+
+
+def run_window(rank: int, group, folder: Path, tokens: torch.Tensor, plan, comm: str) -> dict:
+    """This rank's logits (window order given by token_index) and its share of the gradients, HF names."""
+    torch.manual_seed(0)
+    model = our_model(folder)
+    dispatch = build_dispatch(plan, rank, comm)
+    labels = _labels(tokens)[dispatch.token_index]
+    logits = model(tokens[dispatch.token_index][None], positions=dispatch.positions[None],
+                   attention_masks=CPStep(dispatch, group if plan.cp_size > 1 else None))[0]  # fmt: skip
+    # Each rank's token sum over the window's count, as the trainer normalises: the ranks' gradients add up.
+    loss = torch.nn.functional.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
+    (loss / (_labels(tokens) != -100).sum()).backward()
+    grads = copy.deepcopy(model)
+    with torch.no_grad():
+        for p, src in zip(grads.parameters(), model.parameters()):
+            p.copy_(src.grad)
+    hf_grads = state_dict_adapter(model.config).to_hf(grads.state_dict())
+    return {"index": dispatch.token_index, "logits": logits.detach(), "grads": hf_grads}
+
+
+def _relative(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((ours - ref).abs().max() / ref.abs().max()).item()
+
+
+def check(parts: list[dict], ref: dict, what: str) -> tuple[float, float]:
+    """Assembles the ranks' logits and sums their gradients; returns the worst relative errors."""
+    logits = torch.empty_like(ref["logits"])
+    for part in parts:
+        logits[part["index"]] = part["logits"]
+    grads = {k: sum(part["grads"][k] for part in parts) for k in parts[0]["grads"]}
+    assert sorted(grads) == sorted(ref["grads"]), what
+    logit_err = _relative(logits, ref["logits"])
+    grad_err = max(_relative(grads[k], ref["grads"][k]) for k in grads)
+    assert logit_err <= RELATIVE_TOLERANCE, f"{what}: logits off by {logit_err:.2e} (relative)"
+    assert grad_err <= RELATIVE_TOLERANCE, f"{what}: gradients off by {grad_err:.2e} (relative)"
+    return logit_err, grad_err
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_cp1_matches_transformers(hf_models, name):
+    folder, ref = hf_models[name]
+    plan = plan_shards(DOC_LENS, 1, "per_seq")
+    check([run_window(0, None, folder, ref["tokens"], plan, "compact")], ref, f"{name} CP=1")
+
+
+def test_transformers_sees_scaling(hf_models):
+    """The scaled RoPEs matter on this window: dropping the scaling moves transformers' logits far
+    beyond the tolerance, so the CP tests above compare RoPE, not only the rest of the model."""
+    folder, ref = hf_models["llama3-scaled"]
+    config = transformers.AutoConfig.from_pretrained(folder)
+    config.rope_parameters = {"rope_type": "default", "rope_theta": config.rope_parameters["rope_theta"]}
+    plain = transformers.AutoModelForCausalLM.from_pretrained(folder, config=config, attn_implementation="eager")
+    logits = torch.cat([plain(input_ids=doc[None]).logits[0] for doc in ref["tokens"].split(DOC_LENS)])
+    assert _relative(logits.detach(), ref["logits"]) > 100 * RELATIVE_TOLERANCE
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with DistributedPool(world_size=2) as p:
+        yield p
+
+
+# Every strategy with FlashCP's compact exchange; the other exchanges once.
+CP2_CASES = [(s, "compact") for s in STRATEGIES] + [("flashcp", "full"), ("flashcp", "needed")]
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_cp2_matches_transformers_for_every_strategy(hf_models, pool, name):
+    folder, ref = hf_models[name]
+    for strategy, comm in CP2_CASES:
+        plan = plan_shards(DOC_LENS, 2, strategy, **PLAN_OPTIONS.get(strategy, {}))
+        parts = pool.run(run_window, (folder, ref["tokens"], plan, comm))
+        check(parts, ref, f"{name} CP=2 {strategy}/{comm}")
