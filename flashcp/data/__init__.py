@@ -1,7 +1,9 @@
 """The whole data pipeline, from files to batches, usable without TorchTitan.
 
-- documents: `sources` (the shipped corpus, local files, hub datasets, synthetic lengths) and
-  `tokenizer` (HF `tokenizer.json` or SentencePiece), with `errors.DataError` naming bad data;
+- settings: `settings` (`DataConfig`, the `[data]` keys, and a mixture's entries checked);
+- documents: `sources` (the shipped corpus, local files, hub datasets, synthetic lengths),
+  `mixture` (several sources interleaved by token weights into one stream) and `tokenizer` (HF
+  `tokenizer.json` or SentencePiece), with `errors.DataError` naming bad data;
 - the token store: `prepare` (tokenise once, `python -m flashcp.data.prepare`), `store` (numpy
   memory maps) and `store_source` (a rank reads only its own windows);
 - windows: `packing` (documents back to back into windows of exactly C tokens), `balance`
