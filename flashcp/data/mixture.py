@@ -29,9 +29,12 @@ only), where a single store lays windows out from its offsets in bulk.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
+
+import numpy as np
 
 from flashcp.data.errors import DataError
 from flashcp.data.settings import DataConfig, mix_entries, NO_LIMIT
@@ -92,6 +95,37 @@ class MixState(NamedTuple):
     taken: tuple[int, ...]
 
 
+class _Log:
+    """The mixer's choices from its anchor on, one row per stream document (part, epoch, position,
+    length), in int64 columns: the mixer at a logged position is then a few numpy reductions
+    (with deferral the log spans up to `max_delay_steps` steps, ~10^5 documents at scale)."""
+
+    def __init__(self) -> None:
+        self.columns = [array("q") for _ in range(4)]
+
+    def __len__(self) -> int:
+        return len(self.columns[0])
+
+    def append(self, *row: int) -> None:
+        for column, value in zip(self.columns, row):
+            column.append(value)
+
+    def drop(self, n: int) -> None:
+        """Forget the first `n` rows."""
+        self.columns = [column[n:] for column in self.columns]
+
+    def replay(self, state: MixState, n: int) -> MixState:
+        """`state` advanced over the first `n` rows."""
+        part, epoch, pos, length = (np.frombuffer(column[:n], dtype=np.int64) for column in self.columns)
+        cursors, taken = list(state.cursors), list(state.taken)
+        for i in range(len(taken)):
+            rows = np.flatnonzero(part == i)
+            if rows.size:
+                cursors[i] = (int(epoch[rows[-1]]), int(pos[rows[-1]]) + 1)
+                taken[i] += int(length[rows].sum())
+        return MixState(state.position + n, tuple(cursors), tuple(taken))
+
+
 class MixedSource:
     """A DocSource whose one endless epoch interleaves `parts` by token shares (module docstring)."""
 
@@ -103,7 +137,7 @@ class MixedSource:
         self.ident = "mix:" + ";".join(f"{p.name}={p.share!r}:{p.min_tokens}-{p.max_tokens}:{p.source.ident}"
                                        for p in parts)  # fmt: skip
         self._anchor = MixState(0, ((0, 0),) * len(parts), (0,) * len(parts))
-        self._log: list[tuple[int, int, int, int]] = []  # (part, epoch, position, length) from the anchor on
+        self._log = _Log()
 
     def _state_at(self, position: int) -> MixState:
         """The mixer before stream document `position` (at or after the anchor), walking the
@@ -116,10 +150,7 @@ class MixedSource:
         if not 0 <= position - a.position <= len(self._log):
             raise DataError(f"{self.name}: stream position {position} is outside the mixer's known span "
                             f"[{a.position}, {a.position + len(self._log)}]")  # fmt: skip
-        cursors, taken = list(a.cursors), list(a.taken)
-        for part, epoch, pos, length in self._log[: position - a.position]:
-            cursors[part], taken[part] = (epoch, pos + 1), taken[part] + length
-        return MixState(position, tuple(cursors), tuple(taken))
+        return self._log.replay(a, position - a.position)
 
     def epoch(self, epoch: int, start: int) -> Iterator[tuple[int, Any]]:
         if epoch:  # one endless epoch; a finite mixture (loop = false) ends inside it
@@ -139,7 +170,7 @@ class MixedSource:
                 return
             epoch, pos, tokens = item
             if position == self._anchor.position + len(self._log):
-                self._log.append((i, epoch, pos, len(tokens)))
+                self._log.append(i, epoch, pos, len(tokens))
             taken[i] += len(tokens)
             yield position, tokens
 
@@ -149,7 +180,8 @@ class MixedSource:
         `cursor`."""
         s = self._state_at(anchor)
         tokens = self._state_at(cursor).taken
-        self._log, self._anchor = self._log[anchor - self._anchor.position :], s
+        self._log.drop(anchor - self._anchor.position)
+        self._anchor = s
         return {
             "position": s.position,
             "sources": {p.name: [*c, t] for p, c, t in zip(self.parts, s.cursors, s.taken)},
@@ -165,7 +197,7 @@ class MixedSource:
                             f"{sorted(names)}")  # fmt: skip
         cursors = tuple((int(saved[n][0]), int(saved[n][1])) for n in names)
         self._anchor = MixState(int(state["position"]), cursors, tuple(int(saved[n][2]) for n in names))
-        self._log = []
+        self._log = _Log()
 
 
 def build_data(cfg: DataConfig, tokenizer: Tokenizer) -> DocSource:
