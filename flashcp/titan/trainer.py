@@ -26,6 +26,10 @@ config's schedule at the restored step (the saved optimizer's rate was the old s
 restored past `training.steps` is a job error and one restored at it says it is complete,
 instead of silently training nothing.
 
+With `[validation]`, TorchTitan's validator slot holds `flashcp.titan.validate.FlashCPValidator`,
+which reads held-out windows through `window_inputs` / `flashcp_inputs`, the same steps as
+training minus the counting (plan metrics, tokens seen).
+
 With `model.attention` set to TorchTitan's flex attention instead, batches go through
 TorchTitan's own path (document positions, its block masks and its built-in CP), so both CP
 implementations can be compared inside one application.
@@ -55,6 +59,7 @@ from flashcp.titan.checkpoint import CheckpointError, Checkpointer
 from flashcp.titan.components import PipelineTokenizer, WindowDataLoader
 from flashcp.titan.hf_export import export, ExportError
 from flashcp.titan.metrics import FlashCPMetrics
+from flashcp.titan.validate import FlashCPValidator
 from flashcp.run.preemption import StopRequest
 
 
@@ -86,6 +91,7 @@ class FlashCPTrainer(Trainer):
         dataloader: WindowDataLoader.Config = field(default_factory=WindowDataLoader.Config)
         checkpoint: Checkpointer.Config = field(default_factory=Checkpointer.Config)
         metrics: FlashCPMetrics.Config = field(default_factory=FlashCPMetrics.Config)
+        validator: FlashCPValidator.Config = field(default_factory=FlashCPValidator.Config)
         flashcp: FlashCPSettings = field(default_factory=FlashCPSettings)
 
     metrics_processor: FlashCPMetrics
@@ -113,7 +119,9 @@ class FlashCPTrainer(Trainer):
             self.cp_rank, self.cp_group = 0, None
         self._configure_metrics()
         if self.flashcp.enable:
-            self.dataloader.loader.dispatch_with(self._dispatch)
+            self.dataloader.loader.dispatch_with(self.dispatch_window)
+        if config.validator.enable:
+            self.validator.connect(self, flashcp=self.flashcp.enable)
         data = config.dataloader.data
         balance = data.balance_args()
         if balance is not None:
@@ -258,9 +266,11 @@ class FlashCPTrainer(Trainer):
             try:
                 batch = next(data_iterator)
             except StopIteration as ex:
+                data = self.config.dataloader.data
+                named = f"the mixture of {', '.join(sorted(data.mix))}" if data.mix else repr(data.source)
                 raise DataError(
                     f"the data ran out in step {self.step} of [training] steps = {self.config.training.steps} with "
-                    f"[data] loop = false ({self.config.dataloader.data.source!r} holds too few windows); set "
+                    f"[data] loop = false ({named} holds too few windows); set "
                     f"training.steps to at most {self.step - 1} or data.loop = true"
                 ) from ex
             self.metrics_processor.data_loading_times.append(time.perf_counter() - start)
@@ -268,7 +278,7 @@ class FlashCPTrainer(Trainer):
             self.metrics_processor.ntokens_since_last_log += labels.numel()
             yield input_dict, labels
 
-    def _dispatch(self, plan: Any) -> Any:
+    def dispatch_window(self, plan: Any) -> Any:
         """This rank's dispatch of a window's plan; runs in the loader's thread."""
         dispatch = build_dispatch(plan, self.cp_rank, self.flashcp.comm, overlap=self.flashcp.overlap)
         # Pinned, so that post_dataloading_process's copy to the GPU does not block the host.
@@ -294,13 +304,17 @@ class FlashCPTrainer(Trainer):
         return None if finite.item() else f"the loss was not finite (inf or NaN) at some step up to {self.step}"
 
     def _window_inputs(self, batch: dict[str, Any]) -> tuple[dict[str, Any], torch.Tensor]:
+        self.metrics_processor.record_window(batch["plan"], batch["plan_ms"], batch.get("deferral"),
+                                             batch.get("source_tokens"))  # fmt: skip
+        return self.window_inputs(batch)
+
+    def window_inputs(self, batch: dict[str, Any]) -> tuple[dict[str, Any], torch.Tensor]:
+        """A loader window as TorchTitan's `(input_dict, labels)` (shared with validation, which counts nothing)."""
         input_dict: dict[str, Any] = {"input": batch["input"][None]}
         if self.flashcp.enable:
             input_dict["dispatch"] = batch["dispatch"]
         else:
             input_dict["positions"] = document_positions(batch["doc_lens"])[None]
-        self.metrics_processor.record_window(batch["plan"], batch["plan_ms"], batch.get("deferral"),
-                                             batch.get("source_tokens"))  # fmt: skip
         return input_dict, batch["labels"][None]
 
     def post_dataloading_process(
@@ -308,10 +322,17 @@ class FlashCPTrainer(Trainer):
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
         if not self.flashcp.enable:
             return super().post_dataloading_process(input_dict, labels)
+        inputs, labels, extra = self.flashcp_inputs(input_dict, labels)
+        self.ntokens_seen += labels.numel()
+        return inputs, labels, extra
+
+    def flashcp_inputs(
+        self, input_dict: dict[str, Any], labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        """This rank's tokens, labels and in-document positions in dispatch order, and the `CPStep`."""
         dispatch = input_dict["dispatch"].to(self.device, non_blocking=True)
         inputs = input_dict["input"][:, dispatch.token_index]
         labels = labels[:, dispatch.token_index]
-        self.ntokens_seen += labels.numel()
         extra = {"positions": dispatch.positions[None], "attention_masks": CPStep(dispatch, self.cp_group)}
         return inputs, labels, extra
 
