@@ -1,9 +1,10 @@
 """FlashCP inside TorchTitan 0.3.0: only what adapts TorchTitan.
 
-The job file -> TorchTitan's config (`config`, `job`), the launcher's front end that checks a job
-(`launch`, `preflight`), the model specs with FlashCP's attention swapped in from outside
-(`model`, `attention`), the trainer (`trainer`), the data loader as TorchTitan sees it
-(`components`), the chunked loss (`loss`), metrics (`metrics`), checkpoints through TorchTitan's
+The job file -> TorchTitan's config (`config` and its `config_*` pieces, `job`), the launcher's
+front end that checks a job (`launch`, `preflight`), the model specs with FlashCP's attention
+swapped in from outside (`model`, `attention`), the trainer (`trainer`), the data loader as TorchTitan sees it
+(`components`), validation on held-out data with the loss by position (`validate`, `heldout`), the
+chunked loss (`loss`), metrics (`metrics`), checkpoints through TorchTitan's
 manager (`checkpoint`), the dry run on fake tensors (`dryrun`, `memtrack`, `memory_estimate`) and
 the version shims (`compat`, each commented with the versions that need it).
 

@@ -14,7 +14,7 @@ checkpointer is `flashcp.titan.checkpoint`):
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from torchtitan.components.dataloader import BaseDataLoader
@@ -61,13 +61,16 @@ class WindowDataLoader(BaseDataLoader):
         cp_size: int = 1
         planner: dict[str, Any] = field(default_factory=dict)
         """plan_shards keyword arguments: strategy, target_imbalance."""
+        infinite: bool | None = None
+        """Repeat the data (`data.loop`) when set; TorchTitan's validator sets it (`validation.steps != -1`)."""
 
     def __init__(self, config: Config, *, dp_world_size: int, dp_rank: int, tokenizer: PipelineTokenizer,
                  seq_len: int, local_batch_size: int, **kwargs: Any) -> None:  # fmt: skip
         if local_batch_size != 1:
             raise DataError(f"the window loader yields one window per micro step, not {local_batch_size}")
+        data = config.data if config.infinite is None else replace(config.data, loop=config.infinite)
         self.loader: WindowLoader = build_loader(
-            config.data,
+            data,
             seq_len,
             dp_rank=dp_rank,
             dp_world=dp_world_size,

@@ -116,6 +116,22 @@ def _data_keys() -> dict[str, Key]:
     return keys
 
 
+def _validation_keys() -> dict[str, Key]:
+    """`[validation]`: TorchTitan's validator settings with its types and defaults (`Validator.Config`;
+    its data loader is FlashCP's, `flashcp.titan.validate`), then the held-out data and the buckets."""
+    from torchtitan.components.validate import Validator  # after flashcp.titan's shims (package import)
+
+    hints = typing.get_type_hints(Validator.Config)
+    fields = [f for f in dataclasses.fields(Validator.Config) if f.name != "dataloader"]
+    return {f.name: Key(hints[f.name], f.default) for f in fields} | {
+        "source": Key(str, doc='held-out data, as [data] source (a token store, files, "synthetic"); "default": '
+                      "the shipped corpus's held-out split, data/default/valid.jsonl.gz"),
+        "hf_split": Key(str, "validation", doc='the split a "hf:NAME" source reads'),
+        "bucket_min": Key(int, 1024, doc="loss by position in the document: buckets [0, bucket_min), then "
+                          "doubling up to seq_len"),
+    }
+
+
 SCHEMA: dict[str, dict[str, Key]] = {
     "job": {
         "description": Key(str, ""),
@@ -249,7 +265,11 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "backend": Key(str, "auto", BACKENDS, "varlen kernel; auto: flash_attn, torch, then reference"),
         "overlap": Key(bool, False, doc="compute all-local shards while the KV exchange is in flight"),
     },
+    # TorchTitan's `validator` section, named as the job files name it.
+    "validation": _validation_keys(),
 }
+# Sections TorchTitan names otherwise: an unknown-section error names FlashCP's.
+RENAMED_SECTIONS = {"validator": "validation"}
 
 
 def _shown(value: Any) -> str:
@@ -286,6 +306,9 @@ def _check_value(section: str, name: str, key: Key, value: Any) -> Any:
 def validate(raw: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Types, choices and known names; returns every section with defaults filled in."""
     for section, values in raw.items():
+        if section in RENAMED_SECTIONS:
+            raise ConfigError(f"unknown section [{section}]: TorchTitan's [{section}] is [{RENAMED_SECTIONS[section]}] "
+                              "in a FlashCP job")  # fmt: skip
         if section not in SCHEMA:
             raise ConfigError(f"unknown section [{section}]; allowed sections: {', '.join(SCHEMA)}")
         if not isinstance(values, dict):
@@ -346,6 +369,7 @@ def _check_semantics(cfg: dict) -> None:
         raise ConfigError("[checkpoint] initial_load_in_hf needs initial_load_path (the Hugging Face model folder)")
     _check_optimizer(cfg)
     _check_bounds(cfg)
+    _check_validation(cfg)
     if not fcp["target_imbalance"] >= 1.0:
         raise ConfigError(f"[flashcp] target_imbalance must be >= 1.0, got {fcp['target_imbalance']}")
 
@@ -394,6 +418,20 @@ def _check_semantics(cfg: dict) -> None:
         raise ConfigError(
             "[parallelism] spmd_backend must be 'partial_dtensor' with FlashCP attention, "
             f"got {par['spmd_backend']!r}"
+        )
+
+
+def _check_validation(cfg: dict) -> None:
+    """Validation needs held-out data: reading the training data would hide overfitting, so there is no default."""
+    val = cfg["validation"]
+    _positive(cfg, "validation", "freq", "bucket_min")
+    if val["steps"] == 0 or val["steps"] < -1:
+        raise ConfigError(f"[validation] steps must be >= 1 (windows per data-parallel rank) or -1 (the whole "
+                          f"held-out data), got {val['steps']}")  # fmt: skip
+    if val["enable"] and val["source"] is None:
+        raise ConfigError(
+            '[validation] enable = true needs [validation] source, the held-out data (as [data] source; "default": '
+            "the shipped corpus's held-out split)"
         )
 
 

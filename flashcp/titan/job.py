@@ -7,6 +7,7 @@ folder. Building the config loads the tokenizer (to size the vocabulary) but sta
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
@@ -19,11 +20,13 @@ from flashcp.titan import compat
 from flashcp.titan.checkpoint import Checkpointer
 from flashcp.titan.components import PipelineTokenizer, resolve_tokenizer, WindowDataLoader
 from flashcp.titan.hf_export import job_model_record
+from flashcp.titan.heldout import held_out_data
 from flashcp.titan.loss import loss_config
 from flashcp.data.sources import DataConfig
 from flashcp.titan.metrics import FlashCPMetrics
 from flashcp.titan.model import model_spec
 from flashcp.titan.trainer import FlashCPSettings, FlashCPTrainer
+from flashcp.titan.validate import FlashCPValidator
 
 
 SEED_DEGREES = ("data_parallel_replicate", "data_parallel_shard", "context_parallel", "tensor_parallel")
@@ -41,19 +44,19 @@ def trainer_config(cfg: dict[str, Any]) -> FlashCPTrainer.Config:
     cp = par["context_parallel_degree"]
     # FlashCP's parallelize follows TorchTitan's "partial_dtensor" recipe (DTensor for TP only).
     spmd_backend = "partial_dtensor" if flashcp_on else compat.default_spmd_backend()
+    windows: dict[str, Any] = {  # how windows are planned, training and held-out alike
+        # TorchTitan's own CP shards windows itself: plan them trivially for one rank.
+        "cp_size": cp if flashcp_on else 1,
+        "planner": (
+            {"strategy": fcp["strategy"], "target_imbalance": fcp["target_imbalance"]}
+            if flashcp_on else {"strategy": "per_seq"}
+        ),
+    }
     return FlashCPTrainer.Config(
         model_spec=spec,
         dump_folder=cfg["job"]["dump_folder"],
         tokenizer=PipelineTokenizer.Config(path=data.tokenizer),
-        dataloader=WindowDataLoader.Config(
-            data=data,
-            # TorchTitan's own CP shards windows itself: plan them trivially for one rank.
-            cp_size=cp if flashcp_on else 1,
-            planner=(
-                {"strategy": fcp["strategy"], "target_imbalance": fcp["target_imbalance"]}
-                if flashcp_on else {"strategy": "per_seq"}
-            ),
-        ),
+        dataloader=WindowDataLoader.Config(data=data, **windows),
         # Before the output projection a rank holds seq_len / cp tokens (TP replicates them there).
         loss=loss_config(spec.model.vocab_size, train["seq_len"] // cp, cfg["loss"]["chunk_tokens"]),
         optimizer=_optimizer(cfg["optimizer"]),
@@ -79,7 +82,18 @@ def trainer_config(cfg: dict[str, Any]) -> FlashCPTrainer.Config:
         compile=CompileConfig(**cfg["compile"]),
         comm=CommConfig(**cfg["comm"]),
         debug=DebugConfig(seed=train["seed"], deterministic=train["deterministic"]),
+        validator=_validator(cfg, windows),
         flashcp=FlashCPSettings(enable=flashcp_on, **fcp),
+    )
+
+
+def _validator(cfg: dict[str, Any], windows: dict[str, Any]) -> FlashCPValidator.Config:
+    """`[validation]`: TorchTitan's validator fields as they are, the held-out data as a window loader."""
+    names = {f.name for f in dataclasses.fields(FlashCPValidator.Config)}
+    held_out = held_out_data(cfg)
+    return FlashCPValidator.Config(
+        **{k: v for k, v in cfg["validation"].items() if k in names},
+        dataloader=WindowDataLoader.Config(data=held_out, **windows) if held_out else WindowDataLoader.Config(),
     )
 
 

@@ -1,9 +1,10 @@
 """Checks of a job's inputs that open files: run once by the launcher, before any rank starts.
 
 `flashcp.titan.config` checks every key without touching the disk; this opens what the job will
-read -- the tokenizer and the data source, down to its first document -- so that a missing file, an
-undecodable corpus or a vocabulary the model cannot embed fails in seconds with one line, instead
-of after the ranks spawned behind torchrun's start-up messages.
+read -- the tokenizer, the data source (each source of a mixture) and the held-out data of
+`[validation]`, down to the first document -- so that a missing file, an undecodable corpus, a
+length filter that keeps nothing or a vocabulary the model cannot embed fails in seconds with one
+line, instead of after the ranks spawned behind torchrun's start-up messages.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from flashcp.titan.config import ConfigError, dryrun_command, model_dims, model_head_dim
+from flashcp.titan.heldout import held_out_data
 from flashcp.data.mixture import build_data, open_first
 from flashcp.data.sources import DataConfig, DEFAULT_TOKENIZER
 from flashcp.data.tokenizer import load_tokenizer
@@ -30,6 +32,9 @@ def check_inputs(cfg: dict[str, Any]) -> int:
             f"tokenizer's vocabulary ({tokenizer.vocab_size}, [data] tokenizer = {data.tokenizer!r})"
         )
     open_first(build_data(data, tokenizer))  # reads and tokenises the first (kept) document
+    held_out = held_out_data(cfg)
+    if held_out is not None and cfg["validation"]["enable"]:
+        open_first(build_data(held_out, tokenizer))  # [validation] source
     check_hf_import(cfg, tokenizer.vocab_size)
     return vocab or tokenizer.vocab_size
 

@@ -4,6 +4,7 @@
     losses = train(cfg)                      # {step: loss}, on this process's world
     losses = train(cfg, stop_after=2)        # as if the job were killed after step 2
     losses = train(cfg, grad_norms=norms)    # also fills norms: {step: gradient norm}
+    losses = train(cfg, validations=results) # also fills results: [ValidationResult] of [validation]
 
 In the pytest process `single_rank()` provides a world of one gloo rank; in a DistributedPool
 worker the pool's process group is reused (TorchTitan skips its own init when one exists).
@@ -84,10 +85,12 @@ def train(
     stop_after: int | None = None,
     seed_checkpoint: bool = False,
     grad_norms: dict[int, float] | None = None,
+    validations: list[Any] | None = None,
 ) -> dict[int, float]:
     """Train `cfg` on the current world; {step: loss} of the steps this run logged.
 
-    `grad_norms`, when given, receives {step: total gradient norm before clipping}.
+    `grad_norms`, when given, receives {step: total gradient norm before clipping}; `validations`
+    the `flashcp.titan.validate.ValidationResult` of every validation, in order.
     """
     from flashcp.titan.job import trainer_config
     from flashcp.titan.trainer import FlashCPTrainer
@@ -104,6 +107,14 @@ def train(
         log(step, loss, max_loss, grad_norm, *args, **kwargs)
 
     trainer.metrics_processor.log = record
+    if validations is not None and trainer.config.validator.enable:
+        log_validation = trainer.validator.log
+
+        def record_validation(result: Any) -> None:
+            validations.append(result)
+            log_validation(result)
+
+        trainer.validator.log = record_validation
     if stop_after is not None:
         trainer.should_continue_training = lambda: trainer.step < stop_after
     try:
@@ -117,11 +128,12 @@ def train(
 
 
 def train_on_pool_rank(
-    rank: int, group: Any, cfg: dict, grad_norms: dict[int, float] | None = None
+    rank: int, group: Any, cfg: dict, grad_norms: dict[int, float] | None = None,
+    validations: list[Any] | None = None,
 ) -> dict[int, float]:
     """DistributedPool task: one rank of a multi-rank run of `cfg`."""
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(dist.get_world_size())})
-    return train(cfg, grad_norms=grad_norms)
+    return train(cfg, grad_norms=grad_norms, validations=validations)
 
 
 class KVCollectiveCounter(TorchDispatchMode):
