@@ -100,12 +100,14 @@ def stores(tmp_path_factory) -> dict[str, str]:
                  for i in range(120)]  # fmt: skip
         corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
         out[name] = str(prepare(str(corpus), "default", root / f"{name}_tokens", progress=False))
+        out[f"{name}_text"] = str(corpus)
     return out
 
 
-def mix_cfg(stores, seed=0, **data) -> DataConfig:
-    mix = {"long": {"source": stores["long"], "weight": 0.4, "min_tokens": 100},
-           "short": {"source": stores["short"], "weight": 0.6}}  # fmt: skip
+def mix_cfg(stores, seed=0, text=False, **data) -> DataConfig:
+    kind = "_text" if text else ""
+    mix = {"long": {"source": stores["long" + kind], "weight": 0.4, "min_tokens": 100},
+           "short": {"source": stores["short" + kind], "weight": 0.6}}  # fmt: skip
     return DataConfig(mix=mix, seed=seed, prefetch=data.pop("prefetch", 0), **data)
 
 
@@ -120,15 +122,22 @@ def batches(cfg, n, seq_len=128, dp_rank=0, dp_world=1, state=None, balance=None
         return [(b["input"].tolist(), b["doc_lens"]) for b in out], loader.state_dict(), out
 
 
+BALANCES = {"off": None, "mesh-cut": {"cut_target": 1.05},
+            "deferral": {"max_delay": 4, "cut_target": None, "target": 1.05}}  # fmt: skip
+
+
+def test_a_mixture_of_stores_gives_the_windows_of_the_same_mixture_of_text(stores):
+    """The lazily read store documents (lengths from offsets) mix exactly like tokenised text."""
+    balance = BALANCES["deferral"]
+    assert batches(mix_cfg(stores), 12)[0] == batches(mix_cfg(stores, text=True), 12)[0]
+    assert batches(mix_cfg(stores), 8, balance=balance)[0] == batches(mix_cfg(stores, text=True), 8, balance=balance)[0]
+
+
 def test_a_mixture_is_deterministic_by_seed(stores):
     first, _, raw = batches(mix_cfg(stores), 8)
     assert first == batches(mix_cfg(stores), 8)[0]
     assert first != batches(mix_cfg(stores, seed=1), 8)[0]
     assert set(raw[-1]["source_tokens"]) == {"long", "short"}
-
-
-BALANCES = {"off": None, "mesh-cut": {"cut_target": 1.05},
-            "deferral": {"max_delay": 4, "cut_target": None, "target": 1.05}}  # fmt: skip
 
 
 @pytest.mark.parametrize("balance", BALANCES)
@@ -155,10 +164,11 @@ def test_resume_with_a_mixture_is_exact_also_under_another_dp_size(stores, balan
     assert sorted(t for tokens, _ in flat for t in tokens) == tokens(plain)
 
 
-def test_a_prefetching_mixture_saves_the_state_of_the_last_batch_handed_out(stores):
-    plain, _, _ = batches(mix_cfg(stores), 9)
-    _, state, _ = batches(mix_cfg(stores, prefetch=3), 4)
-    assert batches(mix_cfg(stores), 5, state=state)[0] == plain[4:]
+@pytest.mark.parametrize("text", [False, True])
+def test_a_prefetching_mixture_saves_the_state_of_the_last_batch_handed_out(stores, text):
+    plain, _, _ = batches(mix_cfg(stores, text=text), 9)
+    _, state, _ = batches(mix_cfg(stores, text=text, prefetch=3), 4)
+    assert batches(mix_cfg(stores, text=text), 5, state=state)[0] == plain[4:]
 
 
 def test_each_rank_reads_only_its_own_windows_from_the_stores(stores, monkeypatch):
