@@ -2,7 +2,8 @@
 
 The job file -> TorchTitan's config (`config` and its `config_*` pieces, `job`), the launcher's
 front end that checks a job (`launch`, `preflight`), the model specs with FlashCP's attention
-swapped in from outside (`model`, `attention`), the trainer (`trainer`), the data loader as TorchTitan sees it
+swapped in from outside (`model`, `attention`), built from TorchTitan's Llama 3 / Qwen3 flavors,
+custom sizes or HF config.json files (`decoders`, `hf_config`, `rope`), the trainer (`trainer`), the data loader as TorchTitan sees it
 (`components`), validation on held-out data with the loss by position (`validate`, `heldout`), the
 chunked loss (`loss`), metrics (`metrics`), checkpoints through TorchTitan's
 manager (`checkpoint`), the dry run on fake tensors (`dryrun`, `memtrack`, `memory_estimate`) and
