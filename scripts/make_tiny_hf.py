@@ -22,15 +22,16 @@ TOKENIZER_DIR = ROOT / "data" / "default"  # the shipped tokenizer: 4,096 tokens
 
 
 def tiny_config(model_type: str = "llama", vocab_size: int = 4096, **overrides: Any) -> Any:
-    """A small GQA config: 2 layers, 4 heads over 2 KV heads, dim 32 (Qwen3: head_dim 16, tied embeddings)."""
+    """A small GQA config: 2 layers, 4 heads over 2 KV heads, dim 32, context 512 (Qwen3: head_dim 16, tied
+    embeddings)."""
     import transformers
 
     common = dict(
         vocab_size=vocab_size, hidden_size=32, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=1,
+        num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=1,
     )  # fmt: skip
-    if model_type == "llama":
-        return transformers.LlamaConfig(**(common | {"rope_theta": 500000.0} | overrides))
+    if model_type == "llama":  # a short context and a small RoPE base: the starting point of an extension
+        return transformers.LlamaConfig(**(common | {"rope_theta": 10000.0} | overrides))
     if model_type == "qwen3":
         qwen = {"head_dim": 16, "tie_word_embeddings": True, "rope_theta": 1000000.0}
         return transformers.Qwen3Config(**(common | qwen | overrides))

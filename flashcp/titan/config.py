@@ -329,6 +329,8 @@ def validate(raw: dict[str, Any]) -> dict[str, dict[str, Any]]:
     # Relative to the directory the job is started from, resolved once so that nothing depends
     # on a later working directory and everything printed is absolute.
     cfg["job"]["dump_folder"] = os.path.abspath(cfg["job"]["dump_folder"])
+    if cfg["checkpoint"]["initial_load_path"]:  # the same for the folder loaded first (TorchTitan wants it absolute)
+        cfg["checkpoint"]["initial_load_path"] = os.path.abspath(cfg["checkpoint"]["initial_load_path"])
     _check_semantics(cfg)
     return cfg
 

@@ -69,9 +69,22 @@ def test_round_trip_at_negligible_lr_gives_the_original_logits(negligible_step, 
     original, exported = logits(tiny_llama, IDS), logits(out, IDS)
     assert (exported - original).abs().max() <= 1e-5
     config = json.loads((out / "config.json").read_text())
-    assert config["torch_dtype"] == "float32" and config["max_position_embeddings"] == 2048
+    assert config["torch_dtype"] == "float32" and config["max_position_embeddings"] == 512
     assert config["eos_token_id"] == 1  # the base model's entries carry over
     assert not list(tmp_path.glob(".export.partial-*"))
+
+
+def test_qwen3_round_trip_with_tied_embeddings(tmp_path):
+    hf = make_tiny_hf(tmp_path / "qwen3", model_type="qwen3")
+    with single_rank():
+        train(hf_job(tmp_path / "run", hf, training={"steps": 1}, optimizer={"lr": 1e-12}))
+    out = tmp_path / "export"
+    export(tmp_path / "run" / "checkpoint" / "step-1", out)
+    with safe_open(out / "model.safetensors", "pt") as f:
+        assert "lm_head.weight" not in f.keys()  # tied: the embedding is the output projection
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "qwen3" and config["tie_word_embeddings"] and config["head_dim"] == 16
+    assert (logits(out, IDS) - logits(hf, IDS)).abs().max() <= 1e-5
 
 
 def test_real_steps_change_the_weights_and_last_save_in_hf_exports_them(tiny_llama, tmp_path):
