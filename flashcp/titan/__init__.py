@@ -6,7 +6,8 @@ swapped in from outside (`model`, `attention`), built from TorchTitan's Llama 3 
 custom sizes or HF config.json files (`decoders`, `hf_config`, `rope`), the trainer (`trainer`), the data loader as TorchTitan sees it
 (`components`), validation on held-out data with the loss by position (`validate`, `heldout`), the
 chunked loss (`loss`), metrics (`metrics`), checkpoints through TorchTitan's
-manager (`checkpoint`), the dry run on fake tensors (`dryrun`, `memtrack`, `memory_estimate`) and
+manager (`checkpoint`), Hugging Face folders checked before import (`hf_folder`) and checkpoints
+exported as HF folders (`hf_export`, the CLI `export`), the dry run on fake tensors (`dryrun`, `memtrack`, `memory_estimate`) and
 the version shims (`compat`, each commented with the versions that need it).
 
 May import: torchtitan, torch, and every other room of FlashCP (the engine, `flashcp.data`,
