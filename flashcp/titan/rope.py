@@ -67,9 +67,7 @@ class Rope:
         """HF's multiplier of cos / sin (1 unless yarn)."""
         if self.scaling != "yarn":
             return 1.0
-        if self.attention_factor is not None:
-            return self.attention_factor
-        return 1.0 if self.factor <= 1 else 0.1 * math.log(self.factor) + 1.0
+        return self.attention_factor if self.attention_factor is not None else _mscale(self.factor)
 
     @property
     def softmax_scale_factor(self) -> float:
@@ -102,6 +100,11 @@ class Rope:
                 )
             if self.attention_factor is not None and not self.attention_factor > 0:
                 raise RopeError(f"rope_attention_factor must be > 0, got {self.attention_factor}")
+
+
+def _mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention factor for a context `factor` times longer (HF's get_mscale)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 # Each family's RoPE in TorchTitan's dense flavors (tests/titan/test_hf_config.py checks them), also
@@ -138,9 +141,8 @@ def rope_from_hf(hf: dict[str, Any], default_theta: float) -> Rope:
             if params.get(name):  # HF treats 0 / null as unset
                 values[name] = float(params[name])
         if params.get("mscale") and params.get("mscale_all_dim") and params.get("attention_factor") is None:
-            f = values.get("factor", 1.0)
-            m = (lambda s: 1.0 if f <= 1 else 0.1 * s * math.log(f) + 1.0)  # HF's get_mscale
-            values["attention_factor"] = m(params["mscale"]) / m(params["mscale_all_dim"])
+            factor = values.get("factor", 1.0)
+            values["attention_factor"] = _mscale(factor, params["mscale"]) / _mscale(factor, params["mscale_all_dim"])
         if "truncate" in params:
             values["truncate"] = bool(params["truncate"])
     rope = Rope(**values)

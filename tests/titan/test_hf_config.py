@@ -12,7 +12,7 @@ import pytest
 import flashcp.titan  # noqa: F401  (TorchTitan shims first)
 from flashcp.titan.config import check_layout, ConfigError, model_dims, model_head_dim, validate
 from flashcp.titan.config_model import FLAVORS, QWEN3_FLAVORS, QWEN3_HEAD_DIM
-from flashcp.titan.decoders import architecture_of, job_architecture, REGISTRIES, titan_config
+from flashcp.titan.decoders import architecture_of, job_architecture, REGISTRIES, titan_config, titan_rope
 from flashcp.titan.hf_config import architecture_from_hf, read_hf_config, to_hf_config
 from flashcp.titan.model import model_spec
 from flashcp.titan.rope import FAMILY_ROPE, Rope
@@ -172,3 +172,30 @@ def test_exported_config_json_reads_back_through_transformers(tmp_path, hf, rope
         arch = dataclasses.replace(arch, rope=dataclasses.replace(rope, attention_factor=rope.yarn_attention_factor))
     assert read_hf_config(tmp_path / "export") == arch
     assert architecture_from_hf(loaded.to_dict()) == arch
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+         "original_max_position_embeddings": 64},
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+        {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 64, "beta_fast": 16.0,
+         "beta_slow": 2.0, "mscale": 1.0, "mscale_all_dim": 0.5},
+        {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64, "truncate": False},
+    ],
+)  # fmt: skip
+def test_rope_frequencies_and_attention_factor_match_transformers(scaling):
+    """TorchTitan's RoPE built from a config.json rotates by transformers' inverse frequencies, and
+    FlashCP's attention factor is transformers' cos / sin multiplier."""
+    transformers = pytest.importorskip("transformers", reason="needs the test extra (transformers)")
+    import torch
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = transformers.LlamaConfig(hidden_size=512, num_attention_heads=4, max_position_embeddings=4096,
+                                      rope_parameters={"rope_theta": 10000.0, **scaling})  # fmt: skip
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](config, "cpu")
+    arch = architecture_from_hf(config.to_dict())
+    cache = titan_rope(arch, max_seq_len=2).build().cache  # complex: position 1 holds exp(i inv_freq)
+    assert torch.allclose(cache[1].angle(), inv_freq, rtol=1e-6, atol=0)
+    assert arch.rope.yarn_attention_factor == pytest.approx(attention_factor, rel=1e-12)
