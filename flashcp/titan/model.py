@@ -6,7 +6,8 @@ config.json, with the job's RoPE keys), built by TorchTitan's own per-layer buil
 (`use_flashcp_attention`) and the model is parallelised by `parallelize_flashcp`: TorchTitan's
 recipe for both families ("partial_dtensor" backend) without its own CP forward hook, because
 FlashCP's attention op does the CP exchange itself. FSDP shards over dp_shard x cp (TorchTitan's
-"fsdp" mesh), TP splits heads; tied embeddings stay one parameter (FSDP's root group holds them).
+"fsdp" mesh), TP splits heads; tied embeddings stay one parameter (TorchTitan's FSDP recipe puts the
+embedding, final norm and output projection in one group).
 """
 
 from __future__ import annotations
@@ -34,17 +35,13 @@ def model_spec(model_cfg: dict[str, Any], flashcp_cfg: dict[str, Any], tokenizer
             f"[model] vocab_size ({arch.vocab_size}) is smaller than the tokenizer's vocabulary ({tokenizer_vocab})"
         )
     attention = model_cfg["attention"]
-    scale_factor = arch.rope.softmax_scale_factor
-    if attention != "flashcp" and scale_factor != 1.0:
-        raise ConfigError(
-            f"[model] yarn RoPE's attention factor ({arch.rope.yarn_attention_factor:.4g}) is applied by "
-            f"FlashCP's attention; model.attention = {attention!r} would drop it: use 'flashcp'"
-        )
     # The RoPE cache covers every position inside a document: < seq_len.
     model = titan_config(arch, "flex" if attention == "flashcp" else attention, max_seq_len=seq_len)
     if attention == "flashcp":
+        # YaRN's attention factor, which TorchTitan's attention has no place for (flashcp.titan.config
+        # refuses YaRN with model.attention other than flashcp).
         use_flashcp_attention(model, backend=flashcp_cfg["backend"], overlap=flashcp_cfg["overlap"],
-                              scale_factor=scale_factor)  # fmt: skip
+                              scale_factor=arch.rope.softmax_scale_factor)  # fmt: skip
         parallelize = parallelize_flashcp
     else:
         parallelize = _parallelize_titan_cp
@@ -66,8 +63,8 @@ def parallelize_flashcp(model: torch.nn.Module, *, parallel_dims, training, para
     """TP, activation checkpointing, per-block compile and FSDP over dp_shard x cp.
 
     The same order as TorchTitan's `parallelize_llama` and `parallelize_qwen3` ("partial_dtensor"
-    backend, dense), minus their context-parallel forward hook: FlashCP's attention exchanges KV itself, and every other
-    layer is token-wise, so CP needs nothing else from the model.
+    backend, dense), minus their context-parallel forward hook: FlashCP's attention exchanges KV
+    itself, and every other layer is token-wise, so CP needs nothing else from the model.
     """
     if parallel_dims.tp_enabled:
         model.parallelize(parallel_dims)
