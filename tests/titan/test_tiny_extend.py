@@ -1,7 +1,8 @@
 """The tiny CPU example of extending a model's context (train_configs/tiny_extend_cpu.toml), end to end
 through run_train.sh: a Hugging Face Llama created locally is imported, trained at 4x its context
-with the RoPE base raised under FlashCP CP=2, exported at the end (last_save_in_hf), and the export
-loads in transformers with its tokenizer and the RoPE settings trained."""
+with the RoPE base raised under FlashCP CP=2, validated by position, exported at the end
+(last_save_in_hf), and the export loads in transformers with its tokenizer and the RoPE settings
+trained."""
 
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ def test_tiny_extend_example_end_to_end(tmp_path):
     # Imported, not random: the first loss is the HF model's (random weights: about ln 4096 = 8.3).
     losses = [float(x) for x in re.findall(r"step: +\d+/\d+ +loss: +([\d.]+)", result.stdout)]
     assert len(losses) == 4 and abs(losses[0] - 8.32) < 0.1 and losses[-1] < losses[0]
+    validation = re.search(r"validation step 1: loss ([\d.]+) .*by position (.*)", result.stdout)
+    assert validation and "1K-2K" in validation.group(2)  # held-out loss by position, past the old context
 
     out = dump / "checkpoint" / "step-4-hf"
     config = json.loads((out / "config.json").read_text())
