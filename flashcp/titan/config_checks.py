@@ -1,0 +1,252 @@
+"""A job's keys against `SCHEMA`, then every check that needs several keys but no world size.
+
+`validate` names unknown sections and keys with the allowed ones, checks types and choices, fills
+defaults, refuses settings FlashCP cannot combine with (pipeline or expert parallelism, TorchTitan's
+own CP knobs under FlashCP attention, ...), values that would train wrongly or exhaust the machine,
+and finally runs TorchTitan's own checks by building its config objects, all before any process
+starts. Checks that need the number of ranks are `flashcp.titan.config_layout`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from flashcp.titan.config_keys import check_value, ConfigError
+from flashcp.data.errors import DataError
+from flashcp.data.sources import DataConfig
+from flashcp.titan.config_model import check_model
+from flashcp.titan.config_schema import RENAMED_SECTIONS, SCHEMA
+from flashcp.titan.config_titan import ac_keys, section_config, TITAN_KEYS
+
+MAX_SEQ_LEN = 2**31 - 1  # cu_seqlens (flashcp.dispatch, the varlen kernels) are int32
+WINDOW_BYTES_PER_TOKEN = 16  # a window's int64 tokens and labels, a lower bound on the loader's memory
+MAX_PREFETCH = 64  # windows the loader's thread builds ahead; more only costs memory
+# [parallelism] keys that only configure pipeline parallelism.
+PIPELINE_KEYS = ("module_fqns_per_model_part",) + tuple(
+    name for name in SCHEMA["parallelism"] if name.startswith("pipeline_parallel_")
+)
+
+
+def validate(raw: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Types, choices and known names; returns every section with defaults filled in."""
+    for section, values in raw.items():
+        if section in RENAMED_SECTIONS:
+            raise ConfigError(f"unknown section [{section}]: TorchTitan's [{section}] is [{RENAMED_SECTIONS[section]}] "
+                              "in a FlashCP job")  # fmt: skip
+        if section not in SCHEMA:
+            raise ConfigError(f"unknown section [{section}]; allowed sections: {', '.join(SCHEMA)}")
+        if not isinstance(values, dict):
+            raise ConfigError(f"[{section}] must be a table of settings, got {values!r}")
+        for name in values:
+            if name not in SCHEMA[section]:
+                raise ConfigError(
+                    f"unknown key [{section}] {name}; allowed keys: {', '.join(SCHEMA[section])}"
+                )
+    cfg: dict[str, dict[str, Any]] = {}
+    for section, keys in SCHEMA.items():
+        given = raw.get(section, {})
+        cfg[section] = {
+            name: check_value(section, name, key, given[name]) if name in given else key.default
+            for name, key in keys.items()
+        }
+    cfg["_given"] = {section: sorted(values) for section, values in raw.items()}
+    # Relative to the directory the job is started from, resolved once so that nothing depends
+    # on a later working directory and everything printed is absolute.
+    cfg["job"]["dump_folder"] = os.path.abspath(cfg["job"]["dump_folder"])
+    if cfg["checkpoint"]["initial_load_path"]:  # the same for the folder loaded first (TorchTitan wants it absolute)
+        cfg["checkpoint"]["initial_load_path"] = os.path.abspath(cfg["checkpoint"]["initial_load_path"])
+    _check_semantics(cfg)
+    _check_torchtitan(cfg)
+    return cfg
+
+
+def _given(cfg: dict, section: str) -> list[str]:
+    return cfg["_given"].get(section, [])
+
+
+def _positive(cfg: dict, section: str, *names: str, minimum: int = 1) -> None:
+    for name in names:
+        value = cfg[section][name]
+        if value is not None and value < minimum:
+            raise ConfigError(f"[{section}] {name} must be >= {minimum}, got {value}")
+
+
+def _check_semantics(cfg: dict) -> None:
+    """Checks that need several keys but no world size."""
+    try:  # the data pipeline's own checks of [data] (choices, bounds, a mixture's entries)
+        DataConfig(**cfg["data"])
+    except DataError as e:
+        raise ConfigError(str(e)) from e
+    par, fcp = cfg["parallelism"], cfg["flashcp"]
+    _positive(cfg, "training", "seq_len", "steps", "local_batch_size", "gc_freq")
+    names = ("data_parallel_replicate_degree", "context_parallel_degree", "tensor_parallel_degree")
+    _positive(cfg, "parallelism", *names)
+    _positive(cfg, "checkpoint", "interval")
+    _positive(cfg, "metrics", "log_freq")
+    _positive(cfg, "profiler", "profile_freq")
+    _positive(cfg, "loss", "chunk_tokens", minimum=0)
+    _positive(cfg, "lr_scheduler", "warmup_steps", minimum=0)
+    _positive(cfg, "lr_scheduler", "total_steps")
+    shard = par["data_parallel_shard_degree"]
+    if shard == 0 or shard < -1:
+        raise ConfigError(f"[parallelism] data_parallel_shard_degree must be -1 or >= 1, got {shard}")
+    if cfg["checkpoint"]["keep_latest_k"] < 0 or cfg["checkpoint"]["keep_latest_k"] == 1:
+        raise ConfigError(
+            "[checkpoint] keep_latest_k must be 0 (keep all) or >= 2 (the newest may be mid-write), "
+            f"got {cfg['checkpoint']['keep_latest_k']}"
+        )
+    for name in ("create_seed_checkpoint", "initial_load_path", "last_save_in_hf"):
+        if cfg["checkpoint"][name] and not cfg["checkpoint"]["enable"]:
+            raise ConfigError(f"[checkpoint] {name} needs [checkpoint] enable = true")
+    if cfg["checkpoint"]["initial_load_in_hf"] and not cfg["checkpoint"]["initial_load_path"]:
+        raise ConfigError("[checkpoint] initial_load_in_hf needs initial_load_path (the Hugging Face model folder)")
+    _check_optimizer(cfg)
+    _check_bounds(cfg)
+    _check_validation(cfg)
+    if not fcp["target_imbalance"] >= 1.0:
+        raise ConfigError(f"[flashcp] target_imbalance must be >= 1.0, got {fcp['target_imbalance']}")
+    check_model(cfg)
+    _check_attention(cfg)
+    _check_unsupported(cfg)
+
+
+def _check_attention(cfg: dict) -> None:
+    """FlashCP's attention and TorchTitan's own CP exclude each other's settings."""
+    model, train, par = cfg["model"], cfg["training"], cfg["parallelism"]
+    if model["attention"] == "flashcp":
+        if train["local_batch_size"] != 1:
+            raise ConfigError(
+                "[training] local_batch_size must be 1 with FlashCP (one window per rank and micro step; "
+                f"use global_batch_size for more windows per step), got {train['local_batch_size']}"
+            )
+        for name in ("context_parallel_load_balancer", "context_parallel_ptrr_mask_key"):
+            if name in _given(cfg, "parallelism"):
+                raise ConfigError(
+                    f"[parallelism] {name} is TorchTitan's CP; with model.attention = 'flashcp' the "
+                    "sharding is [flashcp] strategy"
+                )
+    elif "flashcp" in cfg["_given"]:
+        raise ConfigError(
+            f"[flashcp] settings need model.attention = 'flashcp'; TorchTitan's {model['attention']!r} "
+            "attention cannot run FlashCP's sharding"
+        )
+    elif model["attention"] == "varlen" and par["context_parallel_degree"] > 1:
+        raise ConfigError(
+            "model.attention = 'varlen' has no CP in TorchTitan 0.3.0; use 'flashcp' or 'flex' with "
+            "context_parallel_degree > 1"
+        )
+    if par["spmd_backend"] not in (None, "partial_dtensor") and model["attention"] == "flashcp":
+        raise ConfigError(
+            "[parallelism] spmd_backend must be 'partial_dtensor' with FlashCP attention, "
+            f"got {par['spmd_backend']!r}"
+        )
+
+
+def _check_unsupported(cfg: dict) -> None:
+    """TorchTitan settings FlashCP cannot combine with, refused with the reason."""
+    par, debug, ac = cfg["parallelism"], cfg["debug"], cfg["activation_checkpoint"]
+    if par["pipeline_parallel_degree"] != 1:
+        raise ConfigError(
+            f"[parallelism] pipeline_parallel_degree = {par['pipeline_parallel_degree']}: FlashCP does not run "
+            "pipeline parallelism (its loader and CP plan feed whole windows to one model); use "
+            "data_parallel_shard_degree, tensor_parallel_degree and context_parallel_degree"
+        )
+    pipeline = [name for name in _given(cfg, "parallelism") if name in PIPELINE_KEYS]
+    if pipeline:
+        raise ConfigError(f"[parallelism] {pipeline[0]} only applies to pipeline parallelism, which FlashCP "
+                          "does not run")  # fmt: skip
+    if par["expert_parallel_degree"] != 1 or debug["moe_force_load_balance"]:
+        name = "[parallelism] expert_parallel_degree" if par["expert_parallel_degree"] != 1 else \
+            "[debug] moe_force_load_balance"  # fmt: skip
+        raise ConfigError(f"{name} applies to mixture-of-experts models, which FlashCP does not train")
+    if debug["batch_invariant"]:
+        raise ConfigError("[debug] batch_invariant: TorchTitan 0.3.0's trainer has no batch-invariant mode "
+                          "for pre-training")  # fmt: skip
+    mode = cfg["comm"]["mode"]
+    if mode in ("local_tensor", "torchcomms"):
+        raise ConfigError(
+            f"[comm] mode = {mode!r} is not supported: FlashCP's KV exchange runs torch.distributed "
+            "collectives between one process per rank ('default', or 'fake_backend' for a dry run)"
+        )
+    stray = sorted(set(_given(cfg, "activation_checkpoint")) - ac_keys(ac["mode"]))
+    if stray:
+        raise ConfigError(f"[activation_checkpoint] {stray[0]} does not apply to mode = {ac['mode']!r}")
+    if ac["mode"] == "memory-budget" and not (cfg["compile"]["enable"] and "model" in cfg["compile"]["components"]):
+        raise ConfigError("[activation_checkpoint] mode = 'memory-budget' needs the model compiled: "
+                          "[compile] enable = true with 'model' in components")  # fmt: skip
+
+
+def _check_torchtitan(cfg: dict) -> None:
+    """TorchTitan's own checks (its config classes' __post_init__), named by section, before launch.
+    Enabling FSDP symmetric memory checks the GPU, which `config_layout.check_layout` does instead."""
+    symm_mem = cfg["parallelism"]["enable_fsdp_symm_mem"]
+    cfg["parallelism"]["enable_fsdp_symm_mem"] = False
+    try:
+        for section in TITAN_KEYS:
+            try:
+                section_config(cfg, section)
+            except ValueError as e:
+                raise ConfigError(f"[{section}] {e}") from e
+    finally:
+        cfg["parallelism"]["enable_fsdp_symm_mem"] = symm_mem
+
+
+def _check_validation(cfg: dict) -> None:
+    """Validation needs held-out data: reading the training data would hide overfitting, so there is no default."""
+    val = cfg["validation"]
+    _positive(cfg, "validation", "freq", "bucket_min")
+    if val["steps"] == 0 or val["steps"] < -1:
+        raise ConfigError(f"[validation] steps must be >= 1 (windows per data-parallel rank) or -1 (the whole "
+                          f"held-out data), got {val['steps']}")  # fmt: skip
+    if val["enable"] and val["source"] is None:
+        raise ConfigError(
+            '[validation] enable = true needs [validation] source, the held-out data (as [data] source; "default": '
+            "the shipped corpus's held-out split)"
+        )
+
+
+def _check_bounds(cfg: dict) -> None:
+    """Values that pass every type check yet would hang or exhaust the machine instead of failing:
+    a zero timeout, a window larger than the host's memory, an unbounded prefetch queue."""
+    _positive(cfg, "comm", "init_timeout_seconds", "train_timeout_seconds")
+    prefetch = cfg["data"]["prefetch"]
+    if not 0 <= prefetch <= MAX_PREFETCH:
+        raise ConfigError(f"[data] prefetch must be in [0, {MAX_PREFETCH}] (windows the loader builds ahead; "
+                          f"more only holds memory), got {prefetch}")  # fmt: skip
+    seq_len = cfg["training"]["seq_len"]
+    if seq_len > MAX_SEQ_LEN:
+        raise ConfigError(f"[training] seq_len ({seq_len}) must be < 2**31: the attention kernels index a "
+                          "window with int32")  # fmt: skip
+    need = seq_len * WINDOW_BYTES_PER_TOKEN
+    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > have:
+        raise ConfigError(
+            f"[training] seq_len ({seq_len}) is too long for this host: one window's int64 tokens and labels "
+            f"alone need {need / 2**30:.1f} GiB and it has {have / 2**30:.1f} GiB of memory"
+        )
+
+
+def _check_optimizer(cfg: dict) -> None:
+    """Values that would train silently wrong (a negative lr is gradient ascent) or not at all."""
+    opt, sched, train = cfg["optimizer"], cfg["lr_scheduler"], cfg["training"]
+    rules = [
+        ("optimizer", "lr", opt["lr"] > 0, "> 0"),
+        ("optimizer", "eps", opt["eps"] > 0, "> 0"),
+        ("optimizer", "beta1", 0 <= opt["beta1"] < 1, "in [0, 1)"),
+        ("optimizer", "beta2", 0 <= opt["beta2"] < 1, "in [0, 1)"),
+        ("optimizer", "weight_decay", opt["weight_decay"] >= 0, ">= 0"),
+        ("training", "max_norm", train["max_norm"] > 0, "> 0"),
+        ("lr_scheduler", "min_lr_factor", 0 <= sched["min_lr_factor"] <= 1, "in [0, 1]"),
+        ("lr_scheduler", "decay_ratio", sched["decay_ratio"] is None or 0 <= sched["decay_ratio"] <= 1, "in [0, 1]"),
+    ]
+    for section, name, ok, allowed in rules:
+        if not ok:
+            raise ConfigError(f"[{section}] {name} must be {allowed}, got {cfg[section][name]}")
+    total, total_name = (sched["total_steps"], "[lr_scheduler] total_steps") if sched["total_steps"] else \
+        (train["steps"], "[training] steps")  # fmt: skip
+    if sched["warmup_steps"] > total:
+        default = "" if "warmup_steps" in _given(cfg, "lr_scheduler") else ", the default"
+        raise ConfigError(
+            f"[lr_scheduler] warmup_steps ({sched['warmup_steps']}{default}) must be <= {total_name} ({total})"
+        )

@@ -1,0 +1,173 @@
+"""`[model]`: which architecture a job trains, its keys and the checks that need no process.
+
+The architecture is named once: a flavor TorchTitan registers for the family (tables below, kept
+equal to TorchTitan's by tests), `custom` sizes, or a Hugging Face `config.json` (`hf_config`,
+read now); RoPE keys (`flashcp.titan.rope`) override the model's own. `model_dims` and
+`model_head_dim` give the layout checks and the pre-launch estimates the sizes without building it.
+"""
+
+from __future__ import annotations
+
+from flashcp.titan.config_keys import ConfigError, Key
+from flashcp.titan.hf_config import Architecture, HFConfigError, read_hf_config
+from flashcp.titan.rope import FAMILY_ROPE, rope_for_job, RopeError, SCALINGS
+
+# Llama 3 flavors of TorchTitan 0.3.0 (torchtitan.models.llama3.llama3_configs):
+# flavor -> (dim, n_layers, n_heads, n_kv_heads, vocab_size). Used to check layouts before any
+# process starts; tests/titan/test_config.py keeps it equal to TorchTitan's table.
+LLAMA3_FLAVORS: dict[str, tuple[int, int, int, int, int]] = {
+    "debugmodel": (256, 6, 16, 16, 2048),
+    "1B": (2048, 16, 32, 8, 128256),
+    "3B": (3072, 28, 24, 8, 128256),
+    "8B": (4096, 32, 32, 8, 128256),
+    "70B": (8192, 80, 64, 8, 128256),
+    "405B": (16384, 126, 128, 8, 128256),
+}
+# Qwen3 dense flavors of TorchTitan 0.3.0 (torchtitan.models.qwen3.qwen3_configs), the same
+# fields; every one has head_dim 128 (QWEN3_HEAD_DIM), which is not dim / n_heads in all of them.
+QWEN3_FLAVORS: dict[str, tuple[int, int, int, int, int]] = {
+    "debugmodel": (256, 8, 16, 8, 2048),
+    "0.6B": (1024, 28, 16, 8, 151936),
+    "1.7B": (2048, 28, 16, 8, 151936),
+    "4B": (2560, 36, 32, 8, 151936),
+    "8B": (4096, 36, 32, 8, 151936),
+    "14B": (5120, 40, 40, 8, 151936),
+    "32B": (5120, 64, 64, 8, 151936),
+}
+QWEN3_HEAD_DIM = 128
+QWEN3_MOE_FLAVORS = ("debugmodel_moe", "30B-A3B", "235B-A22B")
+FLAVORS = {"llama3": LLAMA3_FLAVORS, "qwen3": QWEN3_FLAVORS}
+CUSTOM_MODEL_KEYS = (
+    "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "ffn_dim_multiplier", "multiple_of"
+)  # fmt: skip
+# A debug model has no vocabulary of its own: it takes the tokenizer's, so that the defaults
+# (debugmodel, 2048 in TorchTitan, and the shipped 4,096-token tokenizer) train together.
+TOKENIZER_SIZED_FLAVORS = ("debugmodel",)
+
+MODEL_KEYS: dict[str, Key] = {
+    "name": Key(str, "llama3", tuple(FLAVORS), "the model family (TorchTitan's registry)"),
+    "flavor": Key(str, "debugmodel", doc="a dense flavor TorchTitan registers for the family, or custom"),
+    "hf_config": Key(str, doc="a Hugging Face model folder (or its config.json) giving the architecture "
+                     "instead of flavor; default with [checkpoint] initial_load_in_hf: initial_load_path"),
+    "attention": Key(
+        str, "flashcp", ("flashcp", "flex", "varlen"),
+        "flashcp: FlashCP's op (CP through [flashcp]); flex / varlen: TorchTitan's own "
+        "attention, with TorchTitan's built-in CP for flex",
+    ),
+    # flavor = "custom" only; vocab_size defaults to the tokenizer's.
+    "dim": Key(int),
+    "n_layers": Key(int),
+    "n_heads": Key(int),
+    "n_kv_heads": Key(int),
+    "head_dim": Key(int, doc="qwen3 only; default dim / n_heads"),
+    "vocab_size": Key(int),
+    "ffn_dim_multiplier": Key(float),
+    "multiple_of": Key(int),
+    # RoPE (flashcp.titan.rope); unset: the model's own (flavor, config.json; custom: the family's).
+    "rope_theta": Key(float, doc="RoPE base"),
+    "rope_scaling": Key(str, None, SCALINGS, "RoPE scaling type; unset keeps the model's"),
+    "rope_factor": Key(float, doc="llama3 / yarn: context extension factor"),
+    "rope_original_max_position_embeddings": Key(int, doc="llama3 / yarn: the context before scaling"),
+    "rope_low_freq_factor": Key(float, doc="llama3 (HF default 1)"),
+    "rope_high_freq_factor": Key(float, doc="llama3 (HF default 4)"),
+    "rope_beta_fast": Key(float, doc="yarn (HF default 32)"),
+    "rope_beta_slow": Key(float, doc="yarn (HF default 1)"),
+    "rope_attention_factor": Key(float, doc="yarn: logits scale factor (squared); default 0.1 ln(factor) + 1"),
+}
+
+
+def check_model(cfg: dict) -> None:
+    """The architecture named once (flavor of the family, or an HF config.json read now) and its RoPE.
+
+    With [checkpoint] initial_load_in_hf and no flavor given, the architecture is the loaded folder's:
+    `hf_config` is set to initial_load_path and `flavor` to "hf"."""
+    model = cfg["model"]
+    _check_architecture(cfg)
+    custom = [k for k in CUSTOM_MODEL_KEYS if model[k] is not None]
+    if model["flavor"] == "custom":
+        missing = [k for k in ("dim", "n_layers", "n_heads") if model[k] is None]
+        if missing:
+            raise ConfigError(f"[model] flavor = 'custom' needs {', '.join(missing)}")
+        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of"):
+            if model[name] is not None and model[name] < 1:
+                raise ConfigError(f"[model] {name} must be >= 1, got {model[name]}")
+        n_kv = model["n_kv_heads"] or model["n_heads"]
+        if (model["head_dim"] is None and model["dim"] % model["n_heads"]) or model["n_heads"] % n_kv:
+            raise ConfigError(
+                f"[model] dim ({model['dim']}) must be divisible by n_heads ({model['n_heads']}) and "
+                f"n_heads by n_kv_heads ({n_kv})"
+            )
+    elif custom:
+        raise ConfigError(
+            f"[model] {', '.join(custom)} only apply to flavor = 'custom'; "
+            f"flavor {model['flavor']!r} fixes them"
+        )
+
+
+def _check_architecture(cfg: dict) -> None:
+    model, given = cfg["model"], cfg["_given"].get("model", [])
+    ckpt = cfg["checkpoint"]
+    if model["hf_config"] is None and ckpt.get("initial_load_in_hf") and "flavor" not in given:
+        model["hf_config"] = ckpt["initial_load_path"]
+    if model["hf_config"] is not None:
+        if "flavor" in given:
+            raise ConfigError("[model] flavor and hf_config both name the architecture; give one of them")
+        arch = _hf_architecture(model["hf_config"])
+        if "name" in given and model["name"] != arch.name:
+            raise ConfigError(f"[model] name = {model['name']!r} but {model['hf_config']} holds a {arch.name} model")
+        model["name"], model["flavor"], base = arch.name, "hf", arch.rope
+    else:
+        flavors = FLAVORS[model["name"]]
+        if model["name"] == "qwen3" and model["flavor"] in QWEN3_MOE_FLAVORS:
+            raise ConfigError(f"[model] flavor {model['flavor']!r} is a mixture-of-experts Qwen3: FlashCP trains dense "
+                              f"models only ({', '.join(flavors)})")  # fmt: skip
+        if model["flavor"] not in (*flavors, "custom"):
+            raise ConfigError(f"[model] flavor must be one of {', '.join((*flavors, 'custom'))} for "
+                              f"name = {model['name']!r}; got {model['flavor']!r}")  # fmt: skip
+        base = FAMILY_ROPE[model["name"]]
+    try:
+        rope = rope_for_job(base, model)
+        if model["name"] == "qwen3" and rope.scaling == "llama3":
+            raise RopeError("llama3 RoPE scaling is Llama's; TorchTitan's Qwen3 RoPE takes none or yarn")
+    except RopeError as e:
+        raise ConfigError(f"[model] {e}") from e
+    if rope.softmax_scale_factor != 1.0 and model["attention"] != "flashcp":
+        raise ConfigError(
+            f"[model] yarn RoPE's attention factor ({rope.yarn_attention_factor:.4g}) is applied by FlashCP's "
+            f"attention; model.attention = {model['attention']!r} would drop it: use 'flashcp'"
+        )
+    if model["head_dim"] is not None and model["name"] != "qwen3":
+        raise ConfigError("[model] head_dim applies to name = 'qwen3' only; Llama 3's is dim / n_heads")
+
+
+def _hf_architecture(path: str) -> Architecture:
+    try:
+        return read_hf_config(path)
+    except HFConfigError as e:
+        raise ConfigError(f"[model] hf_config: {e}") from e
+
+
+def model_dims(cfg: dict) -> tuple[int, int, int, int, int | None]:
+    """(dim, n_layers, n_heads, n_kv_heads, vocab_size or None = the tokenizer's) of the job's model."""
+    model = cfg["model"]
+    if model["hf_config"] is not None:
+        arch = _hf_architecture(model["hf_config"])
+        return arch.dim, arch.n_layers, arch.n_heads, arch.n_kv_heads, arch.vocab_size
+    flavors = FLAVORS[model["name"]]
+    if model["flavor"] in TOKENIZER_SIZED_FLAVORS:
+        return (*flavors[model["flavor"]][:4], None)
+    if model["flavor"] != "custom":
+        return flavors[model["flavor"]]
+    n_kv = model["n_kv_heads"] or model["n_heads"]
+    return model["dim"], model["n_layers"], model["n_heads"], n_kv, model["vocab_size"]
+
+
+def model_head_dim(cfg: dict) -> int:
+    """The job's attention head size (Qwen3's is not always dim / n_heads)."""
+    model = cfg["model"]
+    if model["hf_config"] is not None:
+        return _hf_architecture(model["hf_config"]).head_dim
+    if model["name"] == "qwen3" and model["flavor"] != "custom":
+        return QWEN3_HEAD_DIM
+    dim, _, n_heads, _, _ = model_dims(cfg)
+    return model["head_dim"] or dim // n_heads

@@ -1,0 +1,75 @@
+"""Every key a job file may set: `SCHEMA`, section -> key -> `Key`.
+
+TorchTitan's sections come from its config classes (`flashcp.titan.config_titan`); FlashCP's own
+are declared here: `[job]`, `[model]` (the Llama 3 spec), `[data]` (the data pipeline's
+`DataConfig`, field for field), `[loss]`, `[flashcp]` and `[validation]` (TorchTitan's validator
+settings with FlashCP's held-out data). `python -m flashcp.titan.config --keys`
+lists them all with their defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+from flashcp.attention.kernels import BACKENDS as KERNELS
+from flashcp.data.sources import DataConfig
+from flashcp.dispatch import COMM_MODES
+from flashcp.plan import STRATEGIES
+from flashcp.titan.config_keys import field_default, Key, key_from_hint
+from flashcp.titan.config_model import MODEL_KEYS
+from flashcp.titan.config_titan import class_keys, TITAN_KEYS
+
+BACKENDS = ("auto", *KERNELS)
+GPU_BACKENDS = tuple(name for name in KERNELS if name != "reference")
+
+
+def _data_keys() -> dict[str, Key]:
+    """`[data]` is the data pipeline's `DataConfig`, key for key."""
+    hints = typing.get_type_hints(DataConfig)
+    return {f.name: key_from_hint(hints[f.name], field_default(f), f"[data] {f.name}")
+            for f in dataclasses.fields(DataConfig)}  # fmt: skip
+
+
+def _validation_keys() -> dict[str, Key]:
+    """`[validation]`: TorchTitan's validator settings with its types and defaults (`Validator.Config`;
+    its data loader is FlashCP's, `flashcp.titan.validate`), then the held-out data and the buckets."""
+    from torchtitan.components.validate import Validator  # after flashcp.titan's shims (package import)
+
+    return class_keys(Validator.Config, "validation") | {
+        "source": Key(str, doc='held-out data, as [data] source (a token store, files, "synthetic"); "default": '
+                      "the shipped corpus's held-out split, data/default/valid.jsonl.gz"),
+        "hf_split": Key(str, "validation", doc='the split a "hf:NAME" source reads'),
+        "bucket_min": Key(int, 1024, doc="loss by position in the document: buckets [0, bucket_min), then "
+                          "doubling up to seq_len"),
+    }
+
+
+OWN_SECTIONS: dict[str, dict[str, Key]] = {
+    "job": {
+        "description": Key(str, ""),
+        # TorchTitan's Trainer.Config.dump_folder (tests/titan/test_config.py checks the default).
+        "dump_folder": Key(str, "./outputs", doc="logs, TensorBoard files and checkpoints go here"),
+    },
+    "model": MODEL_KEYS,
+    "data": _data_keys(),
+    "loss": {
+        "chunk_tokens": Key(int, 2048, doc="cross-entropy over at most this many tokens at a time "
+                            "(flashcp.titan.loss); 0: all of a rank's tokens at once"),
+    },
+    "flashcp": {
+        "strategy": Key(str, "flashcp", tuple(STRATEGIES), "how each window is sharded over the CP ranks"),
+        "target_imbalance": Key(float, 1.05, doc="max / mean attention workload the planner aims for"),
+        "comm": Key(str, "compact", COMM_MODES, "KV exchange: compact (FlashCP) | full (Llama3 CP) | needed"),
+        "backend": Key(str, "auto", BACKENDS, "varlen kernel; auto: flash_attn, torch, then reference"),
+        "overlap": Key(bool, False, doc="compute all-local shards while the KV exchange is in flight"),
+    },
+
+    # TorchTitan's `validator` section, named as the job files name it.
+    "validation": _validation_keys(),
+}
+ORDER = ("job", "model", "data", "training", "optimizer", "lr_scheduler", "parallelism", "checkpoint", "metrics",
+         "activation_checkpoint", "compile", "comm", "profiler", "debug", "loss", "flashcp", "validation")  # fmt: skip
+SCHEMA: dict[str, dict[str, Key]] = {name: (OWN_SECTIONS | TITAN_KEYS)[name] for name in ORDER}
+# Sections TorchTitan names otherwise: an unknown-section error names FlashCP's.
+RENAMED_SECTIONS = {"validator": "validation"}
