@@ -119,6 +119,17 @@ def test_export_shards_above_the_size_limit_and_casts(negligible_step, tiny_llam
     assert 0 < (exported - original).abs().max() < 0.05  # bf16 rounding only
 
 
+def test_export_without_the_jobs_tokenizer_says_so(negligible_step, tmp_path, caplog):
+    copy = tmp_path / "step-1"
+    shutil.copytree(negligible_step, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["model"]["tokenizer"] = str(tmp_path / "moved" / "tokenizer.json")
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    files = export(copy, tmp_path / "out")
+    assert sorted(p.name for p in files) == ["config.json", "model.safetensors"]
+    assert "no longer exists: exported without tokenizer files" in caplog.text
+
+
 def test_export_refuses_a_non_empty_folder(negligible_step, tmp_path, capsys):
     out = tmp_path / "taken"
     out.mkdir()
