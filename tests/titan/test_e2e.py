@@ -49,6 +49,9 @@ def test_fsdp2_x_flashcp2_on_4_ranks(tmp_path):
     assert all(x >= 1.0 for x in tb["flashcp/imbalance"])
     assert tb["flashcp/kv_recv_bytes_per_layer_compact"] <= tb["flashcp/kv_recv_bytes_per_layer_full"]
     assert (dump / "checkpoint/step-3/.metadata").is_file()
+    # [validation] of debug_cpu: after step 1 (freq 5), through FSDP 2 x FlashCP 2
+    assert len(tb["validation/loss"]) == 1 and "validation step 1: loss" in result.stdout
+    assert {"validation/loss_by_position/0-128", "validation/loss_by_position/256-512"} <= set(tb)
 
 
 def test_flashcp_cp2_on_2_ranks(tmp_path):

@@ -3,9 +3,10 @@
 Every validation reads the held-out windows planned for the CP group, dispatched per rank and run
 with the document mask (the trainer's own input path) in eval mode without gradients. Checked:
 CP = 2, TP = 2 and FSDP over 2 ranks give CP = 1's validation (loss and every bucket) on the same
-weights; the buckets partition the labelled tokens by their position inside the document; every
-validation reads the same windows; training is the same with validation on and off; TensorBoard
-gets the scalars; bad settings fail before launch with one line.
+weights, and TorchTitan's flex path gives FlashCP's; the buckets partition the labelled tokens by
+their position inside the document; every validation reads the same windows; training is the same
+with validation on and off; TensorBoard gets the scalars; bad settings fail before launch with one
+line.
 """
 
 from __future__ import annotations
@@ -18,14 +19,17 @@ import torch
 from distributed_pool import DistributedPool
 from harness import single_rank, tiny_job, train, train_on_pool_rank
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from torchtitan.models.common import attention as titan_attention
 
 from flashcp.data.errors import DataError
 from flashcp.data.loader import build_loader
 from flashcp.titan import config
 from flashcp.titan.config import ConfigError
 from flashcp.titan.heldout import held_out_data
+from flashcp.titan.job import trainer_config
 from flashcp.titan.preflight import check_inputs
-from flashcp.titan.trainer import document_positions
+from flashcp.titan.trainer import document_positions, FlashCPTrainer
 from flashcp.titan.validate import bucket_edges, bucket_name, ValidationResult
 
 STEPS = 2
@@ -154,6 +158,31 @@ def test_every_validation_reads_the_same_held_out_windows(tmp_path, seed):
     assert len(set(losses.values())) == 3  # every training step read another window
     assert len(results) == 3
     assert all((r.loss, r.sums, r.counts) == (results[0].loss, results[0].sums, results[0].counts) for r in results)
+
+
+def test_torchtitans_flex_path_validates_as_flashcp(tmp_path, seed, monkeypatch):
+    """`model.attention = "flex"` validates through TorchTitan's own input path (its document block
+    mask from the positions). Flex has no CPU backward, so this validates the seed weights without
+    training, and with torch.compile off (TorchTitan compiles flex, minutes on a CPU): the same loss
+    and buckets as FlashCP's attention."""
+    monkeypatch.setattr(titan_attention.FlexAttention, "_compiled_flex_attn", flex_attention)
+    monkeypatch.setattr(titan_attention, "_compiled_create_block_mask", create_block_mask)
+    results: dict[str, list[ValidationResult]] = {}
+    for attention in ("flashcp", "flex"):
+        flex = {"model": {"attention": "flex"}, "flashcp": None} if attention == "flex" else {}
+        cfg = job(tmp_path / attention, seed, **flex)
+        with single_rank():
+            trainer = FlashCPTrainer(trainer_config(cfg))
+            try:
+                assert trainer.validator.flashcp == (attention == "flashcp")
+                trainer.checkpointer.load(step=cfg["checkpoint"]["load_step"])
+                trainer.validator.log = results.setdefault(attention, []).append
+                trainer.validator.validate(trainer.model_parts, 1)
+            finally:
+                trainer.close()
+    worst = _worst(results["flex"], results["flashcp"])
+    print(f"flex vs FlashCP attention, CP = 1: {worst:.1e}")
+    assert worst <= TOLERANCE
 
 
 @pytest.mark.parametrize(
