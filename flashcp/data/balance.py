@@ -23,11 +23,13 @@ between the step's windows so that every window's predicted cost is close to the
    If a window still ends above most of the tolerance (a long uncut document whose window got
    longer short pieces than the cap predicted), the cap is tightened to that window's longest
    piece and the step is packed again (at most `RETRIES` times: a step whose forced deferred
-   documents arrive without company may need several).
+   documents arrive without company may need several; it stops when a pass does not improve the
+   worst window, and the best pass is kept).
 4. Windows go to (micro step, DP rank) from the most to the least expensive, snaking over the
    ranks, so that each micro step and each rank's sum are balanced.
 
-Each rank builds only its own windows' pieces (`layout_step(...).rank(r)`). Pieces are a `NamedTuple` (immutable, ordered, field access like a frozen dataclass) because a
+Each rank builds only its own windows' pieces (`layout_step(...).rank(r)`). Pieces are a
+`NamedTuple` (immutable, ordered, field access like a frozen dataclass) because a
 step at DP = 64 holds ~20K of them and a tuple is built in half the time.
 
 Every rank computes the same result from the document lengths alone (no randomness, ties broken by
@@ -301,16 +303,22 @@ def layout_step(
         aim = 1 + CAP_SHARE * (max_imbalance - 1)
         bound = 1 + RETRY_SHARE * (max_imbalance - 1)
         dense = cost.dense_per_token * window / cost.attn_per_pair  # a window's dense work in attended pairs
-        cap = length_cap(lens, n_windows, window, cost, aim)
+        cap, best = length_cap(lens, n_windows, window, cost, aim), None
         for retry in range(RETRIES + 1):
-            win, doc, start, length = pack(lens, cap, n_windows, window)
+            packed = pack(lens, cap, n_windows, window)
+            win, length = packed[0], packed[3]
             w_pairs = np.bincount(win, length * (length + 1) / 2, n_windows)
             worst = int(np.argmax(w_pairs))
-            if retry == RETRIES or dense + w_pairs[worst] <= bound * (dense + w_pairs.mean()):
+            ratio = (dense + w_pairs[worst]) / (dense + w_pairs.mean())
+            if best is not None and ratio >= best[0]:  # a tighter cap did not help: keep the best
+                break
+            best = (ratio, packed)
+            if retry == RETRIES or ratio <= bound:
                 break
             excess = dense + w_pairs[worst] - aim * (dense + w_pairs.mean())
             longest = int(length[win == worst].max())
             cap = min(cap, max(1, int(math.sqrt(max(longest * (longest + 1) - 2 * excess, 1)))))
+        win, doc, start, length = best[1]
 
     # 4. Most expensive windows first, snaking over the ranks micro step by micro step.
     order = np.lexsort((start, doc, win))
