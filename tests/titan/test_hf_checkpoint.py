@@ -119,6 +119,20 @@ def test_export_shards_above_the_size_limit_and_casts(negligible_step, tiny_llam
     assert 0 < (exported - original).abs().max() < 0.05  # bf16 rounding only
 
 
+def test_a_bf16_checkpoint_exports_in_bf16_unless_dtype_says_otherwise(tiny_llama, tmp_path):
+    bf16 = {"dtype": "bfloat16", "mixed_precision_param": "bfloat16", "steps": 1}
+    with single_rank():
+        train(hf_job(tmp_path / "run", tiny_llama, training=bf16, optimizer={"lr": 1e-12}))
+    step = tmp_path / "run" / "checkpoint" / "step-1"
+    for dtype, stored in ((None, "BF16"), ("float32", "F32")):
+        out = tmp_path / f"export-{dtype}"
+        assert export_main(["--checkpoint", str(step), "--out", str(out)] + (["--dtype", dtype] if dtype else [])) == 0
+        with safe_open(out / "model.safetensors", "pt") as f:
+            assert {f.get_slice(k).get_dtype() for k in f.keys()} == {stored}
+        assert json.loads((out / "config.json").read_text())["torch_dtype"] == (dtype or "bfloat16")
+        assert (logits(out, IDS) - logits(tiny_llama, IDS)).abs().max() < 0.05  # the weights, rounded to bf16
+
+
 def test_export_without_the_jobs_tokenizer_says_so(negligible_step, tmp_path, caplog):
     copy = tmp_path / "step-1"
     shutil.copytree(negligible_step, copy)
