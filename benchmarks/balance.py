@@ -19,7 +19,9 @@ full activation checkpointing at measured efficiencies (`flashcp.costmodel.proxy
 mean and p95 over steps of max / mean across DP groups; attended (query, key) pairs kept relative to
 stream packing of the same documents; for deferral, delay p50 / p90 (steps, over documents that
 waited) and the share of tokens that waited; balancing time per step (wall and CPU, p50 / p99, one
-core: deferral's selection plus the packing). The JSON keeps `{"off", "balanced", "plan_ms",
+core: what one rank does, deferral's selection, the step's layout and its own windows' pieces;
+drawing the stream's lengths is not counted: the loader reads them from a store's offsets in every
+mode). The JSON keeps `{"off", "balanced", "plan_ms",
 "plan_cpu_ms", "attention_pairs_kept_vs_off"}` plus `delay_steps`, `delayed_token_share`,
 `pieces_bound` and, with --all-modes, `modes`: the same figures for every mode.
 
@@ -124,9 +126,18 @@ def run(distribution: str, context: int, dp: int, cp: int, n_steps: int, micro: 
     stream = Stream(sampler(distribution, seed))
     deferral = Deferral(context, n_windows, max_delay, cost) if mode.startswith("deferral") else None
     off, balanced, bound, wall, cpu, kept, ref, delays, waited, tokens = [], [], [], [], [], 0.0, 0.0, [], 0, 0
+    reading = [0.0, 0.0]  # wall, CPU seconds drawing the stream's lengths inside a step (not balancing)
+
+    def read(tokens: int) -> DocSpan:
+        t, c = time.perf_counter(), time.process_time()
+        span = stream.read(tokens)
+        reading[0] += time.perf_counter() - t
+        reading[1] += time.process_time() - c
+        return span
+
     for _ in range(n_steps):
         lens, _ = stream.step(n_windows * context) if deferral is None else (None, None)
-        t0, c0 = time.perf_counter(), time.process_time()
+        t0, c0, reading[:] = time.perf_counter(), time.process_time(), [0.0, 0.0]
         if deferral is None:
             seq = stream_windows(lens, context)
             docs = [n for w in seq for n in w] if mode == "mesh" else lens
@@ -135,12 +146,12 @@ def run(distribution: str, context: int, dp: int, cp: int, n_steps: int, micro: 
                 layout = layout_step(docs, dp, micro, context, cost, target)
                 layout.rank(0)  # what one rank builds
         else:
-            step = deferral.next_step(stream.read)
+            step = deferral.next_step(read)
             stream.restore(*step.cursor)
             layout = layout_step(step.length, dp, micro, context, cost, target)
             layout.rank(0)
-        wall.append((time.perf_counter() - t0) * 1e3)
-        cpu.append((time.process_time() - c0) * 1e3)
+        wall.append((time.perf_counter() - t0 - reading[0]) * 1e3)
+        cpu.append((time.process_time() - c0 - reading[1]) * 1e3)
         if mode != "off":
             groups = window_lengths(layout)
         if deferral is not None:

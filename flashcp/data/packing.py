@@ -332,9 +332,9 @@ def deferred_step(
 
     def tokens(i: int) -> Any:
         ref = step.tokens[i]
-        return packer.document(step.epoch[i], step.position[i]) if ref is None else ref[0][ref[1]]
+        return packer.document(int(step.epoch[i]), int(step.position[i])) if ref is None else ref[0][ref[1]]
 
     fetched = functools.lru_cache(maxsize=None)(tokens)  # a document cut into pieces is read once
-    mine = [[Piece(fetched(p.doc), step.start[p.doc] + p.start, p.length) for p in window]
+    mine = [[Piece(fetched(p.doc), int(step.start[p.doc]) + p.start, p.length) for p in window]
             for window in layout.rank(dp_rank)]  # fmt: skip
     return mine, step_figures(step, layout, packer.seq_len)
