@@ -27,11 +27,12 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+import torch.distributed.checkpoint.api as dcp_api
 from safetensors.torch import save_file
 from torchtitan.components.checkpoint import DATALOADER, LR_SCHEDULER, OPTIMIZER, TRAIN_STATE
 
 from flashcp.run.manifest import MANIFEST, read_manifest, verify_files
-from flashcp.run.publish import fsync_dir
+from flashcp.run.publish import error_in, fsync_dir, root_cause
 from flashcp.run.safe_load import MismatchedCheckpoint, SafeReader, StrictPlanner, UnsafeCheckpoint
 from flashcp.titan.decoders import job_architecture, state_dict_adapter, titan_config
 from flashcp.titan.hf_config import architecture_from_hf, HFConfigError, to_hf_config
@@ -127,16 +128,14 @@ def read_weights(checkpoint: Path, model_config: Any) -> dict[str, torch.Tensor]
     exactly the model's keys and shapes (optimizer, schedule, loader and step states are skipped)."""
     with torch.device("meta"):
         shapes = {k: v.shape for k, v in model_config.build().state_dict().items()}
-    stored = SafeReader(checkpoint).read_metadata().state_dict_metadata
-    weights = {k: torch.empty(shape, dtype=stored[k].properties.dtype if k in stored else torch.float32)
-               for k, shape in shapes.items()}  # fmt: skip
     try:
+        stored = SafeReader(checkpoint).read_metadata().state_dict_metadata
+        weights = {k: torch.empty(shape, dtype=stored[k].properties.dtype if k in stored else torch.float32)
+                   for k, shape in shapes.items()}  # fmt: skip
         # no_dist: read in this process alone, also on rank 0 of a finished run (last_save_in_hf)
         dcp.load(weights, storage_reader=SafeReader(checkpoint), planner=StrictPlanner(checkpoint, NON_MODEL_STATES),
                  no_dist=True)  # fmt: skip
-    except BaseException as e:
-        from flashcp.run.publish import error_in, root_cause
-
+    except (Exception, dcp_api.CheckpointException) as e:  # the latter is a BaseException
         for kind in (UnsafeCheckpoint, MismatchedCheckpoint):
             if error_in(e, kind) is not None:
                 raise ExportError(str(error_in(e, kind))) from e

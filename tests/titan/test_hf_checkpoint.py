@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import json
+import pickle
 import shutil
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from safetensors import safe_open  # noqa: E402
 from scripts.make_tiny_hf import make_tiny_hf  # noqa: E402
 from titan.harness import single_rank, tiny_job, train  # noqa: E402
 
+from flashcp.run.manifest import checksum  # noqa: E402
 from flashcp.titan.checkpoint import CheckpointError  # noqa: E402
 from flashcp.titan.config import ConfigError  # noqa: E402
 from flashcp.titan.export import main as export_main  # noqa: E402
@@ -165,6 +167,26 @@ def test_export_names_a_damaged_checkpoint(negligible_step, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"{data.name}: contents changed since the save" in err
     assert not (tmp_path / "out").exists()
+
+
+class _Exploit:
+    def __reduce__(self):
+        return (print, ("ran code from the checkpoint",))
+
+
+def test_export_runs_no_code_from_a_crafted_checkpoint(negligible_step, tmp_path, capsys):
+    """A .metadata pickle that would call a function, with a manifest made to match: refused, not run."""
+    copy = tmp_path / "step-1"
+    shutil.copytree(negligible_step, copy)
+    (copy / ".metadata").write_bytes(pickle.dumps(_Exploit()))
+    manifest = json.loads((copy / "manifest.json").read_text())
+    entry = next(e for e in manifest["files"] if e["name"] == ".metadata")
+    entry |= {"size": (copy / ".metadata").stat().st_size, "checksum": checksum(copy / ".metadata")}
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    assert export_main(["--checkpoint", str(copy), "--out", str(tmp_path / "out")]) == 2
+    captured = capsys.readouterr()
+    assert "ran code" not in captured.out and "refused, nothing of it was run" in captured.err
+    assert captured.err.count("\n") == 1 and not (tmp_path / "out").exists()
 
 
 def _broken(tiny_llama: Path, tmp_path: Path, how: str) -> Path:
