@@ -34,9 +34,9 @@ from flashcp.titan.config_model import LLAMA3_FLAVORS, model_dims, model_head_di
 from flashcp.titan.config_schema import SCHEMA
 
 __all__ = [
-    "CONFIG_DIR", "ConfigError", "Key", "LLAMA3_FLAVORS", "SCHEMA", "TOKENIZER_SIZED_FLAVORS", "apply_overrides",
-    "check_layout", "degrees", "dryrun_command", "load_job", "main", "model_dims", "model_head_dim",
-    "resolve_config_path", "validate", "world_size_hint",
+    "CONFIG_DIR", "ConfigError", "Key", "LLAMA3_FLAVORS", "SCHEMA", "TOKENIZER_SIZED_FLAVORS",
+    "apply_overrides", "check_layout", "degrees", "dryrun_command", "load_job", "main", "model_dims",
+    "model_head_dim", "resolve_config_path", "validate", "world_size_hint",
 ]  # fmt: skip
 
 
@@ -55,7 +55,8 @@ def key_lines(sections: list[str] | None = None) -> list[str]:
             raise ConfigError(f"unknown section [{section}]; allowed sections: {', '.join(SCHEMA)}")
         for name, key in SCHEMA[section].items():
             kind = type_name(key.type) + (f", one of {', '.join(map(str, key.choices))}" if key.choices else "")
-            default = "(unset)" if key.default is None else json.dumps(key.default)  # TOML's form of these values
+            # JSON writes these values (booleans, numbers, strings, lists) as TOML does.
+            default = "(unset)" if key.default is None else json.dumps(key.default)
             lines.append(f"[{section}] {name} = {default}  ({kind})" + (f"  {key.doc}" if key.doc else ""))
     return lines
 
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Check a FlashCP job file without launching anything.")
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--check", metavar="CONFIG", help="job file or name in train_configs/")
-    mode.add_argument("--keys", nargs="*", metavar="SECTION", help="list every key (of SECTIONs) with its default")
+    mode.add_argument("--keys", nargs="*", metavar="SECTION", help="list every key (of SECTIONs), its default")
     parser.add_argument("--world-size", type=int, help="number of ranks to check the layout for")
     args, overrides = parser.parse_known_args(argv)
     try:

@@ -172,7 +172,8 @@ def _check_unsupported(cfg: dict) -> None:
     stray = sorted(set(_given(cfg, "activation_checkpoint")) - ac_keys(ac["mode"]))
     if stray:
         raise ConfigError(f"[activation_checkpoint] {stray[0]} does not apply to mode = {ac['mode']!r}")
-    if ac["mode"] == "memory-budget" and not (cfg["compile"]["enable"] and "model" in cfg["compile"]["components"]):
+    compiled = cfg["compile"]["enable"] and "model" in cfg["compile"]["components"]
+    if ac["mode"] == "memory-budget" and not compiled:
         raise ConfigError("[activation_checkpoint] mode = 'memory-budget' needs the model compiled: "
                           "[compile] enable = true with 'model' in components")  # fmt: skip
 

@@ -68,8 +68,9 @@ OWN_SECTIONS: dict[str, dict[str, Key]] = {
     # TorchTitan's `validator` section, named as the job files name it.
     "validation": _validation_keys(),
 }
-ORDER = ("job", "model", "data", "training", "optimizer", "lr_scheduler", "parallelism", "checkpoint", "metrics",
-         "activation_checkpoint", "compile", "comm", "profiler", "debug", "loss", "flashcp", "validation")  # fmt: skip
+ORDER = ("job", "model", "data", "training", "optimizer", "lr_scheduler", "parallelism", "checkpoint",
+         "metrics", "activation_checkpoint", "compile", "comm", "profiler", "debug", "loss", "flashcp",
+         "validation")  # fmt: skip
 SCHEMA: dict[str, dict[str, Key]] = {name: (OWN_SECTIONS | TITAN_KEYS)[name] for name in ORDER}
 # Sections TorchTitan names otherwise: an unknown-section error names FlashCP's.
 RENAMED_SECTIONS = {"validator": "validation"}

@@ -82,7 +82,8 @@ FILLED = {
                                    "beta2, eps, weight_decay",
     ("optimizer", "optimizer_factory_kwargs_by_name"): "Python objects for DistMuon; Adam and AdamW take none",
     ("checkpoint", "model_record"): "the job's model, recorded in each manifest (flashcp.titan.job)",
-    ("validation", "dataloader"): "FlashCP's held-out window loader, from [validation] source (flashcp.titan.validate)",
+    ("validation", "dataloader"): "FlashCP's held-out window loader, from [validation] source "
+                                  "(flashcp.titan.validate)",
 }  # fmt: skip
 # TorchTitan fields kept under FlashCP's earlier name: (section, field) -> (section, key).
 RENAMED = {("debug", "seed"): ("training", "seed"), ("debug", "deterministic"): ("training", "deterministic")}
@@ -143,7 +144,8 @@ def class_keys(cls: type, section: str) -> dict[str, Key]:
             continue
         default, why = OWN_DEFAULTS.get((section, f.name), (field_default(f), ""))
         key = key_from_hint(hint, default, f"{cls.__qualname__}.{f.name}")
-        note = NOTES.get((section, f.name)) or (why and f"FlashCP's default ({why}); TorchTitan's: {field_default(f)!r}")
+        own = why and f"FlashCP's default ({why}); TorchTitan's: {field_default(f)!r}"
+        note = NOTES.get((section, f.name)) or own
         keys[f.name] = dataclasses.replace(key, doc=note or "")
     return keys
 
@@ -204,7 +206,8 @@ def section_config(cfg: dict, section: str) -> Any:
         opt = cfg["optimizer"]
         kwargs = {"lr": opt["lr"], "betas": (opt["beta1"], opt["beta2"]), "eps": opt["eps"],
                   "weight_decay": opt["weight_decay"]}  # fmt: skip
-        values["param_groups"] = [ParamGroupConfig(pattern=r".*", optimizer_name=opt["name"], optimizer_kwargs=kwargs)]
+        group = ParamGroupConfig(pattern=r".*", optimizer_name=opt["name"], optimizer_kwargs=kwargs)
+        values["param_groups"] = [group]
     elif section == "parallelism":
         if cfg["checkpoint"]["create_seed_checkpoint"]:  # one rank, no sharding
             values |= {f"{name}_degree": 1 for name in SEED_DEGREES}
