@@ -11,6 +11,7 @@ line.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -160,6 +161,30 @@ def test_every_validation_reads_the_same_held_out_windows(tmp_path, seed):
     assert all((r.loss, r.sums, r.counts) == (results[0].loss, results[0].sums, results[0].counts) for r in results)
 
 
+def validate_once(cfg: dict) -> ValidationResult:
+    """One validation of the job's initial (seed) weights, without training."""
+    results: list[ValidationResult] = []
+    with single_rank():
+        trainer = FlashCPTrainer(trainer_config(cfg))
+        try:
+            assert trainer.validator.flashcp == (cfg["model"]["attention"] == "flashcp")
+            trainer.checkpointer.load(step=cfg["checkpoint"]["load_step"])
+            trainer.validator.log = results.append
+            trainer.validator.validate(trainer.model_parts, 1)
+        finally:
+            trainer.close()
+    return results[0]
+
+
+def test_steps_minus_one_reads_the_whole_held_out_data(tmp_path, seed):
+    cfg = job(tmp_path, seed, {"steps": -1})
+    loader = build_loader(dataclasses.replace(held_out_data(cfg), loop=False), SEQ_LEN)
+    windows = list(loader)
+    result = validate_once(cfg)
+    assert result.windows == len(windows) > VALIDATION["steps"]
+    assert result.tokens == sum(int((w["labels"] != -100).sum()) for w in windows)
+
+
 def test_torchtitans_flex_path_validates_as_flashcp(tmp_path, seed, monkeypatch):
     """`model.attention = "flex"` validates through TorchTitan's own input path (its document block
     mask from the positions). Flex has no CPU backward, so this validates the seed weights without
@@ -167,20 +192,9 @@ def test_torchtitans_flex_path_validates_as_flashcp(tmp_path, seed, monkeypatch)
     and buckets as FlashCP's attention."""
     monkeypatch.setattr(titan_attention.FlexAttention, "_compiled_flex_attn", flex_attention)
     monkeypatch.setattr(titan_attention, "_compiled_create_block_mask", create_block_mask)
-    results: dict[str, list[ValidationResult]] = {}
-    for attention in ("flashcp", "flex"):
-        flex = {"model": {"attention": "flex"}, "flashcp": None} if attention == "flex" else {}
-        cfg = job(tmp_path / attention, seed, **flex)
-        with single_rank():
-            trainer = FlashCPTrainer(trainer_config(cfg))
-            try:
-                assert trainer.validator.flashcp == (attention == "flashcp")
-                trainer.checkpointer.load(step=cfg["checkpoint"]["load_step"])
-                trainer.validator.log = results.setdefault(attention, []).append
-                trainer.validator.validate(trainer.model_parts, 1)
-            finally:
-                trainer.close()
-    worst = _worst(results["flex"], results["flashcp"])
+    flashcp = validate_once(job(tmp_path / "flashcp", seed))
+    flex = validate_once(job(tmp_path / "flex", seed, model={"attention": "flex"}, flashcp=None))
+    worst = _worst([flex], [flashcp])
     print(f"flex vs FlashCP attention, CP = 1: {worst:.1e}")
     assert worst <= TOLERANCE
 
