@@ -101,6 +101,9 @@ def _check_semantics(cfg: dict) -> None:
             raise ConfigError(f"[checkpoint] {name} needs [checkpoint] enable = true")
     if cfg["checkpoint"]["initial_load_in_hf"] and not cfg["checkpoint"]["initial_load_path"]:
         raise ConfigError("[checkpoint] initial_load_in_hf needs initial_load_path (the Hugging Face model folder)")
+    if cfg["checkpoint"]["initial_load_in_hf_quantized"]:
+        raise ConfigError("[checkpoint] initial_load_in_hf_quantized: quantized Hugging Face weights are not supported "
+                          "(FlashCP imports float safetensors)")  # fmt: skip
     _check_optimizer(cfg)
     _check_bounds(cfg)
     _check_validation(cfg)

@@ -228,6 +228,11 @@ def test_a_bad_hf_folder_is_one_line_before_launch(tiny_llama, tmp_path, how, na
     assert str(e.value).startswith("[") and str(folder) in str(e.value)
 
 
+def test_quantized_hf_weights_are_refused_by_the_config_check(tiny_llama, tmp_path):
+    with pytest.raises(ConfigError, match=r"initial_load_in_hf_quantized: quantized .* not supported"):
+        hf_job(tmp_path, tiny_llama, checkpoint={"initial_load_in_hf_quantized": True})
+
+
 def test_a_folder_damaged_after_launch_is_refused_at_load(tiny_llama, tmp_path):
     """The checkpointer checks the headers again: the ranks never read a truncated file."""
     cfg = hf_job(tmp_path / "out", tiny_llama)
