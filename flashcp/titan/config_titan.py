@@ -121,12 +121,12 @@ NOTES = {
 # param group names every kwarg); these are its Llama 3 recipes' values (models/llama3/config_registry.py).
 OWN_KEYS: dict[str, dict[str, Key]] = {
     "optimizer": {
-        "name": Key(str, "AdamW", ("AdamW", "Adam")),
-        "lr": Key(float, 8e-4),
-        "beta1": Key(float, 0.9),
-        "beta2": Key(float, 0.95),
-        "eps": Key(float, 1e-8),
-        "weight_decay": Key(float, 0.1),
+        "name": Key(str, "AdamW", ("AdamW", "Adam"), "optimizer_name of the one param group (every parameter)"),
+        "lr": Key(float, 8e-4, doc="the param group's optimizer_kwargs lr"),
+        "beta1": Key(float, 0.9, doc="the param group's betas[0]"),
+        "beta2": Key(float, 0.95, doc="the param group's betas[1]"),
+        "eps": Key(float, 1e-8, doc="the param group's eps"),
+        "weight_decay": Key(float, 0.1, doc="the param group's weight_decay"),
     },
     "activation_checkpoint": {
         "mode": Key(str, AC_DEFAULT, tuple(AC_MODES), "TorchTitan's policy class (its CLI subcommand name)"),
