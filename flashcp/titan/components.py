@@ -62,7 +62,7 @@ class WindowDataLoader(BaseDataLoader):
         planner: dict[str, Any] = field(default_factory=dict)
         """plan_shards keyword arguments: strategy, target_imbalance."""
         infinite: bool | None = None
-        """Repeat the data (`data.loop`) when set; TorchTitan's validator sets it (`validation.steps != -1`)."""
+        """Repeat the data (`data.loop`) when set; TorchTitan's validator sets it (steps != -1)."""
 
     def __init__(self, config: Config, *, dp_world_size: int, dp_rank: int, tokenizer: PipelineTokenizer,
                  seq_len: int, local_batch_size: int, **kwargs: Any) -> None:  # fmt: skip

@@ -23,6 +23,7 @@ from the beginning of the held-out data and checkpoints hold no validation state
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -41,7 +42,7 @@ from flashcp.titan.components import WindowDataLoader
 
 
 def bucket_edges(seq_len: int, bucket_min: int) -> list[int]:
-    """[0, bucket_min, 2 bucket_min, 4 bucket_min, ..., seq_len]: position buckets doubling up to the context."""
+    """[0, bucket_min, 2 bucket_min, 4 bucket_min, ..., seq_len]: buckets doubling up to the context."""
     edges, hi = [0], bucket_min
     while hi < seq_len:
         edges.append(hi)
@@ -146,9 +147,7 @@ class FlashCPValidator(Validator):
         counts = torch.zeros(n + 1, dtype=torch.int64, device=self.path.device)
         windows = 0
         try:
-            for batch in loader:
-                if windows == self.config.steps:
-                    break
+            for batch in itertools.islice(loader, None if self.config.steps == -1 else self.config.steps):
                 windows += 1
                 sums_w, counts_w = self._window(model_parts[0], batch)
                 sums += sums_w
@@ -178,7 +177,8 @@ class FlashCPValidator(Validator):
         assert self.path is not None
         input_dict, labels = self.path.window_inputs(batch)
         inputs, labels, extra = self.post_dataloading_process(input_dict, labels, [model])
-        bucket = torch.bucketize(extra["positions"], torch.tensor(self.edges[1:-1], device=labels.device), right=True)
+        inner_edges = torch.tensor(self.edges[1:-1], device=labels.device)
+        bucket = torch.bucketize(extra["positions"], inner_edges, right=True)
         valid = labels != IGNORE_INDEX
         masks = [valid] + [valid & (bucket == b) for b in range(len(self.edges) - 1)]
         with self.validation_context():

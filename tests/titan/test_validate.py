@@ -44,7 +44,8 @@ def seed(tmp_path_factory):
     """Checkpoint of the initial weights: sharded initialisation on CPU depends on the layout."""
     root = tmp_path_factory.mktemp("seed")
     with single_rank():
-        train(tiny_job(root, checkpoint={"enable": True, "create_seed_checkpoint": True}), seed_checkpoint=True)
+        cfg = tiny_job(root, checkpoint={"enable": True, "create_seed_checkpoint": True})
+        train(cfg, seed_checkpoint=True)
     return {"enable": True, "initial_load_path": str(root / "checkpoint/step-0")}
 
 
@@ -53,14 +54,17 @@ def job(dump: Path, seed: dict, validation: dict | None = None, **sections: Any)
                     validation={**VALIDATION, **(validation or {})}, **sections)  # fmt: skip
 
 
-def run(cfg: dict, grad_norms: dict[int, float] | None = None) -> tuple[dict[int, float], list[ValidationResult]]:
+Run = tuple[dict[int, float], list[ValidationResult]]  # training losses by step, validations
+
+
+def run(cfg: dict, grad_norms: dict[int, float] | None = None) -> Run:
     results: list[ValidationResult] = []
     with single_rank():
         losses = train(cfg, grad_norms=grad_norms, validations=results)
     return losses, results
 
 
-def validate_on_pool_rank(rank: int, group: Any, cfg: dict) -> tuple[dict[int, float], list[ValidationResult]]:
+def validate_on_pool_rank(rank: int, group: Any, cfg: dict) -> Run:
     results: list[ValidationResult] = []
     return train_on_pool_rank(rank, group, cfg, validations=results), results
 
@@ -131,7 +135,8 @@ def test_buckets_partition_the_labelled_tokens_by_position_and_training_is_uncha
     counts = torch.zeros(len(results[0].edges) - 1, dtype=torch.int64)
     for _, batch in zip(range(VALIDATION["steps"]), loader):
         positions = document_positions(batch["doc_lens"])[batch["labels"] != -100]
-        counts += torch.bincount(torch.bucketize(positions, torch.tensor([32, 64, 128]), right=True), minlength=4)
+        bucket = torch.bucketize(positions, torch.tensor([32, 64, 128]), right=True)
+        counts += torch.bincount(bucket, minlength=4)
     loader.close()
     for r in results:
         assert r.edges == [0, 32, 64, 128, 256] and r.windows == VALIDATION["steps"]
@@ -158,7 +163,8 @@ def test_every_validation_reads_the_same_held_out_windows(tmp_path, seed):
     losses, results = run(job(tmp_path / "still", seed, training={"steps": 3}, optimizer={"lr": 1e-30}))
     assert len(set(losses.values())) == 3  # every training step read another window
     assert len(results) == 3
-    assert all((r.loss, r.sums, r.counts) == (results[0].loss, results[0].sums, results[0].counts) for r in results)
+    first = results[0]
+    assert all((r.loss, r.sums, r.counts) == (first.loss, first.sums, first.counts) for r in results)
 
 
 def validate_once(cfg: dict) -> ValidationResult:
@@ -222,7 +228,8 @@ def test_torchtitans_validator_section_is_named_as_validation(tmp_path, capsys):
     path.write_text("[validator]\nenable = true\n")
     assert config.main(["--check", str(path)]) == 2
     err = capsys.readouterr().err
-    assert err == "error: unknown section [validator]: TorchTitan's [validator] is [validation] in a FlashCP job\n"
+    expected = "unknown section [validator]: TorchTitan's [validator] is [validation] in a FlashCP job"
+    assert err == f"error: {expected}\n"
     with pytest.raises(ConfigError, match=r"TorchTitan's \[validator\] is \[validation\]"):
         config.load_job(tmp_path / "job.toml", [])
     path.write_text("")
