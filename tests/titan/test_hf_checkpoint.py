@@ -146,6 +146,24 @@ def test_export_without_the_jobs_tokenizer_says_so(negligible_step, tmp_path, ca
     assert "no longer exists: exported without tokenizer files" in caplog.text
 
 
+@pytest.mark.parametrize("change, named", [
+    ("no record", "does not record the model"),
+    ("no manifest", "is not a complete FlashCP checkpoint (no manifest.json)"),
+])  # fmt: skip
+def test_export_names_a_checkpoint_it_cannot_read_the_model_of(negligible_step, tmp_path, capsys, change, named):
+    copy = tmp_path / "step-1"
+    shutil.copytree(negligible_step, copy)
+    if change == "no manifest":
+        (copy / "manifest.json").unlink()
+    else:
+        manifest = json.loads((copy / "manifest.json").read_text())
+        del manifest["model"]
+        (copy / "manifest.json").write_text(json.dumps(manifest))
+    assert export_main(["--checkpoint", str(copy), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and named in err and not (tmp_path / "out").exists()
+
+
 def test_export_refuses_a_non_empty_folder(negligible_step, tmp_path, capsys):
     out = tmp_path / "taken"
     out.mkdir()
