@@ -60,7 +60,7 @@ def estimate(m: ModelShape, lay: Layout) -> dict[str, float]:
     # One layer's bf16 elements: gathered projection inputs and gradients (full width); q, attention
     # output, k / v and the feed-forward's four intermediates (this rank's share); the residual
     # stream, norms and their gradients between blocks (fp32 in places, hence 8).
-    sharded = lay.tokens * (2 * m.dim + kv_dim + 4 * m.ffn) // lay.tp
+    sharded = lay.tokens * (2 * m.heads * m.head_dim + kv_dim + 4 * m.ffn) // lay.tp
     working = 4 * lay.tokens * m.dim + sharded + 8 * seq * m.dim
     checkpoints = m.layers * seq * m.dim if lay.full_ac else m.layers * working
     chunked = lay.loss_tokens < lay.tokens
