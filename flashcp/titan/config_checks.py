@@ -84,7 +84,7 @@ def _check_semantics(cfg: dict) -> None:
     _positive(cfg, "parallelism", *names)
     _positive(cfg, "checkpoint", "interval")
     _positive(cfg, "metrics", "log_freq")
-    _positive(cfg, "profiler", "profile_freq")
+    _check_profiler(cfg)
     _positive(cfg, "loss", "chunk_tokens", minimum=0)
     _positive(cfg, "lr_scheduler", "warmup_steps", minimum=0)
     _positive(cfg, "lr_scheduler", "total_steps")
@@ -179,6 +179,19 @@ def _check_unsupported(cfg: dict) -> None:
     if ac["mode"] == "memory-budget" and not compiled:
         raise ConfigError("[activation_checkpoint] mode = 'memory-budget' needs the model compiled: "
                           "[compile] enable = true with 'model' in components")  # fmt: skip
+
+
+def _check_profiler(cfg: dict) -> None:
+    """TorchTitan's profiler asserts its schedule on every rank at the first step; checked here instead."""
+    prof = cfg["profiler"]
+    _positive(cfg, "profiler", "profile_freq", "profiler_active", "memory_snapshot_freq")
+    _positive(cfg, "profiler", "profiler_warmup", "profiler_repeat", "profiler_skip_first",
+              "profiler_skip_first_wait", minimum=0)  # fmt: skip
+    if prof["enable_profiling"] and prof["profile_freq"] < prof["profiler_warmup"] + prof["profiler_active"]:
+        raise ConfigError(
+            f"[profiler] profile_freq ({prof['profile_freq']}) must be >= profiler_warmup + profiler_active "
+            f"({prof['profiler_warmup']} + {prof['profiler_active']}): each profiled window of steps holds both"
+        )
 
 
 def _check_torchtitan(cfg: dict) -> None:

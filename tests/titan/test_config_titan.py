@@ -137,7 +137,7 @@ def test_new_keys_flow_into_the_trainer_config(tmp_path):
 
     cfg = tiny_job(
         tmp_path,
-        profiler={"enable_profiling": True, "profile_freq": 3},
+        profiler={"enable_profiling": True, "profile_freq": 5},
         training={"gc_freq": 7, "seed": 5},
         checkpoint={"enable": True, "last_save_in_hf": True, "exclude_from_loading": ["dataloader"]},
         debug={"detect_anomaly": True},
@@ -149,7 +149,7 @@ def test_new_keys_flow_into_the_trainer_config(tmp_path):
         parallelism={"fsdp_reshard_after_forward": "never"},
     )
     tc = trainer_config(cfg)
-    assert (tc.profiler.enable_profiling, tc.profiler.profile_freq) == (True, 3)
+    assert (tc.profiler.enable_profiling, tc.profiler.profile_freq) == (True, 5)
     assert tc.training.gc_freq == 7 and tc.training.disable_cuda_graphs
     assert (tc.debug.seed, tc.debug.detect_anomaly) == (5, True)
     assert tc.checkpoint.last_save_in_hf and tc.checkpoint.exclude_from_loading == ["dataloader"]
@@ -197,6 +197,8 @@ def test_cli_overrides_reach_derived_keys(tmp_path):
         ({"activation_checkpoint": {"mode": "memory-budget"}}, r"'memory-budget' needs the model compiled"),
         ({"training": {"mixed_precision_reduce": "bfloat16"}}, r"mixed_precision_reduce must be one of float32;"),
         ({"profiler": {"profile_freq": 0}}, r"^\[profiler\] profile_freq must be >= 1, got 0$"),
+        ({"profiler": {"enable_profiling": True, "profile_freq": 2}},
+         r"^\[profiler\] profile_freq \(2\) must be >= profiler_warmup \+ profiler_active \(3 \+ 1\)"),
         ({"lr_scheduler": {"total_steps": 0}}, r"^\[lr_scheduler\] total_steps must be >= 1"),
         ({"lr_scheduler": {"warmup_steps": 3, "total_steps": 2}},
          r"warmup_steps \(3\) must be <= \[lr_scheduler\] total_steps \(2\)"),
