@@ -96,6 +96,9 @@ OWN_DEFAULTS = {
     ("parallelism", "spmd_backend"): (None, "unset: partial_dtensor with FlashCP attention (its parallelize "
                                             "follows that recipe) and on torch < 2.14, else TorchTitan's"),
 }
+# Closed sets TorchTitan types as plain `str` (its docstring and distributed/context_parallel/api.py
+# name them; None, no balancing, has no TOML form).
+CHOICES = {("parallelism", "context_parallel_load_balancer"): ("headtail", "ptrr")}
 # What a derived key means in FlashCP where TorchTitan's field says less (shown by --keys).
 NOTES = {
     ("training", "seq_len"): "the context window C",
@@ -146,7 +149,8 @@ def class_keys(cls: type, section: str) -> dict[str, Key]:
         key = key_from_hint(hint, default, f"{cls.__qualname__}.{f.name}")
         own = why and f"FlashCP's default ({why}); TorchTitan's: {field_default(f)!r}"
         note = NOTES.get((section, f.name)) or own
-        keys[f.name] = dataclasses.replace(key, doc=note or "")
+        choices = CHOICES.get((section, f.name), key.choices)
+        keys[f.name] = dataclasses.replace(key, choices=choices, doc=note or "")
     return keys
 
 

@@ -192,6 +192,8 @@ def test_cli_overrides_reach_derived_keys(tmp_path):
         ({"comm": {"mode": "local_tensor"}}, r"^\[comm\] mode = 'local_tensor' is not supported"),
         ({"comm": {"mode": "ring"}}, r"^\[comm\] mode must be one of default, fake_backend, local_tensor"),
         ({"parallelism": {"context_parallel_ptrr_mask_key": "x"}}, r"ptrr_mask_key is TorchTitan's CP"),
+        ({"parallelism": {"context_parallel_load_balancer": "zigzag"}},
+         r"^\[parallelism\] context_parallel_load_balancer must be one of headtail, ptrr; got 'zigzag'$"),
         ({"activation_checkpoint": {"mode": "selective", "memory_budget": 0.3}},
          r"^\[activation_checkpoint\] memory_budget does not apply to mode = 'selective'$"),
         ({"activation_checkpoint": {"mode": "memory-budget"}}, r"'memory-budget' needs the model compiled"),
