@@ -19,7 +19,14 @@ from typing import Any
 
 from torchtitan.models import llama3 as titan_llama3
 from torchtitan.models import qwen3 as titan_qwen3
-from torchtitan.models.common import ComplexRoPE, compute_ffn_hidden_dim, CosSinRoPE, Embedding, Linear, RMSNorm
+from torchtitan.models.common import (
+    ComplexRoPE,
+    compute_ffn_hidden_dim,
+    CosSinRoPE,
+    Embedding,
+    Linear,
+    RMSNorm,
+)
 from torchtitan.models.common.decoder import Decoder
 from torchtitan.models.llama3 import Llama3Model
 from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
@@ -32,7 +39,10 @@ from flashcp.titan.hf_config import Architecture, HFConfigError, read_hf_config,
 from flashcp.titan.rope import FAMILY_ROPE, Rope, rope_for_job, RopeError
 
 REGISTRIES = {"llama3": titan_llama3.llama3_configs, "qwen3": titan_qwen3.qwen3_configs}
-ADAPTERS: dict[str, type[BaseStateDictAdapter]] = {"llama3": Llama3StateDictAdapter, "qwen3": Qwen3StateDictAdapter}
+ADAPTERS: dict[str, type[BaseStateDictAdapter]] = {
+    "llama3": Llama3StateDictAdapter,
+    "qwen3": Qwen3StateDictAdapter,
+}
 # TorchTitan's name of each scaling, and back.
 _TITAN_SCALING = {"none": "none", "llama3": "llama", "yarn": "yarn"}
 # The RMSNorm eps of each family's flavors, which a custom size takes with the family's RoPE.
@@ -40,7 +50,7 @@ _NORM_EPS = {"llama3": 1e-5, "qwen3": 1e-6}
 
 
 def family(model_config: Decoder.Config) -> str:
-    """"llama3" or "qwen3" for a TorchTitan model config."""
+    """The family of a TorchTitan model config: "llama3" or "qwen3"."""
     if isinstance(model_config, Qwen3Model.Config):
         return "qwen3"
     if isinstance(model_config, Llama3Model.Config):
@@ -88,7 +98,9 @@ def titan_rope(arch: Architecture, max_seq_len: int):
     rope = arch.rope
     cls = ComplexRoPE if arch.name == "llama3" else CosSinRoPE
     if rope.scaling == "llama3" and cls is CosSinRoPE:
-        raise RopeError("llama3 RoPE scaling is Llama's (complex RoPE); TorchTitan's Qwen3 RoPE supports none or yarn")
+        raise RopeError(
+            "llama3 RoPE scaling is Llama's (complex RoPE); TorchTitan's Qwen3 RoPE supports none or yarn"
+        )
     scaling: dict[str, Any] = {"scaling": _TITAN_SCALING[rope.scaling]}
     if rope.scaling == "llama3":
         scaling |= {
@@ -115,14 +127,16 @@ def titan_config(arch: Architecture, attn_backend: str, max_seq_len: int) -> Dec
         lib, cls, head_init = titan_llama3, Llama3Model.Config, titan_llama3._output_linear_init(dim)
         layers = titan_llama3._build_llama3_layers(
             n_layers=arch.n_layers, dim=dim, n_heads=arch.n_heads, hidden_dim=arch.hidden_dim, rope=rope,
-            n_kv_heads=None if arch.n_kv_heads == arch.n_heads else arch.n_kv_heads,  # as TorchTitan's MHA flavors
+            # None for MHA, as TorchTitan's flavors
+            n_kv_heads=None if arch.n_kv_heads == arch.n_heads else arch.n_kv_heads,
             attn_backend=attn_backend, fuse_qkv=True,
         )  # fmt: skip
     else:
         lib, cls, head_init = titan_qwen3, Qwen3Model.Config, titan_qwen3._LINEAR_INIT
         layers = titan_qwen3._build_qwen3_layers(
             n_layers=arch.n_layers, dim=dim, n_heads=arch.n_heads, n_kv_heads=arch.n_kv_heads,
-            head_dim=arch.head_dim, hidden_dim=arch.hidden_dim, rope=rope, attn_backend=attn_backend, fuse_qkv=True,
+            head_dim=arch.head_dim, hidden_dim=arch.hidden_dim, rope=rope, attn_backend=attn_backend,
+            fuse_qkv=True,
         )  # fmt: skip
     model = cls(
         dim=dim,
@@ -130,7 +144,9 @@ def titan_config(arch: Architecture, attn_backend: str, max_seq_len: int) -> Dec
         enable_weight_tying=tied,
         # A tied embedding is the output projection's weight, initialised there (TorchTitan's flavors).
         tok_embeddings=Embedding.Config(
-            num_embeddings=vocab, embedding_dim=dim, param_init=lib._EMBEDDING_SKIP_INIT if tied else lib._EMBEDDING_INIT
+            num_embeddings=vocab,
+            embedding_dim=dim,
+            param_init=lib._EMBEDDING_SKIP_INIT if tied else lib._EMBEDDING_INIT,
         ),
         norm=RMSNorm.Config(normalized_shape=dim, eps=arch.norm_eps, param_init=lib._NORM_INIT),
         lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=head_init),
@@ -183,7 +199,9 @@ def _custom(model_cfg: dict[str, Any], tokenizer_vocab: int) -> Architecture:
     )
 
 
-def state_dict_adapter(model_config: Decoder.Config, hf_assets_path: str | None = None) -> BaseStateDictAdapter:
+def state_dict_adapter(
+    model_config: Decoder.Config, hf_assets_path: str | None = None
+) -> BaseStateDictAdapter:
     """TorchTitan's HF adapter for the model: `from_hf(hf_state) -> titan_state`, `to_hf(titan_state)`.
 
     `hf_assets_path` (a folder with model.safetensors.index.json) only sets how `to_hf` shards an

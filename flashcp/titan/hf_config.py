@@ -72,7 +72,9 @@ def read_hf_config(path: str | Path) -> Architecture:
         with open(file, "rb") as f:
             data = f.read(MAX_CONFIG_BYTES + 1)
         if len(data) > MAX_CONFIG_BYTES:
-            raise HFConfigError(f"{file} is larger than {MAX_CONFIG_BYTES >> 20} MiB: not a model's config.json")
+            raise HFConfigError(
+                f"{file} is larger than {MAX_CONFIG_BYTES >> 20} MiB: not a model's config.json"
+            )
         hf = json.loads(data)
     except OSError as e:
         raise HFConfigError(f"cannot read {file}: {e}") from e
@@ -98,7 +100,11 @@ def architecture_from_hf(hf: dict[str, Any], where: str = "config.json") -> Arch
             raise HFConfigError(f"{where}: {key} is missing")
         if kind is float and isinstance(got, int) and not isinstance(got, bool):
             got = float(got)
-        if not isinstance(got, kind) or (kind is int and isinstance(got, bool)) or (kind is not bool and got <= 0):
+        if (
+            not isinstance(got, kind)
+            or (kind is int and isinstance(got, bool))
+            or (kind is not bool and got <= 0)
+        ):
             raise HFConfigError(f"{where}: {key} must be a positive {kind.__name__}, got {got!r}")
         return got
 
@@ -108,11 +114,14 @@ def architecture_from_hf(hf: dict[str, Any], where: str = "config.json") -> Arch
     name = MODEL_TYPES[model_type]
     unsupported = [
         f"{key} = {hf[key]!r}" for key, ok in (
-            ("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False), ("use_sliding_window", False),
+            ("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False),
+            ("use_sliding_window", False),
         ) if key in hf and hf[key] != ok
     ]  # fmt: skip
     if name == "llama3" and head_dim != dim // n_heads:
-        unsupported.append(f"head_dim = {head_dim} (Llama needs hidden_size / num_attention_heads = {dim // n_heads})")
+        unsupported.append(
+            f"head_dim = {head_dim} (Llama needs hidden_size / num_attention_heads = {dim // n_heads})"
+        )
     if n_heads % n_kv:
         unsupported.append(f"num_attention_heads = {n_heads} not a multiple of num_key_value_heads = {n_kv}")
     if unsupported:
@@ -137,7 +146,9 @@ def architecture_from_hf(hf: dict[str, Any], where: str = "config.json") -> Arch
     )
 
 
-def to_hf_config(arch: Architecture, torch_dtype: str = "bfloat16", base: dict[str, Any] | None = None) -> dict:
+def to_hf_config(
+    arch: Architecture, torch_dtype: str = "bfloat16", base: dict[str, Any] | None = None
+) -> dict:
     """config.json for `arch` (AutoModelForCausalLM loads it), over the base model's config.json if given."""
     model_type, hf_class = HF_NAMES[arch.name]
     out = {k: v for k, v in (base or {}).items() if k not in ("rope_parameters", "transformers_version")}
@@ -171,4 +182,6 @@ def to_hf_config(arch: Architecture, torch_dtype: str = "bfloat16", base: dict[s
 
 def with_rope(arch: Architecture, rope: Rope, context: int) -> Architecture:
     """`arch` trained with `rope` at `context` tokens: what an export's config.json says."""
-    return dataclasses.replace(arch, rope=rope, max_position_embeddings=max(arch.max_position_embeddings, context))
+    return dataclasses.replace(
+        arch, rope=rope, max_position_embeddings=max(arch.max_position_embeddings, context)
+    )

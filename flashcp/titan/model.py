@@ -27,12 +27,15 @@ from flashcp.titan.config import ConfigError
 from flashcp.titan.decoders import ADAPTERS, job_architecture, titan_config
 
 
-def model_spec(model_cfg: dict[str, Any], flashcp_cfg: dict[str, Any], tokenizer_vocab: int, seq_len: int) -> ModelSpec:
+def model_spec(
+    model_cfg: dict[str, Any], flashcp_cfg: dict[str, Any], tokenizer_vocab: int, seq_len: int
+) -> ModelSpec:
     """The job's model as a TorchTitan ModelSpec, with FlashCP attention when selected."""
     arch = job_architecture(model_cfg, tokenizer_vocab, seq_len)
     if tokenizer_vocab > arch.vocab_size:
         raise ConfigError(
-            f"[model] vocab_size ({arch.vocab_size}) is smaller than the tokenizer's vocabulary ({tokenizer_vocab})"
+            f"[model] vocab_size ({arch.vocab_size}) is smaller than the tokenizer's vocabulary "
+            f"({tokenizer_vocab})"
         )
     attention = model_cfg["attention"]
     # The RoPE cache covers every position inside a document: < seq_len.

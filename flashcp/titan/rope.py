@@ -77,7 +77,9 @@ class Rope:
     def check(self) -> None:
         """RopeError unless every value is one RoPE can use."""
         if self.scaling not in SCALINGS:
-            raise RopeError(f"rope scaling {self.scaling!r} is not supported; supported: {', '.join(SCALINGS)}")
+            raise RopeError(
+                f"rope scaling {self.scaling!r} is not supported; supported: {', '.join(SCALINGS)}"
+            )
         if not self.theta > 0:
             raise RopeError(f"rope_theta must be > 0, got {self.theta}")
         if self.scaling == "none":
@@ -86,7 +88,8 @@ class Rope:
             raise RopeError(f"rope_factor must be >= 1 with {self.scaling} scaling, got {self.factor}")
         if self.original_max_position_embeddings < 1:
             raise RopeError(
-                f"rope_original_max_position_embeddings must be >= 1, got {self.original_max_position_embeddings}"
+                "rope_original_max_position_embeddings must be >= 1, got "
+                f"{self.original_max_position_embeddings}"
             )
         if self.scaling == "llama3" and not 0 < self.low_freq_factor < self.high_freq_factor:
             raise RopeError(
@@ -96,7 +99,8 @@ class Rope:
         if self.scaling == "yarn":
             if not self.beta_fast > self.beta_slow > 0:
                 raise RopeError(
-                    f"yarn scaling needs rope_beta_fast > rope_beta_slow > 0, got {self.beta_fast} and {self.beta_slow}"
+                    "yarn scaling needs rope_beta_fast > rope_beta_slow > 0, got "
+                    f"{self.beta_fast} and {self.beta_slow}"
                 )
             if self.attention_factor is not None and not self.attention_factor > 0:
                 raise RopeError(f"rope_attention_factor must be > 0, got {self.attention_factor}")
@@ -125,7 +129,9 @@ def rope_from_hf(hf: dict[str, Any], default_theta: float) -> Rope:
         return Rope(theta=theta)
     if kind not in ("llama3", "yarn"):
         raise RopeError(f"rope type {kind!r} is not supported; supported: default, llama3, yarn")
-    original = int(params.get("original_max_position_embeddings") or hf.get("max_position_embeddings") or 8192)
+    original = int(
+        params.get("original_max_position_embeddings") or hf.get("max_position_embeddings") or 8192
+    )
     factor = params.get("factor")
     if factor is None and kind == "yarn":  # HF: the ratio of the context to the original one
         factor = hf["max_position_embeddings"] / original
@@ -142,7 +148,9 @@ def rope_from_hf(hf: dict[str, Any], default_theta: float) -> Rope:
                 values[name] = float(params[name])
         if params.get("mscale") and params.get("mscale_all_dim") and params.get("attention_factor") is None:
             factor = values.get("factor", 1.0)
-            values["attention_factor"] = _mscale(factor, params["mscale"]) / _mscale(factor, params["mscale_all_dim"])
+            values["attention_factor"] = _mscale(factor, params["mscale"]) / _mscale(
+                factor, params["mscale_all_dim"]
+            )
         if "truncate" in params:
             values["truncate"] = bool(params["truncate"])
     rope = Rope(**values)
@@ -177,10 +185,13 @@ def rope_for_job(base: Rope, model_cfg: dict[str, Any]) -> Rope:
         if missing:
             raise RopeError(f"rope_scaling = {scaling!r} needs {' and '.join(missing)} (the model has "
                             f"{base.scaling!r} scaling)")  # fmt: skip
-    stray = [key for key, field in SCALING_KEYS.items() if field in given and field not in KEYS_OF[rope.scaling]]
+    stray = [
+        key for key, field in SCALING_KEYS.items() if field in given and field not in KEYS_OF[rope.scaling]
+    ]
     if stray:
         raise RopeError(
-            f"{', '.join(stray)} {'does' if len(stray) == 1 else 'do'} not apply to rope scaling {rope.scaling!r}"
+            f"{', '.join(stray)} {'does' if len(stray) == 1 else 'do'} not apply to rope scaling "
+            f"{rope.scaling!r}"
             + (" (the model's own; set rope_scaling to choose one)" if scaling is None else "")
         )
     rope = dataclasses.replace(rope, **given)

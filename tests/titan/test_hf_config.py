@@ -19,22 +19,63 @@ from flashcp.titan.rope import FAMILY_ROPE, Rope
 
 # The config.json files Meta and Qwen publish (transformers 4.x layout: rope_theta + rope_scaling).
 LLAMA31_8B = {
-    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 128000,
-    "eos_token_id": 128001, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
-    "intermediate_size": 14336, "max_position_embeddings": 131072, "mlp_bias": False, "model_type": "llama",
-    "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8, "pretraining_tp": 1,
-    "rms_norm_eps": 1e-05, "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 8192, "rope_type": "llama3"}, "rope_theta": 500000.0,
-    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True, "vocab_size": 128256,
-}  # fmt: skip
+    "architectures": ["LlamaForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 14336,
+    "max_position_embeddings": 131072,
+    "mlp_bias": False,
+    "model_type": "llama",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "vocab_size": 128256,
+}
 QWEN3_8B = {
-    "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 151643,
-    "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
-    "intermediate_size": 12288, "max_position_embeddings": 40960, "max_window_layers": 36, "model_type": "qwen3",
-    "num_attention_heads": 32, "num_hidden_layers": 36, "num_key_value_heads": 8, "rms_norm_eps": 1e-06,
-    "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None, "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16", "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
-}  # fmt: skip
+    "architectures": ["Qwen3ForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 12288,
+    "max_position_embeddings": 40960,
+    "max_window_layers": 36,
+    "model_type": "qwen3",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 36,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
+}
 DENSE = [(name, flavor) for name, table in FLAVORS.items() for flavor in table]
 
 
@@ -61,7 +102,9 @@ def test_every_dense_flavor_rebuilds_as_torchtitan_registers_it(name, flavor):
     registered = REGISTRIES[name][flavor](attn_backend="flex")
     arch = architecture_of(registered)
     assert arch.rope == FAMILY_ROPE[name]
-    assert _shapes(titan_config(arch, "flex", registered.first_attention.rope.max_seq_len)) == _shapes(registered)
+    assert _shapes(titan_config(arch, "flex", registered.first_attention.rope.max_seq_len)) == _shapes(
+        registered
+    )
 
 
 def test_qwen3_flavor_table_matches_torchtitan():
@@ -78,7 +121,9 @@ def test_published_config_json_builds_torchtitans_flavor(tmp_path, hf, name, fla
     assert (cfg["model"]["name"], cfg["model"]["flavor"]) == (name, "hf")
     arch = job_architecture(cfg["model"], 4096, 8192)
     registered = REGISTRIES[name][flavor](attn_backend="flex")
-    assert _shapes(titan_config(arch, "flex", 8192)) == _shapes(titan_config(architecture_of(registered), "flex", 8192))
+    assert _shapes(titan_config(arch, "flex", 8192)) == _shapes(
+        titan_config(architecture_of(registered), "flex", 8192)
+    )
     assert model_dims(cfg) == (*FLAVORS[name][flavor][:4], hf["vocab_size"])
 
 
@@ -119,31 +164,44 @@ def test_a_missing_or_broken_config_json_is_one_line(tmp_path):
 
 
 def test_model_checks_name_the_problem():
-    with pytest.raises(ConfigError, match=r"'30B-A3B' is a mixture-of-experts Qwen3: FlashCP trains dense models"):
+    with pytest.raises(
+        ConfigError, match=r"'30B-A3B' is a mixture-of-experts Qwen3: FlashCP trains dense models"
+    ):
         validate({"model": {"name": "qwen3", "flavor": "30B-A3B"}})
     with pytest.raises(ConfigError, match=r"flavor must be one of .*0.6B.* for name = 'qwen3'; got '70B'"):
         validate({"model": {"name": "qwen3", "flavor": "70B"}})
-    with pytest.raises(ConfigError, match=r"tensor_parallel_degree \(16\) must divide n_heads \(32\) and n_kv_heads \(8\)"):
-        check_layout(validate({"model": {"name": "qwen3", "flavor": "8B"},
-                               "parallelism": {"tensor_parallel_degree": 16}}), 16, has_cuda=True)  # fmt: skip
+    with pytest.raises(
+        ConfigError, match=r"tensor_parallel_degree \(16\) must divide n_heads \(32\) and n_kv_heads \(8\)"
+    ):
+        job = {"model": {"name": "qwen3", "flavor": "8B"}, "parallelism": {"tensor_parallel_degree": 16}}
+        check_layout(validate(job), 16, has_cuda=True)
 
 
 def test_rope_keys_keep_or_replace_the_models_scaling(tmp_path):
     folder = str(hf_folder(tmp_path, LLAMA31_8B))
-    kept = job_architecture(validate({"model": {"hf_config": folder, "rope_theta": 4e6}})["model"], 4096, 131072)
+    kept = job_architecture(
+        validate({"model": {"hf_config": folder, "rope_theta": 4e6}})["model"], 4096, 131072
+    )
     assert kept.rope == Rope(theta=4e6, scaling="llama3", factor=8.0, original_max_position_embeddings=8192)
-    yarn = {"hf_config": folder, "rope_scaling": "yarn", "rope_factor": 16.0, "rope_original_max_position_embeddings": 8192}
+    yarn = {
+        "hf_config": folder,
+        "rope_scaling": "yarn",
+        "rope_factor": 16.0,
+        "rope_original_max_position_embeddings": 8192,
+    }
     arch = job_architecture(validate({"model": yarn})["model"], 4096, 1 << 20)
     assert (arch.rope.scaling, arch.rope.factor, arch.rope.beta_fast, arch.max_position_embeddings) == (
         "yarn", 16.0, 32.0, 1 << 20)  # fmt: skip
+    qwen3_llama3 = {"name": "qwen3", "rope_scaling": "llama3", "rope_factor": 8.0,
+                    "rope_original_max_position_embeddings": 8}  # fmt: skip
     for model, message in [
         ({"rope_scaling": "yarn"}, r"rope_scaling = 'yarn' needs rope_factor and rope_original_max_position"),
-        ({"rope_beta_fast": 16.0}, r"rope_beta_fast does not apply to rope scaling 'llama3' \(the model's own"),
+        ({"rope_beta_fast": 16.0}, r"rope_beta_fast does not apply to rope scaling 'llama3' \(the model's"),
         ({"rope_scaling": "none", "rope_factor": 2.0}, r"rope_factor does not apply to rope scaling 'none'"),
-        ({"name": "qwen3", "rope_scaling": "llama3", "rope_factor": 8.0, "rope_original_max_position_embeddings": 8},
-         r"llama3 RoPE scaling is Llama's"),
-        ({**yarn, "attention": "flex"}, r"yarn RoPE's attention factor \(1.277\) is applied by FlashCP's attention"),
-        ({"rope_scaling": "llama3", "rope_low_freq_factor": 5.0}, r"llama3 scaling needs 0 < rope_low_freq_factor < rope_high_freq_factor, got 5.0 and 4.0"),
+        (qwen3_llama3, r"llama3 RoPE scaling is Llama's"),
+        ({**yarn, "attention": "flex"}, r"yarn RoPE's attention factor \(1.277\) is applied by FlashCP's"),
+        ({"rope_scaling": "llama3", "rope_low_freq_factor": 5.0},
+         r"llama3 scaling needs 0 < rope_low_freq_factor < rope_high_freq_factor, got 5.0 and 4.0"),
     ]:  # fmt: skip
         with pytest.raises(ConfigError, match=r"^\[model\] " + message):
             validate({"model": model})
@@ -156,7 +214,9 @@ def test_rope_cache_covers_a_million_token_context():
 
 
 @pytest.mark.parametrize("hf", [LLAMA31_8B, QWEN3_8B])
-@pytest.mark.parametrize("rope", [None, Rope(theta=1e6, scaling="yarn", factor=4.0, original_max_position_embeddings=4096)])
+@pytest.mark.parametrize(
+    "rope", [None, Rope(theta=1e6, scaling="yarn", factor=4.0, original_max_position_embeddings=4096)]
+)
 def test_exported_config_json_reads_back_through_transformers(tmp_path, hf, rope):
     """to_hf_config -> transformers' AutoConfig (its own RoPE standardisation) -> the same architecture."""
     transformers = pytest.importorskip("transformers", reason="needs the test extra (transformers)")
@@ -169,7 +229,9 @@ def test_exported_config_json_reads_back_through_transformers(tmp_path, hf, rope
     loaded = transformers.AutoConfig.from_pretrained(tmp_path / "export")
     assert type(loaded).__name__ == config["architectures"][0].replace("ForCausalLM", "Config")
     if rope is not None:  # the export names YaRN's attention factor explicitly
-        arch = dataclasses.replace(arch, rope=dataclasses.replace(rope, attention_factor=rope.yarn_attention_factor))
+        arch = dataclasses.replace(
+            arch, rope=dataclasses.replace(rope, attention_factor=rope.yarn_attention_factor)
+        )
     assert read_hf_config(tmp_path / "export") == arch
     assert architecture_from_hf(loaded.to_dict()) == arch
 

@@ -30,29 +30,44 @@ from flashcp.titan.decoders import state_dict_adapter
 from flashcp.titan.model import model_spec
 
 transformers = pytest.importorskip("transformers", reason="the oracle needs the test extra (transformers)")
-from safetensors.torch import load_file  # noqa: E402
+from safetensors.torch import load_file
 
 RELATIVE_TOLERANCE = 1e-4  # max |ours - HF| / max |HF|, fp32
 DOC_LENS = (23, 9, 30, 2)  # one window of 64 tokens: documents cut across the CP ranks by most plans
 WINDOW = sum(DOC_LENS)
 VOCAB = 101
 PLAN_OPTIONS = {"ilp": dict(target_imbalance=2.0, time_limit=1.0)}  # the ILP solver: quick, any valid plan
-COMMON = dict(
-    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.2,
-)  # fmt: skip
-MODELS = {
-    "llama3-scaled": lambda: transformers.LlamaConfig(**COMMON, rms_norm_eps=1e-5, rope_parameters={
-        "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 16,
-    }),  # fmt: skip
-    "qwen3-tied": lambda: transformers.Qwen3Config(
-        **COMMON, head_dim=32, rms_norm_eps=1e-6, tie_word_embeddings=True,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+COMMON = {
+    "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128,
+    "initializer_range": 0.2,
+}  # fmt: skip
+LLAMA3_SCALING = {
+    "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0, "original_max_position_embeddings": 16,
+}  # fmt: skip
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16}
+MODELS = {  # name -> (transformers config class, its arguments)
+    "llama3-scaled": ("LlamaConfig", COMMON | {"rms_norm_eps": 1e-5, "rope_parameters": LLAMA3_SCALING}),
+    "qwen3-tied": (
+        "Qwen3Config",
+        COMMON
+        | {
+            "head_dim": 32,
+            "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": True,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+        },
     ),  # fmt: skip
-    "llama3-yarn": lambda: transformers.LlamaConfig(**COMMON | {"max_position_embeddings": 64}, rms_norm_eps=1e-5, rope_parameters={
-        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
-    }),  # fmt: skip
+    "llama3-yarn": (
+        "LlamaConfig",
+        COMMON
+        | {
+            "max_position_embeddings": 64,
+            "rms_norm_eps": 1e-5,
+            "rope_parameters": YARN,
+        },
+    ),  # fmt: skip
 }
 
 
@@ -62,9 +77,10 @@ def hf_models(tmp_path_factory) -> dict[str, tuple[Path, dict]]:
     torch.manual_seed(0)
     tokens = torch.randint(0, VOCAB, (WINDOW,))
     out = {}
-    for name, make in MODELS.items():
+    for name, (config_class, kwargs) in MODELS.items():
         folder = tmp_path_factory.mktemp(name)
-        model = transformers.AutoModelForCausalLM.from_config(make(), attn_implementation="eager").float()
+        config = getattr(transformers, config_class)(**kwargs)
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float()
         model.save_pretrained(folder)
         out[name] = (folder, _hf_reference(model, tokens))
     return out
@@ -151,7 +167,9 @@ def test_transformers_sees_scaling(hf_models):
     folder, ref = hf_models["llama3-scaled"]
     config = transformers.AutoConfig.from_pretrained(folder)
     config.rope_parameters = {"rope_type": "default", "rope_theta": config.rope_parameters["rope_theta"]}
-    plain = transformers.AutoModelForCausalLM.from_pretrained(folder, config=config, attn_implementation="eager")
+    plain = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, config=config, attn_implementation="eager"
+    )
     logits = torch.cat([plain(input_ids=doc[None]).logits[0] for doc in ref["tokens"].split(DOC_LENS)])
     assert _relative(logits.detach(), ref["logits"]) > 100 * RELATIVE_TOLERANCE
 
