@@ -191,6 +191,15 @@ def test_steps_minus_one_reads_the_whole_held_out_data(tmp_path, seed):
     assert result.tokens == sum(int((w["labels"] != -100).sum()) for w in windows)
 
 
+def test_held_out_data_shorter_than_a_window_is_one_line(tmp_path, seed):
+    short = tmp_path / "short.jsonl"
+    short.write_text('{"text": "A held-out set of one sentence."}\n')
+    with pytest.raises(DataError) as info:
+        validate_once(job(tmp_path / "out", seed, {"steps": -1, "source": str(short)}))
+    assert f"the held-out data ({short}) gave no labelled tokens in windows of seq_len = 256" in str(info.value)
+    assert "\n" not in str(info.value)
+
+
 def test_torchtitans_flex_path_validates_as_flashcp(tmp_path, seed, monkeypatch):
     """`model.attention = "flex"` validates through TorchTitan's own input path (its document block
     mask from the positions). Flex has no CPU backward, so this validates the seed weights without
