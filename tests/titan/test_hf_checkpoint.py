@@ -2,7 +2,8 @@
 `last_save_in_hf`) against transformers itself, on tiny random models written with transformers.
 
 - Round trip: import -> one step at a negligible learning rate -> export gives the original
-  model's logits (fp32, <= 1e-5); after real steps the exported weights differ and load.
+  model's logits (fp32, <= 1e-5), on one rank and on two (CP = 2, TP = 2), Llama and Qwen3; after
+  real steps the exported weights differ and load.
 - The export refuses a non-empty folder, shards above --max-shard-size with an index that
   transformers loads, writes --dtype, copies the job's tokenizer, names a damaged checkpoint.
 - A bad HF folder (missing / truncated safetensors, wrong shapes, unsupported model_type, only a
@@ -24,7 +25,8 @@ import transformers  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 
 from scripts.make_tiny_hf import make_tiny_hf  # noqa: E402
-from titan.harness import single_rank, tiny_job, train  # noqa: E402
+from distributed_pool import DistributedPool  # noqa: E402
+from titan.harness import single_rank, tiny_job, train, train_on_pool_rank  # noqa: E402
 
 from flashcp.run.manifest import checksum  # noqa: E402
 from flashcp.titan.checkpoint import CheckpointError  # noqa: E402
@@ -74,6 +76,17 @@ def test_round_trip_at_negligible_lr_gives_the_original_logits(negligible_step, 
     assert config["torch_dtype"] == "float32" and config["max_position_embeddings"] == 512
     assert config["eos_token_id"] == 1  # the base model's entries carry over
     assert not list(tmp_path.glob(".export.partial-*"))
+
+
+def test_round_trip_on_two_ranks(tiny_llama, tmp_path):
+    """The HF weights go through the adapter as FSDP (dp_shard x cp) or TP shards, in and out."""
+    with DistributedPool(world_size=2) as pool:
+        for name, layout in (("cp2", {"context_parallel_degree": 2}), ("tp2", {"tensor_parallel_degree": 2})):
+            cfg = hf_job(tmp_path / name, tiny_llama, training={"steps": 1}, optimizer={"lr": 1e-12},
+                         parallelism=layout)  # fmt: skip
+            pool.run(train_on_pool_rank, (cfg,))
+            export(tmp_path / name / "checkpoint" / "step-1", tmp_path / f"{name}-hf")
+            assert (logits(tmp_path / f"{name}-hf", IDS) - logits(tiny_llama, IDS)).abs().max() <= 1e-5, name
 
 
 def test_qwen3_round_trip_with_tied_embeddings(tmp_path):
