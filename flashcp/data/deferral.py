@@ -34,7 +34,7 @@ import numpy as np
 from flashcp.data.balance import StepLayout, WindowCost
 
 AIM_SHARE = 0.8  # the release aims at this share of the tolerated imbalance (FlashCP's plan adds some)
-LEVELS = 12  # candidate levels tried per step (the largest pool documents, geometrically spaced)
+LEVELS = 12  # candidate levels per step (the largest pool documents, geometrically spaced; bisected)
 
 
 class DocSpan(NamedTuple):
