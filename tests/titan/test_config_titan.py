@@ -5,20 +5,15 @@ work on them, and what FlashCP cannot run is refused before launch."""
 from __future__ import annotations
 
 import dataclasses
-import subprocess
-import sys
 import typing
-from pathlib import Path
 
 import pytest
 from harness import tiny_job
 
 from flashcp.titan import config_titan
-from flashcp.titan.config import apply_overrides, load_job, SCHEMA, validate
+from flashcp.titan.config import apply_overrides, load_job, main, SCHEMA, validate
 from flashcp.titan.config_keys import ConfigError, field_default
 from flashcp.titan.config_titan import AC_MODES, FILLED, NOT_SECTIONS, OWN_DEFAULTS, OWN_KEYS, RENAMED, SECTIONS
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _suppressed(cls: type, name: str) -> bool:
@@ -225,11 +220,9 @@ def test_fsdp_symmetric_memory_is_checked_against_the_machine(tmp_path):
         check_layout(cfg, 1, has_cuda=False)
 
 
-def test_keys_lists_every_key_with_its_default():
-    run = subprocess.run([sys.executable, "-m", "flashcp.titan.config", "--keys"], cwd=ROOT, capture_output=True,
-                         text=True)  # fmt: skip
-    assert run.returncode == 0, run.stderr
-    lines = run.stdout.splitlines()
+def test_keys_lists_every_key_with_its_default(capsys):
+    assert main(["--keys"]) == 0
+    lines = capsys.readouterr().out.splitlines()
     assert len(lines) == sum(len(keys) for keys in SCHEMA.values())
     assert "[profiler] enable_profiling = false  (true or false)" in lines
     assert '[checkpoint] export_dtype = "float32"  (a string, one of float16, bfloat16, float32)' in \
