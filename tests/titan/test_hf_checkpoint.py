@@ -103,13 +103,19 @@ def test_qwen3_round_trip_with_tied_embeddings(tmp_path):
 
 
 def test_real_steps_change_the_weights_and_last_save_in_hf_exports_them(tiny_llama, tmp_path):
+    cfg = hf_job(tmp_path, tiny_llama, training={"steps": 3}, checkpoint={"last_save_in_hf": True,
+                                                                            "export_dtype": "bfloat16"})  # fmt: skip
     with single_rank():
-        losses = train(hf_job(tmp_path, tiny_llama, training={"steps": 3},
-                              checkpoint={"last_save_in_hf": True, "export_dtype": "bfloat16"}))  # fmt: skip
+        losses = train(cfg)
     assert losses[3] < losses[1]
     folder = tmp_path / "checkpoint"
     out = folder / "step-3-hf"
     assert (folder / "step-3" / ".metadata").is_file()  # the final checkpoint stays a resumable DCP one
+    first = (out / "model.safetensors").read_bytes()
+    shutil.rmtree(out)  # as if the run had died while exporting: starting it again exports, trains nothing
+    with single_rank():
+        assert train(cfg) == {}
+    assert (out / "model.safetensors").read_bytes() == first
     with safe_open(out / "model.safetensors", "pt") as f:
         assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
     exported = transformers.AutoModelForCausalLM.from_pretrained(out)
