@@ -38,6 +38,7 @@ implementations can be compared inside one application.
 from __future__ import annotations
 
 import math
+import shutil
 import signal
 import time
 from collections.abc import Iterable, Iterator
@@ -200,6 +201,8 @@ class FlashCPTrainer(Trainer):
         target = source.with_name(f"{source.name}-hf")
         if torch.distributed.get_rank() != 0 or target.exists() or not source.is_dir():
             return
+        for leftover in target.parent.glob(f".{target.name}.partial-*"):  # a crashed export's (this run holds the folder)
+            shutil.rmtree(leftover, ignore_errors=True)
         try:
             export(source, target, dtype=self.config.checkpoint.export_dtype)
         except ExportError as e:
