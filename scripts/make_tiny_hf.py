@@ -1,6 +1,6 @@
 """Create a tiny random Hugging Face Llama (or Qwen3) folder, to try importing / exporting without downloads.
 
-    python scripts/make_tiny_hf.py /tmp/tiny-llama                  # Llama, vocab 4096 (the shipped tokenizer's)
+    python scripts/make_tiny_hf.py /tmp/tiny-llama           # Llama, vocab 4096 (the shipped tokenizer's)
     python scripts/make_tiny_hf.py /tmp/tiny-qwen3 --model-type qwen3
 
 Written with `transformers` (the test extra: pip install -e .[test]) as `save_pretrained` writes
@@ -27,8 +27,9 @@ def tiny_config(model_type: str = "llama", vocab_size: int = 4096, **overrides: 
     import transformers
 
     common = dict(
-        vocab_size=vocab_size, hidden_size=32, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=1,
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5,
+        bos_token_id=0, eos_token_id=1,
     )  # fmt: skip
     if model_type == "llama":  # a short context and a small RoPE base: the starting point of an extension
         return transformers.LlamaConfig(**(common | {"rope_theta": 10000.0} | overrides))
@@ -52,7 +53,8 @@ def make_tiny_hf(folder: Path, model_type: str = "llama", seed: int = 0, **overr
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("folder", type=Path, help="where to write the model (must not exist)")
     parser.add_argument("--model-type", default="llama", choices=("llama", "qwen3"))
     parser.add_argument("--seed", type=int, default=0)

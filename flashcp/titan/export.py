@@ -21,11 +21,14 @@ from flashcp.titan.hf_export import DTYPES, export, ExportError, parse_size
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", type=Path, required=True, help="a checkpoint folder: <dump>/checkpoint/step-N")
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("--checkpoint", type=Path, required=True,
+                        help="a checkpoint folder: <dump>/checkpoint/step-N")  # fmt: skip
     parser.add_argument("--out", type=Path, required=True, help="the HF folder to write (absent or empty)")
     parser.add_argument("--dtype", choices=tuple(DTYPES), help="weights' dtype (default: the checkpoint's)")
-    parser.add_argument("--max-shard-size", default="5GB", help="one safetensors file up to this size (default 5GB)")
+    parser.add_argument("--max-shard-size", default="5GB",
+                        help="one safetensors file up to this size (default 5GB)")  # fmt: skip
     args = parser.parse_args(argv)
     try:
         files = export(args.checkpoint, args.out, args.dtype, parse_size(args.max_shard_size))

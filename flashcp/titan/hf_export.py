@@ -59,12 +59,14 @@ def model_record(hf_config: dict[str, Any], tokenizer: str | Path | None) -> dic
     return {"hf_config": hf_config, "tokenizer": str(Path(tokenizer).resolve()) if tokenizer else None}
 
 
-def job_model_record(cfg: dict[str, Any], tokenizer_vocab: int, tokenizer: str | Path | None) -> dict[str, Any]:
+def job_model_record(cfg: dict[str, Any], tokenizer_vocab: int,
+                     tokenizer: str | Path | None) -> dict[str, Any]:  # fmt: skip
     """The record of a validated job's model: its architecture as trained (RoPE, context) over the
     config.json it came from, if any, so that the base model's other entries (token ids, ...) carry over."""
     arch = job_architecture(cfg["model"], tokenizer_vocab, cfg["training"]["seq_len"])
     ckpt = cfg["checkpoint"]
-    source = cfg["model"].get("hf_config") or (ckpt["initial_load_path"] if ckpt["initial_load_in_hf"] else None)
+    imported = ckpt["initial_load_path"] if ckpt["initial_load_in_hf"] else None
+    source = cfg["model"].get("hf_config") or imported
     base = None
     if source:
         path = Path(source)
@@ -87,8 +89,9 @@ def check_target(out: Path) -> None:
                           ": refusing to overwrite it; choose another output folder")  # fmt: skip
 
 
-def export(checkpoint: Path, out: Path, dtype: str | None = None, max_shard_bytes: int = 5 * 10**9) -> list[Path]:
-    """Write `checkpoint` as an HF model folder `out`; returns the files written (see the module docstring)."""
+def export(checkpoint: Path, out: Path, dtype: str | None = None,
+           max_shard_bytes: int = 5 * 10**9) -> list[Path]:  # fmt: skip
+    """Write `checkpoint` as an HF model folder `out`; the files written (see the module docstring)."""
     checkpoint, out = Path(checkpoint), Path(out)
     check_target(out)
     record = verified_record(checkpoint)
@@ -108,7 +111,8 @@ def export(checkpoint: Path, out: Path, dtype: str | None = None, max_shard_byte
 def verified_record(checkpoint: Path) -> dict[str, Any]:
     """The checkpoint's model record, once its files match its manifest."""
     if not checkpoint.is_dir():
-        raise ExportError(f"{checkpoint}: " + ("is not a folder" if checkpoint.exists() else "does not exist"))
+        state = "is not a folder" if checkpoint.exists() else "does not exist"
+        raise ExportError(f"{checkpoint}: {state}")
     if not (checkpoint / ".metadata").is_file() or not (checkpoint / MANIFEST).is_file():
         missing = ".metadata" if not (checkpoint / ".metadata").is_file() else MANIFEST
         raise ExportError(f"{checkpoint} is not a complete FlashCP checkpoint (no {missing})")
@@ -118,8 +122,8 @@ def verified_record(checkpoint: Path) -> dict[str, Any]:
         raise ExportError(f"checkpoint {checkpoint} is damaged: {problems[0]}")
     record = manifest.get("model")
     if not isinstance(record, dict) or not isinstance(record.get("hf_config"), dict):
-        raise ExportError(f"{checkpoint / MANIFEST} does not record the model (a checkpoint saved before FlashCP "
-                          "recorded it): resume the run for one step to save a checkpoint that does")  # fmt: skip
+        raise ExportError(f"{checkpoint / MANIFEST} does not record the model (saved before FlashCP "
+                          "recorded it): resume the run for one step to save a checkpoint that does")
     return record
 
 
@@ -133,8 +137,8 @@ def read_weights(checkpoint: Path, model_config: Any) -> dict[str, torch.Tensor]
         weights = {k: torch.empty(shape, dtype=stored[k].properties.dtype if k in stored else torch.float32)
                    for k, shape in shapes.items()}  # fmt: skip
         # no_dist: read in this process alone, also on rank 0 of a finished run (last_save_in_hf)
-        dcp.load(weights, storage_reader=SafeReader(checkpoint), planner=StrictPlanner(checkpoint, NON_MODEL_STATES),
-                 no_dist=True)  # fmt: skip
+        dcp.load(weights, storage_reader=SafeReader(checkpoint),
+                 planner=StrictPlanner(checkpoint, NON_MODEL_STATES), no_dist=True)  # fmt: skip
     except (Exception, dcp_api.CheckpointException) as e:  # the latter is a BaseException
         for kind in (UnsafeCheckpoint, MismatchedCheckpoint):
             if error_in(e, kind) is not None:
@@ -143,9 +147,9 @@ def read_weights(checkpoint: Path, model_config: Any) -> dict[str, torch.Tensor]
     return weights
 
 
-def write_folder(out: Path, weights: dict[str, torch.Tensor], hf_config: dict[str, Any], tokenizer: str | None,
-                 max_shard_bytes: int) -> list[Path]:  # fmt: skip
-    """Safetensors shards, index, config.json and tokenizer files into a temporary folder, renamed to `out`."""
+def write_folder(out: Path, weights: dict[str, torch.Tensor], hf_config: dict[str, Any],
+                 tokenizer: str | None, max_shard_bytes: int) -> list[Path]:  # fmt: skip
+    """Safetensors shards, index, config.json and tokenizer files into a temporary folder renamed to `out`."""
     check_target(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(f".{out.name}.partial-{uuid.uuid4().hex[:12]}")
@@ -157,8 +161,9 @@ def write_folder(out: Path, weights: dict[str, torch.Tensor], hf_config: dict[st
         for name, shard in zip(names, shards):
             save_file(shard, partial / name, metadata={"format": "pt"})
         if len(shards) > 1:
-            index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in weights.values())},
-                     "weight_map": {k: name for name, shard in zip(names, shards) for k in shard}}  # fmt: skip
+            total = sum(t.numel() * t.element_size() for t in weights.values())
+            weight_map = {k: name for name, shard in zip(names, shards) for k in shard}
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (partial / INDEX).write_text(json.dumps(index, indent=2))
         (partial / CONFIG).write_text(json.dumps(hf_config, indent=2))
         _copy_tokenizer(tokenizer, partial)

@@ -45,7 +45,8 @@ def weight_files(folder: Path) -> list[Path]:
             weight_map = json.loads(index.read_text())["weight_map"]
             listed = sorted(set(weight_map.values()))
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            raise HFFolderError(f"{index} is unreadable or has no weight_map ({type(e).__name__}: {e})") from None
+            problem = f"{type(e).__name__}: {e}"
+            raise HFFolderError(f"{index} is unreadable or has no weight_map ({problem})") from None
         missing = [name for name in listed if name not in present]
         if missing:
             raise HFFolderError(f"{folder / missing[0]} is missing (listed in {INDEX})"
@@ -55,7 +56,8 @@ def weight_files(folder: Path) -> list[Path]:
         names = [SINGLE]
     else:
         pickles = sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
-        hint = f" ({pickles[0]} is a pickle, which can run code: refused; convert it to safetensors)" if pickles else ""
+        hint = (f" ({pickles[0]} is a pickle, which can run code: refused; convert it to safetensors)"
+                if pickles else "")  # fmt: skip
         raise HFFolderError(f"{folder}: no {SINGLE} or {INDEX}{hint}")
     stray = [name for name in present if name not in names]
     if stray:
@@ -87,9 +89,11 @@ def read_header(path: Path) -> dict[str, dict[str, Any]]:
             end = max(end, int(entry["data_offsets"][1]))
             entry["shape"] = [int(n) for n in entry["shape"]]
         except (KeyError, TypeError, ValueError, IndexError):
-            raise HFFolderError(f"{path}: tensor {name} has no valid shape / data_offsets in the header") from None
+            problem = f"{path}: tensor {name} has no valid shape / data_offsets in the header"
+            raise HFFolderError(problem) from None
     if 8 + length + end != size:
-        raise HFFolderError(f"{path} is {size} bytes, its header describes {8 + length + end}: truncated or damaged")
+        raise HFFolderError(f"{path} is {size} bytes, its header describes {8 + length + end}: "
+                            "truncated or damaged")  # fmt: skip
     return header
 
 
@@ -112,12 +116,14 @@ def check_weights(folder: Path, expected: dict[str, tuple[int, ...]]) -> None:
     reshaped = [k for k in expected if k in stored and tuple(stored[k]["shape"]) != tuple(expected[k])]
     if reshaped:
         k = reshaped[0]
+        more = f" (and {len(reshaped) - 1} more)" if len(reshaped) > 1 else ""
         problems.append(f"{k} is {_shape(stored[k]['shape'])} in {stored[k]['file']}, the model needs "
-                        f"{_shape(expected[k])}" + (f" (and {len(reshaped) - 1} more)" if len(reshaped) > 1 else ""))  # fmt: skip
+                        f"{_shape(expected[k])}{more}")  # fmt: skip
     not_float = [k for k in expected if k in stored and stored[k]["dtype"] not in FLOAT_DTYPES]
     if not_float:
         k = not_float[0]
-        problems.append(f"{k} is stored as {stored[k]['dtype']}, not a float (quantized weights are not supported)")
+        problems.append(f"{k} is stored as {stored[k]['dtype']}, not a float "
+                        "(quantized weights are not supported)")  # fmt: skip
     if problems:
         raise HFFolderError(f"{folder} does not fit the job's model (another size or architecture?): "
                             + "; ".join(problems))  # fmt: skip

@@ -201,7 +201,8 @@ class FlashCPTrainer(Trainer):
         target = source.with_name(f"{source.name}-hf")
         if torch.distributed.get_rank() != 0 or target.exists() or not source.is_dir():
             return
-        for leftover in target.parent.glob(f".{target.name}.partial-*"):  # a crashed export's (this run holds the folder)
+        # A crashed export's temporary folder (this run holds the checkpoint folder).
+        for leftover in target.parent.glob(f".{target.name}.partial-*"):
             shutil.rmtree(leftover, ignore_errors=True)
         try:
             export(source, target, dtype=self.config.checkpoint.export_dtype)
