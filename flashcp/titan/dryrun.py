@@ -106,10 +106,13 @@ def _cpu_checkable(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _dry_job(cfg: dict[str, Any], folder: str) -> dict[str, Any]:
-    """The job on the fake backend, writing nothing: no checkpoints or TensorBoard, a scratch folder."""
+    """The job on the fake backend, writing nothing: no checkpoints or TensorBoard, a scratch folder.
+    Nor loading: a job importing HF weights with its flavor named needs no HF folder here (without a
+    flavor the architecture is the folder's, `[model] hf_config` since the config check)."""
     out = copy.deepcopy(cfg)
     out["comm"]["mode"] = "fake_backend"
     out["checkpoint"]["enable"] = False
+    out["checkpoint"]["initial_load_path"], out["checkpoint"]["initial_load_in_hf"] = None, False
     out["metrics"]["enable_tensorboard"] = False
     out["job"]["dump_folder"] = folder
     out["data"]["prefetch"] = 0

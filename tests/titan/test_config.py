@@ -26,19 +26,63 @@ from flashcp.titan.config import (
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize(
-    "name, world, has_cuda, expect",
-    [
-        ("default", 2, False, {"dp_shard": 1, "cp": 2, "tp": 1}),
-        ("debug_cpu", 4, False, {"dp_shard": 2, "cp": 2, "tp": 1}),
-        ("llama8b_128k", 8, True, {"dp_shard": 1, "cp": 8, "tp": 1}),
-        ("llama70b_128k", 64, True, {"dp_shard": 2, "cp": 4, "tp": 8}),
-    ],
-)
-def test_shipped_configs_validate(name, world, has_cuda, expect):
-    cfg = load_job(resolve_config_path(name))
+# Every job file in train_configs/ with the world size it is meant for, whether it is a GPU job, and
+# the layout it must give there. A shipped config missing here fails test_shipped_configs_validate.
+SHIPPED = {
+    "default": (2, False, {"dp_shard": 1, "cp": 2, "tp": 1}),
+    "debug_cpu": (4, False, {"dp_shard": 2, "cp": 2, "tp": 1}),
+    "tiny_extend_cpu": (2, False, {"dp_shard": 1, "cp": 2, "tp": 1}),
+    "llama8b_128k": (8, True, {"dp_shard": 1, "cp": 8, "tp": 1}),
+    "llama70b_128k": (64, True, {"dp_shard": 2, "cp": 4, "tp": 8}),
+    "llama3_8b_extend_128k": (8, True, {"dp_shard": 1, "cp": 8, "tp": 1}),
+    "qwen3_8b_128k": (8, True, {"dp_shard": 1, "cp": 8, "tp": 1}),
+}
+# Recipes that read a Hugging Face folder and token stores the user prepares (absent on CI).
+RECIPES = ("llama3_8b_extend_128k", "qwen3_8b_128k")
+
+
+@pytest.mark.parametrize("name", sorted(path.stem for path in CONFIG_DIR.glob("*.toml")))
+def test_shipped_configs_validate(tmp_path, name):
+    """Every shipped job file passes the pre-launch config check (every key, the architecture, RoPE,
+    the layout at its world size). The recipes name their architecture (flavor), so this opens none
+    of their files: their HF folder, tokenizer and data stores are opened by the launcher before any
+    rank starts (test_recipes_name_a_missing_input_in_one_line), which checks the folder's
+    safetensors headers against the model. tiny_extend_cpu reads its architecture from the HF folder
+    that scripts/make_tiny_hf.py writes first, so the test writes it too."""
+    if name not in SHIPPED:
+        pytest.fail(f"train_configs/{name}.toml has no world size and layout in SHIPPED: add it there")
+    world, has_cuda, expect = SHIPPED[name]
+    overrides = []
+    if name == "tiny_extend_cpu":
+        from scripts.make_tiny_hf import make_tiny_hf
+
+        overrides = ["--checkpoint.initial_load_path", str(make_tiny_hf(tmp_path / "tiny_hf_llama"))]
+    cfg = load_job(resolve_config_path(name), overrides)
     degrees = check_layout(cfg, world, has_cuda=has_cuda)
     assert {k: degrees[k] for k in expect} == expect
+
+
+def test_every_checked_layout_is_a_shipped_config():
+    assert set(SHIPPED) <= {path.stem for path in CONFIG_DIR.glob("*.toml")}
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_recipes_name_a_missing_input_in_one_line(name):
+    """The launcher's input check of a recipe whose files are not there: the tokenizer, then (with the
+    shipped one) the first store, then (with synthetic data) the HF folder, each named in one line."""
+    from flashcp.titan.preflight import check_inputs
+
+    synthetic = ["--data.tokenizer", "default", "--data.add_bos", "true"]
+    stages = [
+        ([], r"^tokenizer file not found: /models/\S+/tokenizer\.json$"),
+        (synthetic, r"^\[data\.mix\.long\] data path not found: /data/\S+/long\.tokens$"),
+        (synthetic + ["--data.mix.long.source", "synthetic", "--data.mix.short.source", "synthetic",
+                      "--validation.source", "synthetic"],
+         r"^\[checkpoint\] initial_load_path: /models/\S+ does not exist$"),
+    ]  # fmt: skip
+    for overrides, message in stages:
+        with pytest.raises(ValueError, match=message):
+            check_inputs(load_job(resolve_config_path(name), overrides))
 
 
 def test_a_named_gpu_backend_refuses_a_cpu_machine():
@@ -88,7 +132,7 @@ def test_a_named_torch_backend_needs_torch_2_11(monkeypatch):
 
 
 def test_shipped_gpu_configs_pick_the_kernel_that_is_installed():
-    for name in ("llama8b_128k", "llama70b_128k"):
+    for name in (name for name, (_, has_cuda, _) in SHIPPED.items() if has_cuda):
         assert load_job(resolve_config_path(name))["flashcp"]["backend"] == "auto"
 
 
