@@ -23,8 +23,8 @@ between the step's windows so that every window's predicted cost is close to the
    If a window still ends above most of the tolerance (a long uncut document whose window got
    longer short pieces than the cap predicted), the cap is tightened to that window's longest
    piece and the step is packed again (at most `RETRIES` times: a step whose forced deferred
-   documents arrive without company may need several; it stops when a pass does not improve the
-   worst window, and the best pass is kept).
+   documents arrive without company may need several; it stops when two passes in a row do not
+   improve the worst window, and the best pass is kept).
 4. Windows go to (micro step, DP rank) from the most to the least expensive, snaking over the
    ranks, so that each micro step and each rank's sum are balanced.
 
@@ -307,16 +307,19 @@ def layout_step(
         aim = 1 + CAP_SHARE * (max_imbalance - 1)
         bound = 1 + RETRY_SHARE * (max_imbalance - 1)
         dense = cost.dense_per_token * window / cost.attn_per_pair  # a window's dense work in attended pairs
-        cap, best = length_cap(lens, n_windows, window, cost, aim), None
+        cap, best, stalled = length_cap(lens, n_windows, window, cost, aim), None, 0
         for retry in range(RETRIES + 1):
             packed = pack(lens, cap, n_windows, window)
             win, length = packed[0], packed[3]
             w_pairs = np.bincount(win, length * (length + 1) / 2, n_windows)
             worst = int(np.argmax(w_pairs))
             ratio = (dense + w_pairs[worst]) / (dense + w_pairs.mean())
-            if best is not None and ratio >= best[0]:  # a tighter cap did not help: keep the best
-                break
-            best = (ratio, packed)
+            if best is None or ratio < best[0]:
+                best, stalled = (ratio, packed), 0
+            else:  # a tighter cap did not help; twice in a row: keep the best
+                stalled += 1
+                if stalled == 2:
+                    break
             if retry == RETRIES or ratio <= bound:
                 break
             excess = dense + w_pairs[worst] - aim * (dense + w_pairs.mean())
