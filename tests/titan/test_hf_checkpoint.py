@@ -39,7 +39,8 @@ from flashcp.titan.preflight import check_inputs  # noqa: E402
 def hf_job(dump: Path, hf: Path, **sections: dict) -> dict:
     """The tiny job with its architecture and weights from the HF folder `hf`."""
     checkpoint = {"enable": True, "interval": 1, "initial_load_path": str(hf), "initial_load_in_hf": True}
-    return tiny_job(dump, model=None, **{"checkpoint": checkpoint | sections.pop("checkpoint", {}), **sections})
+    checkpoint |= sections.pop("checkpoint", {})
+    return tiny_job(dump, model=None, checkpoint=checkpoint, **sections)
 
 
 def logits(folder: Path, ids: torch.Tensor) -> torch.Tensor:
@@ -103,8 +104,8 @@ def test_qwen3_round_trip_with_tied_embeddings(tmp_path):
 
 
 def test_real_steps_change_the_weights_and_last_save_in_hf_exports_them(tiny_llama, tmp_path):
-    cfg = hf_job(tmp_path, tiny_llama, training={"steps": 3}, checkpoint={"last_save_in_hf": True,
-                                                                            "export_dtype": "bfloat16"})  # fmt: skip
+    hf_export = {"last_save_in_hf": True, "export_dtype": "bfloat16"}
+    cfg = hf_job(tmp_path, tiny_llama, training={"steps": 3}, checkpoint=hf_export)
     with single_rank():
         losses = train(cfg)
     assert losses[3] < losses[1]
@@ -122,7 +123,8 @@ def test_real_steps_change_the_weights_and_last_save_in_hf_exports_them(tiny_lla
         assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
     exported = transformers.AutoModelForCausalLM.from_pretrained(out)
     original = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama)
-    changed = {k: (v.float() - original.state_dict()[k]).abs().max().item() for k, v in exported.state_dict().items()}
+    before = original.state_dict()
+    changed = {k: (v.float() - before[k]).abs().max().item() for k, v in exported.state_dict().items()}
     assert min(changed.values()) > 1e-4, changed
     assert torch.isfinite(logits(out, IDS)).all()
     assert (out / "tokenizer.json").read_bytes() == (tiny_llama / "tokenizer.json").read_bytes()
@@ -149,7 +151,8 @@ def test_a_bf16_checkpoint_exports_in_bf16_unless_dtype_says_otherwise(tiny_llam
     step = tmp_path / "run" / "checkpoint" / "step-1"
     for dtype, stored in ((None, "BF16"), ("float32", "F32")):
         out = tmp_path / f"export-{dtype}"
-        assert export_main(["--checkpoint", str(step), "--out", str(out)] + (["--dtype", dtype] if dtype else [])) == 0
+        args = ["--checkpoint", str(step), "--out", str(out)] + (["--dtype", dtype] if dtype else [])
+        assert export_main(args) == 0
         with safe_open(out / "model.safetensors", "pt") as f:
             assert {f.get_slice(k).get_dtype() for k in f.keys()} == {stored}
         assert json.loads((out / "config.json").read_text())["torch_dtype"] == (dtype or "bfloat16")
@@ -171,7 +174,8 @@ def test_export_without_the_jobs_tokenizer_says_so(negligible_step, tmp_path, ca
     ("no record", "does not record the model"),
     ("no manifest", "is not a complete FlashCP checkpoint (no manifest.json)"),
 ])  # fmt: skip
-def test_export_names_a_checkpoint_it_cannot_read_the_model_of(negligible_step, tmp_path, capsys, change, named):
+def test_export_names_a_checkpoint_it_cannot_read_the_model_of(negligible_step, tmp_path, capsys, change,
+                                                               named):  # fmt: skip
     copy = tmp_path / "step-1"
     shutil.copytree(negligible_step, copy)
     if change == "no manifest":
@@ -255,7 +259,8 @@ def _broken(tiny_llama: Path, tmp_path: Path, how: str) -> Path:
     ("missing", "no model.safetensors or model.safetensors.index.json"),
     ("pickle", "pytorch_model.bin is a pickle, which can run code: refused"),
     ("truncated", "truncated or damaged"),
-    ("shape", "model.layers.0.mlp.gate_proj.weight is [96, 32] in model.safetensors, the model needs [64, 32] (and 5 more)"),
+    ("shape", "model.layers.0.mlp.gate_proj.weight is [96, 32] in model.safetensors, "
+              "the model needs [64, 32] (and 5 more)"),
     ("model_type", "model_type 'mixtral' is not supported"),
     ("shard", "model-00002-of-00002.safetensors is missing (listed in model.safetensors.index.json)"),
 ])  # fmt: skip
