@@ -72,7 +72,7 @@ def test_recipes_name_a_missing_input_in_one_line(name):
     shipped one) the first store, then (with synthetic data) the HF folder, each named in one line."""
     from flashcp.titan.preflight import check_inputs
 
-    synthetic = ["--data.tokenizer", "default", "--data.add_bos", "true"]
+    synthetic = ["--data.tokenizer", "default"]
     stages = [
         ([], r"^tokenizer file not found: /models/\S+/tokenizer\.json$"),
         (synthetic, r"^\[data\.mix\.long\] data path not found: /data/\S+/long\.tokens$"),
