@@ -32,6 +32,8 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from flashcp.attention import kernels
+from flashcp.data.errors import DataError
+from flashcp.data.tokenizer import TokenizerError
 from flashcp.titan.config import ConfigError, check_layout, load_job, resolve_config_path, world_size_hint
 from flashcp.titan.memory_estimate import GIB, estimate, Layout, ModelShape
 from flashcp.titan.memtrack import CategoryTracker
@@ -328,6 +330,12 @@ def main(argv: list[str] | None = None) -> int:
         report = dry_run(cfg, world, args.gpu_gib, args.reserve_gib)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except (DataError, TokenizerError) as e:  # e.g. a recipe's stores, not prepared yet
+        print(f"error: {e}; the dry run draws one window from the job's data: until it exists, "
+              "--data.tokenizer default and --data.source synthetic (a mixture: "
+              "--data.mix.NAME.source synthetic for each source) stand in for it, with "
+              "--validation.enable false", file=sys.stderr)  # fmt: skip
         return 2
     print(json.dumps(report.as_json()) if args.json else _format(report), flush=True)
     if not report.fits:

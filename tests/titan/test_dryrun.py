@@ -80,6 +80,17 @@ def test_a_passing_config_check_names_the_dry_run_with_its_overrides(capsys):
     assert last.endswith(f"python -m flashcp.titan.dryrun --config {job} --world-size 8 --loss.chunk_tokens 0")
 
 
+def test_a_recipe_without_its_data_says_how_to_dry_run_it(capsys):
+    """The shipped recipes read a tokenizer and stores the user prepares: one line naming the missing
+    file and the synthetic stand-ins (the README's command for the recipes' memory)."""
+    from flashcp.titan import dryrun
+
+    assert dryrun.main(["--config", "llama3_8b_extend_128k", "--world-size", "8"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: tokenizer file not found: /models/Llama-3.1-8B/tokenizer.json; the dry run")
+    assert "--data.mix.NAME.source synthetic" in line
+
+
 def test_full_checkpointing_keeps_one_input_per_layer(tmp_path):
     """A wide, short job whose parameters outweigh its activations: the step's DTensor ops on the
     (fake) parameters must not count as activations, and an added layer adds its bf16 input only
