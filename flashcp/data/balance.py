@@ -24,7 +24,9 @@ between the step's windows so that every window's predicted cost is close to the
    longer short pieces than the cap predicted), the cap is tightened to that window's longest
    piece and the step is packed again (at most `RETRIES` times: a step whose forced deferred
    documents arrive without company may need several; it stops when two passes in a row do not
-   improve the worst window, and the best pass is kept).
+   improve the worst window, and the best pass is kept). A pass within the tolerance whose cuts
+   lose more than `GROW_LOSS` of the pairs is tried once more with a cap halfway to the longest
+   document (the cap's estimate assumes every long document cut, so it can fall far too low).
 4. Windows go to (micro step, DP rank) from the most to the least expensive, snaking over the
    ranks, so that each micro step and each rank's sum are balanced.
 
@@ -54,6 +56,7 @@ GREEDY_PER_WINDOW = 64  # and at most this many pieces per window are placed one
 CAP_SHARE = 0.8  # a capped piece's window aims at this share of the tolerated imbalance
 RETRY_SHARE = 0.9  # a step with a window above this share of it is packed again with a tighter cap
 RETRIES = 8
+GROW_LOSS = 0.2  # a cap within the bound that cuts away this share of the pairs tries a larger one
 
 
 class Piece(NamedTuple):
@@ -209,6 +212,19 @@ def fill(doc: np.ndarray, start: np.ndarray, length: np.ndarray, room: np.ndarra
     return win, doc[piece], start[piece] + offset, cuts - seg_start
 
 
+def cut_loss(lens: np.ndarray, cap: int) -> float:
+    """Share of the documents' attended pairs that cutting them at `cap` (`cut_long`) loses."""
+    full, rest = np.divmod(lens, cap)
+    kept = float((full * (cap * (cap + 1) / 2) + rest * (rest + 1) / 2).sum())
+    return 1 - kept / _pairs(lens.astype(np.float64))
+
+
+def _ratio(packed: tuple[np.ndarray, ...], n_windows: int, dense: float) -> float:
+    """Predicted max / mean window cost of packed pieces (`dense`: a window's dense work in pairs)."""
+    w_pairs = np.bincount(packed[0], packed[3] * (packed[3] + 1) / 2, n_windows)
+    return float((dense + w_pairs.max()) / (dense + w_pairs.mean()))
+
+
 def pack(lens: np.ndarray, cap: int, n_windows: int, window: int) -> tuple[np.ndarray, ...]:
     """Steps 1-3 of `balance_step` for one cap: (window, doc, start, length) arrays of the pieces."""
     # 1. Cut: pieces of at most `cap` tokens, longest first.
@@ -315,7 +331,7 @@ def layout_step(
             worst = int(np.argmax(w_pairs))
             ratio = (dense + w_pairs[worst]) / (dense + w_pairs.mean())
             if best is None or ratio < best[0]:
-                best, stalled = (ratio, packed), 0
+                best, stalled = (ratio, packed, cap), 0
             else:  # a tighter cap did not help; twice in a row: keep the best
                 stalled += 1
                 if stalled == 2:
@@ -325,6 +341,15 @@ def layout_step(
             excess = dense + w_pairs[worst] - aim * (dense + w_pairs.mean())
             longest = int(length[win == worst].max())
             cap = min(cap, max(1, int(math.sqrt(max(longest * (longest + 1) - 2 * excess, 1)))))
+        # The cap may cut far more than the bound needs: length_cap assumes every long document cut,
+        # which lowers the mean it aims at (a step of ~100 released long documents fell to 44K where
+        # 82K met the bound). When its cuts cost much, one pass halfway to the longest document.
+        if best[0] <= bound and cut_loss(lens, best[2]) > GROW_LOSS:
+            mid = (best[2] + min(int(lens.max()), window)) // 2
+            packed = pack(lens, mid, n_windows, window)
+            ratio = _ratio(packed, n_windows, dense)
+            if ratio <= bound:
+                best = (ratio, packed, mid)
         win, doc, start, length = best[1]
 
     # 4. Most expensive windows first, snaking over the ranks micro step by micro step.

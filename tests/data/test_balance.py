@@ -133,6 +133,24 @@ def test_the_window_of_a_capped_piece_takes_the_shortest_documents():
     assert np.mean(others) < 0.5 * np.mean(lens[1:])
 
 
+def test_a_step_of_many_long_documents_is_not_cut_further_than_the_tolerance_needs():
+    # More long documents than windows (what deferral releases when its longest ones are forced):
+    # length_cap's estimate assumes every one of them cut, and the tighter caps after it cut them to
+    # less than 3/4 of the pairs, where a longer cap keeps the step within 1.05.
+    window, dp = 131072, 8
+    lens = [k * 1024 for k in (119, 117, 113, 102, 94, 92, 86, 68, 60, 42, 35, 30, 25)]
+    lens += [1000] * ((dp * window - sum(lens)) // 1000)
+    lens.append(dp * window - sum(lens))
+    cap = length_cap(np.array(lens), dp, window, COST, 1.04)
+    out = balance_step(lens, dp, 1, window, COST)
+    assert max(p.length for rank in out for w in rank for p in w) > cap
+    check_cover(lens, out, dp, 1, window)
+    costs = [COST([p.length for p in w]) for rank in out for w in rank]
+    assert max(costs) <= 1.05 * np.mean(costs)
+    kept = sum(p.length * (p.length + 1) / 2 for rank in out for w in rank for p in w)
+    assert kept >= 0.75 * sum(n * (n + 1) / 2 for n in lens)
+
+
 def consecutive_steps(name: str, tokens: int, n: int, seed: int = 0) -> list[list[int]]:
     """`n` steps of documents in stream order (the benchmark's stream: the last one of a step cut)."""
     sampler, buf, out = length_sampler(name, seed=seed), [], []
