@@ -25,8 +25,9 @@ between the step's windows so that every window's predicted cost is close to the
    piece and the step is packed again (at most `RETRIES` times: a step whose forced deferred
    documents arrive without company may need several; it stops when two passes in a row do not
    improve the worst window, and the best pass is kept). A pass within the tolerance whose cuts
-   lose more than `GROW_LOSS` of the pairs is tried once more with a cap halfway to the longest
-   document (the cap's estimate assumes every long document cut, so it can fall far too low).
+   lose more than `GROW_LOSS` of the pairs and whose capped pieces outnumber the windows is tried
+   once more with a cap halfway to the longest document (the cap's estimate assumes every long
+   document cut, which then lowers the mean it aims at, so it can fall far too low).
 4. Windows go to (micro step, DP rank) from the most to the least expensive, snaking over the
    ranks, so that each micro step and each rank's sum are balanced.
 
@@ -341,11 +342,13 @@ def layout_step(
             excess = dense + w_pairs[worst] - aim * (dense + w_pairs.mean())
             longest = int(length[win == worst].max())
             cap = min(cap, max(1, int(math.sqrt(max(longest * (longest + 1) - 2 * excess, 1)))))
-        # The cap may cut far more than the bound needs: length_cap assumes every long document cut,
-        # which lowers the mean it aims at (a step of ~100 released long documents fell to 44K where
-        # 82K met the bound). When its cuts cost much, one pass halfway to the longest document.
-        if best[0] <= bound and cut_loss(lens, best[2]) > GROW_LOSS:
-            mid = (best[2] + min(int(lens.max()), window)) // 2
+        # The cap may cut far more than the bound needs where its pieces outnumber the windows: then
+        # they set the mean the cap aims at, and cutting lowers it (a step of ~100 released long
+        # documents fell to 44K where 82K met the bound). When its cuts cost much, one pass halfway
+        # to the longest document. (With fewer, the rest of the windows set the mean: no retry.)
+        cap = best[2]
+        if best[0] <= bound and int((lens // cap).sum()) >= n_windows and cut_loss(lens, cap) > GROW_LOSS:
+            mid = (cap + min(int(lens.max()), window)) // 2
             packed = pack(lens, mid, n_windows, window)
             ratio = _ratio(packed, n_windows, dense)
             if ratio <= bound:
