@@ -1,6 +1,6 @@
 """FlashCP inside TorchTitan 0.3.0: only what adapts TorchTitan.
 
-The job file -> TorchTitan's config (`config` and its `config_*` pieces, `job`), the launcher's
+The job file -> TorchTitan's config (the `config` package, `job`), the launcher's
 front end that checks a job (`launch`, `preflight`), the model specs with FlashCP's attention
 swapped in from outside (`model`, `attention`), built from TorchTitan's Llama 3 / Qwen3 flavors,
 custom sizes or HF config.json files (`decoders`, `hf_config`, `rope`), the trainer (`trainer`), the data loader as TorchTitan sees it

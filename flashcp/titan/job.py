@@ -1,6 +1,6 @@
 """A validated job (`flashcp.titan.config.load_job`) as TorchTitan's `Trainer.Config`.
 
-TorchTitan's sections become its config classes (`flashcp.titan.config_titan.titan_configs`);
+TorchTitan's sections become its config classes (`flashcp.titan.config.titan.titan_configs`);
 `[model]` picks the model spec, `[data]` and `[flashcp]` configure the window loader and the
 attention, `[validation]` the held-out loader, `[job]` the output folder. Building the config
 loads the tokenizer (to size the vocabulary) but starts nothing.
@@ -12,7 +12,7 @@ import dataclasses
 from typing import Any
 
 from flashcp.titan.components import PipelineTokenizer, resolve_tokenizer, WindowDataLoader
-from flashcp.titan.config_titan import titan_configs
+from flashcp.titan.config.titan import titan_configs
 from flashcp.titan.hf_export import job_model_record
 from flashcp.titan.heldout import held_out_data
 from flashcp.titan.loss import loss_config

@@ -10,10 +10,10 @@ import typing
 import pytest
 from harness import tiny_job
 
-from flashcp.titan import config_titan
+from flashcp.titan.config import titan as config_titan
 from flashcp.titan.config import apply_overrides, load_job, main, SCHEMA, validate
-from flashcp.titan.config_keys import ConfigError, field_default
-from flashcp.titan.config_titan import AC_MODES, FILLED, NOT_SECTIONS, OWN_DEFAULTS, OWN_KEYS, RENAMED, SECTIONS
+from flashcp.titan.config.keys import ConfigError, field_default
+from flashcp.titan.config.titan import AC_MODES, FILLED, NOT_SECTIONS, OWN_DEFAULTS, OWN_KEYS, RENAMED, SECTIONS
 
 
 def _suppressed(cls: type, name: str) -> bool:
@@ -77,7 +77,7 @@ def test_every_field_is_a_key_with_torchtitans_default_or_listed(section):
 
 # The fields of each section's class as reviewed for FlashCP (TorchTitan 0.3.0 plus FlashCP's subclasses'
 # own). A field added by an upgrade becomes a key by itself; this makes someone decide that FlashCP
-# honours it, fills it (FILLED) or refuses it (config_checks._check_unsupported) before it ships.
+# honours it, fills it (FILLED) or refuses it (flashcp.titan.config.checks._check_unsupported) before it ships.
 REVIEWED = {
     "training": "local_batch_size global_batch_size seq_len max_norm steps enable_cpu_offload disable_cuda_graphs "
                 "dtype mixed_precision_param mixed_precision_reduce gc_freq gc_debug",

@@ -11,7 +11,7 @@ import pytest
 
 import flashcp.titan  # noqa: F401  (TorchTitan shims first)
 from flashcp.titan.config import check_layout, ConfigError, model_dims, model_head_dim, validate
-from flashcp.titan.config_model import FLAVORS, QWEN3_FLAVORS, QWEN3_HEAD_DIM
+from flashcp.titan.config.model import FLAVORS, QWEN3_FLAVORS, QWEN3_HEAD_DIM
 from flashcp.titan.decoders import architecture_of, job_architecture, REGISTRIES, titan_config, titan_rope
 from flashcp.titan.hf_config import architecture_from_hf, read_hf_config, to_hf_config
 from flashcp.titan.model import model_spec

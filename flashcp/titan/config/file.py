@@ -4,7 +4,7 @@
 
 A mangled or hostile file fails in milliseconds with one line: its size and nesting are bounded
 before `tomllib` sees it (it recurses once per level: RecursionError at ~1,000 levels, minutes at
-10^6). `load_job` then validates the whole job (`flashcp.titan.config_checks.validate`).
+10^6). `load_job` then validates the whole job (`flashcp.titan.config.checks.validate`).
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from typing import Any
 
 import tomllib
 
-from flashcp.titan.config_checks import validate
-from flashcp.titan.config_keys import ConfigError, Key
-from flashcp.titan.config_schema import SCHEMA
+from flashcp.titan.config.checks import validate
+from flashcp.titan.config.keys import ConfigError, Key
+from flashcp.titan.config.schema import SCHEMA
 
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "train_configs"
+CONFIG_DIR = Path(__file__).resolve().parents[3] / "train_configs"
 DEFAULT_CONFIG = "default.toml"
 # A setting is copied into every rank's log and every node's job card: a job file stays small.
 MAX_JOB_BYTES = 1 << 20

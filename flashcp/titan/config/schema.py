@@ -1,6 +1,6 @@
 """Every key a job file may set: `SCHEMA`, section -> key -> `Key`.
 
-TorchTitan's sections come from its config classes (`flashcp.titan.config_titan`); FlashCP's own
+TorchTitan's sections come from its config classes (`flashcp.titan.config.titan`); FlashCP's own
 are declared here: `[job]`, `[model]` (the Llama 3 spec), `[data]` (the data pipeline's
 `DataConfig`, field for field), `[loss]`, `[flashcp]` and `[validation]` (TorchTitan's validator
 settings with FlashCP's held-out data). `python -m flashcp.titan.config --keys`
@@ -16,9 +16,9 @@ from flashcp.attention.kernels import BACKENDS as KERNELS
 from flashcp.data.sources import DataConfig
 from flashcp.dispatch import COMM_MODES
 from flashcp.plan import STRATEGIES
-from flashcp.titan.config_keys import field_default, Key, key_from_hint
-from flashcp.titan.config_model import MODEL_KEYS
-from flashcp.titan.config_titan import class_keys, TITAN_KEYS
+from flashcp.titan.config.keys import field_default, Key, key_from_hint
+from flashcp.titan.config.model import MODEL_KEYS
+from flashcp.titan.config.titan import class_keys, TITAN_KEYS
 
 BACKENDS = ("auto", *KERNELS)
 GPU_BACKENDS = tuple(name for name in KERNELS if name != "reference")

@@ -9,9 +9,9 @@ rank starts.
 from __future__ import annotations
 
 from flashcp.attention.kernels import gpu_backend_problem
-from flashcp.titan.config_keys import ConfigError
-from flashcp.titan.config_model import model_dims
-from flashcp.titan.config_schema import GPU_BACKENDS
+from flashcp.titan.config.keys import ConfigError
+from flashcp.titan.config.model import model_dims
+from flashcp.titan.config.schema import GPU_BACKENDS
 
 
 def degrees(cfg: dict, world_size: int) -> dict[str, int]:

@@ -6,12 +6,12 @@
     python -m flashcp.titan.config --keys [SECTION]        # every key with its type and default
 
 A job file has TorchTitan 0.3.0's `Trainer.Config` sections, their keys read from TorchTitan's
-config classes (`config_titan`), plus FlashCP's own `[job]`, `[model]`, `[data]`, `[loss]`,
-`[flashcp]` and `[validation]` (`config_schema`, `config_model`); `flashcp.titan.job` turns a
-validated job into `Trainer.Config`. The pieces: `config_keys` (one key and its value check),
-`config_file` (TOML, bounds, `--section.key value` overrides), `config_checks` (names, types and
-every check needing no world size), `config_layout` (the world size and the machine). This module
-is their front door and the `--check` / `--keys` command line.
+config classes (`titan`), plus FlashCP's own `[job]`, `[model]`, `[data]`, `[loss]`,
+`[flashcp]` and `[validation]` (`schema`, `model`); `flashcp.titan.job` turns a validated job
+into `Trainer.Config`. The modules of this package: `keys` (one key and its value check),
+`file` (TOML, bounds, `--section.key value` overrides), `checks` (names, types and every check
+needing no world size), `layout` (the world size and the machine). This front door holds the
+names others import and the `--check` / `--keys` command line (`__main__`).
 
 A bad file fails with one `error: ...` line naming the key and what it accepts. Only TorchTitan's
 config modules are imported, not its trainer: `--check` takes about as long as importing them
@@ -26,12 +26,12 @@ import shlex
 import sys
 from pathlib import Path
 
-from flashcp.titan.config_checks import validate
-from flashcp.titan.config_file import apply_overrides, CONFIG_DIR, load_job, resolve_config_path
-from flashcp.titan.config_keys import ConfigError, Key, type_name
-from flashcp.titan.config_layout import check_layout, degrees, world_size_hint
-from flashcp.titan.config_model import LLAMA3_FLAVORS, model_dims, model_head_dim, TOKENIZER_SIZED_FLAVORS
-from flashcp.titan.config_schema import SCHEMA
+from flashcp.titan.config.checks import validate
+from flashcp.titan.config.file import apply_overrides, CONFIG_DIR, load_job, resolve_config_path
+from flashcp.titan.config.keys import ConfigError, Key, type_name
+from flashcp.titan.config.layout import check_layout, degrees, world_size_hint
+from flashcp.titan.config.model import LLAMA3_FLAVORS, model_dims, model_head_dim, TOKENIZER_SIZED_FLAVORS
+from flashcp.titan.config.schema import SCHEMA
 
 __all__ = [
     "CONFIG_DIR", "ConfigError", "Key", "LLAMA3_FLAVORS", "SCHEMA", "TOKENIZER_SIZED_FLAVORS",
@@ -86,7 +86,3 @@ def main(argv: list[str] | None = None) -> int:
     if cfg["model"]["attention"] == "flashcp":  # the jobs the dry run builds
         print(f"memory per GPU, checked without GPUs: {dryrun_command(path, world, overrides)}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

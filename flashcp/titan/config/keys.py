@@ -2,7 +2,7 @@
 
 A key's type is a Python type hint as dataclasses declare them (`int`, `float | int`, `str | None`,
 `Literal[...]`, `list[str]`, `dict[str, Any]`), so the same code checks FlashCP's own keys and
-those read from TorchTitan's config classes (`flashcp.titan.config_titan`). Every failure is one
+those read from TorchTitan's config classes (`flashcp.titan.config.titan`). Every failure is one
 `ConfigError` line naming the key and what it accepts.
 """
 

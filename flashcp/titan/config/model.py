@@ -8,7 +8,7 @@ read now); RoPE keys (`flashcp.titan.rope`) override the model's own. `model_dim
 
 from __future__ import annotations
 
-from flashcp.titan.config_keys import ConfigError, Key
+from flashcp.titan.config.keys import ConfigError, Key
 from flashcp.titan.hf_config import Architecture, HFConfigError, read_hf_config
 from flashcp.titan.rope import FAMILY_ROPE, rope_for_job, RopeError, SCALINGS
 

@@ -28,7 +28,7 @@ from torchtitan.tools.profiler import Profiler
 
 from flashcp.titan import compat
 from flashcp.titan.checkpoint import Checkpointer
-from flashcp.titan.config_keys import field_default, Key, key_from_hint
+from flashcp.titan.config.keys import field_default, Key, key_from_hint
 from flashcp.titan.metrics import FlashCPMetrics
 
 # Section -> the class FlashCPTrainer.Config holds there (tests/titan/test_config.py keeps this

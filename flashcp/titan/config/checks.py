@@ -4,7 +4,7 @@
 defaults, refuses settings FlashCP cannot combine with (pipeline or expert parallelism, TorchTitan's
 own CP knobs under FlashCP attention, ...), values that would train wrongly or exhaust the machine,
 and finally runs TorchTitan's own checks by building its config objects, all before any process
-starts. Checks that need the number of ranks are `flashcp.titan.config_layout`.
+starts. Checks that need the number of ranks are `flashcp.titan.config.layout`.
 """
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from flashcp.titan.config_keys import check_value, ConfigError
+from flashcp.titan.config.keys import check_value, ConfigError
 from flashcp.data.errors import DataError
 from flashcp.data.sources import DataConfig
-from flashcp.titan.config_model import check_model
-from flashcp.titan.config_schema import RENAMED_SECTIONS, SCHEMA
-from flashcp.titan.config_titan import ac_keys, section_config, TITAN_KEYS
+from flashcp.titan.config.model import check_model
+from flashcp.titan.config.schema import RENAMED_SECTIONS, SCHEMA
+from flashcp.titan.config.titan import ac_keys, section_config, TITAN_KEYS
 
 MAX_SEQ_LEN = 2**31 - 1  # cu_seqlens (flashcp.dispatch, the varlen kernels) are int32
 WINDOW_BYTES_PER_TOKEN = 16  # a window's int64 tokens and labels, a lower bound on the loader's memory
@@ -196,7 +196,7 @@ def _check_profiler(cfg: dict) -> None:
 
 def _check_torchtitan(cfg: dict) -> None:
     """TorchTitan's own checks (its config classes' __post_init__), named by section, before launch.
-    Enabling FSDP symmetric memory checks the GPU, which `config_layout.check_layout` does instead."""
+    Enabling FSDP symmetric memory checks the GPU, which `layout.check_layout` does instead."""
     symm_mem = cfg["parallelism"]["enable_fsdp_symm_mem"]
     cfg["parallelism"]["enable_fsdp_symm_mem"] = False
     try:
