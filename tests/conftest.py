@@ -1,10 +1,29 @@
-"""Suite-wide settings: no test's verdict depends on how fast the machine is.
+"""Suite-wide settings and fixtures.
 
-Hypothesis' per-example deadline and its too-slow health check judge the machine's speed, not the
-code: CI machines are loaded, so both are off for every property test.
+No test's verdict depends on how fast the machine is: Hypothesis' per-example deadline and its
+too-slow health check judge the machine's speed, not the code, and CI machines are loaded, so
+both are off for every property test.
 """
 
+import pytest
 from hypothesis import HealthCheck, settings
+
+from flashcp.data import store_source
 
 settings.register_profile("flashcp", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("flashcp")
+
+
+@pytest.fixture
+def store_reads(monkeypatch) -> list[int]:
+    """The lengths of the token-store documents whose tokens are read (memory-mapped) from now on."""
+    read: list[int] = []
+    getitem = store_source.StoreDoc.__getitem__
+
+    def counting(self, index):
+        if self._tokens is None:
+            read.append(len(self))
+        return getitem(self, index)
+
+    monkeypatch.setattr(store_source.StoreDoc, "__getitem__", counting)
+    return read

@@ -21,7 +21,6 @@ from flashcp.costmodel.comm import collective_ms
 from flashcp.costmodel.kernel import KernelModel, PassCost, call_counts, fit_kernel_model, fit_pass
 from flashcp.costmodel.model import ring_calls
 from flashcp.costmodel.profiles import (
-    CollectiveTable,
     KernelSample,
     load_collective_tables,
     load_kernel_samples,

@@ -39,21 +39,12 @@ def test_a_store_gives_the_windows_the_text_gives(data):
     assert windows(store, 12)[0] == windows(corpus, 12)[0]
 
 
-def test_each_rank_reads_only_its_own_windows(data, monkeypatch):
+def test_each_rank_reads_only_its_own_windows(data, store_reads):
     _, store = data
-    read = []
-    getitem = store_source.StoreDoc.__getitem__
-
-    def counting(self, index):
-        if self._tokens is None:
-            read.append(len(self))
-        return getitem(self, index)
-
-    monkeypatch.setattr(store_source.StoreDoc, "__getitem__", counting)
     mine, _ = windows(store, 3, dp_rank=5, dp_world=8)
     pieces = sum(len(doc_lens) for _, _, doc_lens in mine)
-    assert 0 < len(read) <= pieces  # documents of the other 7 ranks' windows are never read
-    assert sum(read) < 3 * 128 * 3  # far below the 8 x 3 windows of the steps walked
+    assert 0 < len(store_reads) <= pieces  # documents of the other 7 ranks' windows are never read
+    assert sum(store_reads) < 3 * 128 * 3  # far below the 8 x 3 windows of the steps walked
 
 
 def test_resuming_a_store_under_another_dp_size_continues_exactly(data):

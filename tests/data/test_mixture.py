@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 
 from flashcp import plan_shards
-from flashcp.data import store_source
 from flashcp.data.balance import WindowCost
 from flashcp.data.errors import DataError
 from flashcp.data.loader import build_loader, WindowLoader, WindowPacker
@@ -171,20 +170,11 @@ def test_a_prefetching_mixture_saves_the_state_of_the_last_batch_handed_out(stor
     assert batches(mix_cfg(stores, text=text), 5, state=state)[0] == plain[4:]
 
 
-def test_each_rank_reads_only_its_own_windows_from_the_stores(stores, monkeypatch):
-    read = []
-    getitem = store_source.StoreDoc.__getitem__
-
-    def counting(self, index):
-        if self._tokens is None:
-            read.append(len(self))
-        return getitem(self, index)
-
-    monkeypatch.setattr(store_source.StoreDoc, "__getitem__", counting)
+def test_each_rank_reads_only_its_own_windows_from_the_stores(stores, store_reads):
     mine, _, _ = batches(mix_cfg(stores), 3, dp_rank=5, dp_world=8)
     pieces = sum(len(doc_lens) for _, doc_lens in mine)
-    assert 0 < len(read) <= pieces  # documents of the other 7 ranks' windows are never read
-    assert sum(read) < 3 * 128 + 2 * 3 * 450  # far below the 8 x 3 windows of the steps walked
+    assert 0 < len(store_reads) <= pieces  # documents of the other 7 ranks' windows are never read
+    assert sum(store_reads) < 3 * 128 + 2 * 3 * 450  # far below the 8 x 3 windows of the steps walked
 
 
 def test_a_state_of_another_mixture_is_refused(stores):

@@ -80,6 +80,15 @@ def single_rank() -> Iterator[None]:
                 os.environ[k] = v
 
 
+def tiny_seed_checkpoint(root: Path) -> dict[str, Any]:
+    """Save the tiny job's initial weights under `root` on one rank; the `[checkpoint]` settings that
+    start a job from them. Sharded initialisation on CPU depends on the layout, so jobs of different
+    layouts compared with each other start from this."""
+    with single_rank():
+        train(tiny_job(root, checkpoint={"enable": True, "create_seed_checkpoint": True}), seed_checkpoint=True)
+    return {"enable": True, "initial_load_path": str(root / "checkpoint/step-0")}
+
+
 def train(
     cfg: dict,
     stop_after: int | None = None,

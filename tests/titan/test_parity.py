@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 from distributed_pool import DistributedPool
-from harness import TINY, single_rank, tiny_job, train, train_counting_exchanges
+from harness import TINY, single_rank, tiny_job, tiny_seed_checkpoint, train, train_counting_exchanges
 
 STEPS = 5
 TOLERANCE = 2e-5  # absolute, on losses of ~8.5 in float32 (observed: ~1e-6)
@@ -49,12 +49,7 @@ def _worst(a: dict[int, float], b: dict[int, float], relative: bool = False) -> 
 
 @pytest.fixture(scope="module")
 def seed(tmp_path_factory):
-    """Checkpoint of the initial weights: sharded initialisation on CPU depends on the layout."""
-    root = tmp_path_factory.mktemp("seed")
-    with single_rank():
-        cfg = tiny_job(root, checkpoint={"enable": True, "create_seed_checkpoint": True})
-        train(cfg, seed_checkpoint=True)
-    return {"enable": True, "initial_load_path": str(root / "checkpoint/step-0")}
+    return tiny_seed_checkpoint(tmp_path_factory.mktemp("seed"))
 
 
 def test_cp2_reproduces_cp1_losses(tmp_path, seed):

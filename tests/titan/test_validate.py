@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 from distributed_pool import DistributedPool
-from harness import single_rank, tiny_job, train, train_on_pool_rank
+from harness import single_rank, tiny_job, tiny_seed_checkpoint, train, train_on_pool_rank
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 from torchtitan.models.common import attention as titan_attention
@@ -41,12 +41,7 @@ TOLERANCE = 1e-5  # absolute, on held-out losses of ~8.8 in float32
 
 @pytest.fixture(scope="module")
 def seed(tmp_path_factory):
-    """Checkpoint of the initial weights: sharded initialisation on CPU depends on the layout."""
-    root = tmp_path_factory.mktemp("seed")
-    with single_rank():
-        cfg = tiny_job(root, checkpoint={"enable": True, "create_seed_checkpoint": True})
-        train(cfg, seed_checkpoint=True)
-    return {"enable": True, "initial_load_path": str(root / "checkpoint/step-0")}
+    return tiny_seed_checkpoint(tmp_path_factory.mktemp("seed"))
 
 
 def job(dump: Path, seed: dict, validation: dict | None = None, **sections: Any) -> dict:
