@@ -27,7 +27,7 @@ mode). The JSON keeps `{"off", "balanced", "plan_ms",
 
     python benchmarks/balance.py --rule benchmarks/results/balance_modes.jsonl
 
-applies the issue's rule to saved `--json` lines (one per setting, --all-modes or one --mode each):
+applies the default-picking rule to saved `--json` lines (one per setting, --all-modes or one --mode each):
 the default is the mode that reaches p95 <= 1.05 with delay p90 <= 8 steps in the most settings,
 then keeps the most attended pairs; it prints every setting's figures and says whether the chosen
 mode meets the rule everywhere.
@@ -204,7 +204,7 @@ def default_mode() -> tuple[str, int]:
 
 def report(source: str, context: int, dp: int, cp: int, n_steps: int, micro: int, seed: int, mode: str | None,
            max_delay: int | None, all_modes: bool) -> dict:  # fmt: skip
-    """The issue's JSON: "off", "balanced" (the default or --mode), their keys, and every mode."""
+    """The JSON other tooling reads: "off", "balanced" (the default or --mode), their keys, and every mode."""
     name, delay = default_mode()
     name, delay = mode or name, max_delay if max_delay is not None else delay
     off = run(source, context, dp, cp, n_steps, micro, seed, "off")

@@ -1,5 +1,5 @@
 """benchmarks/balance.py: the rule that picks `[data] balance`'s default from saved lines, and the
-JSON interface issue 18 names (`off`, `balanced`, `plan_ms`, `plan_cpu_ms`, pairs kept, delays),
+JSON interface other tooling reads (`off`, `balanced`, `plan_ms`, `plan_cpu_ms`, pairs kept, delays),
 "balanced" being the trainer's default mode unless --mode names another."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""How big each section of the check runs: the GPU sizes of the issue, and toy sizes for CPU.
+"""How big each section of the check runs: the GPU sizes the check is specified at, and toy sizes for CPU.
 
 The full sizes are chosen so that the whole check ends within about 8 minutes on one H100; each
 section also has a time budget and stops adding cases when it is spent (saying so).
