@@ -179,12 +179,11 @@ class FlashCPTrainer(Trainer):
         run started again (a scheduler's retry, the same command rerun) says so once and ends."""
         self.checkpointer.load(step=self.config.checkpoint.load_step)
         steps = self.config.training.steps
-        if self.step < steps:
+        complete = self.step >= steps
+        if not complete:
             super().train()
-            self._export_hf()
-            return
         self._export_hf()
-        if torch.distributed.get_rank() == 0:
+        if complete and torch.distributed.get_rank() == 0:
             folder = Path(self.checkpointer.folder).resolve()
             print(f"flashcp: the run is already complete: the checkpoint at step {self.step} reached [training] "
                   f"steps = {steps}; nothing to train. To extend it, raise training.steps; to start afresh, "
