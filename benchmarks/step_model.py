@@ -8,26 +8,34 @@
 
 Each step is stream packing's next dp x C tokens of documents drawn from the length distribution
 (`prolong`: benchmarks/balance.py's ProLong-like mix), the last one carried into the next step:
-the tokens one optimizer step trains (one window per DP group). Every system trains
-the same documents, each in two layouts, so what the CP system adds and what balance adds are
-separate figures:
+the tokens one optimizer step trains (one window per DP group). The first max_delay_steps steps
+are skipped (the default balance's queue fills over them) and the next S are timed. Every system
+trains the same stretch of the stream in three layouts, so what the CP system adds and what
+balance adds are separate figures:
   llama3    Llama3 CP (per-sequence plan, full KV all-gather)
   per_doc   Per-Doc CP (every document split over the ranks, full all-gather)
   flashcp   FlashCP (Algorithm 1, compact all-gather)
-  +mesh     the same, with the stream's pieces moved between the DP groups' windows (`[data]
+  +mesh     the same documents, the stream's pieces moved between the DP groups' windows (`[data]
             balance = "mesh"`): the same tokens and, but for a few short pieces cut at a window's
-            end, the same attended pairs. Any CP system can use it.
-The model is `flashcp.costmodel.step`: dense GEMMs at TorchTitan's published 33 % MFU (one number,
-`flashcp.costmodel.proxy.DENSE_MFU`, which the balancer's cost uses too), full activation
-checkpointing's recompute (the shipped configs), the attention-layer model calibrated from the
-shared H100 FlashAttention profile and H200 nccl-tests tables (or --kernel / --collectives), each
-system's attention scaled to the paper's measured speedups (`paper_ratio_scales`, evaluated here
-on the paper's setting with --ratio-windows windows per dataset; --no-paper-ratio once a GPU
-check's per-rank timings calibrate the kernel model), FSDP traffic and the slowest DP group.
+            end, the same attended pairs
+  +default  the trainer's default balance (`deferral-cut`, delay <= 8 steps): long documents wait
+            for company, the rest cut to 1.05 x the mean; its own windows, whose attended pairs
+            vs stream packing are reported (`default_attention_pairs_kept`)
+Balance is data order, so any CP system can use either. The model is `flashcp.costmodel.step`:
+dense GEMMs at TorchTitan's published 33 % MFU (one number, `flashcp.costmodel.proxy.DENSE_MFU`,
+which the balancer's cost uses too), full activation checkpointing's recompute (the shipped
+configs), the attention-layer model calibrated from the shared H100 FlashAttention profile and
+H200 nccl-tests tables (or --kernel / --collectives), each system's attention scaled to the
+paper's measured speedups (`paper_ratio_scales`, evaluated here on the paper's setting with
+--ratio-windows windows per dataset; --no-paper-ratio once a GPU check's per-rank timings
+calibrate the kernel model), FSDP traffic and the slowest DP group.
 Results: benchmarks/results/step_model.json.
 
 `validate` prints the model's prediction next to every public measurement it can predict, with
-the error of each and whether the comparison is like for like (results/step_model_validate.json).
+the error of each, whether it is like for like and whether the model was fitted to it: the paper's
+attention speedups (layer model alone, and calibrated: fitted), its communication saving, and
+TorchTitan's published Llama 3.1 8B throughputs, whose torch.compile and Float8 dense rates are
+fitted to its Table 1 and every other row held out (results/step_model_validate.json).
 """
 
 from __future__ import annotations
@@ -40,12 +48,13 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
+from scipy.optimize import brentq
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from balance import sampler, Stream  # noqa: E402
+from balance import default_mode, pairs, sampler, Stream, window_lengths  # noqa: E402
 from costmodel import PAPER_SPEEDUP, evaluate as layer_times  # noqa: E402
 
 from flashcp.costmodel import load_cost_model, CostModel, ProfileError  # noqa: E402
@@ -57,27 +66,30 @@ from flashcp.costmodel.step import (  # noqa: E402
     StepModel,
     paper_ratio_scales,
 )
-from flashcp.data.balance import balance_step, stream_windows  # noqa: E402
+from flashcp.data.balance import balance_step, layout_step, stream_windows, WindowCost  # noqa: E402
+from flashcp.data.deferral import Deferral, stream_pairs  # noqa: E402
 
 SHARED_PROFILES = ROOT.parent / "shared" / "data" / "gpu_profiles"
 MODELS = {"8b": LLAMA3_8B, "70b": LLAMA3_70B}
 SYSTEMS = ("llama3", "per_doc", "flashcp")
 PARTS = ("dense", "attention", "recompute", "fsdp_exposed")
+LAYOUTS = ("", "+mesh", "+default")  # stream packing, "mesh", the trainer's default balance
 PAPER_COMM_CUT = {"wlbllm": 0.236, "pile": 0.345}  # paper Sec. 5.3: FlashCP's comm below Per-Doc CP's, N = 8
-# TorchTitan docs/performance.md (torchtitan 9dec370, 2024-12): Llama 3.1 8B, one causal sequence per
-# window, tokens/s/GPU. (table, DP, CP, sequence, local batch, full AC, eager bf16 like this model)
+# TorchTitan docs/performance.md (torchtitan 9dec370, 2024-12): Llama 3.1 8B on H100s at 500 W, one causal
+# sequence per window, tokens/s/GPU. (table, technique, DP, CP, sequence, local batch, full AC, measured)
 TORCHTITAN = (
-    ("Table 1: FSDP 8, 8K", 8, 1, 8192, 2, False, True, 5762.0),
-    ("Table 3: FSDP 128, 8K", 128, 1, 8192, 2, False, True, 5605.0),
-    ("Table 2: FSDP 8, CP 1, 32K", 8, 1, 32768, 1, True, False, 3890.0),
-    ("Table 2: FSDP 4, CP 2, 64K", 4, 2, 65536, 1, True, False, 2540.0),
-    ("Table 2: FSDP 2, CP 4, 128K", 2, 4, 131072, 1, True, False, 1071.0),
-    ("Table 2: FSDP 1, CP 8, 256K", 1, 8, 262144, 1, True, False, 548.0),
+    ("Table 1: FSDP 8, 8K", "eager", 8, 1, 8192, 2, False, 5762.0),
+    ("Table 1: FSDP 8, 8K", "compile", 8, 1, 8192, 2, False, 6667.0),
+    ("Table 1: FSDP 8, 8K", "compile + Float8", 8, 1, 8192, 2, False, 8532.0),
+    ("Table 3: FSDP 128, 8K", "eager", 128, 1, 8192, 2, False, 5605.0),
+    ("Table 3: FSDP 128, 8K", "compile", 128, 1, 8192, 2, False, 6514.0),
+    ("Table 3: FSDP 128, 8K", "compile + Float8", 128, 1, 8192, 2, False, 8380.0),
+    ("Table 2: FSDP 8, CP 1, 32K", "compile + Float8", 8, 1, 32768, 1, True, 3890.0),
+    ("Table 2: FSDP 4, CP 2, 64K", "compile + Float8", 4, 2, 65536, 1, True, 2540.0),
+    ("Table 2: FSDP 2, CP 4, 128K", "compile + Float8", 2, 4, 131072, 1, True, 1071.0),
+    ("Table 2: FSDP 1, CP 8, 256K", "compile + Float8", 1, 8, 262144, 1, True, 548.0),
 )
-
-
-def pairs(windows) -> float:
-    return float(sum(n * (n + 1) / 2 for w in windows for n in w))
+DENSE_FIT_TABLE = "Table 1: FSDP 8, 8K"  # compile's and Float8's dense rates are fitted to this table's rows
 
 
 def paper_layer_times(attention: CostModel, windows: int, seed: int) -> dict:
@@ -94,20 +106,47 @@ def modelled_speedups(times: dict) -> dict[str, float]:
     return {s: float(np.mean([p[s] for p in per])) for s in per[0]}
 
 
-def evaluate(model: StepModel, doc_lens_per_step: list[list[int]], context: int) -> dict:
+def default_windows(dataset: str, seed: int, context: int, dp: int, steps: int, cost: WindowCost,
+                    skip: int) -> tuple[list[list[list[list[int]]]], float]:  # fmt: skip
+    """The trainer's default `[data] balance` (`balance.default_mode`, a deferral mode) on the stream:
+    windows `[step][dp rank][0]` of the `steps` steps after the first `skip` (its queue fills over as
+    many steps as it may delay), and the attended pairs they keep vs stream packing of their documents."""
+    mode, max_delay = default_mode()
+    if not mode.startswith("deferral"):
+        raise SystemExit(f"step_model: the default balance {mode!r} is no deferral mode; its column needs one")
+    stream = Stream(sampler(dataset, seed))
+    deferral = Deferral(context, dp, max_delay, cost)
+    out, kept, ref = [], 0.0, 0.0
+    for i in range(skip + steps):
+        step = deferral.next_step(stream.read)
+        stream.restore(*step.cursor)
+        layout = layout_step(step.length, dp, 1, context, cost, 1.05 if mode.endswith("-cut") else None)
+        if i >= skip:
+            out.append(window_lengths(layout))
+            kept += pairs([n for rank in out[-1] for w in rank for n in w])
+            ref += float(stream_pairs(np.asarray(step.offset), np.asarray(step.length), context).sum())
+    return out, kept / ref
+
+
+def evaluate(model: StepModel, doc_lens_per_step: list[list[int]], context: int,
+             default: list[list[list[list[int]]]]) -> dict:  # fmt: skip
+    """Every system on stream packing's windows of each step, on the same documents moved by "mesh"
+    and on `default`: the trainer's default balance over the same stretch of the stream."""
     m = model.model
     cost = window_cost(m.dense_flops_per_token, 12.0 * m.heads * m.head_dim * m.n_layers, model.cp,
                        model.assume.full_ac)  # fmt: skip
-    names = [f"{s}{layout}" for s in SYSTEMS for layout in ("", "+mesh")]
+    names = [f"{s}{layout}" for s in SYSTEMS for layout in LAYOUTS]
     totals, spread, kept = {n: [] for n in names}, {n: [] for n in names}, []
     parts = {n: np.zeros(4) for n in names}
-    for lens in doc_lens_per_step:
+    for i, lens in enumerate(doc_lens_per_step):
         stream = [[w] for w in stream_windows(lens, context)]
         placed = balance_step([n for w in stream for n in w[0]], model.dp, 1, context, cost, None)
         mesh = [[[p.length for p in w] for w in rank] for rank in placed]
-        kept.append(pairs(w[0] for w in mesh) / pairs(w[0] for w in stream))
+        kept.append(pairs([n for rank in mesh for w in rank for n in w]) / pairs([n for w in stream for n in w[0]]))
+        windows = {"": stream, "+mesh": mesh, "+default": default[i]}
         for name in names:
-            result = model.step(name.removesuffix("+mesh"), mesh if name.endswith("+mesh") else stream)
+            system, plus, layout = name.partition("+")
+            result = model.step(system, windows[plus + layout])
             totals[name].append(result.total)
             spread[name].append(float(np.mean(result.group_spread)))
             parts[name] += (result.dense, result.attention, result.recompute, result.fsdp_exposed)
@@ -132,35 +171,54 @@ def throughput(system: str, attention: CostModel, assume: MeshAssumptions, dp: i
     return batch * seq / cp / (ms / 1e3)
 
 
+def dense_rates(attention: CostModel, assume: MeshAssumptions) -> dict[str, float]:
+    """Dense TFLOP/s per TorchTitan technique: eager is the model's published MFU; torch.compile's and
+    Float8's are the rates at which the model reproduces their rows of `DENSE_FIT_TABLE` (attention,
+    FSDP and the rest as modelled), so every other row using them is a held-out prediction."""
+    def miss(tflops: float, dp: int, cp: int, seq: int, batch: int, full_ac: bool, tps: float) -> float:
+        return throughput("llama3", attention, replace(assume, dense_tflops=tflops), dp, cp, seq, batch, full_ac) - tps
+
+    rates = {"eager": assume.dense_tflops}
+    for what, technique, *row in TORCHTITAN:
+        if what == DENSE_FIT_TABLE and technique not in rates:
+            rates[technique] = brentq(miss, 10.0, 10_000.0, args=tuple(row))
+    return rates
+
+
 def validate(attention: CostModel, assume: MeshAssumptions, times: dict, raw: dict[str, float]) -> list[dict]:
-    """Every public measurement the model predicts: (what, measured, predicted, error, like for like)."""
-    f = assume.attention_scale.get("flashcp", 1.0)
+    """Every public measurement the model predicts: what, measured, predicted, error and a note saying
+    whether the row is like for like and whether the model was fitted to it (then it tests nothing)."""
     rows = []
     for base, label in (("llama3", "Llama3 CP"), ("per_doc", "Per-Doc CP"), ("ring", "Ring-Attn"),
                         ("zigzag", "Ring-Attn (Zigzag)")):  # fmt: skip
-        fitted = base in assume.attention_scale
         rows.append({"what": f"paper Fig. 5: FlashCP / {label}, layer model alone",
                      "measured": PAPER_SPEEDUP[base], "predicted": raw[base],
                      "note": "like for like (avg of 12 configs, training)"})  # fmt: skip
-        scaled = raw[base] * assume.attention_scale.get(base, 1.0) / f
+        scale = assume.attention_scale
         rows.append({"what": f"paper Fig. 5: FlashCP / {label}, calibrated", "measured": PAPER_SPEEDUP[base],
-                     "predicted": scaled,
-                     "note": "fitted to this row (no test)" if fitted else "held out"})  # fmt: skip
+                     "predicted": raw[base] * scale.get(base, 1.0) / scale.get("flashcp", 1.0),
+                     "note": "fitted to this row (no test)" if base in scale else "held out"})  # fmt: skip
     for d, cut in PAPER_COMM_CUT.items():
         t = times[(d, 8)]["heads"]["32"]
         comm = {s: t[s]["comm_fwd"] + t[s]["comm_bwd"] for s in ("flashcp", "per_doc")}
         rows.append({"what": f"paper Sec. 5.3: FlashCP comm below Per-Doc CP, {d}, N = 8",
                      "measured": cut, "predicted": 1 - comm["flashcp"] / comm["per_doc"],
-                     "note": "paper's H not stated (H = 32 here)"})  # fmt: skip
-    for what, dp, cp, seq, batch, full_ac, alike, tps in TORCHTITAN:
-        note = "selective op AC modelled as none" if alike else "measured compiled, Float8; modelled eager bf16"
-        note += "; their H100s at 500 W"
-        # PyTorch's context_parallel (default all-gather rotation, head-tail balance): one all-gather as in
-        # Llama3 CP, then blockwise kernels with partial-result merges as in zigzag ring attention.
-        for system in ("llama3", "zigzag") if cp > 1 else ("llama3",):
-            rows.append({"what": f"TorchTitan {what} tokens/s/GPU" + (f", as {system}" if cp > 1 else ""),
+                     "note": "layer model alone; paper's H not stated (H = 32 here)"})  # fmt: skip
+    rates = dense_rates(attention, assume)
+    for what, technique, dp, cp, seq, batch, full_ac, tps in TORCHTITAN:
+        fitted = what == DENSE_FIT_TABLE and technique != "eager"
+        at = replace(assume, dense_tflops=rates[technique])
+        note = f"{technique}: dense at {rates[technique]:.0f} TFLOP/s; " + (
+            "fitted to this row (no test)" if fitted else
+            "partly circular: the 33 % MFU was published with this table" if what == DENSE_FIT_TABLE else "held out")
+        note += "" if full_ac else "; selective op AC modelled as none"
+        # PyTorch's context_parallel (head-tail load balance, KV all-gathered by default, then one blockwise
+        # kernel per rotation and partial-result merges): its kernels as zigzag ring attention's, its
+        # KV exchange as Llama3 CP's.
+        for system in ("zigzag", "llama3") if cp > 1 else ("llama3",):
+            rows.append({"what": f"TorchTitan {what}, {technique}" + (f", as {system}" if cp > 1 else ""),
                          "measured": tps, "note": note,
-                         "predicted": throughput(system, attention, assume, dp, cp, seq, batch, full_ac)})
+                         "predicted": throughput(system, attention, at, dp, cp, seq, batch, full_ac)})
     for r in rows:
         r["error"] = r["predicted"] / r["measured"] - 1.0
     return rows
@@ -206,9 +264,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     if command == "validate":
         payload["rows"] = validate(attention, assume, times, raw)
-        print(f"{'measurement':62s} {'measured':>9s} {'predicted':>9s} {'error':>7s}  note")
+        print(f"{'measurement':68s} {'measured':>9s} {'predicted':>9s} {'error':>7s}  note")
         for r in payload["rows"]:
-            print(f"{r['what']:62s} {r['measured']:9.3f} {r['predicted']:9.3f} {100 * r['error']:+6.1f}%  "
+            print(f"{r['what']:68s} {r['measured']:9.3f} {r['predicted']:9.3f} {100 * r['error']:+6.1f}%  "
                   + r["note"])
         name = "step_model_validate.json"
     else:
@@ -227,13 +285,20 @@ def table(args: argparse.Namespace, attention: CostModel, assume: MeshAssumption
     for dataset in args.datasets:
         for context in args.contexts:
             for dp in args.dp:
-                stream = Stream(sampler(dataset, args.seed))
-                lens = [stream.step(dp * context)[0] for _ in range(args.steps)]
+                stream, skip = Stream(sampler(dataset, args.seed)), default_mode()[1]
+                lens = [stream.step(dp * context)[0] for _ in range(skip + args.steps)][skip:]
                 plans: dict = {}  # plans depend on the windows only: shared by the models
                 for name in args.models:
-                    out = evaluate(StepModel(attention, MODELS[name], args.cp, dp, assume, plans), lens, context)
+                    model = StepModel(attention, MODELS[name], args.cp, dp, assume, plans)
+                    m = model.model
+                    cost = window_cost(m.dense_flops_per_token, 12.0 * m.heads * m.head_dim * m.n_layers, args.cp,
+                                       assume.full_ac)  # fmt: skip
+                    default, default_kept = default_windows(dataset, args.seed, context, dp, args.steps, cost, skip)
+                    out = evaluate(model, lens, context, default)
+                    out["default_attention_pairs_kept"] = default_kept
                     out["setting"] = {"model": MODELS[name].name, "dataset": dataset, "context": context,
-                                      "dp": dp, "cp": args.cp, "steps": args.steps, "seed": args.seed}  # fmt: skip
+                                      "dp": dp, "cp": args.cp, "steps": args.steps, "seed": args.seed,
+                                      "skipped_steps": skip, "default_balance": "{}, max_delay_steps {}".format(*default_mode())}  # fmt: skip
                     runs.append(out)
                     speed = "  ".join(f"{s} {v:.2f}x" for s, v in out["speedup_vs_llama3"].items() if s != "llama3")
                     print(f"{MODELS[name].name:12s} {dataset:7s} C={context // 1024}K DP={dp:<3d} Llama3 CP "

@@ -4,6 +4,7 @@ attention model of test_costmodel; balance in the model; `benchmarks/step_model.
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -108,11 +109,25 @@ def test_an_attention_scale_multiplies_only_its_systems_attention():
 
 
 def test_paper_ratio_scales_reproduce_the_measured_speedups_keeping_llama3():
-    modelled, measured = {"llama3": 2.0, "per_doc": 1.8}, {"llama3": 1.38, "per_doc": 1.63}
+    modelled = {"llama3": 2.0, "per_doc": 1.8, "ring": 3.1, "zigzag": 2.5}
+    measured = {"llama3": 1.38, "per_doc": 1.63, "ring": 1.97, "zigzag": 2.14}
     scale = paper_ratio_scales(modelled, measured)
     assert scale["llama3"] == 1.0 and scale["flashcp"] > 1.0  # the model's FlashCP was too fast
+    assert set(scale) == {*measured, "flashcp"}
     for base in modelled:  # FlashCP's speedup over `base` once both times are scaled
         assert modelled[base] * scale[base] / scale["flashcp"] == pytest.approx(measured[base])
+
+
+def test_the_cp_systems_scales_leave_one_rank_alone():
+    """On one rank every system runs the same kernel: the scales, measured on CP groups, do not apply."""
+    attention, windows = synthetic_model(), [[SHORT + LONG]]
+    scale = MeshAssumptions(attention_scale={"flashcp": 1.5, "zigzag": 2.0})
+    for system in ("flashcp", "zigzag"):
+        one = StepModel(attention, TINY, cp=1, dp=1, assumptions=scale).step(system, windows)
+        assert one.total == pytest.approx(StepModel(attention, TINY, cp=1, dp=1).step(system, windows).total)
+        four = StepModel(attention, TINY, cp=4, dp=1, assumptions=scale).step(system, windows)
+        assert four.attention == pytest.approx(
+            scale.attention_scale[system] * StepModel(attention, TINY, cp=4, dp=1).step(system, windows).attention)
 
 
 @pytest.mark.parametrize("system", ["per_doc", "flashcp"])
@@ -192,3 +207,40 @@ def test_validate_prints_every_public_measurement_with_its_error(tmp_path):
     for r in rows:  # the error column is the prediction's relative error
         assert float(r[4]) == pytest.approx(100 * (float(r[3]) / float(r[2]) - 1), abs=0.2)
     assert all(r[5] for r in rows) and (tmp_path / "step_model_validate.json").is_file()
+    notes = {r[1].strip(): r[5] for r in rows}
+    fitted = [w for w, n in notes.items() if "fitted to this row" in n]
+    assert {"TorchTitan Table 1: FSDP 8, 8K, compile + Float8", "TorchTitan Table 1: FSDP 8, 8K, compile"} <= set(
+        fitted)  # fmt: skip
+    for r in rows:  # a row the model was fitted to reproduces its measurement and says it tests nothing
+        if "fitted to this row" in r[5]:
+            assert abs(float(r[4])) < 0.1, r[0]
+    held = [w for w, n in notes.items() if "held out" in n]  # the tests: rows the model was not fitted to
+    assert all(any(w.startswith(f"TorchTitan Table {t}") for w in held) for t in (2, 3))
+    assert {8380.0, 6514.0} <= measured
+
+
+@pytest.mark.skipif(not SHARED_PROFILES.is_dir(), reason="needs ../shared/data/gpu_profiles (the calibration)")
+def test_the_table_compares_each_system_in_stream_order_mesh_and_the_default_balance(tmp_path):
+    command = [sys.executable, str(ROOT / "benchmarks" / "step_model.py"), "--models", "8b", "--contexts", "131072",
+               "--dp", "2", "--datasets", "wlbllm", "--steps", "2", "--ratio-windows", "1", "--results",
+               str(tmp_path)]  # fmt: skip
+    subprocess.run(command, capture_output=True, text=True, timeout=600, check=True)
+    (run,) = json.loads((tmp_path / "step_model.json").read_text())["runs"]
+    names = {f"{s}{layout}" for s in ("llama3", "per_doc", "flashcp") for layout in ("", "+mesh", "+default")}
+    assert set(run["step_s"]) == names and run["speedup_vs_llama3"]["llama3"] == 1.0
+    for parts, step_s in zip(run["breakdown_s"].values(), run["step_s"].values()):  # a step: its parts' sum
+        assert sum(parts.values()) == pytest.approx(step_s, rel=1e-6)
+    assert run["setting"]["skipped_steps"] == 8 and 0.5 < run["default_attention_pairs_kept"] < 2.0
+    assert run["dp_group_max_over_mean"]["flashcp+default"] < run["dp_group_max_over_mean"]["flashcp"]
+
+
+def test_default_windows_hold_exactly_the_context_on_every_dp_rank():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from step_model import default_windows
+
+    cost = window_cost(TINY.dense_flops_per_token, 12.0 * TINY.dim * TINY.n_layers, 2, True)
+    windows, kept = default_windows("pile", 0, C, 4, 3, cost, skip=2)
+    assert len(windows) == 3 and kept > 0.5
+    for step in windows:
+        assert len(step) == 4 and all(len(rank) == 1 and sum(rank[0]) == C for rank in step)
+
