@@ -61,16 +61,25 @@ def sampler(name: str, seed: int) -> LengthSampler:
 
 
 class Stream:
-    """Documents drawn from a sampler, read like the loader's packer: whole documents from a cursor."""
+    """Documents drawn from a sampler, read like the loader's packer: whole documents from a cursor.
+    With `tokens`, the data holds exactly that many (its last document cut) and then ends, as data
+    without looping does: a read near the end gives fewer tokens."""
 
-    def __init__(self, lengths: LengthSampler):
+    def __init__(self, lengths: LengthSampler, tokens: int | None = None):
         self.lengths, self.lens, self.doc, self.offset = lengths, np.zeros(0, dtype=np.int64), 0, 0
+        self.finite = tokens is not None
+        if tokens is not None:
+            while int(self.lens.sum()) < tokens:
+                self.lens = np.concatenate((self.lens, lengths.sample(4096)))
+            n = int(np.searchsorted(np.cumsum(self.lens), tokens, side="left")) + 1
+            self.lens = self.lens[:n].copy()
+            self.lens[-1] -= int(self.lens.sum()) - tokens
 
     def read(self, tokens: int) -> DocSpan:
-        while int(self.lens[self.doc :].sum()) - self.offset < tokens:
+        while not self.finite and int(self.lens[self.doc :].sum()) - self.offset < tokens:
             self.lens = np.concatenate((self.lens, self.lengths.sample(4096)))
         ends = np.cumsum(self.lens[self.doc :]) - self.offset
-        last = self.doc + int(np.searchsorted(ends, tokens, side="left")) + 1
+        last = min(self.doc + int(np.searchsorted(ends, tokens, side="left")) + 1, self.lens.size)
         index = np.arange(self.doc, last)
         start = np.where(index == self.doc, self.offset, 0)
         span = DocSpan(np.zeros(index.size, dtype=np.int64), index, start, self.lens[index] - start, index)

@@ -8,10 +8,10 @@
 
 Each step is stream packing's next dp x C tokens of documents drawn from the length distribution
 (`prolong`: benchmarks/balance.py's ProLong-like mix), the last one carried into the next step:
-the tokens one optimizer step trains (one window per DP group). The first max_delay_steps steps
-are skipped (the default balance's queue fills over them) and the next S are timed. Every system
-trains the same stretch of the stream in three layouts, so what the CP system adds and what
-balance adds are separate figures:
+the tokens one optimizer step trains (one window per DP group). The data ends after S steps'
+tokens, as data without looping does, so every layout trains exactly the same documents in S
+steps (the default balance's first steps fill its queue, its last ones flush it), each system in
+three layouts, so that what the CP system adds and what balance adds are separate figures:
   llama3    Llama3 CP (per-sequence plan, full KV all-gather)
   per_doc   Per-Doc CP (every document split over the ranks, full all-gather)
   flashcp   FlashCP (Algorithm 1, compact all-gather)
@@ -19,8 +19,8 @@ balance adds are separate figures:
             balance = "mesh"`): the same tokens and, but for a few short pieces cut at a window's
             end, the same attended pairs
   +default  the trainer's default balance (`deferral-cut`, delay <= 8 steps): long documents wait
-            for company, the rest cut to 1.05 x the mean; its own windows, whose attended pairs
-            vs stream packing are reported (`default_attention_pairs_kept`)
+            for company, the rest cut to 1.05 x the mean; the attended pairs its windows keep vs
+            stream packing's are reported (`default_attention_pairs_kept`)
 Balance is data order, so any CP system can use either. The model is `flashcp.costmodel.step`:
 dense GEMMs at TorchTitan's published 33 % MFU (one number, `flashcp.costmodel.proxy.DENSE_MFU`,
 which the balancer's cost uses too), full activation checkpointing's recompute (the shipped
@@ -106,32 +106,40 @@ def modelled_speedups(times: dict) -> dict[str, float]:
     return {s: float(np.mean([p[s] for p in per])) for s in per[0]}
 
 
-def default_windows(dataset: str, seed: int, context: int, dp: int, steps: int, cost: WindowCost,
-                    skip: int) -> tuple[list[list[list[list[int]]]], float]:  # fmt: skip
-    """The trainer's default `[data] balance` (`balance.default_mode`, a deferral mode) on the stream:
-    windows `[step][dp rank][0]` of the `steps` steps after the first `skip` (its queue fills over as
-    many steps as it may delay), and the attended pairs they keep vs stream packing of their documents."""
+def default_windows(dataset: str, seed: int, context: int, dp: int, steps: int,
+                    cost: WindowCost) -> tuple[list[list[list[list[int]]]], float]:  # fmt: skip
+    """The trainer's default `[data] balance` (`balance.default_mode`, a deferral mode) on the same
+    data as stream packing's `steps` steps, ending there as data without looping ends (the last steps
+    flush the queue): windows `[step][dp rank][0]` that train exactly the same documents, and the
+    attended pairs they keep vs stream packing of them."""
     mode, max_delay = default_mode()
     if not mode.startswith("deferral"):
         raise SystemExit(f"step_model: the default balance {mode!r} is no deferral mode; its column needs one")
-    stream = Stream(sampler(dataset, seed))
+    stream = Stream(sampler(dataset, seed), steps * dp * context)
     deferral = Deferral(context, dp, max_delay, cost)
-    out, kept, ref = [], 0.0, 0.0
-    for i in range(skip + steps):
+    out, kept = [], 0.0
+    while True:
+        start = (0, stream.doc, stream.offset)
         step = deferral.next_step(stream.read)
-        stream.restore(*step.cursor)
-        layout = layout_step(step.length, dp, 1, context, cost, 1.05 if mode.endswith("-cut") else None)
-        if i >= skip:
-            out.append(window_lengths(layout))
-            kept += pairs([n for rank in out[-1] for w in rank for n in w])
-            ref += float(stream_pairs(np.asarray(step.offset), np.asarray(step.length), context).sum())
-    return out, kept / ref
+        if step is None:  # the data's end: the queue flushes
+            stream.restore(*start)
+            step = deferral.final_step(stream.read)
+            if step is None:
+                break
+        if step.cursor is not None:
+            stream.restore(*step.cursor)
+        out.append(window_lengths(layout_step(step.length, dp, 1, context, cost,
+                                              1.05 if mode.endswith("-cut") else None)))  # fmt: skip
+        kept += pairs([n for rank in out[-1] for w in rank for n in w])
+    if len(out) != steps:
+        raise RuntimeError(f"the default balance made {len(out)} steps of {steps} steps' tokens")
+    return out, kept / pairs([n for w in stream_windows(stream.lens.tolist(), context) for n in w])
 
 
 def evaluate(model: StepModel, doc_lens_per_step: list[list[int]], context: int,
              default: list[list[list[list[int]]]]) -> dict:  # fmt: skip
     """Every system on stream packing's windows of each step, on the same documents moved by "mesh"
-    and on `default`: the trainer's default balance over the same stretch of the stream."""
+    and on `default`: the trainer's default balance of the same data (`default_windows`)."""
     m = model.model
     cost = window_cost(m.dense_flops_per_token, 12.0 * m.heads * m.head_dim * m.n_layers, model.cp,
                        model.assume.full_ac)  # fmt: skip
@@ -285,20 +293,20 @@ def table(args: argparse.Namespace, attention: CostModel, assume: MeshAssumption
     for dataset in args.datasets:
         for context in args.contexts:
             for dp in args.dp:
-                stream, skip = Stream(sampler(dataset, args.seed)), default_mode()[1]
-                lens = [stream.step(dp * context)[0] for _ in range(skip + args.steps)][skip:]
+                stream = Stream(sampler(dataset, args.seed), args.steps * dp * context)
+                lens = [stream.step(dp * context)[0] for _ in range(args.steps)]
                 plans: dict = {}  # plans depend on the windows only: shared by the models
                 for name in args.models:
                     model = StepModel(attention, MODELS[name], args.cp, dp, assume, plans)
                     m = model.model
                     cost = window_cost(m.dense_flops_per_token, 12.0 * m.heads * m.head_dim * m.n_layers, args.cp,
                                        assume.full_ac)  # fmt: skip
-                    default, default_kept = default_windows(dataset, args.seed, context, dp, args.steps, cost, skip)
+                    default, default_kept = default_windows(dataset, args.seed, context, dp, args.steps, cost)
                     out = evaluate(model, lens, context, default)
                     out["default_attention_pairs_kept"] = default_kept
                     out["setting"] = {"model": MODELS[name].name, "dataset": dataset, "context": context,
                                       "dp": dp, "cp": args.cp, "steps": args.steps, "seed": args.seed,
-                                      "skipped_steps": skip, "default_balance": "{}, max_delay_steps {}".format(*default_mode())}  # fmt: skip
+                                      "default_balance": "{}, max_delay_steps {}".format(*default_mode())}  # fmt: skip
                     runs.append(out)
                     speed = "  ".join(f"{s} {v:.2f}x" for s, v in out["speedup_vs_llama3"].items() if s != "llama3")
                     print(f"{MODELS[name].name:12s} {dataset:7s} C={context // 1024}K DP={dp:<3d} Llama3 CP "
