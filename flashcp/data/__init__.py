@@ -8,7 +8,8 @@
   memory maps) and `store_source` (a rank reads only its own windows);
 - windows: `packing` (documents back to back into windows of exactly C tokens), `balance`
   (global-batch balancing over data-parallel ranks and micro steps), `deferral` (balancing by
-  letting long documents wait a bounded number of steps);
+  letting long documents wait a bounded number of steps) and `release` (which waiting documents
+  a deferral step trains);
 - batches: `loader` (the background thread that reads, packs, plans and dispatches, and its
   resumable state);
 - `lengths`: document-length distributions for planning studies and synthetic data.

@@ -7,10 +7,11 @@ releases them together. Here a document of at least `threshold` tokens enters a 
 when the stream reaches it (one longer than a window as window-long pieces and a rest, which
 stream packing would not keep together either); each step releases the set of pending
 documents that keeps the step's windows within the aimed max / mean of predicted cost
-(`choose_release`: the highest "level" of long-document work per window that the pool can fill
-evenly), plus every document whose delay reached `max_delay` (forced). Short documents fill the
-rest of the step in stream order, the last one cut and carried like stream packing does. The
-step's documents are then packed into windows by `flashcp.data.balance.layout_step`.
+(`flashcp.data.release.choose_release`: the highest "level" of long-document work per window
+that the pool can fill evenly, the aim relative to the step's mean as released), plus every
+document whose delay reached `max_delay` (forced). Short documents fill the rest of the step in
+stream order, the last one cut and carried like stream packing does. The step's documents are
+then packed into windows by `flashcp.data.balance.layout_step`.
 
 Guarantees, from the lengths alone (every rank computes the same): a step holds exactly
 `n_windows * window` tokens; a document is trained whole in the step it is released in, at most
@@ -24,7 +25,6 @@ stream, and only the last incomplete step is dropped, as stream packing drops it
 from __future__ import annotations
 
 import bisect
-import heapq
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -32,9 +32,9 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from flashcp.data.balance import StepLayout, WindowCost
+from flashcp.data.release import choose_release, StepAim
 
 AIM_SHARE = 1.0  # the release aims at this share of the tolerated imbalance (deferral-cut cuts the rest)
-LEVELS = 12  # candidate levels per step (the largest pool documents, geometrically spaced; bisected)
 
 
 class DocSpan(NamedTuple):
@@ -123,75 +123,6 @@ class StepDocs:
         return self
 
 
-def weight(n: np.ndarray, density: float) -> np.ndarray:
-    """A long document's extra load on its window: its pairs net of the short ones it displaces."""
-    return n * (n + 1) / 2 - density * n
-
-
-def _fill(order: np.ndarray, lens: np.ndarray, w: np.ndarray, forced: np.ndarray, n_windows: int, window: int,
-          level: float) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
-    """Documents in `order`, each into the least loaded window with room, if it stays within
-    `level` (forced ones always): (released mask, window loads)."""
-    room, load = np.full(n_windows, window, dtype=np.int64), np.zeros(n_windows)
-    heap = [(0.0, k) for k in range(n_windows)]
-    released = np.zeros(lens.size, dtype=bool)
-    shortest = int(lens.min()) if lens.size else 0  # a window with less room takes no more
-    for i in order.tolist():
-        n, parked = int(lens[i]), []
-        while heap and room[heap[0][1]] < n:  # windows too full for this document
-            parked.append(heapq.heappop(heap))
-        if heap and (forced[i] or heap[0][0] + w[i] <= level):
-            k = heapq.heappop(heap)[1]
-        elif forced[i]:  # fits nowhere whole: the roomiest window (balance_step cuts it)
-            k = int(np.argmax(room))
-            heap = [h for h in heap if h[1] != k]
-            parked = [h for h in parked if h[1] != k]
-            heapq.heapify(heap)
-        else:
-            for h in parked:
-                heapq.heappush(heap, h)
-            continue
-        released[i] = True
-        room[k] -= min(n, int(room[k]))
-        load[k] += w[i]
-        for h in parked:
-            heapq.heappush(heap, h)
-        if room[k] >= shortest:
-            heapq.heappush(heap, (float(load[k]), k))
-    return released, load
-
-
-def choose_release(lens: np.ndarray, forced: np.ndarray, n_windows: int, window: int, density: float,
-                   slack: float) -> np.ndarray:  # fmt: skip
-    """Which pool documents the step trains: the forced ones, then, longest first, those that fit
-    under the highest level whose windows stay within `slack` (max load - mean load, in pairs)."""
-    w = weight(lens.astype(np.float64), density)
-    order = np.lexsort((np.arange(lens.size), -lens, ~forced))
-    _, load = _fill(order[: int(forced.sum())], lens, w, forced, n_windows, window, 0.0)
-    # Up to the forced documents' level, or to the slack, a document never makes the step worse.
-    floor = max(float(load.max()), slack)
-    free = order[int(forced.sum()) :]
-    picks = np.unique(np.geomspace(1, max(free.size, 1), LEVELS).astype(int) - 1)
-    levels = sorted({float(w[free].clip(0).sum()) / n_windows, *w[free[picks]].tolist()} if free.size else set(),
-                    reverse=True)  # fmt: skip
-    # The highest level within the slack, by bisection (a lower level releases less long work, so
-    # the slack is met from some level down, nearly always): 4 fills instead of up to LEVELS.
-    levels = [level for level in levels if level > floor]
-    if levels:  # the top level: every window one of the longest pieces (window-long ones gathered)
-        released, load = _fill(order, lens, w, forced, n_windows, window, levels[0])
-        if load.max() - load.mean() <= slack:
-            return released
-    best, lo, hi = None, 1, len(levels)  # levels[hi:] meet the slack (as far as bisection assumes)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        released, load = _fill(order, lens, w, forced, n_windows, window, levels[mid])
-        if load.max() - load.mean() <= slack:
-            best, hi = released, mid
-        else:
-            lo = mid + 1
-    return best if best is not None else _fill(order, lens, w, forced, n_windows, window, floor)[0]
-
-
 def stream_pairs(offset: np.ndarray, length: np.ndarray, window: int) -> np.ndarray:
     """Attended pairs of each stretch [offset, offset + length) of the stream as stream packing
     trains it: cut wherever a window ends (at multiples of `window`)."""
@@ -240,11 +171,11 @@ class Deferral:
         forced = np.array([self.step - p.arrival >= self.max_delay for p in self.pending], dtype=bool)
         short = span.length[~candidate]
         density = float((short * (short + 1) / 2).sum() / max(int(short.sum()), 1))
-        mean_pairs = density * self.window + self.cost.dense_per_token * self.window / self.cost.attn_per_pair
-        slack = AIM_SHARE * (self.target - 1) * mean_pairs
+        base = density * self.window + self.cost.dense_per_token * self.window / self.cost.attn_per_pair
+        aim = StepAim(self.n_windows, self.window, density, base, AIM_SHARE * (self.target - 1))
         pool = np.concatenate((pend, span.length[candidate]))
-        release = choose_release(pool, np.concatenate((forced, np.zeros(int(candidate.sum()), dtype=bool))),
-                                 self.n_windows, self.window, density, slack)  # fmt: skip
+        forced = np.concatenate((forced, np.zeros(pool.size - pend.size, dtype=bool)))
+        release = choose_release(pool, forced, aim)
         out, queue = StepDocs(), []
         for p, go in zip(self.pending, release[: pend.size].tolist()):
             if go:

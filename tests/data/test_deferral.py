@@ -16,7 +16,7 @@ import torch
 from test_loader import list_loader, STRIDE
 
 from flashcp.data.balance import WindowCost
-from flashcp.data.deferral import choose_release, stream_pairs
+from flashcp.data.deferral import stream_pairs
 from flashcp.data.errors import DataError
 
 COST = WindowCost(dense_per_token=40.0, attn_per_pair=1.0)  # attention dominates long documents
@@ -175,15 +175,6 @@ def test_deferral_cut_cuts_only_what_waiting_could_not_balance():
         return np.mean([max(c) / np.mean(c) for c in ([COST(b["doc_lens"]) for r in s for b in r] for s in run)])
 
     assert spread(steps) < spread(plain)
-
-
-def test_forced_documents_are_always_released_and_the_rest_within_the_slack():
-    lens = np.array([100, 90, 80, 20, 10])
-    forced = np.array([False, True, False, False, False])
-    out = choose_release(lens, forced, n_windows=2, window=128, density=2.0, slack=10.0)
-    assert out[1]
-    out = choose_release(lens, np.zeros(5, dtype=bool), n_windows=2, window=256, density=2.0, slack=1e9)
-    assert out.all()
 
 
 def test_stream_pairs_cut_at_the_stream_windows():
