@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 from torchtitan.distributed.activation_checkpoint import FullAC
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
@@ -294,7 +295,10 @@ class FlashCPTrainer(Trainer):
         would otherwise be saved, published and resumed from.
         """
         loss = super().forward_backward_step(**kwargs)
-        finite = torch.isfinite(loss.detach())
+        # With TP the chunked loss (ChunkedLossWrapper) is a replicated DTensor; its local value, as
+        # TorchTitan's own loss reduction takes it, since the flag is all-reduced as a plain tensor.
+        local = loss.detach().to_local() if isinstance(loss, DTensor) else loss.detach()
+        finite = torch.isfinite(local)
         self._losses_finite = finite if self._losses_finite is None else self._losses_finite & finite
         return loss
 

@@ -11,11 +11,14 @@ in eval mode without gradients, so training continues exactly as without validat
 
 A long-context model is judged by how its loss falls with the context it has seen, so besides
 the mean loss every validation reports the loss by the token's position inside its document,
-in log-spaced buckets [0, bucket_min), [bucket_min, 2 bucket_min), ... up to `seq_len`. Each
-bucket's token-loss sum is TorchTitan's loss function applied to the labels of that bucket only
-(every rank makes the same calls: the chunked loss and FSDP's gather of the output projection are
-collectives); sums and token counts are summed over the DP x CP ranks, so the buckets' token-
-weighted mean is the mean loss up to float rounding.
+in log-spaced buckets [0, bucket_min), [bucket_min, 2 bucket_min), ... up to `seq_len`. One pass
+per window gives both: the decoder once, then the output projection and each token's cross-entropy
+(TorchTitan's `compute_logprobs`) once per slice of tokens -- with `[loss] chunk_tokens`, through
+TorchTitan's own `ChunkedLossWrapper` (its lm_head, slices and FSDP unshard) with this per-token
+loss inside -- summed per bucket by the token's bucket id. Projecting once per bucket instead
+would cost 9 vocabulary projections per window at 128K with 1K buckets. Sums and token counts
+are summed over the DP x CP ranks: the mean is every labelled token's cross-entropy over their
+count, as TorchTitan's loss function gives it, and the buckets' token-weighted mean is the mean.
 
 The held-out loader is built anew at each validation, so every validation reads the same windows
 from the beginning of the held-out data and checkpoints hold no validation state.
@@ -23,14 +26,14 @@ from the beginning of the held-out data and checkpoints hold no validation state
 
 from __future__ import annotations
 
+import copy
 import itertools
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
-from torchtitan.components.loss import IGNORE_INDEX
+from torchtitan.components.loss import ChunkedLossWrapper, compute_logprobs, IGNORE_INDEX
 from torchtitan.components.validate import Validator
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.tools.logging import logger
@@ -173,19 +176,22 @@ class FlashCPValidator(Validator):
         self.log(result)
 
     def _window(self, model: nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's token-loss sums and label counts of one window: all tokens, then each bucket."""
+        """This rank's token-loss sums and label counts of one window: [all tokens, each bucket...]."""
         assert self.path is not None
         input_dict, labels = self.path.window_inputs(batch)
         inputs, labels, extra = self.post_dataloading_process(input_dict, labels, [model])
         inner_edges = torch.tensor(self.edges[1:-1], device=labels.device)
+        tally = _BucketSums(len(self.edges) - 1, labels.device)
         bucket = torch.bucketize(extra["positions"], inner_edges, right=True)
-        valid = labels != IGNORE_INDEX
-        masks = [valid] + [valid & (bucket == b) for b in range(len(self.edges) - 1)]
         with self.validation_context():
-            pred = model(inputs, **extra)
-            losses = [self.loss_fn(pred, torch.where(m, labels, IGNORE_INDEX))[0] for m in masks]
-        sums = torch.stack([_local(loss).to(torch.float64) for loss in losses])
-        return sums, torch.stack([m.sum() for m in masks])
+            pred = model(inputs, **extra)  # the hidden states when the loss is chunked, else the logits
+            if isinstance(self.loss_fn, ChunkedLossWrapper):
+                chunked = copy.copy(self.loss_fn)  # the same lm_head and slices, the loss inside replaced
+                chunked.loss_fn = tally  # type: ignore[assignment]
+                chunked(pred, labels, bucket=bucket)
+            else:
+                tally(pred, labels, bucket=bucket)
+        return tally.sums, tally.counts
 
     def log(self, result: ValidationResult) -> None:
         """TensorBoard (`validation/loss`, `validation/loss_by_position/<lo>-<hi>`) and one log line."""
@@ -200,6 +206,27 @@ class FlashCPValidator(Validator):
         )
 
 
-def _local(loss: torch.Tensor) -> torch.Tensor:
-    """A loss as a plain tensor (a DTensor loss's local part, as TorchTitan's reductions take it)."""
-    return loss.to_local() if isinstance(loss, DTensor) else loss
+class _BucketSums:
+    """Cross-entropy of each labelled token, added up in total and by position bucket.
+
+    Called like TorchTitan's inner loss (per slice of tokens inside `ChunkedLossWrapper`, which
+    slices `bucket` with the labels); returns the slice's loss sum as the cross-entropy would."""
+
+    def __init__(self, buckets: int, device: torch.device) -> None:
+        self.sums = torch.zeros(buckets + 1, dtype=torch.float64, device=device)  # [total, buckets...]
+        self.counts = torch.zeros(buckets + 1, dtype=torch.int64, device=device)
+        self.buckets = buckets
+
+    def __call__(
+        self, logits: torch.Tensor, labels: torch.Tensor, _global_valid_tokens: Any = None, *,
+        bucket: torch.Tensor,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        # compute_logprobs gathers vocabulary-split (TP) logits and gives 0 for IGNORE_INDEX labels
+        nll = -compute_logprobs(logits, labels)
+        valid = labels != IGNORE_INDEX
+        token_loss, ids = nll[valid].to(torch.float64), bucket[valid]
+        self.sums[0] += token_loss.sum()
+        self.sums[1:].index_add_(0, ids, token_loss)
+        self.counts[0] += ids.numel()
+        self.counts[1:] += torch.bincount(ids, minlength=self.buckets)
+        return nll.sum(), {}

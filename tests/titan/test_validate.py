@@ -3,7 +3,8 @@
 Every validation reads the held-out windows planned for the CP group, dispatched per rank and run
 with the document mask (the trainer's own input path) in eval mode without gradients. Checked:
 CP = 2, TP = 2 and FSDP over 2 ranks give CP = 1's validation (loss and every bucket) on the same
-weights, and TorchTitan's flex path gives FlashCP's; the buckets partition the labelled tokens by
+weights, and TorchTitan's flex path gives FlashCP's; the figures are TorchTitan's loss function's,
+from one output projection per slice of tokens; the buckets partition the labelled tokens by
 their position inside the document; every validation reads the same windows; training is the same
 with validation on and off; TensorBoard gets the scalars; bad settings fail before launch with one
 line.
@@ -90,12 +91,14 @@ def test_cp2_tp2_and_fsdp2_validate_as_cp1(tmp_path, seed):
     """The same held-out windows and weights give the same loss and buckets on every layout.
 
     Each job trains one step of two windows (two micro steps, or one on each of FSDP's two data-
-    parallel ranks, balanced alike), then validates 4 held-out windows (FSDP: 2 on each rank)."""
-    def layout(name: str, windows: int = 4, **sections: Any) -> dict:
+    parallel ranks, balanced alike), then validates 4 held-out windows (FSDP: 2 on each rank). The
+    reference's loss is whole; the others' chunked (TorchTitan's wrapper, FSDP's unshard of lm_head)."""
+    def layout(name: str, windows: int = 4, chunk_tokens: int = 64, **sections: Any) -> dict:
         return job(tmp_path / name, seed, {"steps": windows}, training={"steps": 1, "global_batch_size": 2},
-                   data={"balance": "mesh", "prefetch": 0}, **sections)  # fmt: skip
+                   data={"balance": "mesh", "prefetch": 0}, loss={"chunk_tokens": chunk_tokens},
+                   **sections)  # fmt: skip
 
-    reference = run(layout("cp1"))[1]
+    reference = run(layout("cp1", chunk_tokens=0))[1]
     assert [(r.step, r.windows) for r in reference] == [(1, 4)]
     cases = {  # CP = 2; TP = 2 with selective AC; FSDP 2 with full AC
         "cp2": layout("cp2", parallelism={"context_parallel_degree": 2}),
@@ -175,6 +178,79 @@ def validate_once(cfg: dict) -> ValidationResult:
         finally:
             trainer.close()
     return results[0]
+
+
+@dataclasses.dataclass
+class Instrumented:
+    """One validation of the seed weights, its lm_head calls, and the same windows the old way."""
+
+    chunk_tokens: int
+    result: ValidationResult
+    lm_head_calls: int
+    old_sums: list[float]  # TorchTitan's loss function on [all labels, each bucket's labels], summed
+    old_counts: list[int]
+
+
+@pytest.fixture(scope="module", params=[64, 0], ids=["chunked", "whole"])
+def instrumented(request, tmp_path_factory, seed) -> Instrumented:
+    """Validates 2 windows with `[loss] chunk_tokens` = 64 (4 slices of the 256 tokens) or 0, counting
+    lm_head's forward calls; then applies TorchTitan's loss function to the model's output on each
+    window once for all labels and once per bucket (labels outside it masked), as validation did."""
+    cfg = job(tmp_path_factory.mktemp("instrumented"), seed, loss={"chunk_tokens": request.param})
+    results: list[ValidationResult] = []
+    windows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (model output, labels, positions)
+    with single_rank():
+        trainer = FlashCPTrainer(trainer_config(cfg))
+        try:
+            trainer.checkpointer.load(step=cfg["checkpoint"]["load_step"])
+            model, validator = trainer.model_parts[0], trainer.validator
+            calls: list[None] = []
+            model.lm_head.register_forward_hook(lambda *_: calls.append(None))
+            inputs_of = validator.post_dataloading_process
+            labelled: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+            def keep_labels(*args: Any) -> Any:
+                inputs, labels, extra = inputs_of(*args)
+                labelled.append((labels, extra["positions"]))
+                return inputs, labels, extra
+
+            validator.post_dataloading_process = keep_labels
+            outputs: list[torch.Tensor] = []
+            model.register_forward_hook(lambda _m, _i, out: outputs.append(out))
+            validator.log = results.append
+            validator.validate(trainer.model_parts, 1)
+            lm_head_calls = len(calls)
+            windows = [(out, labels, positions) for out, (labels, positions) in zip(outputs, labelled)]
+            assert len(windows) == VALIDATION["steps"]
+            edges = torch.tensor(results[0].edges[1:-1])
+            old_sums, old_counts = [0.0] * 5, [0] * 5
+            with torch.no_grad():
+                for out, labels, positions in windows:
+                    bucket = torch.bucketize(positions, edges, right=True)
+                    valid = labels != -100
+                    masks = [valid] + [valid & (bucket == b) for b in range(4)]
+                    for i, m in enumerate(masks):
+                        old_sums[i] += float(trainer.loss_fn(out, torch.where(m, labels, -100))[0])
+                        old_counts[i] += int(m.sum())
+        finally:
+            trainer.close()
+    return Instrumented(request.param, results[0], lm_head_calls, old_sums, old_counts)
+
+
+def test_validation_projects_each_token_once(instrumented):
+    """One output projection per window and slice of tokens: 4 slices of 64 tokens, or the model's own
+    call when the loss is whole (projecting per bucket as well made it 4 x (1 + 4) per window)."""
+    per_window = {64: 4, 0: 1}[instrumented.chunk_tokens]
+    assert instrumented.lm_head_calls == VALIDATION["steps"] * per_window
+
+
+def test_validation_loss_is_torchtitans_loss_function(instrumented):
+    """The mean and every bucket are TorchTitan's loss function on the same windows (labels outside
+    a bucket masked), to float rounding: the one pass changes the cost, not the figures."""
+    result, sums, counts = instrumented.result, instrumented.old_sums, instrumented.old_counts
+    assert [result.tokens, *result.counts] == counts and all(counts)
+    assert result.loss == pytest.approx(sums[0] / counts[0], rel=1e-6)
+    assert result.sums == pytest.approx(sums[1:], rel=1e-6)
 
 
 def test_steps_minus_one_reads_the_whole_held_out_data(tmp_path, seed):
