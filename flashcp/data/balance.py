@@ -105,28 +105,31 @@ def stream_windows(doc_lens: Sequence[int], window: int) -> list[list[int]]:
     return out
 
 
-def length_cap(lens: np.ndarray, n_windows: int, window: int, cost: WindowCost, max_imbalance: float) -> int:
+def length_cap(lens: np.ndarray, n_windows: int, window: int, cost: WindowCost, max_imbalance: float,
+               other_pairs: float = 0.0, fillers: np.ndarray | None = None) -> int:  # fmt: skip
     """The longest piece that keeps its window within `max_imbalance` x the mean cost.
 
     Documents longer than the cap are cut into pieces of the cap and one shorter rest (`cut_long`),
     which keeps more attended pairs than equal pieces would. The rest of a capped piece's window
     holds the step's shortest pieces (`fill`), whose pairs per token are counted. Cutting lowers
     the mean and changes how many windows hold a capped piece, so the cap is found by a few
-    fixed-point rounds.
+    fixed-point rounds. (A caller predicting the cap of a step not yet made may pass only its
+    long documents as `lens`, the short ones' pairs as `other_pairs` and their lengths, ascending,
+    as `fillers`.)
     """
-    ascending = np.sort(lens)
+    ascending = np.sort(lens) if fillers is None else fillers
     tokens, pairs_upto = np.cumsum(ascending), np.cumsum(ascending * (ascending + 1) / 2)
     cap = window
     for _ in range(8):
         full, rest = np.divmod(lens, cap)
-        pairs = float((full * (cap * (cap + 1) / 2) + rest * (rest + 1) / 2).sum())
+        pairs = other_pairs + float((full * (cap * (cap + 1) / 2) + rest * (rest + 1) / 2).sum())
         mean = cost.dense_per_token * window + cost.attn_per_pair * pairs / n_windows
         room = (max_imbalance * mean - cost.dense_per_token * window) / cost.attn_per_pair
         # The shortest documents fill the rest of the capped windows, the last of them the longest:
         # its pairs per token.
         n_capped = min(int(full.sum()), n_windows)
         lo, hi = np.searchsorted(tokens, [(n_capped - 1) * (window - cap), n_capped * (window - cap)])
-        lo, hi = min(int(lo), lens.size - 1), min(int(hi), lens.size - 1)
+        lo, hi = min(int(lo), ascending.size - 1), min(int(hi), ascending.size - 1)
         if hi > lo:
             density = float((pairs_upto[hi] - pairs_upto[lo]) / (tokens[hi] - tokens[lo]))
         else:  # one document spans it

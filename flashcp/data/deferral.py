@@ -172,10 +172,14 @@ class Deferral:
         short = span.length[~candidate]
         density = float((short * (short + 1) / 2).sum() / max(int(short.sum()), 1))
         base = density * self.window + self.cost.dense_per_token * self.window / self.cost.attn_per_pair
-        aim = StepAim(self.n_windows, self.window, density, base, AIM_SHARE * (self.target - 1))
+        aim = StepAim(self.n_windows, self.window, density, base, AIM_SHARE * (self.target - 1), short,
+                      self.cost)  # fmt: skip
         pool = np.concatenate((pend, span.length[candidate]))
         forced = np.concatenate((forced, np.zeros(pool.size - pend.size, dtype=bool)))
-        release = choose_release(pool, forced, aim)
+        waiting = np.array([p.offset + p.start for p in self.pending], dtype=np.int64)
+        arriving = self.stream_tokens + np.cumsum(span.length) - span.length  # where the stream holds them
+        offset = np.concatenate((waiting, arriving[candidate]))
+        release = choose_release(pool, stream_pairs(offset, pool, self.window), forced, aim)
         out, queue = StepDocs(), []
         for p, go in zip(self.pending, release[: pend.size].tolist()):
             if go:

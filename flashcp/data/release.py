@@ -12,6 +12,17 @@ by as many more pairs. Measured against the short documents' mean, a release of 
 documents looked as unbalanced as one outlier, and long documents waited until forced out together
 with whatever else fit under their level, a step the layout could only balance by cutting most of
 them (wlbllm 128K DP 8, seed 1: 91 % of stream packing's pairs kept; 98 % with the relative aim).
+
+When no level is within the aim and documents are forced, the layout (`layout_step`) will cut the
+step's longest documents to a cap, and which documents go decides how much that cut loses. Filling
+up to the forced documents' level stacks long documents in every window (a step of ~100 long
+documents, nearly every window 0.9 C of them, cut to 0.4 C: 65 % of stream packing's pairs);
+releasing only the forced ones leaves the step's mean low and cuts them short. So each candidate
+level is priced: the pairs its documents keep after the predicted cut (`length_cap` of the
+candidate step) net of `KEEP_SHARE` of what stream packing would have kept of them (what a
+document held back may expect later), and the best is released. Levels are ranked with a
+vectorised estimate of the fill (each document under the level while the windows' total load
+and tokens allow), and the best `EXACT` of them filled exactly and priced again.
 """
 
 from __future__ import annotations
@@ -21,17 +32,23 @@ from typing import NamedTuple
 
 import numpy as np
 
+from flashcp.data.balance import CAP_SHARE, length_cap, WindowCost
+
 LEVELS = 12  # candidate levels per step (the largest pool documents, geometrically spaced; bisected)
+KEEP_SHARE = 0.75  # a forced step prices its cut against this share of stream packing's pairs
+EXACT = 2  # levels of a forced step filled exactly (the best by the estimate)
 
 
 class StepAim(NamedTuple):
-    """What a release is measured against: the step's windows and the aimed max / mean."""
+    """What a release is measured against: the step's windows, its short documents, the aim."""
 
     n_windows: int
     window: int
     density: float  # pairs per token of the step's short documents
     base: float  # a window of short documents only, in attended pairs (dense work included)
     tolerance: float  # max / mean - 1 aimed at
+    short: np.ndarray  # the stream's short documents that fill the step (what the layout's cap counts)
+    cost: WindowCost
 
 
 def weight(n: np.ndarray, density: float) -> np.ndarray:
@@ -77,9 +94,10 @@ def _balanced(load: np.ndarray, aim: StepAim) -> bool:
     return float(load.max() - load.mean()) <= aim.tolerance * (aim.base + float(load.mean()))
 
 
-def choose_release(lens: np.ndarray, forced: np.ndarray, aim: StepAim) -> np.ndarray:
-    """Which pool documents the step trains: the forced ones, then, longest first, those that fit
-    under the highest level whose windows stay within the aim."""
+def choose_release(lens: np.ndarray, reference: np.ndarray, forced: np.ndarray, aim: StepAim) -> np.ndarray:
+    """Which pool documents (`reference`: the pairs stream packing keeps of each) the step trains:
+    the forced ones, then, longest first, those that fit under the highest level whose windows stay
+    within the aim; when none is and some are forced, under the level whose cut costs least."""
     n_windows, window = aim.n_windows, aim.window
     w = weight(lens.astype(np.float64), aim.density)
     order = np.lexsort((np.arange(lens.size), -lens, ~forced))
@@ -87,14 +105,14 @@ def choose_release(lens: np.ndarray, forced: np.ndarray, aim: StepAim) -> np.nda
     _, load = _fill(order[:n_forced], lens, w, forced, n_windows, window, 0.0)
     # Up to the forced documents' level, or to the slack, a document never makes the step worse.
     slack = aim.tolerance * aim.base
-    floor = max(float(load.max()), slack)
+    floor, forced_load = max(float(load.max()), slack), float(load.sum())
     free = order[n_forced:]
     picks = np.unique(np.geomspace(1, max(free.size, 1), LEVELS).astype(int) - 1)
     levels = sorted({float(w[free].clip(0).sum()) / n_windows, *w[free[picks]].tolist()}
                     if free.size else set(), reverse=True)  # fmt: skip
     # The highest level within the aim, by bisection (a lower level releases less long work, so
     # the aim is met from some level down, nearly always): 4 fills instead of up to LEVELS.
-    levels = [level for level in levels if level > floor]
+    levels0, levels = levels, [level for level in levels if level > floor]
     if levels:  # the top level: every window one of the longest pieces (window-long ones gathered)
         released, load = _fill(order, lens, w, forced, n_windows, window, levels[0])
         if _balanced(load, aim):
@@ -109,4 +127,43 @@ def choose_release(lens: np.ndarray, forced: np.ndarray, aim: StepAim) -> np.nda
             lo = mid + 1
     if best is not None:
         return best
-    return _fill(order, lens, w, forced, n_windows, window, floor)[0]
+    if not n_forced:  # nothing is cut: what stays within the slack
+        return _fill(order, lens, w, forced, n_windows, window, floor)[0]
+    price = _Price(lens, reference, aim)
+    free_w, free_n = w[free], lens[free]
+    room = n_windows * window - int(lens[forced].sum())
+    estimates = []
+    for level in sorted({floor, *levels0}):
+        under = free_w <= level
+        under &= np.cumsum(np.where(under, free_w.clip(0), 0)) <= n_windows * level - forced_load
+        under &= np.cumsum(np.where(under, free_n, 0)) <= room
+        released = forced.copy()
+        released[free[under]] = True
+        estimates.append((price(released), level))
+    best_levels = [level for _, level in sorted(estimates)[-EXACT:]]
+    return max((_fill(order, lens, w, forced, n_windows, window, level)[0] for level in best_levels),
+               key=price)  # fmt: skip
+
+
+class _Price:
+    """What releasing a set of pool documents is worth in a step that will be cut: the attended
+    pairs they keep after the predicted cap, net of `KEEP_SHARE` of stream packing's."""
+
+    def __init__(self, lens: np.ndarray, reference: np.ndarray, aim: StepAim):
+        self.lens, self.reference, self.aim = lens, reference, aim
+        short = aim.short.astype(np.float64)
+        self.ends, self.pairs = np.cumsum(short), np.cumsum(short * (short + 1) / 2)  # of the first k
+        self.rank = np.argsort(aim.short, kind="stable")  # the short ones ascending, by stream index
+
+    def __call__(self, released: np.ndarray) -> float:
+        """The short documents that fill the rest of the step are the stream's next ones (a prefix)."""
+        a, lens = self.aim, self.lens[released]
+        need = a.n_windows * a.window - int(lens.sum())
+        k = min(int(np.searchsorted(self.ends, need)) + 1, self.ends.size) if need > 0 else 0
+        # The step's shortest documents fill the capped windows: two sorted runs, merged in linear time.
+        fillers = np.sort(np.concatenate((a.short[self.rank[self.rank < k]], np.sort(lens))), kind="stable")
+        cap = length_cap(lens, a.n_windows, a.window, a.cost, 1 + CAP_SHARE * a.tolerance,
+                         float(self.pairs[k - 1]) if k else 0.0, fillers)  # fmt: skip
+        full, rest = np.divmod(lens.astype(np.float64), cap)
+        kept = float((full * (cap * (cap + 1) / 2) + rest * (rest + 1) / 2).sum())
+        return kept - KEEP_SHARE * float(self.reference[released].sum())

@@ -1,24 +1,35 @@
 """The release choice of deferral (`flashcp.data.release`): forced documents always go, the rest
-only as far as the step stays within the aim, which is relative to the step's mean as released."""
+only as far as the step stays within the aim, which is relative to the step's mean as released;
+a step whose forced documents will be cut releases what that cut keeps most of."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from flashcp.data.release import choose_release, StepAim, weight
+from flashcp.data.balance import layout_step, WindowCost
+from flashcp.data.release import _fill, choose_release, StepAim, weight
+
+COST = WindowCost(dense_per_token=40.0, attn_per_pair=1.0)
 
 
-def aim(n_windows: int, window: int, base: float, density: float = 1.0, tolerance: float = 0.05) -> StepAim:
-    return StepAim(n_windows, window, density, base, tolerance)
+def aim(n_windows: int, window: int, base: float, density: float = 1.0,
+        short: np.ndarray | None = None) -> StepAim:  # fmt: skip
+    short = np.full(n_windows * window, 2) if short is None else short
+    return StepAim(n_windows, window, density, base, 0.05, short, COST)
 
 
-def test_forced_documents_are_always_released_and_the_rest_within_the_aim():
-    lens = np.array([100, 90, 80, 20, 10])
-    forced = np.array([False, True, False, False, False])
-    out = choose_release(lens, forced, aim(2, 128, base=200.0, density=2.0))
-    assert out[1]
-    assert not out[0]  # 100 beside the forced 90 in a window of its own: far above the aim
-    out = choose_release(lens, np.zeros(5, dtype=bool), aim(2, 256, base=1e9, density=2.0))
+def tri(n: np.ndarray) -> np.ndarray:
+    return n * (n + 1) / 2
+
+
+def test_forced_documents_are_always_released():
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        lens = rng.integers(16, 128, 12)
+        forced = rng.random(12) < 0.3
+        out = choose_release(lens, tri(lens.astype(float)), forced, aim(4, 128, base=300.0, density=2.0))
+        assert out[forced].all()
+    out = choose_release(np.array([100, 90, 80]), np.ones(3), np.zeros(3, dtype=bool), aim(2, 256, base=1e9))
     assert out.all()
 
 
@@ -31,11 +42,42 @@ def test_many_similar_long_documents_go_together_within_the_step_mean():
     spread = w.max() - w.mean()
     assert spread > a.tolerance * a.base  # the aim of a step of short documents would refuse them
     assert spread <= a.tolerance * (a.base + w.mean())
-    assert choose_release(lens, np.zeros(4, dtype=bool), a).all()
+    assert choose_release(lens, tri(lens.astype(float)), np.zeros(4, dtype=bool), a).all()
 
 
 def test_one_outlier_waits_where_the_others_cannot_match_it():
     lens = np.array([100, 30, 30, 30, 30])
-    out = choose_release(lens, np.zeros(5, dtype=bool), aim(4, 128, base=1000.0))
+    out = choose_release(lens, tri(lens.astype(float)), np.zeros(5, dtype=bool), aim(4, 128, base=1000.0))
     assert not out[0]
     assert out[1:].all()  # one of the others in each window: balanced
+
+
+def test_a_forced_step_does_not_stack_every_long_document_under_the_forced_level():
+    """One forced document of nearly a window; free long documents of every length. Filling up to
+    its level puts two long documents in most windows, and the layout's cut then keeps less of the
+    step than the release chosen by pricing the cut."""
+    window, n_windows = 1000, 8
+    lens = np.array([950, 940, 930, 700, 650, 600, 550, 500, 450, 400, 350, 300, 300, 250])
+    forced = np.zeros(lens.size, dtype=bool)
+    forced[0] = True
+    short = np.full(n_windows * window // 4, 4)
+    a = aim(n_windows, window, base=40.0 * window + 2.5 * window, density=2.5, short=short)
+    reference = 0.7 * tri(lens.astype(float))  # stream packing cut most of them at a window's end
+    chosen = choose_release(lens, reference, forced, a)
+    assert chosen[0]
+
+    def kept(released: np.ndarray) -> float:
+        docs = lens[released]
+        rest = n_windows * window - int(docs.sum())
+        step = np.concatenate((docs, np.full(rest // 4, 4), [rest % 4] if rest % 4 else []))
+        layout = layout_step(step, n_windows, 1, window, COST)
+        pieces = layout.length[layout.doc < docs.size].astype(float)
+        return float(tri(pieces).sum()) - 0.75 * float(reference[released].sum())
+
+    w = weight(lens.astype(np.float64), a.density)
+    order = np.argsort(-lens, kind="stable")  # the forced one is the longest
+    level = float(w[0])  # a window holding the forced document alone
+    up_to_level, _ = _fill(order, lens, w, forced, n_windows, window, level)
+    assert up_to_level.sum() > n_windows  # stacked: more long documents than windows
+    assert kept(chosen) > kept(up_to_level)
+    assert kept(chosen) > kept(forced)  # and better than the forced one cut alone
