@@ -106,21 +106,22 @@ def stream_windows(doc_lens: Sequence[int], window: int) -> list[list[int]]:
 
 
 def length_cap(lens: np.ndarray, n_windows: int, window: int, cost: WindowCost, max_imbalance: float,
-               other_pairs: float = 0.0, fillers: np.ndarray | None = None) -> int:  # fmt: skip
+               other_pairs: float = 0.0, fillers: np.ndarray | None = None,
+               rounds: int = 8) -> int:  # fmt: skip
     """The longest piece that keeps its window within `max_imbalance` x the mean cost.
 
     Documents longer than the cap are cut into pieces of the cap and one shorter rest (`cut_long`),
     which keeps more attended pairs than equal pieces would. The rest of a capped piece's window
     holds the step's shortest pieces (`fill`), whose pairs per token are counted. Cutting lowers
     the mean and changes how many windows hold a capped piece, so the cap is found by a few
-    fixed-point rounds. (A caller predicting the cap of a step not yet made may pass only its
-    long documents as `lens`, the short ones' pairs as `other_pairs` and their lengths, ascending,
-    as `fillers`.)
+    fixed-point rounds (`rounds`; the layout's 8 may stop on the way down, and its retries correct).
+    A caller predicting the cap of a step not yet made may pass only its long documents as `lens`,
+    the short ones' pairs as `other_pairs` and the step's lengths, ascending, as `fillers`.
     """
     ascending = np.sort(lens) if fillers is None else fillers
     tokens, pairs_upto = np.cumsum(ascending), np.cumsum(ascending * (ascending + 1) / 2)
     cap = window
-    for _ in range(8):
+    for _ in range(rounds):
         full, rest = np.divmod(lens, cap)
         pairs = other_pairs + float((full * (cap * (cap + 1) / 2) + rest * (rest + 1) / 2).sum())
         mean = cost.dense_per_token * window + cost.attn_per_pair * pairs / n_windows

@@ -110,6 +110,25 @@ def test_the_cap_cuts_only_documents_that_would_dominate_a_window():
     assert short_cuts <= 2 * 8  # short documents are cut only where a window ends
 
 
+def test_the_cap_of_a_step_not_yet_made_from_its_long_documents_and_the_short_ones_pairs():
+    """Deferral prices a release before its step exists: the long documents, the short ones'
+    pairs and every length ascending give the cap of the whole step."""
+    rng = np.random.default_rng(3)
+    window, n_windows = 131072, 16
+    for _ in range(5):
+        lens = rng.integers(1, 4096, 600).tolist()
+        while sum(lens) < n_windows * window:
+            lens.append(int(rng.integers(window // 8, window)))
+        lens[-1] -= sum(lens) - n_windows * window
+        lens = np.array(lens)
+        long, short = lens[lens >= 4096], lens[lens < 4096].astype(float)
+        whole = length_cap(lens, n_windows, window, COST, 1.04, rounds=16)
+        assert whole > 4096  # no short document is cut: they add only their pairs
+        parts = length_cap(long, n_windows, window, COST, 1.04, float((short * (short + 1) / 2).sum()),
+                           np.sort(lens), rounds=16)  # fmt: skip
+        assert parts == whole
+
+
 def test_a_long_document_is_cut_into_cap_long_pieces_from_its_head_and_one_rest():
     doc, start, length = cut_long(np.array([10, 25, 3, 16]), 8)
     assert doc.tolist() == [0, 0, 1, 1, 1, 1, 2, 3, 3]
