@@ -5,7 +5,7 @@
     adapter = state_dict_adapter(model_config, hf_assets_path)       # TorchTitan's HF <-> TorchTitan mapping
 
 Every model is built through one path: a named flavor's config from TorchTitan's registry is read
-back into an `Architecture` (`architecture_of`), then every architecture is built with TorchTitan's
+back into an `Architecture` (`flashcp.titan.registry`), then every architecture is built with TorchTitan's
 per-layer builders and initialisers (`_build_llama3_layers`, `_build_qwen3_layers`), so named
 flavors, custom sizes and HF config.json models differ only in their numbers. Each family keeps its
 RoPE convention: Llama 3 rotates adjacent pairs (ComplexRoPE; its adapter permutes HF's q / k
@@ -36,61 +36,15 @@ from torchtitan.protocols.state_dict_adapter import BaseStateDictAdapter
 
 from flashcp.titan.config import ConfigError, TOKENIZER_SIZED_FLAVORS
 from flashcp.titan.hf_config import Architecture, HFConfigError, read_hf_config, with_rope
-from flashcp.titan.rope import FAMILY_ROPE, Rope, rope_for_job, RopeError
+from flashcp.titan.registry import family, flavor_architecture, TITAN_SCALING
+from flashcp.titan.rope import FAMILY_ROPE, rope_for_job, RopeError
 
-REGISTRIES = {"llama3": titan_llama3.llama3_configs, "qwen3": titan_qwen3.qwen3_configs}
 ADAPTERS: dict[str, type[BaseStateDictAdapter]] = {
     "llama3": Llama3StateDictAdapter,
     "qwen3": Qwen3StateDictAdapter,
 }
-# TorchTitan's name of each scaling, and back.
-_TITAN_SCALING = {"none": "none", "llama3": "llama", "yarn": "yarn"}
 # The RMSNorm eps of each family's flavors, which a custom size takes with the family's RoPE.
 _NORM_EPS = {"llama3": 1e-5, "qwen3": 1e-6}
-
-
-def family(model_config: Decoder.Config) -> str:
-    """The family of a TorchTitan model config: "llama3" or "qwen3"."""
-    if isinstance(model_config, Qwen3Model.Config):
-        return "qwen3"
-    if isinstance(model_config, Llama3Model.Config):
-        return "llama3"
-    raise TypeError(f"not a Llama 3 or Qwen3 config: {type(model_config).__name__}")
-
-
-def architecture_of(model_config: Decoder.Config) -> Architecture:
-    """The architecture of a TorchTitan Llama 3 / Qwen3 config (e.g. a registry flavor)."""
-    attention = model_config.first_attention
-    rope = attention.rope
-    scaling = {titan: ours for ours, titan in _TITAN_SCALING.items()}[rope.scaling]
-    if scaling == "llama3":
-        ours = Rope(
-            theta=float(rope.theta), scaling=scaling, factor=rope.scaling_factor,
-            original_max_position_embeddings=rope.original_max_position_embeddings,
-            low_freq_factor=rope.low_freq_factor, high_freq_factor=rope.high_freq_factor,
-        )  # fmt: skip
-    elif scaling == "yarn":
-        ours = Rope(
-            theta=float(rope.theta), scaling=scaling, factor=rope.rope_factor,
-            original_max_position_embeddings=rope.original_seq_len, beta_fast=rope.beta_fast,
-            beta_slow=rope.beta_slow, truncate=rope.truncate,
-        )  # fmt: skip
-    else:
-        ours = Rope(theta=float(rope.theta))
-    return Architecture(
-        name=family(model_config),
-        dim=model_config.dim,
-        n_layers=len(model_config.layers),
-        n_heads=attention.n_heads,
-        n_kv_heads=attention.n_kv_heads or attention.n_heads,
-        head_dim=attention.head_dim or model_config.dim // attention.n_heads,
-        hidden_dim=model_config.layers[0].feed_forward.w1.out_features,
-        vocab_size=model_config.vocab_size,
-        norm_eps=model_config.norm.eps,
-        rope=ours,
-        tie_embeddings=model_config.enable_weight_tying,
-        max_position_embeddings=rope.max_seq_len,
-    )
 
 
 def titan_rope(arch: Architecture, max_seq_len: int):
@@ -101,7 +55,7 @@ def titan_rope(arch: Architecture, max_seq_len: int):
         raise RopeError(
             "llama3 RoPE scaling is Llama's (complex RoPE); TorchTitan's Qwen3 RoPE supports none or yarn"
         )
-    scaling: dict[str, Any] = {"scaling": _TITAN_SCALING[rope.scaling]}
+    scaling: dict[str, Any] = {"scaling": TITAN_SCALING[rope.scaling]}
     if rope.scaling == "llama3":
         scaling |= {
             "scaling_factor": rope.factor, "low_freq_factor": rope.low_freq_factor,
@@ -169,7 +123,7 @@ def job_architecture(model_cfg: dict[str, Any], tokenizer_vocab: int, seq_len: i
         elif flavor == "custom":
             arch = _custom(model_cfg, tokenizer_vocab)
         else:
-            arch = architecture_of(REGISTRIES[name][flavor](attn_backend="flex"))
+            arch = flavor_architecture(name, flavor)
             if flavor in TOKENIZER_SIZED_FLAVORS:
                 arch = dataclasses.replace(arch, vocab_size=tokenizer_vocab)
         rope = rope_for_job(arch.rope, model_cfg)

@@ -1,6 +1,6 @@
-"""Job files: the shipped configs validate, every kind of mistake is rejected naming its key, the
-flavor tables agree with TorchTitan 0.3.0, and overrides parse like TorchTitan's CLI (the keys read
-from TorchTitan's classes: test_config_titan.py)."""
+"""Job files: the shipped configs validate, every kind of mistake is rejected naming its key, and
+overrides parse like TorchTitan's CLI (the keys read from TorchTitan's classes:
+test_config_titan.py; the flavors read from TorchTitan's registries: test_hf_config.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from harness import TINY, tiny_job
 
 from flashcp.titan.config import (
     CONFIG_DIR,
-    LLAMA3_FLAVORS,
     SCHEMA,
     ConfigError,
     apply_overrides,
@@ -266,16 +265,6 @@ def test_brackets_in_strings_and_comments_are_not_nesting(tmp_path):
     path.write_text(f'[job]\ndescription = "{deep}"  # {deep}\n[compile]\n'
                     f"components = ['{deep}', \"\"\"\n{deep}\\\"\"\"\"]\n")  # fmt: skip
     assert load_job(path)["compile"]["components"] == [deep, f'{deep}"']
-
-
-def test_llama3_flavors_match_torchtitan():
-    from torchtitan.models.llama3 import llama3_configs
-
-    for flavor, (dim, n_layers, n_heads, n_kv, vocab) in LLAMA3_FLAVORS.items():
-        model = llama3_configs[flavor](attn_backend="flex")
-        attention = model.layers[0].attention
-        assert (model.dim, len(model.layers), attention.n_heads, attention.n_kv_heads or attention.n_heads,
-                model.vocab_size) == (dim, n_layers, n_heads, n_kv, vocab), flavor  # fmt: skip
 
 
 def test_every_tiny_section_is_in_the_schema(tmp_path):

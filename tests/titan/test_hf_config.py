@@ -11,10 +11,11 @@ import pytest
 
 import flashcp.titan  # noqa: F401  (TorchTitan shims first)
 from flashcp.titan.config import check_layout, ConfigError, model_dims, model_head_dim, validate
-from flashcp.titan.config.model import FLAVORS, QWEN3_FLAVORS, QWEN3_HEAD_DIM
-from flashcp.titan.decoders import architecture_of, job_architecture, REGISTRIES, titan_config, titan_rope
+from flashcp.titan.config.model import TOKENIZER_SIZED_FLAVORS
+from flashcp.titan.decoders import job_architecture, titan_config, titan_rope
 from flashcp.titan.hf_config import architecture_from_hf, read_hf_config, to_hf_config
 from flashcp.titan.model import model_spec
+from flashcp.titan.registry import architecture_of, dense_flavors, flavor_architecture, REGISTRIES
 from flashcp.titan.rope import FAMILY_ROPE, Rope
 
 # The config.json files Meta and Qwen publish (transformers 4.x layout: rope_theta + rope_scaling).
@@ -76,7 +77,7 @@ QWEN3_8B = {
     "use_sliding_window": False,
     "vocab_size": 151936,
 }
-DENSE = [(name, flavor) for name, table in FLAVORS.items() for flavor in table]
+DENSE = [(name, flavor) for name in REGISTRIES for flavor in dense_flavors(name)]
 
 
 def hf_folder(tmp_path: Path, config: dict, name: str = "model") -> Path:
@@ -107,11 +108,33 @@ def test_every_dense_flavor_rebuilds_as_torchtitan_registers_it(name, flavor):
     )
 
 
-def test_qwen3_flavor_table_matches_torchtitan():
-    for flavor, dims in QWEN3_FLAVORS.items():
-        arch = architecture_of(REGISTRIES["qwen3"][flavor](attn_backend="flex"))
-        assert (arch.dim, arch.n_layers, arch.n_heads, arch.n_kv_heads, arch.vocab_size) == dims, flavor
-        assert arch.head_dim == QWEN3_HEAD_DIM
+@pytest.mark.parametrize("name, flavor", DENSE)
+def test_every_dense_flavor_is_accepted_with_torchtitans_dims(name, flavor):
+    registered = REGISTRIES[name][flavor](attn_backend="flex")
+    attention = registered.first_attention
+    cfg = validate({"model": {"name": name, "flavor": flavor}})
+    vocab = None if flavor in TOKENIZER_SIZED_FLAVORS else registered.vocab_size  # None: the tokenizer's
+    assert model_dims(cfg) == (registered.dim, len(registered.layers), attention.n_heads,
+                               attention.n_kv_heads or attention.n_heads, vocab)  # fmt: skip
+    assert model_head_dim(cfg) == (attention.head_dim or registered.dim // attention.n_heads)
+
+
+def test_flavors_are_told_apart_by_their_configs():
+    """Both families' dense flavors are trained, Qwen3's head_dim is its own (0.6B: 128, not
+    1024 / 16), and every other registered flavor is refused in one line with its reason."""
+    assert {("llama3", "8B"), ("llama3", "405B"), ("qwen3", "0.6B"), ("qwen3", "32B")} <= set(DENSE)
+    assert model_head_dim(validate({"model": {"name": "qwen3", "flavor": "0.6B"}})) == 128
+    refused = [(name, flavor) for name in REGISTRIES for flavor in REGISTRIES[name]
+               if (name, flavor) not in DENSE]  # fmt: skip
+    assert {("qwen3", "debugmodel_moe"), ("qwen3", "30B-A3B"), ("qwen3", "235B-A22B")} <= set(refused)
+    for name, flavor in refused:
+        layers = REGISTRIES[name][flavor](attn_backend="flex").layers
+        why = "is a mixture-of-experts model" if layers[0].moe is not None else "keeps Q, K and V as separate"
+        dense = ", ".join((*dense_flavors(name), "custom"))
+        with pytest.raises(ConfigError) as e:
+            validate({"model": {"name": name, "flavor": flavor}})
+        assert str(e.value).startswith(f"[model] flavor {flavor!r} of {name} {why}"), str(e.value)
+        assert str(e.value).endswith(f"({dense})") and "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("hf, name, flavor", [(LLAMA31_8B, "llama3", "8B"), (QWEN3_8B, "qwen3", "8B")])
@@ -124,7 +147,10 @@ def test_published_config_json_builds_torchtitans_flavor(tmp_path, hf, name, fla
     assert _shapes(titan_config(arch, "flex", 8192)) == _shapes(
         titan_config(architecture_of(registered), "flex", 8192)
     )
-    assert model_dims(cfg) == (*FLAVORS[name][flavor][:4], hf["vocab_size"])
+    flavor_arch = flavor_architecture(name, flavor)
+    assert model_dims(cfg) == (
+        flavor_arch.dim, flavor_arch.n_layers, flavor_arch.n_heads, flavor_arch.n_kv_heads, hf["vocab_size"]
+    )
 
 
 def test_initial_load_in_hf_without_flavor_takes_the_folders_architecture(tmp_path):
@@ -164,12 +190,13 @@ def test_a_missing_or_broken_config_json_is_one_line(tmp_path):
 
 
 def test_model_checks_name_the_problem():
-    with pytest.raises(
-        ConfigError, match=r"'30B-A3B' is a mixture-of-experts Qwen3: FlashCP trains dense models"
-    ):
+    with pytest.raises(ConfigError, match=r"'30B-A3B' of qwen3 is a mixture-of-experts model: FlashCP trains"):
         validate({"model": {"name": "qwen3", "flavor": "30B-A3B"}})
-    with pytest.raises(ConfigError, match=r"flavor must be one of .*0.6B.* for name = 'qwen3'; got '70B'"):
-        validate({"model": {"name": "qwen3", "flavor": "70B"}})
+    for name, flavor in [("qwen3", "70B"), ("llama3", "0.6B"), ("llama3", "debugmodel_moe")]:
+        registered = ", ".join((*dense_flavors(name), "custom"))
+        with pytest.raises(ConfigError) as e:
+            validate({"model": {"name": name, "flavor": flavor}})
+        assert str(e.value) == f"[model] flavor must be one of {registered} for name = {name!r}; got {flavor!r}"
     with pytest.raises(
         ConfigError, match=r"tensor_parallel_degree \(16\) must divide n_heads \(32\) and n_kv_heads \(8\)"
     ):

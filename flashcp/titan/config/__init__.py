@@ -14,8 +14,8 @@ needing no world size), `layout` (the world size and the machine). This front do
 names others import and the `--check` / `--keys` command line (`__main__`).
 
 A bad file fails with one `error: ...` line naming the key and what it accepts. Only TorchTitan's
-config modules are imported, not its trainer: `--check` takes about as long as importing them
-(README, "Training").
+config modules and model registries are imported, not its trainer: `--check` takes about as long
+as importing them (README, "Training").
 """
 
 from __future__ import annotations
@@ -30,11 +30,11 @@ from flashcp.titan.config.checks import validate
 from flashcp.titan.config.file import apply_overrides, CONFIG_DIR, load_job, resolve_config_path
 from flashcp.titan.config.keys import ConfigError, Key, type_name
 from flashcp.titan.config.layout import check_layout, degrees, world_size_hint
-from flashcp.titan.config.model import LLAMA3_FLAVORS, model_dims, model_head_dim, TOKENIZER_SIZED_FLAVORS
+from flashcp.titan.config.model import model_dims, model_head_dim, TOKENIZER_SIZED_FLAVORS
 from flashcp.titan.config.schema import SCHEMA
 
 __all__ = [
-    "CONFIG_DIR", "ConfigError", "Key", "LLAMA3_FLAVORS", "SCHEMA", "TOKENIZER_SIZED_FLAVORS",
+    "CONFIG_DIR", "ConfigError", "Key", "SCHEMA", "TOKENIZER_SIZED_FLAVORS",
     "apply_overrides", "check_layout", "degrees", "dryrun_command", "load_job", "main", "model_dims",
     "model_head_dim", "resolve_config_path", "validate", "world_size_hint",
 ]  # fmt: skip

@@ -1,7 +1,7 @@
 """`[model]`: which architecture a job trains, its keys and the checks that need no process.
 
-The architecture is named once: a flavor TorchTitan registers for the family (tables below, kept
-equal to TorchTitan's by tests), `custom` sizes, or a Hugging Face `config.json` (`hf_config`,
+The architecture is named once: a dense flavor TorchTitan registers for the family (read from its
+registry, `flashcp.titan.registry`), `custom` sizes, or a Hugging Face `config.json` (`hf_config`,
 read now); RoPE keys (`flashcp.titan.rope`) override the model's own. `model_dims` and
 `model_head_dim` give the layout checks and the pre-launch estimates the sizes without building it.
 """
@@ -10,33 +10,9 @@ from __future__ import annotations
 
 from flashcp.titan.config.keys import ConfigError, Key
 from flashcp.titan.hf_config import Architecture, HFConfigError, read_hf_config
+from flashcp.titan.registry import dense_flavors, flavor_architecture, REGISTRIES, refusal
 from flashcp.titan.rope import FAMILY_ROPE, rope_for_job, RopeError, SCALINGS
 
-# Llama 3 flavors of TorchTitan 0.3.0 (torchtitan.models.llama3.llama3_configs):
-# flavor -> (dim, n_layers, n_heads, n_kv_heads, vocab_size). Used to check layouts before any
-# process starts; tests/titan/test_config.py keeps it equal to TorchTitan's table.
-LLAMA3_FLAVORS: dict[str, tuple[int, int, int, int, int]] = {
-    "debugmodel": (256, 6, 16, 16, 2048),
-    "1B": (2048, 16, 32, 8, 128256),
-    "3B": (3072, 28, 24, 8, 128256),
-    "8B": (4096, 32, 32, 8, 128256),
-    "70B": (8192, 80, 64, 8, 128256),
-    "405B": (16384, 126, 128, 8, 128256),
-}
-# Qwen3 dense flavors of TorchTitan 0.3.0 (torchtitan.models.qwen3.qwen3_configs), the same
-# fields; every one has head_dim 128 (QWEN3_HEAD_DIM), which is not dim / n_heads in all of them.
-QWEN3_FLAVORS: dict[str, tuple[int, int, int, int, int]] = {
-    "debugmodel": (256, 8, 16, 8, 2048),
-    "0.6B": (1024, 28, 16, 8, 151936),
-    "1.7B": (2048, 28, 16, 8, 151936),
-    "4B": (2560, 36, 32, 8, 151936),
-    "8B": (4096, 36, 32, 8, 151936),
-    "14B": (5120, 40, 40, 8, 151936),
-    "32B": (5120, 64, 64, 8, 151936),
-}
-QWEN3_HEAD_DIM = 128
-QWEN3_MOE_FLAVORS = ("debugmodel_moe", "30B-A3B", "235B-A22B")
-FLAVORS = {"llama3": LLAMA3_FLAVORS, "qwen3": QWEN3_FLAVORS}
 CUSTOM_MODEL_KEYS = (
     "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "ffn_dim_multiplier", "multiple_of"
 )  # fmt: skip
@@ -45,7 +21,7 @@ CUSTOM_MODEL_KEYS = (
 TOKENIZER_SIZED_FLAVORS = ("debugmodel",)
 
 MODEL_KEYS: dict[str, Key] = {
-    "name": Key(str, "llama3", tuple(FLAVORS), "the model family (TorchTitan's registry)"),
+    "name": Key(str, "llama3", tuple(REGISTRIES), "the model family (TorchTitan's registry)"),
     "flavor": Key(str, "debugmodel", doc="a dense flavor TorchTitan registers for the family, or custom"),
     "hf_config": Key(str, doc="a Hugging Face model folder (or its config.json) giving the architecture "
                      "instead of flavor; default with [checkpoint] initial_load_in_hf: initial_load_path"),
@@ -117,14 +93,13 @@ def _check_architecture(cfg: dict) -> None:
             raise ConfigError(f"[model] name = {model['name']!r} but {model['hf_config']} holds a {arch.name} model")
         model["name"], model["flavor"], base = arch.name, "hf", arch.rope
     else:
-        flavors = FLAVORS[model["name"]]
-        if model["name"] == "qwen3" and model["flavor"] in QWEN3_MOE_FLAVORS:
-            raise ConfigError(f"[model] flavor {model['flavor']!r} is a mixture-of-experts Qwen3: FlashCP trains dense "
-                              f"models only ({', '.join(flavors)})")  # fmt: skip
-        if model["flavor"] not in (*flavors, "custom"):
+        name, flavor, flavors = model["name"], model["flavor"], dense_flavors(model["name"])
+        if reason := refusal(name, flavor):
+            raise ConfigError(f"[model] flavor {flavor!r} of {name} {reason} ({', '.join(flavors)}, custom)")
+        if flavor not in (*flavors, "custom"):
             raise ConfigError(f"[model] flavor must be one of {', '.join((*flavors, 'custom'))} for "
-                              f"name = {model['name']!r}; got {model['flavor']!r}")  # fmt: skip
-        base = FAMILY_ROPE[model["name"]]
+                              f"name = {name!r}; got {flavor!r}")  # fmt: skip
+        base = FAMILY_ROPE[name]
     try:
         rope = rope_for_job(base, model)
         if model["name"] == "qwen3" and rope.scaling == "llama3":
@@ -150,24 +125,24 @@ def _hf_architecture(path: str) -> Architecture:
 def model_dims(cfg: dict) -> tuple[int, int, int, int, int | None]:
     """(dim, n_layers, n_heads, n_kv_heads, vocab_size or None = the tokenizer's) of the job's model."""
     model = cfg["model"]
-    if model["hf_config"] is not None:
-        arch = _hf_architecture(model["hf_config"])
-        return arch.dim, arch.n_layers, arch.n_heads, arch.n_kv_heads, arch.vocab_size
-    flavors = FLAVORS[model["name"]]
-    if model["flavor"] in TOKENIZER_SIZED_FLAVORS:
-        return (*flavors[model["flavor"]][:4], None)
-    if model["flavor"] != "custom":
-        return flavors[model["flavor"]]
-    n_kv = model["n_kv_heads"] or model["n_heads"]
-    return model["dim"], model["n_layers"], model["n_heads"], n_kv, model["vocab_size"]
+    if model["flavor"] == "custom":
+        n_kv = model["n_kv_heads"] or model["n_heads"]
+        return model["dim"], model["n_layers"], model["n_heads"], n_kv, model["vocab_size"]
+    arch = _architecture(model)
+    vocab = None if model["flavor"] in TOKENIZER_SIZED_FLAVORS else arch.vocab_size
+    return arch.dim, arch.n_layers, arch.n_heads, arch.n_kv_heads, vocab
 
 
 def model_head_dim(cfg: dict) -> int:
     """The job's attention head size (Qwen3's is not always dim / n_heads)."""
     model = cfg["model"]
+    if model["flavor"] == "custom":
+        return model["head_dim"] or model["dim"] // model["n_heads"]
+    return _architecture(model).head_dim
+
+
+def _architecture(model: dict) -> Architecture:
+    """A checked `[model]`'s architecture: its config.json's or its flavor's."""
     if model["hf_config"] is not None:
-        return _hf_architecture(model["hf_config"]).head_dim
-    if model["name"] == "qwen3" and model["flavor"] != "custom":
-        return QWEN3_HEAD_DIM
-    dim, _, n_heads, _, _ = model_dims(cfg)
-    return model["head_dim"] or dim // n_heads
+        return _hf_architecture(model["hf_config"])
+    return flavor_architecture(model["name"], model["flavor"])

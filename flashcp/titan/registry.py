@@ -1,0 +1,108 @@
+"""TorchTitan's model registries read as FlashCP's architectures: which flavors a job may name, their sizes.
+
+    dense_flavors("qwen3")                  # ("debugmodel", "0.6B", ...), as TorchTitan registers them
+    flavor_architecture("llama3", "8B")     # its Architecture: dims, heads, KV heads, head_dim, RoPE, ...
+    refusal("qwen3", "30B-A3B")             # why FlashCP does not train a registered flavor, else None
+
+The job-file checks (`flashcp.titan.config.model`) and the model builder (`decoders`) both read the
+flavors here, from TorchTitan's own configs (`llama3_configs`, `qwen3_configs`), so a flavor
+TorchTitan adds or changes needs no edit in FlashCP. A flavor is trained when FlashCP's one build
+path (`decoders.titan_config`: dense feed-forward, fused QKV) rebuilds it; one whose layers route
+through experts or keep Q, K and V apart is refused, recognised from its config, not its name.
+Building every flavor's config takes milliseconds (dataclasses, no weights).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+from torchtitan.models.common import FusedQKVLinear
+from torchtitan.models.common.decoder import Decoder
+from torchtitan.models.llama3 import llama3_configs, Llama3Model
+from torchtitan.models.qwen3 import Qwen3Model, qwen3_configs
+
+from flashcp.titan.hf_config import Architecture
+from flashcp.titan.rope import Rope
+
+REGISTRIES: dict[str, dict[str, Callable[..., Decoder.Config]]] = {
+    "llama3": llama3_configs,
+    "qwen3": qwen3_configs,
+}
+# FlashCP's name of each RoPE scaling -> TorchTitan's.
+TITAN_SCALING = {"none": "none", "llama3": "llama", "yarn": "yarn"}
+
+
+def family(model_config: Decoder.Config) -> str:
+    """The family of a TorchTitan model config: "llama3" or "qwen3"."""
+    if isinstance(model_config, Qwen3Model.Config):
+        return "qwen3"
+    if isinstance(model_config, Llama3Model.Config):
+        return "llama3"
+    raise TypeError(f"not a Llama 3 or Qwen3 config: {type(model_config).__name__}")
+
+
+def architecture_of(model_config: Decoder.Config) -> Architecture:
+    """The architecture of a dense TorchTitan Llama 3 / Qwen3 config (e.g. a registry flavor)."""
+    attention = model_config.first_attention
+    rope = attention.rope
+    scaling = {titan: ours for ours, titan in TITAN_SCALING.items()}[rope.scaling]
+    if scaling == "llama3":
+        ours = Rope(
+            theta=float(rope.theta), scaling=scaling, factor=rope.scaling_factor,
+            original_max_position_embeddings=rope.original_max_position_embeddings,
+            low_freq_factor=rope.low_freq_factor, high_freq_factor=rope.high_freq_factor,
+        )  # fmt: skip
+    elif scaling == "yarn":
+        ours = Rope(
+            theta=float(rope.theta), scaling=scaling, factor=rope.rope_factor,
+            original_max_position_embeddings=rope.original_seq_len, beta_fast=rope.beta_fast,
+            beta_slow=rope.beta_slow, truncate=rope.truncate,
+        )  # fmt: skip
+    else:
+        ours = Rope(theta=float(rope.theta))
+    return Architecture(
+        name=family(model_config),
+        dim=model_config.dim,
+        n_layers=len(model_config.layers),
+        n_heads=attention.n_heads,
+        n_kv_heads=attention.n_kv_heads or attention.n_heads,
+        head_dim=attention.head_dim or model_config.dim // attention.n_heads,
+        hidden_dim=model_config.layers[0].feed_forward.w1.out_features,
+        vocab_size=model_config.vocab_size,
+        norm_eps=model_config.norm.eps,
+        rope=ours,
+        tie_embeddings=model_config.enable_weight_tying,
+        max_position_embeddings=rope.max_seq_len,
+    )
+
+
+def dense_flavors(name: str) -> tuple[str, ...]:
+    """The flavors of family `name` FlashCP trains, in TorchTitan's order."""
+    return tuple(_read(name)[0])
+
+
+def flavor_architecture(name: str, flavor: str) -> Architecture:
+    """The architecture of a flavor in `dense_flavors(name)` (KeyError for any other)."""
+    return _read(name)[0][flavor]
+
+
+def refusal(name: str, flavor: str) -> str | None:
+    """Why FlashCP does not train the registered `flavor` of `name` (a phrase); None: trained or unknown."""
+    return _read(name)[1].get(flavor)
+
+
+@functools.cache
+def _read(name: str) -> tuple[dict[str, Architecture], dict[str, str]]:
+    """(each trained flavor's architecture, each refused flavor's reason), read once per family."""
+    trained, refused = {}, {}
+    for flavor, build in REGISTRIES[name].items():
+        config = build(attn_backend="flex")
+        layers = config.layers
+        if any(layer.moe is not None for layer in layers):
+            refused[flavor] = "is a mixture-of-experts model: FlashCP trains dense models only"
+        elif not all(isinstance(layer.attention.qkv_linear, FusedQKVLinear.Config) for layer in layers):
+            refused[flavor] = "keeps Q, K and V as separate projections: FlashCP builds them fused only"
+        else:
+            trained[flavor] = architecture_of(config)
+    return trained, refused
