@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dp", nargs="+", type=int, default=[1, 8, 64])
     p.add_argument("--datasets", nargs="+", default=["wlbllm", "pile"])
     p.add_argument("--cp", type=int, default=8)
-    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--steps", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dense-tflops", type=float, default=MeshAssumptions.dense_tflops)
     p.add_argument("--inter-node-gbps", type=float, default=MeshAssumptions.inter_node_busbw_gbps)
