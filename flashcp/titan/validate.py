@@ -215,7 +215,6 @@ class _BucketSums:
     def __init__(self, buckets: int, device: torch.device) -> None:
         self.sums = torch.zeros(buckets + 1, dtype=torch.float64, device=device)  # [total, buckets...]
         self.counts = torch.zeros(buckets + 1, dtype=torch.int64, device=device)
-        self.buckets = buckets
 
     def __call__(
         self, logits: torch.Tensor, labels: torch.Tensor, _global_valid_tokens: Any = None, *,
@@ -223,10 +222,12 @@ class _BucketSums:
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         # compute_logprobs gathers vocabulary-split (TP) logits and gives 0 for IGNORE_INDEX labels
         nll = -compute_logprobs(logits, labels)
-        valid = labels != IGNORE_INDEX
-        token_loss, ids = nll[valid].to(torch.float64), bucket[valid]
+        # masked with where, not by indexing: no data-dependent shape, so no wait on the device
+        valid = (labels != IGNORE_INDEX).flatten()
+        token_loss = torch.where(valid, nll.flatten(), 0.0).to(torch.float64)
+        ids = bucket.flatten()
         self.sums[0] += token_loss.sum()
         self.sums[1:].index_add_(0, ids, token_loss)
-        self.counts[0] += ids.numel()
-        self.counts[1:] += torch.bincount(ids, minlength=self.buckets)
+        self.counts[0] += valid.sum()
+        self.counts[1:].index_add_(0, ids, valid.to(torch.int64))
         return nll.sum(), {}
