@@ -4,11 +4,11 @@ attention model of test_costmodel; balance in the model; `benchmarks/step_model.
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from test_costmodel import SHARED_PROFILES, synthetic_model
@@ -219,13 +219,12 @@ def test_validate_prints_every_public_measurement_with_its_error(tmp_path):
     assert {8380.0, 6514.0} <= measured
 
 
-@pytest.mark.skipif(not SHARED_PROFILES.is_dir(), reason="needs ../shared/data/gpu_profiles (the calibration)")
-def test_the_table_compares_each_system_in_stream_order_mesh_and_the_default_balance(tmp_path):
-    command = [sys.executable, str(ROOT / "benchmarks" / "step_model.py"), "--models", "8b", "--contexts", "131072",
-               "--dp", "2", "--datasets", "wlbllm", "--steps", "2", "--ratio-windows", "1", "--results",
-               str(tmp_path)]  # fmt: skip
-    subprocess.run(command, capture_output=True, text=True, timeout=600, check=True)
-    (run,) = json.loads((tmp_path / "step_model.json").read_text())["runs"]
+def test_the_table_compares_each_system_in_stream_order_mesh_and_the_default_balance():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from step_model import table
+
+    args = SimpleNamespace(datasets=["wlbllm"], contexts=[131072], dp=[2], models=["8b"], cp=8, steps=2, seed=0)
+    (run,) = table(args, synthetic_model(), MeshAssumptions())
     names = {f"{s}{layout}" for s in ("llama3", "per_doc", "flashcp") for layout in ("", "+mesh", "+default")}
     assert set(run["step_s"]) == names and run["speedup_vs_llama3"]["llama3"] == 1.0
     for parts, step_s in zip(run["breakdown_s"].values(), run["step_s"].values()):  # a step: its parts' sum
