@@ -237,7 +237,7 @@ def test_the_default_balance_trains_the_same_documents_in_as_many_full_steps():
     """The default's windows, flushed at the data's end, hold stream packing's data: every window
     C tokens, all of the data's tokens, in the same number of steps."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from balance import sampler, Stream
+    from balance import Stream, sampler
     from step_model import default_windows
 
     cost = window_cost(TINY.dense_flops_per_token, 12.0 * TINY.dim * TINY.n_layers, 2, True)
