@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from flashcp.data.balance import CAP_SHARE, length_cap, WindowCost
+from flashcp.data.balance import CAP_SHARE, length_cap, weight, WindowCost
 
 LEVELS = 12  # candidate levels per step (the largest pool documents, geometrically spaced; bisected)
 KEEP_SHARE = 0.75  # a forced step prices its cut against this share of stream packing's pairs
@@ -50,11 +50,6 @@ class StepAim(NamedTuple):
     tolerance: float  # max / mean - 1 aimed at
     short: np.ndarray  # the stream's short documents that fill the step (what the layout's cap counts)
     cost: WindowCost
-
-
-def weight(n: np.ndarray, density: float) -> np.ndarray:
-    """A long document's extra load on its window: its pairs net of the short ones it displaces."""
-    return n * (n + 1) / 2 - density * n
 
 
 def _fill(order: np.ndarray, lens: np.ndarray, w: np.ndarray, forced: np.ndarray, n_windows: int, window: int,
