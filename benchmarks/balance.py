@@ -129,11 +129,12 @@ def run(distribution: str, context: int, dp: int, cp: int, n_steps: int, micro: 
         mode: str = "deferral", max_delay: int = DataConfig.max_delay_steps) -> dict:  # fmt: skip
     """One mode on `n_steps` steps of the stream (see the module docstring)."""
     cost, n_windows = llama_cost(cp), dp * micro
-    target = 1.05 if mode.endswith("-cut") else None
+    settings = DataConfig(balance=mode, max_delay_steps=max_delay).balance_args()  # the trainer's, for `mode`
+    target = settings["cut_target"] if settings else None
     warm = Stream(sampler(distribution, seed + 1)).step(n_windows * context)[0]
     layout_step(warm, dp, micro, context, cost, target).rank(0)  # untimed: numpy's first-call costs are not a step's
     stream = Stream(sampler(distribution, seed))
-    deferral = Deferral(context, n_windows, max_delay, cost) if mode.startswith("deferral") else None
+    deferral = Deferral(context, n_windows, max_delay, cost, settings["target"]) if mode.startswith("deferral") else None
     off, balanced, bound, wall, cpu, kept, ref, delays, waited, tokens = [], [], [], [], [], 0.0, 0.0, [], 0, 0
     reading = [0.0, 0.0]  # wall, CPU seconds drawing the stream's lengths inside a step (not balancing)
 

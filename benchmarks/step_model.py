@@ -54,7 +54,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from balance import default_mode, pairs, sampler, Stream, window_lengths  # noqa: E402
+from balance import pairs, sampler, Stream, window_lengths  # noqa: E402
 from costmodel import PAPER_SPEEDUP, evaluate as layer_times  # noqa: E402
 
 from flashcp.costmodel import load_cost_model, CostModel, ProfileError  # noqa: E402
@@ -67,7 +67,8 @@ from flashcp.costmodel.step import (  # noqa: E402
     paper_ratio_scales,
 )
 from flashcp.data.balance import balance_step, layout_step, stream_windows, WindowCost  # noqa: E402
-from flashcp.data.deferral import Deferral, stream_pairs  # noqa: E402
+from flashcp.data.deferral import Deferral  # noqa: E402
+from flashcp.data.settings import DataConfig  # noqa: E402
 
 SHARED_PROFILES = ROOT.parent / "shared" / "data" / "gpu_profiles"
 MODELS = {"8b": LLAMA3_8B, "70b": LLAMA3_70B}
@@ -108,15 +109,16 @@ def modelled_speedups(times: dict) -> dict[str, float]:
 
 def default_windows(dataset: str, seed: int, context: int, dp: int, steps: int,
                     cost: WindowCost) -> tuple[list[list[list[list[int]]]], float]:  # fmt: skip
-    """The trainer's default `[data] balance` (`balance.default_mode`, a deferral mode) on the same
+    """The trainer's default `[data] balance` (`DataConfig.balance_args`, a deferral mode) on the same
     data as stream packing's `steps` steps, ending there as data without looping ends (the last steps
     flush the queue): windows `[step][dp rank][0]` that train exactly the same documents, and the
     attended pairs they keep vs stream packing of them."""
-    mode, max_delay = default_mode()
-    if not mode.startswith("deferral"):
-        raise SystemExit(f"step_model: the default balance {mode!r} is no deferral mode; its column needs one")
+    balance = DataConfig().balance_args()  # the trainer's own settings of the default
+    if balance is None or balance["max_delay"] is None:
+        raise SystemExit(f"step_model: the default balance {DataConfig.balance!r} is no deferral mode; "
+                         "its column needs one")  # fmt: skip
     stream = Stream(sampler(dataset, seed), steps * dp * context)
-    deferral = Deferral(context, dp, max_delay, cost)
+    deferral = Deferral(context, dp, balance["max_delay"], cost, balance["target"])
     out, kept = [], 0.0
     while True:
         start = (0, stream.doc, stream.offset)
@@ -128,8 +130,7 @@ def default_windows(dataset: str, seed: int, context: int, dp: int, steps: int,
                 break
         if step.cursor is not None:
             stream.restore(*step.cursor)
-        out.append(window_lengths(layout_step(step.length, dp, 1, context, cost,
-                                              1.05 if mode.endswith("-cut") else None)))  # fmt: skip
+        out.append(window_lengths(layout_step(step.length, dp, 1, context, cost, balance["cut_target"])))
         kept += pairs([n for rank in out[-1] for w in rank for n in w])
     if len(out) != steps:
         raise RuntimeError(f"the default balance made {len(out)} steps of {steps} steps' tokens")
@@ -137,12 +138,10 @@ def default_windows(dataset: str, seed: int, context: int, dp: int, steps: int,
 
 
 def evaluate(model: StepModel, doc_lens_per_step: list[list[int]], context: int,
-             default: list[list[list[list[int]]]]) -> dict:  # fmt: skip
+             default: list[list[list[list[int]]]], cost: WindowCost) -> dict:  # fmt: skip
     """Every system on stream packing's windows of each step, on the same documents moved by "mesh"
-    and on `default`: the trainer's default balance of the same data (`default_windows`)."""
-    m = model.model
-    cost = window_cost(m.dense_flops_per_token, 12.0 * m.heads * m.head_dim * m.n_layers, model.cp,
-                       model.assume.full_ac)  # fmt: skip
+    (balanced by `cost`) and on `default`: the trainer's default balance of the same data
+    (`default_windows`)."""
     names = [f"{s}{layout}" for s in SYSTEMS for layout in LAYOUTS]
     totals, spread, kept = {n: [] for n in names}, {n: [] for n in names}, []
     parts = {n: np.zeros(4) for n in names}
@@ -302,11 +301,11 @@ def table(args: argparse.Namespace, attention: CostModel, assume: MeshAssumption
                     cost = window_cost(m.dense_flops_per_token, 12.0 * m.heads * m.head_dim * m.n_layers, args.cp,
                                        assume.full_ac)  # fmt: skip
                     default, default_kept = default_windows(dataset, args.seed, context, dp, args.steps, cost)
-                    out = evaluate(model, lens, context, default)
+                    out = evaluate(model, lens, context, default, cost)
                     out["default_attention_pairs_kept"] = default_kept
                     out["setting"] = {"model": MODELS[name].name, "dataset": dataset, "context": context,
                                       "dp": dp, "cp": args.cp, "steps": args.steps, "seed": args.seed,
-                                      "default_balance": "{}, max_delay_steps {}".format(*default_mode())}  # fmt: skip
+                                      "default_balance": f"{DataConfig.balance}, max_delay_steps {DataConfig.max_delay_steps}"}  # fmt: skip
                     runs.append(out)
                     speed = "  ".join(f"{s} {v:.2f}x" for s, v in out["speedup_vs_llama3"].items() if s != "llama3")
                     print(f"{MODELS[name].name:12s} {dataset:7s} C={context // 1024}K DP={dp:<3d} Llama3 CP "

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from flashcp.data.balance import layout_step, WindowCost
-from flashcp.data.balance import weight
+from flashcp.data.balance import layout_step, weight, WindowCost
 from flashcp.data.release import _fill, choose_release, StepAim
 
 COST = WindowCost(dense_per_token=40.0, attn_per_pair=1.0)
