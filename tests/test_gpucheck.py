@@ -157,7 +157,7 @@ def test_every_efficiency_point_is_a_window_that_can_exist(sizes):
 def test_timings_use_the_shipped_models_kv_heads(tmp_path, monkeypatch):
     """Llama 3 8B on one rank (32 query / 8 KV heads) and 70B under TP 8 (8 / 1): K and V are timed
     with the models' KV heads, not one per query head."""
-    from flashcp.titan.registry import flavor_architecture
+    from flashcp.titan.models.registry import flavor_architecture
 
     llama8b, llama70b = flavor_architecture("llama3", "8B"), flavor_architecture("llama3", "70B")
     shipped = {(llama8b.n_heads, llama8b.n_kv_heads), (llama70b.n_heads // 8, llama70b.n_kv_heads // 8)}

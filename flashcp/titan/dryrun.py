@@ -237,7 +237,7 @@ class _LabelledLoss:
 
 def _label_regions(trainer, tracker: CategoryTracker) -> list[Any]:
     """Label FlashCP's attention (forward, recompute, backward) and the output projection's forward."""
-    from flashcp.titan.attention import FlashCPAttention
+    from flashcp.titan.models.attention import FlashCPAttention
 
     model = trainer.model_parts[0]
     push = lambda label: lambda *args: tracker.push(label)  # noqa: E731

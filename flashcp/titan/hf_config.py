@@ -7,9 +7,9 @@
 `Architecture` is FlashCP's description of a dense decoder (Llama 3.x: model_type "llama";
 Qwen3: "qwen3", with QK-norm and its own head_dim), the one value every consumer reads: the
 pre-launch checks (`flashcp.titan.config.model_dims`), the TorchTitan model config
-(`flashcp.titan.decoders.titan_config(arch, attn_backend, max_seq_len)`), the job's model
-(`flashcp.titan.decoders.job_architecture(model_cfg, tokenizer_vocab, seq_len)`, also for named
-flavors) and HF import / export (`flashcp.titan.decoders.state_dict_adapter(model_config,
+(`flashcp.titan.models.decoders.titan_config(arch, attn_backend, max_seq_len)`), the job's model
+(`flashcp.titan.models.decoders.job_architecture(model_cfg, tokenizer_vocab, seq_len)`, also for named
+flavors) and HF import / export (`flashcp.titan.models.decoders.state_dict_adapter(model_config,
 hf_assets_path)`: TorchTitan's Llama3StateDictAdapter / Qwen3StateDictAdapter, which map names and,
 for Llama, permute q / k between HF's rotate-half layout and TorchTitan's adjacent pairs).
 `to_hf_config` writes the RoPE actually trained (`rope_theta`, `rope_scaling`) and the context
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flashcp.titan.rope import Rope, rope_from_hf, rope_to_hf, RopeError
+from flashcp.titan.models.rope import Rope, rope_from_hf, rope_to_hf, RopeError
 
 # HF model_type -> FlashCP / TorchTitan model name, and back with its HF class.
 MODEL_TYPES = {"llama": "llama3", "qwen3": "qwen3"}

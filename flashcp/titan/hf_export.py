@@ -34,7 +34,7 @@ from torchtitan.components.checkpoint import DATALOADER, LR_SCHEDULER, OPTIMIZER
 from flashcp.run.manifest import MANIFEST, read_manifest, verify_files
 from flashcp.run.publish import error_in, fsync_dir, root_cause
 from flashcp.run.safe_load import MismatchedCheckpoint, SafeReader, StrictPlanner, UnsafeCheckpoint
-from flashcp.titan.decoders import job_architecture, state_dict_adapter, titan_config
+from flashcp.titan.models.decoders import job_architecture, state_dict_adapter, titan_config
 from flashcp.titan.hf_config import architecture_from_hf, HFConfigError, to_hf_config
 from flashcp.titan.hf_folder import CONFIG, INDEX, SINGLE
 

@@ -17,7 +17,7 @@ from flashcp.titan.hf_export import job_model_record
 from flashcp.titan.heldout import held_out_data
 from flashcp.titan.loss import loss_config
 from flashcp.data.sources import DataConfig
-from flashcp.titan.model import model_spec
+from flashcp.titan.models.spec import model_spec
 from flashcp.titan.trainer import FlashCPSettings, FlashCPTrainer
 from flashcp.titan.validate import FlashCPValidator
 

@@ -48,7 +48,7 @@ def check_hf_import(cfg: dict[str, Any], tokenizer_vocab: int) -> None:
         return
     import torch
 
-    from flashcp.titan.decoders import job_architecture, state_dict_adapter, titan_config
+    from flashcp.titan.models.decoders import job_architecture, state_dict_adapter, titan_config
     from flashcp.titan.hf_config import HFConfigError, read_hf_config
     from flashcp.titan.hf_folder import check_weights, HFFolderError
 

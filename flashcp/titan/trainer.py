@@ -56,7 +56,7 @@ from flashcp.costmodel.proxy import window_cost
 from flashcp.data.balance import WindowCost
 from flashcp.data.errors import DataError
 from flashcp.dispatch import build_dispatch
-from flashcp.titan.attention import CPStep
+from flashcp.titan.models.attention import CPStep
 from flashcp.titan.checkpoint import CheckpointError, Checkpointer
 from flashcp.titan.components import PipelineTokenizer, WindowDataLoader
 from flashcp.titan.hf_export import export, ExportError

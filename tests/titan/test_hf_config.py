@@ -12,11 +12,11 @@ import pytest
 import flashcp.titan  # noqa: F401  (TorchTitan shims first)
 from flashcp.titan.config import check_layout, ConfigError, model_dims, model_head_dim, validate
 from flashcp.titan.config.model import TOKENIZER_SIZED_FLAVORS
-from flashcp.titan.decoders import job_architecture, titan_config, titan_rope
+from flashcp.titan.models.decoders import job_architecture, titan_config, titan_rope
 from flashcp.titan.hf_config import architecture_from_hf, read_hf_config, to_hf_config
-from flashcp.titan.model import model_spec
-from flashcp.titan.registry import architecture_of, dense_flavors, flavor_architecture, REGISTRIES
-from flashcp.titan.rope import FAMILY_ROPE, Rope
+from flashcp.titan.models.spec import model_spec
+from flashcp.titan.models.registry import architecture_of, dense_flavors, flavor_architecture, REGISTRIES
+from flashcp.titan.models.rope import FAMILY_ROPE, Rope
 
 # The config.json files Meta and Qwen publish (transformers 4.x layout: rope_theta + rope_scaling).
 LLAMA31_8B = {

@@ -24,10 +24,10 @@ from distributed_pool import DistributedPool
 import flashcp.titan  # noqa: F401  (TorchTitan shims before transformers / torchtitan)
 from flashcp.dispatch import build_dispatch
 from flashcp.plan import plan_shards, STRATEGIES
-from flashcp.titan.attention import CPStep
+from flashcp.titan.models.attention import CPStep
 from flashcp.titan.config import validate
-from flashcp.titan.decoders import state_dict_adapter
-from flashcp.titan.model import model_spec
+from flashcp.titan.models.decoders import state_dict_adapter
+from flashcp.titan.models.spec import model_spec
 
 transformers = pytest.importorskip("transformers", reason="the oracle needs the test extra (transformers)")
 from safetensors.torch import load_file

@@ -19,7 +19,7 @@ from test_parity import _worst, GRAD_TOLERANCE, TOLERANCE
 
 from flashcp.titan.config import validate
 from flashcp.titan.hf_config import Architecture, to_hf_config
-from flashcp.titan.rope import Rope
+from flashcp.titan.models.rope import Rope
 
 STEPS = 4
 QWEN3 = Architecture(

@@ -100,9 +100,9 @@ def test_attention_is_swapped_from_outside(tmp_path):
     """FlashCP replaces only the inner attention; TorchTitan's own attention keeps its CP path."""
     from torchtitan.models.common.attention import FlexAttention
 
-    from flashcp.titan.attention import FlashCPAttention
+    from flashcp.titan.models.attention import FlashCPAttention
     from flashcp.titan.job import trainer_config
-    from flashcp.titan.model import parallelize_flashcp
+    from flashcp.titan.models.spec import parallelize_flashcp
 
     ours = trainer_config(tiny_job(tmp_path, flashcp={"backend": "reference", "overlap": True},
                                    parallelism={"context_parallel_degree": 2}))  # fmt: skip

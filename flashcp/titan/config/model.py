@@ -1,8 +1,8 @@
 """`[model]`: which architecture a job trains, its keys and the checks that need no process.
 
 The architecture is named once: a dense flavor TorchTitan registers for the family (read from its
-registry, `flashcp.titan.registry`), `custom` sizes, or a Hugging Face `config.json` (`hf_config`,
-read now); RoPE keys (`flashcp.titan.rope`) override the model's own. `model_dims` and
+registry, `flashcp.titan.models.registry`), `custom` sizes, or a Hugging Face `config.json` (`hf_config`,
+read now); RoPE keys (`flashcp.titan.models.rope`) override the model's own. `model_dims` and
 `model_head_dim` give the layout checks and the pre-launch estimates the sizes without building it.
 """
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from flashcp.titan.config.keys import ConfigError, Key
 from flashcp.titan.hf_config import Architecture, HFConfigError, read_hf_config
-from flashcp.titan.registry import dense_flavors, flavor_architecture, REGISTRIES, refusal
-from flashcp.titan.rope import FAMILY_ROPE, rope_for_job, RopeError, SCALINGS
+from flashcp.titan.models.registry import dense_flavors, flavor_architecture, REGISTRIES, refusal
+from flashcp.titan.models.rope import FAMILY_ROPE, rope_for_job, RopeError, SCALINGS
 
 CUSTOM_MODEL_KEYS = (
     "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "ffn_dim_multiplier", "multiple_of"
@@ -39,7 +39,7 @@ MODEL_KEYS: dict[str, Key] = {
     "vocab_size": Key(int),
     "ffn_dim_multiplier": Key(float),
     "multiple_of": Key(int),
-    # RoPE (flashcp.titan.rope); unset: the model's own (flavor, config.json; custom: the family's).
+    # RoPE (flashcp.titan.models.rope); unset: the model's own (flavor, config.json; custom: the family's).
     "rope_theta": Key(float, doc="RoPE base"),
     "rope_scaling": Key(str, None, SCALINGS, "RoPE scaling type; unset keeps the model's"),
     "rope_factor": Key(float, doc="llama3 / yarn: context extension factor"),

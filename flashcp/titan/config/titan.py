@@ -62,7 +62,7 @@ AC_DEFAULT = "selective"  # Trainer.Config's activation_checkpoint default: Sele
 
 # Trainer.Config fields that are no TorchTitan section of a job file, and where they come from.
 NOT_SECTIONS = {
-    "model_spec": "[model] (flashcp.titan.model builds the spec with FlashCP's attention)",
+    "model_spec": "[model] (flashcp.titan.models.spec builds the spec with FlashCP's attention)",
     "hf_assets_path": "TorchTitan's tokenizer / HF weights folder: FlashCP reads [data] tokenizer and "
                       "[checkpoint] initial_load_path",
     "dump_folder": "[job] dump_folder",

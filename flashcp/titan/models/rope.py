@@ -3,7 +3,7 @@
 One `Rope` value describes the rotary embedding a model trains with; it is read from a base
 model's config.json (`rope_parameters` in transformers 5, `rope_theta` + `rope_scaling` before),
 changed by the job's `[model] rope_*` keys, written back into an export's config.json and turned
-into TorchTitan's RoPE config (`flashcp.titan.decoders`). Supported scalings: none, llama3 (Llama
+into TorchTitan's RoPE config (`flashcp.titan.models.decoders`). Supported scalings: none, llama3 (Llama
 3.1's NTK-by-parts wavelength bands) and yarn. YaRN's attention factor ("mscale") multiplies HF's
 cos / sin, i.e. both q and k, so it scales the attention logits by its square: FlashCP passes that
 square in the softmax scale (TorchTitan's RoPE stays a pure rotation).

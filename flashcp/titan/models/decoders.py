@@ -5,7 +5,7 @@
     adapter = state_dict_adapter(model_config, hf_assets_path)       # TorchTitan's HF <-> TorchTitan mapping
 
 Every model is built through one path: a named flavor's config from TorchTitan's registry is read
-back into an `Architecture` (`flashcp.titan.registry`), then every architecture is built with TorchTitan's
+back into an `Architecture` (`flashcp.titan.models.registry`), then every architecture is built with TorchTitan's
 per-layer builders and initialisers (`_build_llama3_layers`, `_build_qwen3_layers`), so named
 flavors, custom sizes and HF config.json models differ only in their numbers. Each family keeps its
 RoPE convention: Llama 3 rotates adjacent pairs (ComplexRoPE; its adapter permutes HF's q / k
@@ -36,8 +36,8 @@ from torchtitan.protocols.state_dict_adapter import BaseStateDictAdapter
 
 from flashcp.titan.config import ConfigError, TOKENIZER_SIZED_FLAVORS
 from flashcp.titan.hf_config import Architecture, HFConfigError, read_hf_config, with_rope
-from flashcp.titan.registry import family, flavor_architecture, TITAN_SCALING
-from flashcp.titan.rope import FAMILY_ROPE, rope_for_job, RopeError
+from flashcp.titan.models.registry import family, flavor_architecture, TITAN_SCALING
+from flashcp.titan.models.rope import FAMILY_ROPE, rope_for_job, RopeError
 
 ADAPTERS: dict[str, type[BaseStateDictAdapter]] = {
     "llama3": Llama3StateDictAdapter,
@@ -74,7 +74,7 @@ def titan_config(arch: Architecture, attn_backend: str, max_seq_len: int) -> Dec
     """TorchTitan's model config for `arch`, its RoPE cache covering positions < max_seq_len.
 
     YaRN's attention factor is not in it (TorchTitan's RoPE is a pure rotation): FlashCP's attention
-    applies it (`Rope.softmax_scale_factor`, see flashcp.titan.model)."""
+    applies it (`Rope.softmax_scale_factor`, see flashcp.titan.models.spec)."""
     rope = titan_rope(arch, max_seq_len)
     tied, dim, vocab = arch.tie_embeddings, arch.dim, arch.vocab_size
     if arch.name == "llama3":

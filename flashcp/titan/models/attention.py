@@ -45,7 +45,7 @@ class FlashCPAttention(Module):
 
         scale_factor: float = 1.0
         """Multiplies the softmax scale (1 / sqrt(head_dim) unless the model passes its own): YaRN's
-        attention factor squared, which HF applies to cos and sin (flashcp.titan.rope)."""
+        attention factor squared, which HF applies to cos and sin (flashcp.titan.models.rope)."""
 
     def __init__(self, config: Config) -> None:
         super().__init__()

@@ -1,6 +1,6 @@
 """The job's Llama 3 / Qwen3 as a TorchTitan ModelSpec, its attention swapped for FlashCP's from outside.
 
-The architecture comes from `flashcp.titan.decoders` (a TorchTitan flavor, a custom size or an HF
+The architecture comes from `flashcp.titan.models.decoders` (a TorchTitan flavor, a custom size or an HF
 config.json, with the job's RoPE keys), built by TorchTitan's own per-layer builders. With
 `model.attention = "flashcp"` only each layer's inner-attention config is replaced
 (`use_flashcp_attention`) and the model is parallelised by `parallelize_flashcp`: TorchTitan's
@@ -22,9 +22,9 @@ from torchtitan.models.qwen3 import parallelize_qwen3, Qwen3Model
 from torchtitan.protocols.model_spec import ModelSpec
 
 from flashcp.titan import compat
-from flashcp.titan.attention import use_flashcp_attention
+from flashcp.titan.models.attention import use_flashcp_attention
 from flashcp.titan.config import ConfigError
-from flashcp.titan.decoders import ADAPTERS, job_architecture, titan_config
+from flashcp.titan.models.decoders import ADAPTERS, job_architecture, titan_config
 
 
 def model_spec(
@@ -75,7 +75,7 @@ def parallelize_flashcp(model: torch.nn.Module, *, parallel_dims, training, para
         ac_config.build(dump_folder=dump_folder).apply(model)
     if compile_config.enable and "model" in compile_config.components:
         # Per block like TorchTitan's apply_compile, but not fullgraph: each block breaks its graph
-        # around FlashCP's attention op, which runs eagerly (see flashcp.titan.attention).
+        # around FlashCP's attention op, which runs eagerly (see flashcp.titan.models.attention).
         for block in model.layers.values():
             block.compile(backend=compile_config.backend, fullgraph=False)
     names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]

@@ -1,0 +1,11 @@
+"""The job's models: TorchTitan's Llama 3 / Qwen3 decoders with FlashCP's attention swapped in from outside.
+
+- `spec`: the job's model as a TorchTitan ModelSpec (parallelize, FSDP, the attention swap);
+- `decoders`: FlashCP's `Architecture` <-> TorchTitan's model configs, built by TorchTitan's builders;
+- `registry`: the dense flavors TorchTitan registers, read as architectures;
+- `rope`: RoPE base and scaling, as config.json and the job's `[model]` keys say;
+- `attention`: FlashCP's CP attention as TorchTitan's inner attention.
+
+May import: torch, TorchTitan, the core (plan, dispatch, attention), `flashcp.titan.config` (its
+errors and flavor lists), `flashcp.titan.hf` (architectures read from config.json) and `compat`.
+"""
