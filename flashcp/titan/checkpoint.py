@@ -21,7 +21,7 @@ TorchTitan's CheckpointManager writes a step straight into `step-N/`: a save ove
   (`flashcp.run.safe_load`).
 - Hugging Face import (`initial_load_path` + `initial_load_in_hf`): an HF folder has no manifest;
   its `config.json` and safetensors headers are checked against the model first
-  (`flashcp.titan.hf_folder`: every tensor present with its shape, files whole, safetensors only),
+  (`flashcp.titan.hf.folder`: every tensor present with its shape, files whole, safetensors only),
   then TorchTitan's state_dict_adapter maps the weights in through DCP's HF reader, strictly.
 - The manifest records the model (`model_record`: its HF config.json and the tokenizer), so that
   `python -m flashcp.titan.export` can turn a checkpoint into an HF folder without the job file.
@@ -62,8 +62,8 @@ from flashcp.run.manifest import MANIFEST, read_manifest, rank_entries, verify_f
 from flashcp.run.publish import agreed_token, Candidate, error_in, full_disk_named, LEFTOVER_DIR
 from flashcp.run.publish import publish, published_checkpoints, root_cause, STEP_DIR
 from flashcp.run.safe_load import MismatchedCheckpoint, SafeReader, StrictPlanner, UnsafeCheckpoint
-from flashcp.titan.hf_config import HFConfigError, read_hf_config
-from flashcp.titan.hf_folder import check_weights, HFFolderError
+from flashcp.titan.hf.config import HFConfigError, read_hf_config
+from flashcp.titan.hf.folder import check_weights, HFFolderError
 
 SET_ASIDE = "set-aside"  # under the checkpoint folder: checkpoints of a branch left by a rewind
 
@@ -96,7 +96,7 @@ class Checkpointer(CheckpointManager):
         """Let the checkpoint named by load_step / initial_load_path load without a manifest."""
 
         model_record: dict[str, Any] | None = None
-        """What each manifest records about the model (flashcp.titan.hf_export.model_record)."""
+        """What each manifest records about the model (flashcp.titan.hf.export.model_record)."""
 
         def __post_init__(self) -> None:
             """TorchTitan's checks, except that last_save_in_hf needs no model-only last save: the
@@ -312,7 +312,7 @@ class Checkpointer(CheckpointManager):
             raise _unloadable(e, path) from e
 
     def _load_hf(self, path: Path) -> None:
-        """The model's weights from a Hugging Face folder, checked before reading (flashcp.titan.hf_folder)."""
+        """The model's weights from a Hugging Face folder, checked before reading (flashcp.titan.hf.folder)."""
         if self.sd_adapter is None:
             raise CheckpointError("checkpoint.initial_load_in_hf: this model has no Hugging Face state_dict adapter")
         model_state = self.states[MODEL].state_dict()

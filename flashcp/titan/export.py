@@ -4,7 +4,7 @@
     python -m flashcp.titan.export --checkpoint ... --out ... --dtype bfloat16 --max-shard-size 5GB
 
 The checkpoint is verified against its manifest first, and the model it holds is read from that
-manifest (no job file needed); the folder written (`flashcp.titan.hf_export`: model.safetensors or
+manifest (no job file needed); the folder written (`flashcp.titan.hf.export`: model.safetensors or
 shards with an index, config.json with the RoPE settings trained, the job's tokenizer files)
 loads with `transformers.AutoModelForCausalLM.from_pretrained(out)`. An existing non-empty
 `--out` is refused; a crash leaves no partial folder under its name. Bad input: one `error:` line,
@@ -17,7 +17,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from flashcp.titan.hf_export import DTYPES, export, ExportError, parse_size
+from flashcp.titan.hf.export import DTYPES, export, ExportError, parse_size
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,7 +13,7 @@ from typing import Any
 
 from flashcp.titan.components import PipelineTokenizer, resolve_tokenizer, WindowDataLoader
 from flashcp.titan.config.titan import titan_configs
-from flashcp.titan.hf_export import job_model_record
+from flashcp.titan.hf.export import job_model_record
 from flashcp.titan.heldout import held_out_data
 from flashcp.titan.loss import loss_config
 from flashcp.data.sources import DataConfig
@@ -48,7 +48,7 @@ def trainer_config(cfg: dict[str, Any]) -> FlashCPTrainer.Config:
         # Before the output projection a rank holds seq_len / cp tokens (TP replicates them there).
         loss=loss_config(spec.model.vocab_size, train["seq_len"] // cp, cfg["loss"]["chunk_tokens"]),
         # Read by TorchTitan's state_dict_adapter only to shard its own HF saves, which FlashCP does not use
-        # (flashcp.titan.hf_export writes them); its default would name a folder of TorchTitan's tests.
+        # (flashcp.titan.hf.export writes them); its default would name a folder of TorchTitan's tests.
         hf_assets_path=None,
         validator=_validator(cfg, windows),
         flashcp=FlashCPSettings(enable=flashcp_on, **fcp),

@@ -42,15 +42,15 @@ def check_inputs(cfg: dict[str, Any]) -> int:
 def check_hf_import(cfg: dict[str, Any], tokenizer_vocab: int) -> None:
     """With `initial_load_in_hf`: ConfigError naming the first problem of the HF folder (config.json,
     a missing or truncated safetensors file, a tensor the model lacks or shapes it otherwise)
-    against the job's model, from the files' headers only (`flashcp.titan.hf_folder`)."""
+    against the job's model, from the files' headers only (`flashcp.titan.hf.folder`)."""
     ckpt = cfg["checkpoint"]
     if not ckpt["initial_load_in_hf"]:
         return
     import torch
 
     from flashcp.titan.models.decoders import job_architecture, state_dict_adapter, titan_config
-    from flashcp.titan.hf_config import HFConfigError, read_hf_config
-    from flashcp.titan.hf_folder import check_weights, HFFolderError
+    from flashcp.titan.hf.config import HFConfigError, read_hf_config
+    from flashcp.titan.hf.folder import check_weights, HFFolderError
 
     path = Path(ckpt["initial_load_path"])
     try:

@@ -59,7 +59,7 @@ from flashcp.dispatch import build_dispatch
 from flashcp.titan.models.attention import CPStep
 from flashcp.titan.checkpoint import CheckpointError, Checkpointer
 from flashcp.titan.components import PipelineTokenizer, WindowDataLoader
-from flashcp.titan.hf_export import export, ExportError
+from flashcp.titan.hf.export import export, ExportError
 from flashcp.titan.metrics import FlashCPMetrics
 from flashcp.titan.validate import FlashCPValidator
 from flashcp.run.preemption import StopRequest
@@ -192,7 +192,7 @@ class FlashCPTrainer(Trainer):
 
     def _export_hf(self) -> None:
         """With `checkpoint.last_save_in_hf`, rank 0 exports the final checkpoint to `step-N-hf` beside it
-        (`flashcp.titan.hf_export`) once training is over, so the other ranks wait in no collective
+        (`flashcp.titan.hf.export`) once training is over, so the other ranks wait in no collective
         meanwhile; a run started again after a crashed export exports then."""
         ckpt, steps = self.checkpointer, self.config.training.steps
         if not (ckpt.enable and self.config.checkpoint.last_save_in_hf and self.step == steps):

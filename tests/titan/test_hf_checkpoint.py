@@ -32,7 +32,7 @@ from flashcp.run.manifest import checksum  # noqa: E402
 from flashcp.titan.checkpoint import CheckpointError  # noqa: E402
 from flashcp.titan.config import ConfigError  # noqa: E402
 from flashcp.titan.export import main as export_main  # noqa: E402
-from flashcp.titan.hf_export import export  # noqa: E402
+from flashcp.titan.hf.export import export  # noqa: E402
 from flashcp.titan.preflight import check_inputs  # noqa: E402
 
 

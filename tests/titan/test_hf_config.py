@@ -13,7 +13,7 @@ import flashcp.titan  # noqa: F401  (TorchTitan shims first)
 from flashcp.titan.config import check_layout, ConfigError, model_dims, model_head_dim, validate
 from flashcp.titan.config.model import TOKENIZER_SIZED_FLAVORS
 from flashcp.titan.models.decoders import job_architecture, titan_config, titan_rope
-from flashcp.titan.hf_config import architecture_from_hf, read_hf_config, to_hf_config
+from flashcp.titan.hf.config import architecture_from_hf, read_hf_config, to_hf_config
 from flashcp.titan.models.spec import model_spec
 from flashcp.titan.models.registry import architecture_of, dense_flavors, flavor_architecture, REGISTRIES
 from flashcp.titan.models.rope import FAMILY_ROPE, Rope

@@ -18,7 +18,7 @@ from harness import single_rank, TINY, train, train_counting_exchanges
 from test_parity import _worst, GRAD_TOLERANCE, TOLERANCE
 
 from flashcp.titan.config import validate
-from flashcp.titan.hf_config import Architecture, to_hf_config
+from flashcp.titan.hf.config import Architecture, to_hf_config
 from flashcp.titan.models.rope import Rope
 
 STEPS = 4

@@ -9,7 +9,7 @@ read now); RoPE keys (`flashcp.titan.models.rope`) override the model's own. `mo
 from __future__ import annotations
 
 from flashcp.titan.config.keys import ConfigError, Key
-from flashcp.titan.hf_config import Architecture, HFConfigError, read_hf_config
+from flashcp.titan.hf.config import Architecture, HFConfigError, read_hf_config
 from flashcp.titan.models.registry import dense_flavors, flavor_architecture, REGISTRIES, refusal
 from flashcp.titan.models.rope import FAMILY_ROPE, rope_for_job, RopeError, SCALINGS
 

@@ -35,7 +35,7 @@ from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
 from torchtitan.protocols.state_dict_adapter import BaseStateDictAdapter
 
 from flashcp.titan.config import ConfigError, TOKENIZER_SIZED_FLAVORS
-from flashcp.titan.hf_config import Architecture, HFConfigError, read_hf_config, with_rope
+from flashcp.titan.hf.config import Architecture, HFConfigError, read_hf_config, with_rope
 from flashcp.titan.models.registry import family, flavor_architecture, TITAN_SCALING
 from flashcp.titan.models.rope import FAMILY_ROPE, rope_for_job, RopeError
 

@@ -22,7 +22,7 @@ from torchtitan.models.common.decoder import Decoder
 from torchtitan.models.llama3 import llama3_configs, Llama3Model
 from torchtitan.models.qwen3 import Qwen3Model, qwen3_configs
 
-from flashcp.titan.hf_config import Architecture
+from flashcp.titan.hf.config import Architecture
 from flashcp.titan.models.rope import Rope
 
 REGISTRIES: dict[str, dict[str, Callable[..., Decoder.Config]]] = {

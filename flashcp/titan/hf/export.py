@@ -35,8 +35,8 @@ from flashcp.run.manifest import MANIFEST, read_manifest, verify_files
 from flashcp.run.publish import error_in, fsync_dir, root_cause
 from flashcp.run.safe_load import MismatchedCheckpoint, SafeReader, StrictPlanner, UnsafeCheckpoint
 from flashcp.titan.models.decoders import job_architecture, state_dict_adapter, titan_config
-from flashcp.titan.hf_config import architecture_from_hf, HFConfigError, to_hf_config
-from flashcp.titan.hf_folder import CONFIG, INDEX, SINGLE
+from flashcp.titan.hf.config import architecture_from_hf, HFConfigError, to_hf_config
+from flashcp.titan.hf.folder import CONFIG, INDEX, SINGLE
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
 NON_MODEL_STATES = (OPTIMIZER, LR_SCHEDULER, DATALOADER, TRAIN_STATE)

@@ -3,7 +3,7 @@
 An HF folder has no FlashCP manifest (no checksums written by a save we saw), so what can be
 verified is verified from the files themselves, reading only their JSON headers:
 
-- `config.json` describes an architecture FlashCP supports (`flashcp.titan.hf_config`).
+- `config.json` describes an architecture FlashCP supports (`flashcp.titan.hf.config`).
 - The weights are safetensors: `model.safetensors`, or the files `model.safetensors.index.json`
   lists, every listed file present and no other `*.safetensors` beside them (DCP's HF reader
   reads every such file in the folder: a stray one would mix into the weights). A folder with
