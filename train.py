@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     from flashcp.data.tokenizer import TokenizerError
     from flashcp.run.ownership import FolderInUse, LockUnavailable, NotWritable
     from flashcp.run.publish import root_cause
-    from flashcp.titan.checkpoint import CheckpointError
+    from flashcp.titan.components.checkpoint import CheckpointError
     from flashcp.titan.config import ConfigError
 
     job_errors = (ConfigError, DataError, TokenizerError, CheckpointError, BackendUnavailable, FolderInUse,

@@ -11,15 +11,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from flashcp.titan.components import PipelineTokenizer, resolve_tokenizer, WindowDataLoader
+from flashcp.titan.components.data import PipelineTokenizer, resolve_tokenizer, WindowDataLoader
 from flashcp.titan.config.titan import titan_configs
 from flashcp.titan.hf.export import job_model_record
-from flashcp.titan.heldout import held_out_data
-from flashcp.titan.loss import loss_config
+from flashcp.titan.components.heldout import held_out_data
+from flashcp.titan.components.loss import loss_config
 from flashcp.data.sources import DataConfig
 from flashcp.titan.models.spec import model_spec
 from flashcp.titan.trainer import FlashCPSettings, FlashCPTrainer
-from flashcp.titan.validate import FlashCPValidator
+from flashcp.titan.components.validate import FlashCPValidator
 
 
 def trainer_config(cfg: dict[str, Any]) -> FlashCPTrainer.Config:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from flashcp.titan.config import ConfigError, dryrun_command, model_dims, model_head_dim
-from flashcp.titan.heldout import held_out_data
+from flashcp.titan.components.heldout import held_out_data
 from flashcp.data.mixture import build_data, open_first
 from flashcp.data.sources import DataConfig, DEFAULT_TOKENIZER
 from flashcp.data.tokenizer import load_tokenizer

@@ -26,7 +26,7 @@ config's schedule at the restored step (the saved optimizer's rate was the old s
 restored past `training.steps` is a job error and one restored at it says it is complete,
 instead of silently training nothing.
 
-With `[validation]`, TorchTitan's validator slot holds `flashcp.titan.validate.FlashCPValidator`,
+With `[validation]`, TorchTitan's validator slot holds `flashcp.titan.components.validate.FlashCPValidator`,
 which reads held-out windows through `window_inputs` / `flashcp_inputs`, the same steps as
 training minus the counting (plan metrics, tokens seen).
 
@@ -57,11 +57,11 @@ from flashcp.data.balance import WindowCost
 from flashcp.data.errors import DataError
 from flashcp.dispatch import build_dispatch
 from flashcp.titan.models.attention import CPStep
-from flashcp.titan.checkpoint import CheckpointError, Checkpointer
-from flashcp.titan.components import PipelineTokenizer, WindowDataLoader
+from flashcp.titan.components.checkpoint import CheckpointError, Checkpointer
+from flashcp.titan.components.data import PipelineTokenizer, WindowDataLoader
 from flashcp.titan.hf.export import export, ExportError
-from flashcp.titan.metrics import FlashCPMetrics
-from flashcp.titan.validate import FlashCPValidator
+from flashcp.titan.components.metrics import FlashCPMetrics
+from flashcp.titan.components.validate import FlashCPValidator
 from flashcp.run.preemption import StopRequest
 
 

@@ -99,7 +99,7 @@ def train(
     """Train `cfg` on the current world; {step: loss} of the steps this run logged.
 
     `grad_norms`, when given, receives {step: total gradient norm before clipping}; `validations`
-    the `flashcp.titan.validate.ValidationResult` of every validation, in order.
+    the `flashcp.titan.components.validate.ValidationResult` of every validation, in order.
     """
     from flashcp.titan.job import trainer_config
     from flashcp.titan.trainer import FlashCPTrainer

@@ -12,7 +12,7 @@ import pytest
 import torch.distributed.checkpoint as dcp
 from harness import single_rank, tiny_job, train
 
-from flashcp.titan.checkpoint import CheckpointError
+from flashcp.titan.components.checkpoint import CheckpointError
 from flashcp.run.manifest import checksum, MANIFEST, read_manifest
 
 

@@ -29,7 +29,7 @@ from distributed_pool import DistributedPool  # noqa: E402
 from titan.harness import single_rank, tiny_job, train, train_on_pool_rank  # noqa: E402
 
 from flashcp.run.manifest import checksum  # noqa: E402
-from flashcp.titan.checkpoint import CheckpointError  # noqa: E402
+from flashcp.titan.components.checkpoint import CheckpointError  # noqa: E402
 from flashcp.titan.config import ConfigError  # noqa: E402
 from flashcp.titan.export import main as export_main  # noqa: E402
 from flashcp.titan.hf.export import export  # noqa: E402

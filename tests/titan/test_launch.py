@@ -194,7 +194,7 @@ def test_the_root_cause_is_the_os_error_beneath_a_wrapper():
 def test_a_save_failing_on_a_full_disk_is_named_as_such(tmp_path, monkeypatch):
     """torch's zip writer reports a short write as a RuntimeError with no OSError beneath: when the
     checkpoint's file system is full afterwards, the failure is ENOSPC, the original chained."""
-    from flashcp.titan import checkpoint
+    from flashcp.titan.components import checkpoint as checkpoint
     from flashcp.run.publish import full_disk_named, root_cause
 
     folder = tmp_path / "checkpoint" / "step-4.partial-ab"  # not created yet: its parent is measured

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import flashcp.titan  # noqa: F401  (TorchTitan's CPU shims before torchtitan is imported)
-from flashcp.titan.loss import loss_chunks, loss_config
+from flashcp.titan.components.loss import loss_chunks, loss_config
 
 
 @pytest.mark.parametrize(

@@ -21,7 +21,7 @@ from distributed_pool import DistributedPool
 from harness import single_rank, tiny_job, train
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from flashcp.titan.checkpoint import CheckpointError
+from flashcp.titan.components.checkpoint import CheckpointError
 from flashcp.run.preemption import child_pids, ForwardStop, StopRequest
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -9,8 +9,8 @@ import pytest
 from harness import single_rank, tiny_job, train
 
 import train as train_py
-from flashcp.titan.checkpoint import CheckpointError
-from flashcp.titan.metrics import attention_pairs
+from flashcp.titan.components.checkpoint import CheckpointError
+from flashcp.titan.components.metrics import attention_pairs
 
 
 @pytest.fixture
@@ -131,7 +131,7 @@ def test_metrics_count_document_masked_flops_and_plan_figures():
     from torchtitan.distributed import ParallelDims
 
     from flashcp import plan_shards
-    from flashcp.titan.metrics import FlashCPMetrics
+    from flashcp.titan.components.metrics import FlashCPMetrics
 
     assert attention_pairs([1, 2, 3]) == 1 + 3 + 6
     dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=2, tp=1, pp=1, ep=1, world_size=2)

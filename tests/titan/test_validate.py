@@ -28,11 +28,11 @@ from flashcp.data.errors import DataError
 from flashcp.data.loader import build_loader
 from flashcp.titan import config
 from flashcp.titan.config import ConfigError
-from flashcp.titan.heldout import held_out_data
+from flashcp.titan.components.heldout import held_out_data
 from flashcp.titan.job import trainer_config
 from flashcp.titan.preflight import check_inputs
 from flashcp.titan.trainer import document_positions, FlashCPTrainer
-from flashcp.titan.validate import bucket_edges, bucket_name, ValidationResult
+from flashcp.titan.components.validate import bucket_edges, bucket_name, ValidationResult
 
 STEPS = 2
 SEQ_LEN = 256  # the tiny job's

@@ -33,7 +33,7 @@ def _data_keys() -> dict[str, Key]:
 
 def _validation_keys() -> dict[str, Key]:
     """`[validation]`: TorchTitan's validator settings with its types and defaults (`Validator.Config`;
-    its data loader is FlashCP's, `flashcp.titan.validate`), then the held-out data and the buckets."""
+    its data loader is FlashCP's, `flashcp.titan.components.validate`), then the held-out data and the buckets."""
     from torchtitan.components.validate import Validator  # after flashcp.titan's shims (package import)
 
     return class_keys(Validator.Config, "validation") | {
@@ -55,7 +55,7 @@ OWN_SECTIONS: dict[str, dict[str, Key]] = {
     "data": _data_keys(),
     "loss": {
         "chunk_tokens": Key(int, 2048, doc="cross-entropy over at most this many tokens at a time "
-                            "(flashcp.titan.loss); 0: all of a rank's tokens at once"),
+                            "(flashcp.titan.components.loss); 0: all of a rank's tokens at once"),
     },
     "flashcp": {
         "strategy": Key(str, "flashcp", tuple(STRATEGIES), "how each window is sharded over the CP ranks"),

@@ -27,9 +27,9 @@ from torchtitan.distributed.activation_checkpoint import ActivationCheckpointing
 from torchtitan.tools.profiler import Profiler
 
 from flashcp.titan import compat
-from flashcp.titan.checkpoint import Checkpointer
+from flashcp.titan.components.checkpoint import Checkpointer
 from flashcp.titan.config.keys import field_default, Key, key_from_hint
-from flashcp.titan.metrics import FlashCPMetrics
+from flashcp.titan.components.metrics import FlashCPMetrics
 
 # Section -> the class FlashCPTrainer.Config holds there (tests/titan/test_config.py keeps this
 # table equal to FlashCPTrainer.Config's fields).
@@ -83,7 +83,7 @@ FILLED = {
     ("optimizer", "optimizer_factory_kwargs_by_name"): "Python objects for DistMuon; Adam and AdamW take none",
     ("checkpoint", "model_record"): "the job's model, recorded in each manifest (flashcp.titan.job)",
     ("validation", "dataloader"): "FlashCP's held-out window loader, from [validation] source "
-                                  "(flashcp.titan.validate)",
+                                  "(flashcp.titan.components.validate)",
 }  # fmt: skip
 # TorchTitan fields kept under FlashCP's earlier name: (section, field) -> (section, key).
 RENAMED = {("debug", "seed"): ("training", "seed"), ("debug", "deterministic"): ("training", "deterministic")}

@@ -1,6 +1,6 @@
 """The held-out data a validation reads: `[validation] source`, read like the training data.
 
-Kept apart from `flashcp.titan.validate` (which needs TorchTitan) because the launcher opens the
+Kept apart from `flashcp.titan.components.validate` (which needs TorchTitan) because the launcher opens the
 held-out source before any rank starts, as it opens the training data.
 """
 

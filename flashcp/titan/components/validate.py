@@ -41,7 +41,7 @@ from torchtitan.tools.logging import logger
 from flashcp.data.errors import DataError
 from flashcp.dispatch import Dispatch
 from flashcp.plan import Plan
-from flashcp.titan.components import WindowDataLoader
+from flashcp.titan.components.data import WindowDataLoader
 
 
 def bucket_edges(seq_len: int, bucket_min: int) -> list[int]:

@@ -2,7 +2,7 @@
 
 TorchTitan's Trainer builds its tokenizer and data loader from configs; these classes plug
 FlashCP's pipeline (`flashcp.data.loader`, `flashcp.data.tokenizer`) into those slots (the
-checkpointer is `flashcp.titan.checkpoint`):
+checkpointer is `flashcp.titan.components.checkpoint`):
 
 - `PipelineTokenizer`: the pipeline's tokenizer (HF tokenizer.json or SentencePiece) behind
   TorchTitan's tokenizer interface.
