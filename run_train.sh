@@ -9,7 +9,7 @@
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=host0 ./run_train.sh --config llama70b_128k   # on every node
 #
 # Sets up .venv first when it is missing (scripts/setup_env.sh), checks the job for this world
-# size, then starts train.py on every rank through torchrun (flashcp/titan/launch.py).
+# size, then starts train.py on every rank through torchrun (flashcp/titan/launch/node.py).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 VENV="${FLASHCP_VENV:-$ROOT/.venv}"

@@ -30,7 +30,7 @@ def run(config_name: str | None, overrides: list[str]) -> None:
     cfg = load_job(resolve_config_path(config_name), overrides)
     check_layout(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     if not os.environ.get("FLASHCP_LAUNCHER") and os.environ.get("RANK", "0") == "0":
-        from flashcp.titan.launch import hold_folders, output_folders, release
+        from flashcp.titan.launch.node import hold_folders, output_folders, release
 
         check_writable(output_folders(cfg))
         locks = hold_folders(cfg)
@@ -47,7 +47,7 @@ def _train(cfg: dict) -> None:
     from torchtitan.tools.logging import init_logger, logger
 
     from flashcp.titan.config import ConfigError
-    from flashcp.titan.job import trainer_config
+    from flashcp.titan.launch.job import trainer_config
     from flashcp.data.errors import DataError
     from flashcp.data.tokenizer import TokenizerError
     from flashcp.titan.trainer import FlashCPTrainer

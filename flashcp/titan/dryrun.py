@@ -152,7 +152,7 @@ def _fake_kernel() -> Iterator[None]:
 
 def _build(cfg: dict[str, Any]):
     """The trainer with every tensor from parallelisation on fake (device meshes, built before, stay real)."""
-    from flashcp.titan.job import trainer_config
+    from flashcp.titan.launch.job import trainer_config
     from flashcp.titan.trainer import FlashCPTrainer
 
     config = trainer_config(cfg)

@@ -22,7 +22,7 @@ from flashcp.data.mixture import MixedSource, Part
 from flashcp.data.prepare import prepare
 from flashcp.data.sources import DataConfig
 from flashcp.titan.config import ConfigError, load_job
-from flashcp.titan.preflight import check_inputs
+from flashcp.titan.launch.preflight import check_inputs
 
 SOURCE = 10**9  # token id = SOURCE * source + 1000 * document + position (documents < 1000 tokens here)
 PLANNER = {"strategy": "per_doc"}

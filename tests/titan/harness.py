@@ -101,7 +101,7 @@ def train(
     `grad_norms`, when given, receives {step: total gradient norm before clipping}; `validations`
     the `flashcp.titan.components.validate.ValidationResult` of every validation, in order.
     """
-    from flashcp.titan.job import trainer_config
+    from flashcp.titan.launch.job import trainer_config
     from flashcp.titan.trainer import FlashCPTrainer
 
     check_layout(cfg, int(os.environ["WORLD_SIZE"]), has_cuda=False)

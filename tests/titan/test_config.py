@@ -69,7 +69,7 @@ def test_every_checked_layout_is_a_shipped_config():
 def test_recipes_name_a_missing_input_in_one_line(name):
     """The launcher's input check of a recipe whose files are not there: the tokenizer, then (with the
     shipped one) the first store, then (with synthetic data) the HF folder, each named in one line."""
-    from flashcp.titan.preflight import check_inputs
+    from flashcp.titan.launch.preflight import check_inputs
 
     synthetic = ["--data.tokenizer", "default"]
     stages = [

@@ -128,7 +128,7 @@ def test_the_exclusion_lists_name_real_fields():
 
 
 def test_new_keys_flow_into_the_trainer_config(tmp_path):
-    from flashcp.titan.job import trainer_config
+    from flashcp.titan.launch.job import trainer_config
 
     cfg = tiny_job(
         tmp_path,

@@ -33,7 +33,7 @@ from flashcp.titan.components.checkpoint import CheckpointError  # noqa: E402
 from flashcp.titan.config import ConfigError  # noqa: E402
 from flashcp.titan.export import main as export_main  # noqa: E402
 from flashcp.titan.hf.export import export  # noqa: E402
-from flashcp.titan.preflight import check_inputs  # noqa: E402
+from flashcp.titan.launch.preflight import check_inputs  # noqa: E402
 
 
 def hf_job(dump: Path, hf: Path, **sections: dict) -> dict:

@@ -16,7 +16,7 @@ import pytest
 import torch.distributed.checkpoint.api as dcp_api
 
 import train
-from flashcp.titan import launch
+from flashcp.titan.launch import node as launch
 from flashcp.run.ownership import check_writable, FolderInUse, LOCK_NAME, NotWritable, RunLock
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -143,7 +143,7 @@ def test_help_prints_usage_and_an_empty_config_is_an_error(capsys):
 def test_too_little_free_space_for_a_checkpoint_fails_before_launch(tmp_path):
     from flashcp.titan.config import load_job, resolve_config_path
     from flashcp.run.ownership import check_free_space
-    from flashcp.titan.preflight import checkpoint_bytes
+    from flashcp.titan.launch.preflight import checkpoint_bytes
 
     free = shutil.disk_usage(tmp_path).free
     with pytest.raises(NotWritable, match=rf"{tmp_path} has .* GiB free, less than one checkpoint needs"):

@@ -22,7 +22,7 @@ from harness import tiny_job
 
 from flashcp.run import ownership, rendezvous
 from flashcp.run.ownership import FolderInUse, LockUnavailable, RunLock
-from flashcp.titan import launch
+from flashcp.titan.launch import node as launch
 
 ROOT = Path(__file__).resolve().parents[2]
 TWO_RANKS = ["--config", "debug_cpu", "--parallelism.data_parallel_shard_degree", "1",

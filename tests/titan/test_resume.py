@@ -49,7 +49,7 @@ def run_trainer(cfg: dict, on_step=None, on_init=None) -> Run:
 
     `on_step(trainer)` runs after every optimizer step, `on_init()` while the trainer is built.
     """
-    from flashcp.titan.job import trainer_config
+    from flashcp.titan.launch.job import trainer_config
     from flashcp.titan.trainer import FlashCPTrainer
 
     configure = FlashCPTrainer._configure_metrics

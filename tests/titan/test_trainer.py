@@ -101,7 +101,7 @@ def test_attention_is_swapped_from_outside(tmp_path):
     from torchtitan.models.common.attention import FlexAttention
 
     from flashcp.titan.models.attention import FlashCPAttention
-    from flashcp.titan.job import trainer_config
+    from flashcp.titan.launch.job import trainer_config
     from flashcp.titan.models.spec import parallelize_flashcp
 
     ours = trainer_config(tiny_job(tmp_path, flashcp={"backend": "reference", "overlap": True},

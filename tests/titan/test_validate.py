@@ -29,8 +29,8 @@ from flashcp.data.loader import build_loader
 from flashcp.titan import config
 from flashcp.titan.config import ConfigError
 from flashcp.titan.components.heldout import held_out_data
-from flashcp.titan.job import trainer_config
-from flashcp.titan.preflight import check_inputs
+from flashcp.titan.launch.job import trainer_config
+from flashcp.titan.launch.preflight import check_inputs
 from flashcp.titan.trainer import document_positions, FlashCPTrainer
 from flashcp.titan.components.validate import bucket_edges, bucket_name, ValidationResult
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from flashcp.titan import launch
+from flashcp.titan.launch import node as launch
 from flashcp.titan.config import CONFIG_DIR, ConfigError, load_job
-from flashcp.titan.preflight import check_inputs
+from flashcp.titan.launch.preflight import check_inputs
 from flashcp.data.errors import DataError
 
 
@@ -101,7 +101,7 @@ def test_a_relative_dump_folder_becomes_absolute_where_the_job_is_loaded(tmp_pat
 def test_the_all_default_job_passes_every_check_and_builds(tmp_path):
     """An empty TOML: debugmodel (2048 tokens in TorchTitan) takes the default tokenizer's 4096."""
     from flashcp.titan.config import check_layout
-    from flashcp.titan.job import trainer_config
+    from flashcp.titan.launch.job import trainer_config
 
     cfg = job(tmp_path)
     check_layout(cfg, 2, has_cuda=False)

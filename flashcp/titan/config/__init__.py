@@ -7,7 +7,7 @@
 
 A job file has TorchTitan 0.3.0's `Trainer.Config` sections, their keys read from TorchTitan's
 config classes (`titan`), plus FlashCP's own `[job]`, `[model]`, `[data]`, `[loss]`,
-`[flashcp]` and `[validation]` (`schema`, `model`); `flashcp.titan.job` turns a validated job
+`[flashcp]` and `[validation]` (`schema`, `model`); `flashcp.titan.launch.job` turns a validated job
 into `Trainer.Config`. The modules of this package: `keys` (one key and its value check),
 `file` (TOML, bounds, `--section.key value` overrides), `checks` (names, types and every check
 needing no world size), `layout` (the world size and the machine). This front door holds the

@@ -81,7 +81,7 @@ FILLED = {
     ("optimizer", "param_groups"): "one group over every parameter, from [optimizer] name, lr, beta1, "
                                    "beta2, eps, weight_decay",
     ("optimizer", "optimizer_factory_kwargs_by_name"): "Python objects for DistMuon; Adam and AdamW take none",
-    ("checkpoint", "model_record"): "the job's model, recorded in each manifest (flashcp.titan.job)",
+    ("checkpoint", "model_record"): "the job's model, recorded in each manifest (flashcp.titan.launch.job)",
     ("validation", "dataloader"): "FlashCP's held-out window loader, from [validation] source "
                                   "(flashcp.titan.components.validate)",
 }  # fmt: skip

@@ -24,7 +24,6 @@ the same folders is refused with the holder's host and PID.
 from __future__ import annotations
 
 import os
-import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -36,7 +35,7 @@ from flashcp.run import rendezvous
 from flashcp.run.ownership import check_free_space, check_writable, describe_broken, describe_stale, FolderInUse
 from flashcp.run.ownership import LockUnavailable, NotWritable, RunLock
 from flashcp.titan.config import check_layout, ConfigError, load_job, resolve_config_path, world_size_hint
-from flashcp.titan.preflight import check_cpu_memory, check_inputs, checkpoint_bytes
+from flashcp.titan.launch.preflight import check_cpu_memory, check_inputs, checkpoint_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -175,9 +174,3 @@ def main(argv: list[str] | None = None) -> int:
             meeting.close()
         release(locks)
 
-
-if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:  # Ctrl-C before the ranks started: nothing to save, no traceback
-        sys.exit(128 + signal.SIGINT)
