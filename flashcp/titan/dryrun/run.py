@@ -6,9 +6,9 @@ Builds the job as rank 0 of W ranks on TorchTitan's fake process group (`comm.mo
 "fake_backend"`), with the real FSDP / TP / FlashCP parallelisation, the model and optimizer as
 fake tensors (shapes and sizes, no memory, no values), draws one window from the job's data (its
 plan and this rank's dispatch are real), and runs one forward / backward / optimizer step under
-`flashcp.titan.memtrack`. Attention runs torch's `varlen_attn` op, whose registered fake kernel
+`flashcp.titan.dryrun.memtrack`. Attention runs torch's `varlen_attn` op, whose registered fake kernel
 has FlashAttention-2's output and saved-tensor shapes. It prints the peak per category next to
-the analytic estimate (`flashcp.titan.memory_estimate`) and the window's plan figures. Not
+the analytic estimate (`flashcp.titan.dryrun.estimate`) and the window's plan figures. Not
 counted: the CUDA context, NCCL buffers and allocator fragmentation, hence `--reserve-gib`.
 A job that does not fit exits 1 with one line naming its biggest term and what to change.
 """
@@ -35,8 +35,8 @@ from flashcp.attention import kernels
 from flashcp.data.errors import DataError
 from flashcp.data.tokenizer import TokenizerError
 from flashcp.titan.config import ConfigError, check_layout, load_job, resolve_config_path, world_size_hint
-from flashcp.titan.memory_estimate import GIB, estimate, Layout, ModelShape
-from flashcp.titan.memtrack import CategoryTracker
+from flashcp.titan.dryrun.estimate import GIB, estimate, Layout, ModelShape
+from flashcp.titan.dryrun.memtrack import CategoryTracker
 
 KERNEL = "dryrun"  # the attention backend name the dry run registers while it runs
 ADVICE = {
@@ -346,6 +346,3 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())
