@@ -1,18 +1,21 @@
-"""FlashCP inside TorchTitan 0.3.0: only what adapts TorchTitan.
+"""FlashCP inside TorchTitan 0.3.0: only what adapts TorchTitan, in rooms as TorchTitan groups them.
 
-The job file -> TorchTitan's config (the `config` package, `job`), the launcher's
-front end that checks a job (`launch`, `preflight`), the model specs with FlashCP's attention
-swapped in from outside (`model`, `attention`), built from TorchTitan's Llama 3 / Qwen3 flavors,
-custom sizes or HF config.json files (`decoders`, `hf_config`, `rope`; the flavors and their
-sizes read from TorchTitan's registries: `registry`), the trainer (`trainer`), the data loader as
-TorchTitan sees it (`components`), validation on held-out data with the loss by position (`validate`, `heldout`), the
-chunked loss (`loss`), metrics (`metrics`), checkpoints through TorchTitan's
-manager (`checkpoint`), Hugging Face folders checked before import (`hf_folder`) and checkpoints
-exported as HF folders (`hf_export`, the CLI `export`), the dry run on fake tensors (`dryrun`, `memtrack`, `memory_estimate`) and
-the version shims (`compat`, each commented with the versions that need it).
+- `config/`: the job file (TOML) -> a checked job, every key with its type and default;
+- `launch/`: the job's front end: `python -m flashcp.titan.launch`, the checks that open files
+  before any rank starts, the job as TorchTitan's `Trainer.Config`;
+- `models/`: Llama 3 / Qwen3 built by TorchTitan's builders (flavors from its registries, custom
+  sizes or an HF config.json), RoPE, and FlashCP's attention swapped in from outside;
+- `hf/`: Hugging Face folders checked before import, checkpoints exported as HF folders;
+- `components/`: what the trainer plugs into TorchTitan's slots (data, checkpoints, validation,
+  metrics, loss);
+- `dryrun/`: `python -m flashcp.titan.dryrun`, one rank of a job on fake tensors;
+- `trainer`: TorchTitan's Trainer with a FlashCP context-parallel dimension; `export`: the
+  `python -m flashcp.titan.export` command; `compat`: the version shims, each commented with the
+  versions that need it.
 
 May import: torchtitan, torch, and every other room of FlashCP (the engine, `flashcp.data`,
-`flashcp.run`, `flashcp.costmodel`); no other room imports this one.
+`flashcp.run`, `flashcp.costmodel`); no other room imports this one. Each room's `__init__` says
+which rooms of flashcp.titan it may import (tests/test_layout.py holds them to it).
 
 Importing this package applies the version / CPU shims of `compat` before anything imports
 TorchTitan, so import `flashcp.titan` (or a module of it) before importing `torchtitan`.
