@@ -32,7 +32,7 @@ from flashcp.titan.models.spec import model_spec
 transformers = pytest.importorskip("transformers", reason="the oracle needs the test extra (transformers)")
 from safetensors.torch import load_file
 
-RELATIVE_TOLERANCE = 1e-4  # max |ours - HF| / max |HF|, fp32
+RELATIVE_TOLERANCE = 1e-5  # max |ours - HF| / max |HF|, fp32; measured: logits 1.4e-6, gradients 2.7e-6
 DOC_LENS = (23, 9, 30, 2)  # one window of 64 tokens: documents cut across the CP ranks by most plans
 WINDOW = sum(DOC_LENS)
 VOCAB = 101
