@@ -6,24 +6,33 @@ node 0, a duplicate NODE_RANK or a node without a node 0 hung for many minutes. 
 meet first, on a small store of their own at the rendezvous port + 1 (`meet`):
 
 - the coordinator (NODE_RANK 0, or with `RDZV_ENDPOINT` whichever launcher binds the address)
-  holds the dump folder's lock, writes a random token into the folder and publishes the job's
-  card: its identity (`RUN_ID`, else the dump folder), the resolved settings, a fingerprint of
-  the code, and the token;
-- every other node refuses, with one line, another job's card, other settings (naming the first
-  setting that differs), a node slot already taken, or a dump folder that does not hold the
-  coordinator's token (a node-local folder: the folder must be shared);
+  holds the dump folder's lock, writes a random secret (the node token) into the folder and
+  publishes the job's card: its identity (`RUN_ID`, else the dump folder), the resolved settings,
+  a fingerprint of the code, signed with the secret (HMAC). The store is not authenticated: anyone
+  reaching the port can write it, so a node believes the card only once its signature checks with
+  the secret it reads from its own dump folder;
+- every other node refuses, with one line, another job's card, a dump folder that does not hold
+  the coordinator's secret (a node-local folder: the folder must be shared), a card not signed
+  with it, other settings (naming the first setting that differs), or a node slot that a running
+  launcher holds. A node claims its slot last, so a refused node holds none, frees it when its
+  launcher ends, and beats while it runs, so the slot of a SIGKILLed launcher is taken over;
 - a node waiting for its coordinator stops on Ctrl-C / SIGTERM within seconds, and gives up after
   `comm.init_timeout_seconds` naming the address it waited for.
+
+The store listens on the rendezvous host's own address only (`listen`), not on every interface.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
+import ipaddress
 import json
 import os
 import secrets
 import signal
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -34,6 +43,8 @@ from typing import Any
 
 TOKEN_NAME = ".flashcp-node-token"
 CONNECT_TRY_S = 2.0  # one connection attempt; a signal is acted on between attempts
+BEAT_S = 1.0  # a joined node's launcher says it is alive this often ...
+DEAD_AFTER_S = 10.0  # ... and its slot is taken over when it has not for this long
 
 
 class JobMismatch(RuntimeError):
@@ -102,27 +113,62 @@ def is_local(host: str) -> bool:
     return bool(addresses & mine)
 
 
-def port_problem(host: str, port: int) -> str | None:
-    """Why this host cannot listen on `port`, or None."""
-    with socket.socket() as s:
+def listen(host: str, port: int) -> socket.socket:
+    """A socket listening on `port` of `host`'s own address only (a TCPStore server left to itself
+    listens on every interface of the machine); JobMismatch names why it cannot."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as e:
+        raise JobMismatch(f"the rendezvous host {host!r} cannot be resolved: {e.strerror or e}") from None
+    if host != "localhost" and all(ipaddress.ip_address(info[4][0]).is_loopback for info in infos):
         try:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind(("", port))
+            ipaddress.ip_address(host)
+        except ValueError:  # a name this host maps to loopback (127.0.1.1 in /etc/hosts): other nodes differ
+            raise JobMismatch(f"the rendezvous host {host} is {infos[0][4][0]} on this host, which no other node "
+                              "reaches: give MASTER_ADDR / RDZV_ENDPOINT as this node's address on the job's "
+                              "network") from None  # fmt: skip
+    error: OSError | None = None
+    for family, kind, proto, _, address in infos:
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(address)
+            sock.listen(128)
+            return sock
         except OSError as e:
-            return f"port {port} on {host} cannot be used: {e.strerror or e}"
-    return None
+            sock.close()
+            error = e
+    raise JobMismatch(f"port {port} on {host} cannot be used: {error.strerror or error}")
+
+
+def serve(host: str, port: int, timeout_s: float, multi_tenant: bool = False) -> Any:
+    """A TCPStore server on `listen(host, port)`. With `multi_tenant`, torch's own stores for that
+    port in this process (torchrun's rendezvous) use this server, so they listen there too."""
+    from torch.distributed import TCPStore
+
+    sock = listen(host, port)
+    try:
+        store = TCPStore(host, sock.getsockname()[1], is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=timeout_s), multi_tenant=multi_tenant,
+                         master_listen_fd=sock.fileno())  # fmt: skip
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store's server owns the socket now
+    return store
 
 
 class Meeting:
-    """This node's place in the job: the coordinator keeps its store (and the lock) until `close`."""
+    """This node's place in the job until `close`: the coordinator's store and lock, or a joined
+    node's slot (freed on close, so a restarted node can take it)."""
 
-    def __init__(self, store: Any, release: Callable[[], None] | None = None):
+    def __init__(self, store: Any, release: Callable[[], None]):
         self.store, self._release = store, release
 
     def close(self) -> None:
-        if self._release is not None:
+        if self.store is not None:
             self._release()
-        self.store = None
+            self.store = None
 
 
 def meet(card: JobCard, dump_folder: str, nnodes: int, node_rank: int | None, timeout_s: float,
@@ -132,61 +178,137 @@ def meet(card: JobCard, dump_folder: str, nnodes: int, node_rank: int | None, ti
     `node_rank` is None with `RDZV_ENDPOINT` (ranks are given at rendezvous); `take_lock()` takes
     the dump folder's lock and returns its release.
     """
-    from torch.distributed import TCPStore
-
     host, port = job_address()
+    if node_rank is not None and node_rank >= nnodes:
+        raise JobMismatch(f"NODE_RANK={node_rank} must be below NNODES={nnodes}")
     store = None
     if node_rank == 0 or (node_rank is None and is_local(host)):
         try:
-            store = TCPStore(host, port, is_master=True, wait_for_workers=False,
-                             timeout=timedelta(seconds=timeout_s))  # fmt: skip
-        except (RuntimeError, OSError) as e:
+            store = serve(host, port, timeout_s)
+        except (JobMismatch, RuntimeError) as e:
             if node_rank == 0:
-                raise JobMismatch(f"{port_problem(host, port) or e}: the job's launchers meet on the rendezvous "
-                                  "port + 1; choose another MASTER_PORT") from None  # fmt: skip
+                raise JobMismatch(f"{e}: the job's launchers meet on the rendezvous port + 1; "
+                                  "choose another MASTER_PORT") from None  # fmt: skip
     if store is not None:
-        release = take_lock()
-        try:
-            token = secrets.token_hex(16)
-            _write_token(Path(dump_folder), token)
-            store.set("flashcp/card", json.dumps(asdict(card)))
-            store.set("flashcp/token", token)
-            store.add("flashcp/nodes", 1)
-            if node_rank is not None:
-                store.add(f"flashcp/node/{node_rank}", 1)
-        except BaseException:
-            release()
-            raise
-        return Meeting(store, release)
+        return _coordinate(store, card, Path(dump_folder), take_lock)
     store = _connect(host, port, timeout_s)
-    _check_card(json.loads(store.get("flashcp/card")), card, host, port)
-    if node_rank is not None and store.add(f"flashcp/node/{node_rank}", 1) > 1:
-        raise JobMismatch(f"NODE_RANK={node_rank} is already taken by another node of job {card.run_id}")
-    if store.add("flashcp/nodes", 1) > nnodes:
-        raise JobMismatch(f"job {card.run_id} already has all its NNODES={nnodes} nodes")
-    token = store.get("flashcp/token").decode()
-    seen = _read_token(Path(dump_folder))
-    if seen != token:
-        state = "holds no node token" if seen is None else "holds another job's node token"
+    _check_card(store, card, Path(dump_folder), host, port)
+    slots = range(1, nnodes) if node_rank is None else [node_rank]  # the coordinator is node 0
+    me = secrets.token_hex(8)
+    slot = next((f"flashcp/node/{k}" for k in slots if _claim(store, f"flashcp/node/{k}", me)), None)
+    if slot is not None:  # claimed last: a node refused for anything else holds no slot
+        return Meeting(store, _hold(store, slot, me))
+    if node_rank is not None:
+        raise JobMismatch(f"NODE_RANK={node_rank} is already taken by another node of job {card.run_id}, "
+                          "whose launcher is running")  # fmt: skip
+    raise JobMismatch(f"job {card.run_id} already has all its NNODES={nnodes} nodes")
+
+
+def _coordinate(store: Any, card: JobCard, folder: Path, take_lock: Callable[[], Callable[[], None]]) -> Meeting:
+    """Hold the lock, write a fresh secret into the dump folder, publish the card signed with it."""
+    release = take_lock()
+    try:
+        token = secrets.token_hex(32)
+        _write_token(folder, token)
+        published, token_id = json.dumps(asdict(card)).encode(), _token_id(token)
+        store.set("flashcp/token", token_id)
+        store.set("flashcp/signature", _sign(token, published, token_id))
+        store.set("flashcp/card", published)  # last: a node that sees the card sees the rest
+    except BaseException:
+        release()
+        raise
+    return Meeting(store, release)
+
+
+def _token_id(token: str) -> str:
+    """What the store may show of the secret: a hash that names it without giving it away."""
+    return hashlib.sha256(f"flashcp node token {token}".encode()).hexdigest()[:16]
+
+
+def _sign(token: str, published: bytes, token_id: str) -> str:
+    return hmac.new(token.encode(), published + b"\n" + token_id.encode(), hashlib.sha256).hexdigest()
+
+
+def _check_card(store: Any, mine: JobCard, folder: Path, host: str, port: int) -> None:
+    """Refuse another job, a folder without the coordinator's secret, an unsigned card, other settings or code.
+
+    Anyone reaching the port can write the store: nothing read from it is believed before its
+    signature is checked with the secret that only the shared dump folder holds.
+    """
+    published, token_id = store.get("flashcp/card"), store.get("flashcp/token").decode()
+    try:
+        theirs = json.loads(published)
+        other = (theirs["run_id"], theirs["settings"].get("job.dump_folder"))
+    except (ValueError, TypeError, KeyError, AttributeError):
+        other = None  # not a card at all: refused below, as not signed
+    if other is not None and other[0] != mine.run_id:
         raise JobMismatch(
-            f"job.dump_folder {dump_folder} on this host {state}: it is not the folder the coordinator writes; "
-            "the dump folder must be on a file system that every node shares"
+            f"the rendezvous at {host}:{port - 1} belongs to job {other[0]} (dump folder {other[1]}), not to this "
+            f"node's job {mine.run_id} (dump folder {mine.settings.get('job.dump_folder')}): give each job its own "
+            "rendezvous address"
         )
-    return Meeting(store)
-
-
-def _check_card(theirs: dict[str, Any], mine: JobCard, host: str, port: int) -> None:
-    if theirs["run_id"] != mine.run_id:
+    token = _read_token(folder)
+    if token is None or _token_id(token) != token_id:
+        state = "holds no node token" if token is None else "holds another node token than the coordinator published"
         raise JobMismatch(
-            f"the rendezvous at {host}:{port - 1} belongs to job {theirs['run_id']} "
-            f"(dump folder {theirs['settings'].get('job.dump_folder')}), not to this node's job {mine.run_id} "
-            f"(dump folder {mine.settings.get('job.dump_folder')}): give each job its own rendezvous address"
+            f"job.dump_folder {folder} on this host {state}: it is not the folder the coordinator writes; the dump "
+            f"folder must be on a file system that every node shares (or someone else wrote the store at {host}:{port})"
+        )
+    if not hmac.compare_digest(_sign(token, published, token_id), store.get("flashcp/signature").decode()):
+        raise JobMismatch(
+            f"the job card at {host}:{port} is not signed with this job's secret (the node token in {folder}): "
+            "someone other than the coordinator wrote it; the rendezvous ports must be reachable only by the job's nodes"
         )
     if theirs["settings"] != mine.settings:
         diff = first_difference(mine.settings, theirs["settings"])
         raise JobMismatch(f"this node's settings differ from the coordinator's: {diff}")
     if theirs["code"] != mine.code:
         raise JobMismatch("this node runs other code than the coordinator (another FlashCP version or local edits)")
+
+
+def _claim(store: Any, key: str, me: str) -> bool:
+    """Take the node slot `key` if it is free or its holder's launcher no longer beats."""
+    holder = store.compare_set(key, "", me).decode()
+    if holder == me:
+        return True
+    return not _beating(store, holder) and store.compare_set(key, holder, me).decode() == me
+
+
+def _beating(store: Any, holder: str) -> bool:
+    """Whether the launcher holding a slot as `holder` is alive: its beat count moves within DEAD_AFTER_S."""
+    key, deadline = f"flashcp/beat/{holder}", time.monotonic() + DEAD_AFTER_S
+    first = store.add(key, 0)
+    while time.monotonic() < deadline:
+        time.sleep(BEAT_S / 4)
+        if store.add(key, 0) != first:
+            return True
+    return False
+
+
+def _hold(store: Any, slot: str, me: str) -> Callable[[], None]:
+    """Beat every BEAT_S while this launcher runs (a SIGKILLed one stops beating, and its slot is
+    taken over); returns the release that stops the beat and frees the slot."""
+    done, beats = threading.Event(), store.clone()  # its own connection: the beat never waits on another call
+
+    def beat() -> None:
+        try:
+            while not done.wait(BEAT_S):
+                beats.add(f"flashcp/beat/{me}", 1)
+        except RuntimeError:  # the coordinator's store is gone: the job has ended
+            pass
+
+    thread = threading.Thread(target=beat, daemon=True, name="flashcp-node-slot")
+    thread.start()
+
+    def release() -> None:
+        done.set()
+        thread.join()
+        try:
+            store.compare_set(slot, me, "")
+        except RuntimeError:  # the coordinator's store is gone, and the slot with it
+            pass
+
+    return release
 
 
 class _Stop(Exception):
@@ -246,7 +368,9 @@ def _connect(host: str, port: int, timeout_s: float) -> Any:
 def _write_token(folder: Path, token: str) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     partial = folder / f"{TOKEN_NAME}.partial"
-    partial.write_text(token)
+    partial.unlink(missing_ok=True)
+    with os.fdopen(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:  # a secret
+        f.write(token)
     os.replace(partial, folder / TOKEN_NAME)
 
 

@@ -1,0 +1,166 @@
+"""The launchers' meeting (`flashcp.run.rendezvous`) on real TCPStores on localhost: what a node
+believes of a store anyone can write, and who holds a node slot."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import signal
+import socket
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from torch.distributed import TCPStore
+
+from flashcp.run import rendezvous
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    """A port p with p + 1 free (the launchers meet on the rendezvous port + 1)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+                return port
+            except OSError:
+                continue
+
+
+@pytest.fixture
+def job(tmp_path, monkeypatch):
+    """A coordinator (node 0 of 3) serving on 127.0.0.1; yields (shared folder, card, its store's address)."""
+    port = free_port()
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    shared = tmp_path / "shared"
+    card = rendezvous.JobCard("job", {"job.dump_folder": str(shared), "optimizer.lr": 0.002}, "code")
+    coordinator = rendezvous.meet(card, str(shared), 3, 0, 30, lambda: lambda: None)
+    yield shared, card, port + 1
+    coordinator.close()
+
+
+def intruder(port: int) -> TCPStore:
+    """A client of the meeting store that is not one of the job's nodes."""
+    return TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+
+
+def join(card: rendezvous.JobCard, folder: Path, node_rank: int | None = 1) -> rendezvous.Meeting:
+    return rendezvous.meet(card, str(folder), 3, node_rank, 30, lambda: None)
+
+
+def test_a_forged_card_is_refused_and_the_secret_is_not_in_the_store(job):
+    shared, card, port = job
+    store = intruder(port)
+    secret = (shared / rendezvous.TOKEN_NAME).read_text()
+    assert all(secret.encode() not in store.get(key) for key in store.list_keys() if key.startswith("flashcp/"))
+    # Another learning rate for every node that joins: one started with that rate would agree with the card.
+    wanted = rendezvous.JobCard("job", {**card.settings, "optimizer.lr": 0.2}, "code")
+    store.set("flashcp/card", json.dumps(vars(wanted)))
+    with pytest.raises(rendezvous.JobMismatch, match=r"^the job card at 127.0.0.1:\d+ is not signed with this "
+                                                     r"job's secret .* must be reachable only by the job's nodes$"):
+        join(wanted, shared)
+    assert not store.check(["flashcp/node/1"])  # the refused node holds no slot
+
+
+def test_a_forged_token_is_refused(job):
+    shared, card, port = job
+    store = intruder(port)
+    wanted = rendezvous.JobCard("job", {**card.settings, "optimizer.lr": 0.2}, "code")
+    published, token = json.dumps(vars(wanted)).encode(), "the intruder's own secret"
+    token_id = hashlib.sha256(f"flashcp node token {token}".encode()).hexdigest()[:16]
+    store.set("flashcp/token", token_id)
+    store.set("flashcp/signature", hmac.new(token.encode(), published + b"\n" + token_id.encode(), "sha256").hexdigest())
+    store.set("flashcp/card", published)
+    with pytest.raises(rendezvous.JobMismatch, match="holds another node token than the coordinator published: "
+                                                     ".*or someone else wrote the store at 127.0.0.1:"):  # fmt: skip
+        join(wanted, shared)
+
+
+def test_a_corrected_node_and_a_restarted_one_take_the_slot_of_a_refused_or_ended_one(job, tmp_path, monkeypatch):
+    shared, card, port = job
+    with pytest.raises(rendezvous.JobMismatch, match="on this host holds no node token: .* must be on a file system "
+                                                     "that every node shares"):  # fmt: skip
+        join(card, tmp_path / "node-local")
+
+    def probed(store, holder):  # a free slot is taken without asking whether its holder lives
+        raise AssertionError(f"the slot was still held by {holder}")
+
+    monkeypatch.setattr(rendezvous, "_beating", probed)
+    corrected = join(card, shared)
+    corrected.close()
+    join(card, shared).close()  # restarted after its launcher ended
+
+
+def test_a_live_duplicate_is_refused_and_a_full_job_too(job):
+    shared, card, port = job
+    first = join(card, shared)
+    try:
+        with pytest.raises(rendezvous.JobMismatch, match="^NODE_RANK=1 is already taken by another node of job job, "
+                                                         "whose launcher is running$"):  # fmt: skip
+            join(card, shared)
+        with pytest.raises(rendezvous.JobMismatch, match="^NODE_RANK=3 must be below NNODES=3$"):
+            join(card, shared, node_rank=3)
+        second = join(card, shared, node_rank=None)  # RDZV_ENDPOINT's form: the first free slot, 2
+        with pytest.raises(rendezvous.JobMismatch, match="^job job already has all its NNODES=3 nodes$"):
+            join(card, shared, node_rank=None)
+        second.close()
+    finally:
+        first.close()
+
+
+HOLDER = """
+import sys
+from flashcp.run import rendezvous
+card = rendezvous.JobCard("job", {"job.dump_folder": sys.argv[1], "optimizer.lr": 0.002}, "code")
+rendezvous.meet(card, sys.argv[1], 3, 1, 30, lambda: None)
+print("joined", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_the_slot_of_a_killed_launcher_is_taken_over(job, monkeypatch):
+    shared, card, port = job
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(shared)], cwd=ROOT, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert holder.stdout.readline() == "joined\n"
+        with pytest.raises(rendezvous.JobMismatch, match="NODE_RANK=1 is already taken"):
+            join(card, shared)
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    monkeypatch.setattr(rendezvous, "DEAD_AFTER_S", 2.0)  # a dead launcher never beats again, however long
+    join(card, shared).close()
+
+
+def listening(port: int) -> set[str]:
+    """The local addresses (hex, as /proc/net shows them) listening on `port`."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, hex_port = local.split(":")
+            if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                found.add(address)
+    return found
+
+
+def test_the_meeting_store_listens_on_the_rendezvous_address_only(job):
+    assert listening(job[2]) == {"0100007F"}  # 127.0.0.1, not every interface (0.0.0.0 / ::)
+
+
+def test_a_host_name_that_is_loopback_only_here_is_refused(monkeypatch):
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **k: [(socket.AF_INET, socket.SOCK_STREAM, 6, "",
+                                                                 ("127.0.1.1", 0))])  # fmt: skip
+    with pytest.raises(rendezvous.JobMismatch, match="^the rendezvous host node0 is 127.0.1.1 on this host, which "
+                                                     "no other node reaches"):  # fmt: skip
+        rendezvous.listen("node0", 0)
