@@ -24,6 +24,7 @@ so the per-layer path never reads device memory back.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, fields, is_dataclass, replace
 from typing import Callable, TypeVar
 
@@ -115,74 +116,56 @@ def _cumsum0(x: torch.Tensor) -> torch.Tensor:
 
 
 def build_dispatch(plan: Plan, rank: int, comm: str = "compact", overlap: bool = False) -> Dispatch:
-    """Rank `rank`'s dispatch under `plan`; with `overlap`, also its `OverlapSplit`."""
+    """Rank `rank`'s dispatch under `plan`; with `overlap`, also its `OverlapSplit`.
+
+    Works on the plan's pieces (every shard of every rank) and on this rank's rows only: the cost
+    is O(shards + T + received rows + key rows), never a table over the window, so a rank's
+    dispatch does not grow with C at a fixed tokens-per-rank.
+    """
     if comm not in COMM_MODES:
         raise ValueError(f"unknown comm mode {comm!r}; choose one of {', '.join(COMM_MODES)}")
-    n, context, per_rank = plan.cp_size, plan.context, plan.tokens_per_rank
+    n, per_rank = plan.cp_size, plan.tokens_per_rank
     if not 0 <= rank < n:
         raise ValueError(f"rank {rank} out of range for cp_size {n}")
-    doc_lens = torch.tensor(plan.doc_lens, dtype=torch.long)
-    doc_off = _cumsum0(doc_lens)[:-1]
-
-    # All shards of all ranks in rank-major local order: concatenated, they list the window's
-    # positions such that row i of the concatenation is local row i % T of rank i // T.
-    flat = [(r, *s) for r, shards in enumerate(plan.ranks) for s in shards]
-    owner_of_shard, doc, start, length = torch.tensor(flat, dtype=torch.long).unbind(1)
-    glob_start = doc_off[doc] + start
-    order = _expand(glob_start, length)
-    rows = torch.arange(context)
-    owner = torch.empty(context, dtype=torch.long)
-    owner[order] = rows // per_rank
-    local_pos = torch.empty(context, dtype=torch.long)
-    local_pos[order] = rows % per_rank
-
-    mine = owner_of_shard == rank
-    my_doc, my_start, my_len = doc[mine], start[mine], length[mine]
-    token_index = order[rank * per_rank : (rank + 1) * per_rank]
-    positions = _expand(my_start, my_len)
+    pieces = _Pieces(plan)
+    mine = torch.nonzero(pieces.owner == rank).flatten()  # in local order
+    my_doc, my_start, my_len = pieces.doc[mine], pieces.start[mine], pieces.length[mine]
     key_len = my_start + my_len
-    key_glob = _expand(doc_off[my_doc], key_len)
 
     send_splits: list[int] = []
     recv_splits: list[int] = []
-    buf_pos = torch.full((context,), -1, dtype=torch.long)
     if comm == "full":
-        send_pad = per_rank
+        send_pad, recv_size = per_rank, n * per_rank
         send_index = torch.arange(per_rank)
-        buf_pos = owner * per_rank + local_pos
-        recv_size = n * per_rank
+        buf_start = pieces.owner * per_rank + pieces.local_start
     elif comm == "compact":
-        nonlast = (start + length) < doc_lens[doc]
-        row_sent = torch.repeat_interleave(nonlast, length, output_size=context)
-        sent_count = torch.zeros(n, dtype=torch.long).index_add_(0, rows // per_rank, row_sent.long())
-        send_pad = int(sent_count.max())
-        # k-th sent row of its rank -> that rank's buffer segment at offset k.
-        rank_base = _cumsum0(sent_count)[:-1]
-        k = torch.cumsum(row_sent.long(), 0) - 1 - rank_base[rows // per_rank]
-        sent_glob = order[row_sent]
-        buf_pos[sent_glob] = owner[sent_glob] * send_pad + k[row_sent]
-        mine_rows = row_sent[rank * per_rank : (rank + 1) * per_rank]
-        send_index = torch.nonzero(mine_rows).flatten()
+        sent = pieces.length * ~pieces.is_last
+        sent_by_rank = torch.zeros(n, dtype=torch.long).index_add_(0, pieces.owner, sent)
+        send_pad = int(sent_by_rank.max())
         recv_size = n * send_pad
+        # A sent piece's rows follow its owner's earlier sent pieces in the owner's buffer segment.
+        sent_before = _cumsum0(sent)[:-1] - _cumsum0(sent_by_rank)[pieces.owner]
+        buf_start = pieces.owner * send_pad + sent_before
+        mine_sent = mine[~pieces.is_last[mine]]
+        send_index = _expand(pieces.local_start[mine_sent], pieces.length[mine_sent])
     else:
-        need = _needed_masks(plan, doc_off, doc, start, owner_of_shard, owner)
-        send_index, recv_order = _needed_exchange(need, owner, local_pos, rank)
-        send_splits = [int((need[q] & (owner == rank)).sum()) for q in range(n)]
-        recv_splits = [int(x) for x in torch.bincount(owner[recv_order], minlength=n)]
-        send_pad = 0
-        recv_size = len(recv_order)
-        buf_pos[recv_order] = torch.arange(recv_size)
+        buf_start, recv_splits = pieces.needed_receive(rank, mine)
+        recv_size, send_pad = sum(recv_splits), 0
+        send_index, send_splits = pieces.needed_send(rank, mine)
 
-    kv_index = torch.where(owner[key_glob] == rank, recv_size + local_pos[key_glob], buf_pos[key_glob])
-    if bool((kv_index < 0).any()):  # a prefix row no collective delivers: a planner bug
-        raise AssertionError(f"rank {rank}: {comm} dispatch misses prefix rows of plan {plan.strategy}")
+    # Each local shard's keys are the pieces of its document up to and including itself.
+    prefix = pieces.prefix_pieces(mine)
+    base = torch.where(
+        pieces.owner[prefix] == rank, recv_size + pieces.local_start[prefix], buf_start[prefix]
+    )
+    kv_index = _expand(base, pieces.length[prefix])
     cu_q, cu_k = _cumsum0(my_len).to(torch.int32), _cumsum0(key_len).to(torch.int32)
     return Dispatch(
         rank=rank,
         cp_size=n,
         comm=comm,
-        token_index=token_index,
-        positions=positions,
+        token_index=_expand(pieces.doc_start[my_doc] + my_start, my_len),
+        positions=_expand(my_start, my_len),
         cu_seqlens_q=cu_q,
         cu_seqlens_k=cu_k,
         max_seqlen_q=int(my_len.max()),
@@ -195,6 +178,64 @@ def build_dispatch(plan: Plan, rank: int, comm: str = "compact", overlap: bool =
         kv_index=kv_index,
         overlap=_overlap_split(my_len, key_len, kv_index, recv_size) if overlap else None,
     )
+
+
+class _Pieces:
+    """Every shard of every rank (a "piece"), rank-major and in each rank's local order.
+
+    A plan's ranks hold their shards sorted by (doc, start), so within one rank local order is
+    window order; `by_window` lists the pieces in window order over all ranks, where each
+    document's pieces are consecutive and tile it.
+    """
+
+    def __init__(self, plan: Plan) -> None:
+        self.cp_size = plan.cp_size
+        flat = itertools.chain.from_iterable(itertools.chain.from_iterable(plan.ranks))
+        self.doc, self.start, self.length = torch.tensor(list(flat), dtype=torch.long).view(-1, 3).unbind(1)
+        per_rank = torch.tensor([len(shards) for shards in plan.ranks])
+        self.owner = torch.repeat_interleave(torch.arange(plan.cp_size), per_rank)
+        doc_lens = torch.tensor(plan.doc_lens, dtype=torch.long)
+        self.doc_start = _cumsum0(doc_lens)[:-1]
+        self.is_last = self.start + self.length == doc_lens[self.doc]
+        self.local_start = _cumsum0(self.length)[:-1] - self.owner * plan.tokens_per_rank
+        self.by_window = torch.argsort(self.doc_start[self.doc] + self.start)
+        self.window_rank = torch.empty_like(self.by_window)  # position of each piece in by_window
+        self.window_rank[self.by_window] = torch.arange(len(self.owner))
+        per_doc = torch.bincount(self.doc, minlength=len(plan.doc_lens))
+        self.doc_first = _cumsum0(per_doc)[:-1]  # window position of each document's first piece
+        self.doc_end = self.doc_first + per_doc
+
+    def prefix_pieces(self, pieces: torch.Tensor) -> torch.Tensor:
+        """For each of `pieces`, its document's pieces from the first up to itself, concatenated."""
+        first = self.doc_first[self.doc[pieces]]
+        return self.by_window[_expand(first, self.window_rank[pieces] - first + 1)]
+
+    def needed_receive(self, rank: int, mine: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """needed mode: each piece's first row in `rank`'s receive buffer, and the rows per source.
+
+        `rank` receives every other rank's pieces that start before its furthest shard of their
+        document, grouped by source and in window order within a source (the rank-major order)."""
+        reach = torch.zeros(len(self.doc_start), dtype=torch.long)
+        reach.scatter_reduce_(0, self.doc[mine], self.start[mine], reduce="amax")
+        received = self.length * ((self.owner != rank) & (self.start < reach[self.doc]))
+        splits = torch.zeros(self.cp_size, dtype=torch.long).index_add_(0, self.owner, received)
+        return _cumsum0(received)[:-1], splits.tolist()
+
+    def needed_send(self, rank: int, mine: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """needed mode: the local rows `rank` sends, grouped by destination, and the rows per peer.
+
+        A piece goes to every other rank holding a later piece of its document."""
+        later = self.window_rank[mine] + 1
+        count = self.doc_end[self.doc[mine]] - later
+        dest = self.owner[self.by_window[_expand(later, count)]]
+        piece = torch.repeat_interleave(mine, count)
+        keep = dest != rank
+        # One entry per (destination, piece), sorted by destination then local (= window) order.
+        pairs = torch.unique(dest[keep] * len(self.owner) + piece[keep])
+        dest, piece = pairs // len(self.owner), pairs % len(self.owner)
+        rows = self.length[piece]
+        splits = torch.zeros(self.cp_size, dtype=torch.long).index_add_(0, dest, rows)
+        return _expand(self.local_start[piece], rows), splits.tolist()
 
 
 def _overlap_split(q_len: torch.Tensor, k_len: torch.Tensor, kv_index: torch.Tensor, recv_size: int) -> OverlapSplit:
@@ -218,40 +259,3 @@ def _overlap_split(q_len: torch.Tensor, k_len: torch.Tensor, kv_index: torch.Ten
 
     local, far = subset(~remote, recv_size), subset(remote, 0)
     return OverlapSplit(local, far, torch.argsort(torch.cat([local.rows, far.rows])))
-
-
-def _needed_masks(
-    plan: Plan,
-    doc_off: torch.Tensor,
-    doc: torch.Tensor,
-    start: torch.Tensor,
-    owner_of_shard: torch.Tensor,
-    owner: torch.Tensor,
-) -> torch.Tensor:
-    """[N, C] bool: the rows each rank attends to but does not hold (its remote prefix rows)."""
-    n, num_docs = plan.cp_size, len(plan.doc_lens)
-    # Per (rank, document): the furthest shard start, i.e. the prefix that rank needs.
-    prefix = torch.zeros(n * num_docs, dtype=torch.long)
-    prefix.scatter_reduce_(0, owner_of_shard * num_docs + doc, start, reduce="amax")
-    prefix = prefix.view(n, num_docs)
-    need = torch.zeros(n, plan.context, dtype=torch.bool)
-    for r in range(n):
-        need[r, _expand(doc_off, prefix[r])] = True
-    need &= owner.unsqueeze(0) != torch.arange(n).unsqueeze(1)
-    return need
-
-
-def _needed_exchange(
-    need: torch.Tensor, owner: torch.Tensor, local_pos: torch.Tensor, rank: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Local rows `rank` sends (grouped by destination) and the global rows it receives (by source).
-
-    Within each (source, destination) pair rows travel in window order, so sender and receiver
-    agree on the layout without exchanging it.
-    """
-    n = need.shape[0]
-    mine = owner == rank
-    send_rows = [local_pos[need[q] & mine] for q in range(n)]
-    recv_glob = torch.nonzero(need[rank]).flatten()
-    recv_glob = recv_glob[torch.argsort(owner[recv_glob], stable=True)]
-    return torch.cat(send_rows), recv_glob
