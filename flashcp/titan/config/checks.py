@@ -179,6 +179,9 @@ def _check_unsupported(cfg: dict) -> None:
     if ac["mode"] == "memory-budget" and not compiled:
         raise ConfigError("[activation_checkpoint] mode = 'memory-budget' needs the model compiled: "
                           "[compile] enable = true with 'model' in components")  # fmt: skip
+    if ac["offload"] and compiled:
+        raise ConfigError("[activation_checkpoint] offload = true hooks each block's saved tensors in eager mode: "
+                          "not with the model compiled ([compile] enable with 'model' in components)")  # fmt: skip
 
 
 def _check_profiler(cfg: dict) -> None:

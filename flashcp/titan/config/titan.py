@@ -133,6 +133,8 @@ OWN_KEYS: dict[str, dict[str, Key]] = {
     },
     "activation_checkpoint": {
         "mode": Key(str, AC_DEFAULT, tuple(AC_MODES), "TorchTitan's policy class (its CLI subcommand name)"),
+        "offload": Key(bool, False, doc="mode = 'full' only: the layer inputs it keeps wait in pinned host memory "
+                       "(flashcp.titan.models.offload)"),
     },
 }
 
@@ -180,7 +182,8 @@ TITAN_KEYS = _section_keys()
 def ac_keys(mode: str) -> set[str]:
     """The [activation_checkpoint] keys that apply to `mode`."""
     cls = AC_MODES[mode]
-    return {"mode"} | ({f.name for f in dataclasses.fields(cls)} if cls is not None else set())
+    own = {"mode", "offload"} if mode == "full" else {"mode"}
+    return own | ({f.name for f in dataclasses.fields(cls)} if cls is not None else set())
 
 
 SEED_DEGREES = ("data_parallel_replicate", "data_parallel_shard", "context_parallel", "tensor_parallel")

@@ -4,7 +4,8 @@
 - `decoders`: FlashCP's `Architecture` <-> TorchTitan's model configs, built by TorchTitan's builders;
 - `registry`: the dense flavors TorchTitan registers, read as architectures;
 - `rope`: RoPE base and scaling, as config.json and the job's `[model]` keys say;
-- `attention`: FlashCP's CP attention as TorchTitan's inner attention.
+- `attention`: FlashCP's CP attention as TorchTitan's inner attention;
+- `offload`: full activation checkpointing's saved layer inputs in host memory (`[activation_checkpoint] offload`).
 
 May import: torch, TorchTitan, the core (plan, dispatch, attention), `flashcp.titan.config` (its
 errors and flavor lists), `flashcp.titan.hf` (architectures read from config.json) and `compat`.

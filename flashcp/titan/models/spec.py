@@ -12,6 +12,7 @@ embedding, final norm and output projection in one group).
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
@@ -25,12 +26,15 @@ from flashcp.titan import compat
 from flashcp.titan.models.attention import use_flashcp_attention
 from flashcp.titan.config import ConfigError
 from flashcp.titan.models.decoders import ADAPTERS, job_architecture, titan_config
+from flashcp.titan.models.offload import offload_layer_inputs
 
 
 def model_spec(
-    model_cfg: dict[str, Any], flashcp_cfg: dict[str, Any], tokenizer_vocab: int, seq_len: int
+    model_cfg: dict[str, Any], flashcp_cfg: dict[str, Any], tokenizer_vocab: int, seq_len: int,
+    offload: bool = False,
 ) -> ModelSpec:
-    """The job's model as a TorchTitan ModelSpec, with FlashCP attention when selected."""
+    """The job's model as a TorchTitan ModelSpec, with FlashCP attention when selected; `offload`: full
+    activation checkpointing's layer inputs wait in host memory (`[activation_checkpoint] offload`)."""
     arch = job_architecture(model_cfg, tokenizer_vocab, seq_len)
     if tokenizer_vocab > arch.vocab_size:
         raise ConfigError(
@@ -48,6 +52,8 @@ def model_spec(
         parallelize = parallelize_flashcp
     else:
         parallelize = _parallelize_titan_cp
+    if offload:
+        parallelize = partial(_offloaded, parallelize)
     # No pipeline parallelism. The spec keeps TorchTitan's HF state_dict_adapter: checkpoints stay
     # DCP, the adapter maps Hugging Face weights in (initial_load_in_hf) and out (flashcp.titan.export).
     return ModelSpec(
@@ -90,6 +96,13 @@ def parallelize_flashcp(model: torch.nn.Module, *, parallel_dims, training, para
         enable_symm_mem=parallelism.enable_fsdp_symm_mem,
     )
     compat.force_sum_reduction_on_gloo(model)
+    return model
+
+
+def _offloaded(parallelize, model: torch.nn.Module, **kwargs) -> torch.nn.Module:
+    """`parallelize`, then the offload hooks on the checkpointed (and sharded) blocks."""
+    model = parallelize(model, **kwargs)
+    offload_layer_inputs(list(model.layers.values()))
     return model
 
 
