@@ -13,6 +13,7 @@ planner's `comm_*_tokens` / `comm_*_bytes` predictions.
 
 from __future__ import annotations
 
+import weakref
 from typing import NamedTuple
 
 import pytest
@@ -23,6 +24,8 @@ from hypothesis import strategies as st
 
 from flashcp import plan_shards
 from flashcp.attention import cp_varlen_attention, record_comm, varlen_attention
+from flashcp.attention.collectives import gather_kv, launch_kv_exchange
+from flashcp.attention.simulate import run_ranks
 from flashcp.dispatch import build_dispatch, COMM_MODES
 from flashcp.plan import STRATEGIES, Plan
 
@@ -223,3 +226,30 @@ def test_single_rank_needs_no_process_group(comm):
     assert torch.equal(idx, torch.arange(plan.context)) and not log
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, oracle(Case(plan, comm))):
         torch.testing.assert_close(a, b, **TOL[torch.float64], msg=name)
+
+
+@pytest.mark.parametrize("comm", COMM_MODES)
+def test_exchange_buffers_are_freed_once_used(comm):
+    """The forward's `[recv | local]` KV buffer is freed once the keys are gathered (not after the
+    kernel), and the gradients handed back for k and v live in a tensor of the local rows only
+    (the received rows' gradient is freed when the backward returns)."""
+    plan = plan_shards([40, 3, 9, 1, 17, 2, 8], 2, "flashcp")  # 80 tokens, split documents
+    heads, dim = 2, 4
+
+    def program(rank, group):
+        d = build_dispatch(plan, rank, comm)
+        g = torch.Generator().manual_seed(rank)
+        q, k, v = (torch.randn(plan.tokens_per_rank, heads, dim, generator=g, requires_grad=True) for _ in range(3))
+        exchange = launch_kv_exchange(k, v, d, group)
+        buffer = weakref.ref(exchange.buffer)
+        k_all, v_all = gather_kv(k, v, exchange, d.kv_index, d, group)
+        freed = buffer() is None
+        handed = []
+        k.register_hook(lambda grad: handed.append(grad.untyped_storage().nbytes()))
+        out = varlen_attention(q, k_all, v_all, d.cu_seqlens_q, d.cu_seqlens_k, d.max_seqlen_q, d.max_seqlen_k)
+        out.sum().backward()
+        return freed, handed, d.recv_size
+
+    local_kv_bytes = plan.tokens_per_rank * 2 * heads * dim * 4  # K and V side by side, float32
+    for freed, handed, recv_size in run_ranks(2, program):
+        assert freed and handed == [local_kv_bytes] and recv_size > 0

@@ -145,17 +145,22 @@ def _check_group(dispatch: Dispatch, comms: Collectives) -> None:
 
 @dataclass
 class KVExchange:
-    """A launched forward exchange; `wait()` returns the filled `[recv | local]` KV buffer."""
+    """A launched forward exchange; `wait()` hands over the filled `[recv | local]` KV buffer once."""
 
-    buffer: torch.Tensor
-    send: torch.Tensor  # kept alive until the collective completes
+    buffer: torch.Tensor | None
+    send: torch.Tensor | None  # kept alive until the collective completes
     work: Any  # the collective's handle (dist.Work for torch.distributed), None once complete
 
     def wait(self) -> torch.Tensor:
+        """The buffer, which the exchange then lets go of (and of the send rows): it is freed as
+        soon as the caller's gather is done, not when the caller's frame ends (after the kernel)."""
         if self.work is not None:
             self.work.wait()
             self.work = None
-        return self.buffer
+        if self.buffer is None:
+            raise RuntimeError("this KV exchange's buffer was already handed over")
+        buffer, self.buffer, self.send = self.buffer, None, None
+        return buffer
 
 
 def launch_kv_exchange(
@@ -221,21 +226,25 @@ class _GatherKV(torch.autograd.Function):
         for i, g in enumerate((dk_all, dv_all)):
             if g is not None:
                 grad[:, i].index_add_(0, kv_index, g)
-        local = grad[recv:]
+        n_send = dispatch.send_index.numel()
         if dispatch.cp_size == 1:  # the "received" rows are this rank's own sent rows
-            local.index_add_(0, dispatch.send_index, grad[: dispatch.send_index.numel()])
+            back = grad[:n_send]
         elif dispatch.comm == "needed":
-            back = grad.new_empty(dispatch.send_index.numel(), *grad.shape[1:])
+            back = grad.new_empty(n_send, *grad.shape[1:])
             collectives(group).all_to_all(back, grad[:recv], dispatch.send_splits, dispatch.recv_splits)
             me = dispatch.rank
             sent, received = recv - dispatch.recv_splits[me], len(back) - dispatch.send_splits[me]
             _record("all_to_all", "backward", sent, received, back)
-            local.index_add_(0, dispatch.send_index, back)
         elif dispatch.send_pad:
             back = grad.new_empty(dispatch.send_pad, *grad.shape[1:])
             collectives(group).reduce_scatter(back, grad[:recv])
             _record("reduce_scatter", "backward", recv - len(back), (dispatch.cp_size - 1) * len(back), back)
-            local.index_add_(0, dispatch.send_index, back[: dispatch.send_index.numel()])
+            back = back[:n_send]
+        else:  # nothing was exchanged: the buffer holds the local rows only
+            return grad[:, 0], grad[:, 1], None, None, None, None
+        # Out of place: the gradients handed back live in a tensor of the local rows, so the
+        # received rows' gradient is freed when this returns, not when autograd drops dk and dv.
+        local = grad[recv:].index_add(0, dispatch.send_index, back)
         return local[:, 0], local[:, 1], None, None, None, None
 
 
