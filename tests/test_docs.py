@@ -1,0 +1,253 @@
+"""The commands of README.md and docs/*.md work as written, or say why no test runs them.
+
+Every command line of a fenced ```bash block is one of:
+- run here, as written, in a scratch folder laid out like a clone (`HERE`: the test below that runs it);
+- run by another test, named with what it changes (`ELSEWHERE`);
+- minutes of CPU, so run by no test as written: the test that runs the same entry point on a small
+  job is named (`SLOW`);
+- marked in the docs `# needs GPUs` or `# needs your data` (paths the reader fills in).
+A new command in the docs that is none of these fails `test_every_command_is_run_or_marked`.
+
+Also: every ```toml block is a valid job fragment, every repository path the docs name exists, links
+between the pages resolve, and `python -m flashcp...` works from the parent folder of a clone named
+`flashcp`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+MARKS = ("# needs GPUs", "# needs your data")
+TIMEOUT = 600  # catches a hang only
+
+CHECK_8B = ".venv/bin/python -m flashcp.titan.config --check train_configs/llama8b_128k.toml --world-size 8"
+KEYS = ".venv/bin/python -m flashcp.titan.config --keys model"
+SMALL_DRY_RUN = ".venv/bin/python -m flashcp.titan.dryrun --config debug_cpu --world-size 4"
+PLANNER = ".venv/bin/python -m flashcp.plan --distribution wlbllm --cp 8 --strategy all"
+PREPARE = ".venv/bin/python -m flashcp.data.prepare default --tokenizer default --out outputs/corpus.tokens"
+VERIFY = ".venv/bin/python -m flashcp.data.prepare --verify outputs/corpus.tokens"
+SETUP = "scripts/setup_env.sh"
+TINY_HF = ".venv/bin/python scripts/make_tiny_hf.py outputs/tiny_hf_llama"
+EXPORT_CHECK = (
+    ".venv/bin/python -c \"import transformers as t; m = t.AutoModelForCausalLM.from_pretrained("
+    "'outputs/tiny_extend_cpu/checkpoint/step-20-hf'); print(m.config.rope_parameters['rope_theta'], "
+    "m.config.max_position_embeddings)\""
+)
+
+HERE = {
+    CHECK_8B: "test_config_check_and_keys",
+    KEYS: "test_config_check_and_keys",
+    SMALL_DRY_RUN: "test_a_small_dry_run",
+    PLANNER: "test_planner_cli",
+    PREPARE: "test_prepare_and_verify_the_shipped_corpus",
+    VERIFY: "test_prepare_and_verify_the_shipped_corpus",
+    SETUP: "test_extend_walk_on_a_fresh_layout",
+    TINY_HF: "test_extend_walk_on_a_fresh_layout",
+    EXPORT_CHECK: "test_extend_walk_on_a_fresh_layout",
+}
+ELSEWHERE = {  # command -> (the test that runs it, what that test changes)
+    "./run_train.sh --config debug_cpu --training.steps 20": (
+        "tests/titan/test_e2e.py::test_fsdp2_x_flashcp2_on_4_ranks", "3 steps, its own dump folder"),
+    "./run_train.sh --config tiny_extend_cpu": (
+        "tests/titan/test_tiny_extend.py::test_tiny_extend_example_end_to_end", "4 steps, its own folders"),
+    ".venv/bin/python -m flashcp.titan.export --checkpoint outputs/tiny_extend_cpu/checkpoint/step-20 "
+    "--out outputs/tiny_bf16 --dtype bfloat16": (
+        "tests/titan/test_hf_checkpoint.py::test_export_shards_above_the_size_limit_and_casts",
+        "in process, a checkpoint of the same tiny Llama"),
+    ".venv/bin/python -m flashcp.gpucheck --device cpu --quick --out outputs/gpucheck": (
+        "tests/test_gpucheck.py::test_quick_check_runs_every_section", "--no-budgets, its own folder"),
+}  # fmt: skip
+SLOW = {  # command -> (the test that runs the same entry point on a small job, how)
+    "./run_train.sh": (
+        "tests/titan/test_e2e.py::test_flashcp_cp2_on_2_ranks",
+        "debug_cpu on 2 ranks for 3 steps; the default job (300 steps, minutes) is checked by "
+        "tests/titan/test_config.py::test_shipped_configs_validate"),
+    "bash scripts/test.sh": (None, "the whole suite, this file included; .ci/run runs it"),
+    ".venv/bin/python -m flashcp.titan.dryrun --config llama8b_128k --world-size 8": (
+        "tests/titan/test_dryrun.py::test_dry_run_prints_the_peak_by_category_as_one_json_object",
+        "a tiny job; the shipped 8B and 70B jobs take 0.5-2 minutes each"),
+    ".venv/bin/python -m flashcp.titan.dryrun --config llama70b_128k --world-size 64 --json": (
+        "tests/titan/test_dryrun.py::test_dry_run_prints_the_peak_by_category_as_one_json_object", "a tiny job"),
+    ".venv/bin/python -m flashcp.titan.dryrun --config llama8b_128k --world-size 8 --loss.chunk_tokens 0 "
+    "--gpu-gib 80 --reserve-gib 6": (
+        "tests/titan/test_dryrun.py::test_a_gpu_too_small_exits_1_naming_the_biggest_term",
+        "a tiny job with --gpu-gib and --reserve-gib"),
+    ".venv/bin/python -m flashcp.titan.dryrun --config llama3_8b_extend_128k --world-size 8 --data.tokenizer "
+    "default --data.mix.long.source synthetic --data.mix.short.source synthetic --validation.enable false": (
+        "tests/titan/test_dryrun.py::test_a_recipe_without_its_data_says_how_to_dry_run_it",
+        "the recipe without these overrides, which names them"),
+}  # fmt: skip
+
+
+def without_comment(line: str) -> str:
+    """The command without its trailing `# ...` comment (a `#` inside quotes is kept)."""
+    quote = None
+    for i, c in enumerate(line):
+        if quote:
+            quote = None if c == quote else quote
+        elif c in "'\"":
+            quote = c
+        elif c == "#" and (i == 0 or line[i - 1].isspace()):
+            return line[:i].rstrip()
+    return line.rstrip()
+
+
+def doc_commands() -> list[tuple[str, str, str]]:
+    """(page, command, the line as written) for every command of every ```bash block."""
+    found = []
+    for page in PAGES:
+        for block in re.findall(r"^ *```bash\n(.*?)^ *```", page.read_text(), re.M | re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                line = line.strip()
+                if line and not line.startswith("#"):
+                    found.append((page.name, re.sub(r"\s+", " ", without_comment(line)), line))
+    return found
+
+
+def test_every_command_is_run_or_marked():
+    unaccounted = [f"{page}: {line}" for page, cmd, line in doc_commands()
+                   if not any(mark in line for mark in MARKS) and cmd not in HERE | ELSEWHERE | SLOW]  # fmt: skip
+    assert not unaccounted, (
+        "commands no test runs; run them in tests/test_docs.py (HERE), name the test that runs them "
+        f"(ELSEWHERE / SLOW) or mark them {' / '.join(MARKS)} in the docs:\n" + "\n".join(unaccounted)
+    )
+    written = {cmd for _, cmd, _ in doc_commands()}
+    stale = [cmd for cmd in HERE | ELSEWHERE | SLOW if cmd not in written]
+    assert not stale, f"listed here but in no page any more: {stale}"
+
+
+def test_the_named_tests_exist():
+    this = Path(__file__).read_text()
+    for name in set(HERE.values()):
+        assert f"def {name}(" in this, name
+    for node, _ in [*ELSEWHERE.values(), *SLOW.values()]:
+        if node is not None:
+            path, name = node.split("::")
+            assert f"def {name}(" in (ROOT / path).read_text(), node
+
+
+def test_pages_say_how_to_get_the_venv_before_using_it():
+    """A reader who opens a page first learns where `.venv` comes from before a command uses it."""
+    for page in PAGES:
+        text = page.read_text()
+        first = text.find(".venv/bin/")
+        if first >= 0:
+            before = text[:first]
+            assert "setup_env.sh" in before or '"Two commands"' in before, page.name
+    walk = [cmd for page, cmd, _ in doc_commands() if page == "extend.md"]
+    assert walk[0] == SETUP  # the walk starts on a fresh clone
+
+
+def test_named_paths_and_links_exist():
+    missing = []
+    for page in PAGES:
+        text = page.read_text()
+        for path in re.findall(r"`((?:flashcp|tests|scripts|benchmarks|train_configs|data)/[\w./-]*)`", text):
+            if not (ROOT / path).exists():
+                missing.append(f"{page.name}: {path}")
+        for link in re.findall(r"\]\(([\w./-]+\.md)(?:#[\w-]*)?\)", text):
+            if not (page.parent / link).exists():
+                missing.append(f"{page.name}: link {link}")
+    assert not missing, missing
+
+
+# Running the commands: a scratch folder laid out like a clone (.venv, scripts/, train_configs/), so that
+# what they write (outputs/) stays out of the checkout.
+
+
+@pytest.fixture(scope="module")
+def clone(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("clone")
+    for name in ("scripts", "train_configs"):
+        (folder / name).symlink_to(ROOT / name)
+    if sys.prefix != sys.base_prefix:  # the venv this suite runs in, as the clone's .venv
+        (folder / ".venv").symlink_to(sys.prefix)
+    else:
+        (folder / ".venv" / "bin").mkdir(parents=True)
+        (folder / ".venv" / "bin" / "python").symlink_to(sys.executable)
+    return folder
+
+
+def run(cmd: str, cwd: Path) -> subprocess.CompletedProcess:
+    assert cmd in {c for _, c, _ in doc_commands()}, f"not in the docs as written: {cmd}"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "FLASHCP_VENV")}
+    proc = subprocess.run(["bash", "-c", cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode == 0, f"{cmd}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def test_config_check_and_keys(clone):
+    assert "OK for 8 ranks" in run(CHECK_8B, clone).stdout
+    assert "[model] rope_theta" in run(KEYS, clone).stdout
+
+
+def test_a_small_dry_run(clone):
+    assert "fits:" in run(SMALL_DRY_RUN, clone).stdout
+
+
+def test_planner_cli(clone):
+    rows = run(PLANNER, clone).stdout
+    assert all(s in rows for s in ("per_seq", "per_doc", "whole_doc", "flashcp"))
+
+
+def test_prepare_and_verify_the_shipped_corpus(clone):
+    run(PREPARE, clone)
+    assert (clone / "outputs" / "corpus.tokens" / "tokens.bin").is_file()
+    run(VERIFY, clone)
+
+
+@pytest.fixture(scope="module")
+def tiny_hf(clone) -> Path:
+    """The extend walk's first steps, in its order: setup (a no-op on a ready venv), the tiny model."""
+    run(SETUP, clone)
+    run(TINY_HF, clone)
+    return clone / "outputs" / "tiny_hf_llama"
+
+
+def test_extend_walk_on_a_fresh_layout(clone, tiny_hf):
+    """The walk's cheap steps (the fixture) and the check of the export. Training and exporting are
+    tests/titan/test_tiny_extend.py's; here the export is stood in for by the tiny model with the
+    config.json an export writes (a flat rope_theta, the context trained), which is what the check reads."""
+    export = clone / "outputs" / "tiny_extend_cpu" / "checkpoint" / "step-20-hf"
+    shutil.copytree(tiny_hf, export)
+    config = json.loads((export / "config.json").read_text())
+    config.pop("rope_parameters", None)
+    config |= {"rope_theta": 100000.0, "max_position_embeddings": 2048}
+    (export / "config.json").write_text(json.dumps(config))
+    assert run(EXPORT_CHECK, clone).stdout.split()[-2:] == ["100000.0", "2048"]
+
+
+def test_toml_blocks_are_valid_job_fragments(tiny_hf):
+    """Each ```toml block of the docs validates as a job; the HF folder the docs name is stood in for
+    by the tiny model."""
+    from flashcp.titan.config import validate
+
+    blocks = [(page.name, block) for page in PAGES
+              for block in re.findall(r"^ *```toml\n(.*?)^ *```", page.read_text(), re.M | re.S)]  # fmt: skip
+    assert len(blocks) >= 4
+    for page, block in blocks:
+        validate(tomllib.loads(block.replace('"/models/Llama-3.1-8B"', json.dumps(str(tiny_hf)))))
+
+
+def test_python_m_from_the_parent_folder_of_a_clone_named_flashcp(tmp_path):
+    """There, the clone's folder is a namespace package `flashcp` on sys.path; the installed package
+    must win over it (pyproject: package-dir "" = ".", an editable install puts the checkout on
+    sys.path) instead of `No module named 'flashcp.data.errors'`."""
+    (tmp_path / "flashcp").symlink_to(ROOT)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, "-m", "flashcp.plan", "--help"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=TIMEOUT)  # fmt: skip
+    assert proc.returncode == 0, (
+        "an install from before pyproject's package-dir: run .venv/bin/pip install -e . again\n" + proc.stderr
+    )
