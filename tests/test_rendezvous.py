@@ -164,3 +164,24 @@ def test_a_host_name_that_is_loopback_only_here_is_refused(monkeypatch):
     with pytest.raises(rendezvous.JobMismatch, match="^the rendezvous host node0 is 127.0.1.1 on this host, which "
                                                      "no other node reaches"):  # fmt: skip
         rendezvous.listen("node0", 0)
+
+
+@pytest.mark.parametrize("nnodes, node_rank", [(1, "0"), (2, "0"), (2, "1")])
+def test_torchruns_store_is_served_on_the_rendezvous_address_only(monkeypatch, nnodes, node_rank):
+    from flashcp.run import launch
+
+    monkeypatch.delenv("RDZV_ENDPOINT", raising=False)
+    monkeypatch.setenv("NODE_RANK", node_rank)
+    if nnodes > 1:
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    else:
+        monkeypatch.delenv("MASTER_ADDR", raising=False)
+    store = launch.serve_rendezvous(nnodes)
+    if node_rank != "0":
+        assert store is None  # node 0's agent hosts it
+        return
+    agent = TCPStore("127.0.0.1", store.port, 1, True, timedelta(seconds=10), multi_tenant=True)  # as torch makes it
+    agent.set("flashcp/test", "served here")
+    assert store.get("flashcp/test") == b"served here"
+    assert listening(store.port) == {"0100007F"}

@@ -31,6 +31,7 @@ from flashcp.run.preemption import ForwardStop, TORCHRUN_SIGNALS
 
 TRAIN_PY = Path(__file__).resolve().parents[2] / "train.py"
 SHOWN_RANKS = os.environ.get("LOG_RANK", "0")  # local ranks whose output reaches the console
+STORE_TIMEOUT_S = 60  # of the launcher's own client of torchrun's store (the agent has its own)
 
 
 class LaunchError(ValueError):
@@ -86,7 +87,26 @@ def node_rank() -> int | None:
     return int(value)
 
 
-def torchrun_args(nproc: int, nnodes: int, log_dir: str, run_id: str, argv: list[str]) -> list[str]:
+def serve_rendezvous(nnodes: int) -> Any:
+    """torchrun's rendezvous store, served here on the rendezvous address only where this node hosts
+    it (else None): the agent's own would listen on every interface of the machine, but its store is
+    multi-tenant, so it uses this server instead. A single-node run gets a loopback port of its own.
+    """
+    from flashcp.run.rendezvous import JobMismatch, is_local, rendezvous_address, serve
+
+    if not multi_node(nnodes):
+        return serve("127.0.0.1", 0, STORE_TIMEOUT_S, multi_tenant=True)
+    host, port = rendezvous_address()
+    if not (is_local(host) if os.environ.get("RDZV_ENDPOINT") else node_rank() == 0):
+        return None
+    try:
+        return serve(host, port, STORE_TIMEOUT_S, multi_tenant=True)
+    except (JobMismatch, RuntimeError):  # another launcher on this host serves it, or torch names the problem
+        return None
+
+
+def torchrun_args(nproc: int, nnodes: int, log_dir: str, run_id: str, argv: list[str], store: Any) -> list[str]:
+    """torchrun's arguments; `store` is `serve_rendezvous`'s, whose port a single-node run uses."""
     env = os.environ
     args = [f"--nproc_per_node={nproc}", f"--nnodes={nnodes}", f"--rdzv_id={run_id}"]
     if env.get("RDZV_ENDPOINT"):
@@ -97,8 +117,8 @@ def torchrun_args(nproc: int, nnodes: int, log_dir: str, run_id: str, argv: list
             f"--master_addr={env.get('MASTER_ADDR', '127.0.0.1')}",
             f"--master_port={env.get('MASTER_PORT', '29500')}",
         ]
-    else:  # torchrun's --standalone: a private rendezvous on a free port
-        args += ["--rdzv_backend=c10d", "--rdzv_endpoint=localhost:0"]
+    else:  # torchrun's --standalone: a private rendezvous on a free (loopback) port
+        args += ["--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{store.port}"]
     args += [f"--max-restarts={restarts()}", f"--signals-to-handle={TORCHRUN_SIGNALS}"]  # SIGTERM/INT: ours
     args += [f"--local-ranks-filter={SHOWN_RANKS}", "--tee=3", f"--log-dir={log_dir}"]
     return [*args, str(TRAIN_PY), *argv]
@@ -151,12 +171,13 @@ def launch(dump_folder: str, argv: list[str], nproc: int, nnodes: int, on_gpu: b
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args, get_args_parser
 
+    store = serve_rendezvous(nnodes)  # kept until the agent ends
     stop = ForwardStop(stop_timeout)  # SIGTERM / SIGINT: the ranks save at their next step boundary
     stop.install()
     watch = RunWatch(locks, stop)
     try:
         config, cmd, cmd_args = config_from_args(get_args_parser().parse_args(
-            torchrun_args(nproc, nnodes, log_dir, run_id, argv)))  # fmt: skip
+            torchrun_args(nproc, nnodes, log_dir, run_id, argv, store)))  # fmt: skip
         config.logs_specs = node_logs(log_dir)
         elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
     except KeyboardInterrupt:

@@ -86,6 +86,12 @@ def first_difference(mine: dict[str, Any], theirs: dict[str, Any]) -> str:
 
 def job_address() -> tuple[str, int]:
     """(host, port) of the launchers' own store: the rendezvous address with its port + 1."""
+    host, port = rendezvous_address()
+    return host, port + 1
+
+
+def rendezvous_address() -> tuple[str, int]:
+    """(host, port) of torchrun's rendezvous: RDZV_ENDPOINT, else MASTER_ADDR:MASTER_PORT."""
     endpoint = os.environ.get("RDZV_ENDPOINT")
     if endpoint:
         host, _, port = endpoint.rpartition(":")
@@ -95,7 +101,7 @@ def job_address() -> tuple[str, int]:
         host, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), os.environ.get("MASTER_PORT", "29500")
     if not port.isdigit() or not 1 <= int(port) <= 65534:
         raise JobMismatch(f"rendezvous port {port!r} must be an integer in 1..65534 (it and port + 1 are used)")
-    return host, int(port) + 1
+    return host, int(port)
 
 
 def is_local(host: str) -> bool:
@@ -292,9 +298,9 @@ def _hold(store: Any, slot: str, me: str) -> Callable[[], None]:
 
     def beat() -> None:
         try:
-            while not done.wait(BEAT_S):
+            while not done.wait(BEAT_S) and _up(beats):
                 beats.add(f"flashcp/beat/{me}", 1)
-        except RuntimeError:  # the coordinator's store is gone: the job has ended
+        except RuntimeError:  # the coordinator's store went away: the job has ended
             pass
 
     thread = threading.Thread(target=beat, daemon=True, name="flashcp-node-slot")
@@ -304,11 +310,22 @@ def _hold(store: Any, slot: str, me: str) -> Callable[[], None]:
         done.set()
         thread.join()
         try:
-            store.compare_set(slot, me, "")
-        except RuntimeError:  # the coordinator's store is gone, and the slot with it
+            if _up(store):  # else the coordinator has ended, and the slot with its store
+                store.compare_set(slot, me, "")
+        except RuntimeError:
             pass
 
     return release
+
+
+def _up(store: Any) -> bool:
+    """Whether the store's server still answers (asked with a plain socket: c10d's client logs a
+    server gone away with a stack trace on the console)."""
+    try:
+        socket.create_connection((store.host, store.port), timeout=CONNECT_TRY_S).close()
+    except OSError:
+        return False
+    return True
 
 
 class _Stop(Exception):
