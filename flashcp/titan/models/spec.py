@@ -42,7 +42,8 @@ def model_spec(
             f"({tokenizer_vocab})"
         )
     attention = model_cfg["attention"]
-    # The RoPE cache covers every position inside a document: < seq_len.
+    # RoPE covers every position inside a document: < seq_len (TorchTitan's tables; FlashCP computes
+    # each step's rows instead, flashcp.titan.models.rotary).
     model = titan_config(arch, "flex" if attention == "flashcp" else attention, max_seq_len=seq_len)
     if attention == "flashcp":
         # YaRN's attention factor, which TorchTitan's attention has no place for (flashcp.titan.config
