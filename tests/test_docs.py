@@ -143,7 +143,7 @@ def test_pages_say_how_to_get_the_venv_before_using_it():
         text = page.read_text()
         first = text.find(".venv/bin/")
         if first >= 0:
-            before = text[:first]
+            before = " ".join(text[:first].split())
             assert "setup_env.sh" in before or '"Two commands"' in before, page.name
     walk = [cmd for page, cmd, _ in doc_commands() if page == "extend.md"]
     assert walk[0] == SETUP  # the walk starts on a fresh clone
