@@ -119,8 +119,8 @@ def build_dispatch(plan: Plan, rank: int, comm: str = "compact", overlap: bool =
     """Rank `rank`'s dispatch under `plan`; with `overlap`, also its `OverlapSplit`.
 
     Works on the plan's pieces (every shard of every rank) and on this rank's rows only: the cost
-    is O(shards + T + received rows + key rows), never a table over the window, so a rank's
-    dispatch does not grow with C at a fixed tokens-per-rank.
+    is O(the plan's shards + this rank's tokens, sent rows and key rows), never a table over the
+    window (which cost every rank O(C), and O(N C) for "needed", at any CP size).
     """
     if comm not in COMM_MODES:
         raise ValueError(f"unknown comm mode {comm!r}; choose one of {', '.join(COMM_MODES)}")
@@ -132,6 +132,7 @@ def build_dispatch(plan: Plan, rank: int, comm: str = "compact", overlap: bool =
     my_doc, my_start, my_len = pieces.doc[mine], pieces.start[mine], pieces.length[mine]
     key_len = my_start + my_len
 
+    # buf_start: each piece's first row in this rank's receive buffer (read only where delivered).
     send_splits: list[int] = []
     recv_splits: list[int] = []
     if comm == "full":

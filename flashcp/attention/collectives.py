@@ -15,6 +15,10 @@ several shards sums), send the received part back with the transposed collective
 rows this rank sent. Nothing here reads device data on the host: every size comes from the
 dispatch metadata, so the exchange stays asynchronous on GPUs.
 
+Every buffer is sized by what this rank holds, sends and receives, and lives only as long as it
+is used: the forward buffer until the keys are gathered, the backward's until it returns. What
+outlives the op is the kernel's: the gathered keys and values it saves for its backward.
+
 The collectives run through `Collectives`: torch.distributed for a process group, or any other
 implementation passed as the group (`flashcp.attention.simulate` runs all ranks of a CP group in
 one process on one device, which is how one GPU checks the whole op).
