@@ -23,6 +23,7 @@ import torch
 pytest.importorskip("transformers", reason="the test extra (pip install -e .[test]) provides transformers")
 import transformers  # noqa: E402
 from safetensors import safe_open  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
 
 from scripts.make_tiny_hf import make_tiny_hf  # noqa: E402
 from distributed_pool import DistributedPool  # noqa: E402
@@ -101,6 +102,28 @@ def test_qwen3_round_trip_with_tied_embeddings(tmp_path):
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "qwen3" and config["tie_word_embeddings"] and config["head_dim"] == 16
     assert (logits(out, IDS) - logits(hf, IDS)).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("head", ["equal", "different"])
+def test_a_tied_folder_may_also_store_lm_head_when_it_equals_the_embedding(tmp_path, head):
+    """transformers loads a tied folder that stores lm_head.weight as well; FlashCP too, if it is the
+    embedding (the model has no place for another one)."""
+    hf = make_tiny_hf(tmp_path / "qwen3", model_type="qwen3")
+    tensors = load_file(hf / "model.safetensors")
+    embedding = tensors["model.embed_tokens.weight"]
+    tensors["lm_head.weight"] = embedding.clone() if head == "equal" else embedding + 1
+    save_file(tensors, hf / "model.safetensors", metadata={"format": "pt"})
+    cfg = hf_job(tmp_path / "run", hf, training={"steps": 1}, optimizer={"lr": 1e-12})
+    if head == "different":
+        with pytest.raises(ConfigError, match=r"model\.safetensors: lm_head\.weight differs from "
+                                              r"model\.embed_tokens\.weight, but config\.json ties them"):  # fmt: skip
+            check_inputs(cfg)
+        return
+    check_inputs(cfg)
+    with single_rank():
+        train(cfg)
+    export(tmp_path / "run" / "checkpoint" / "step-1", tmp_path / "export")
+    assert (logits(tmp_path / "export", IDS) - logits(hf, IDS)).abs().max() <= 1e-5
 
 
 def test_real_steps_change_the_weights_and_last_save_in_hf_exports_them(tiny_llama, tmp_path):
@@ -252,6 +275,22 @@ def _broken(tiny_llama: Path, tmp_path: Path, how: str) -> Path:
         index = {"weight_map": {"model.norm.weight": "model-00001-of-00002.safetensors",
                                 "lm_head.weight": "model-00002-of-00002.safetensors"}}  # fmt: skip
         (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    elif how in ("header list", "offsets"):  # the header replaced, the data left as it is
+        data = (folder / "model.safetensors").read_bytes()
+        header = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
+        header["model.norm.weight"]["data_offsets"][0] += 4
+        raw = json.dumps(list(header) if how == "header list" else header).encode()
+        (folder / "model.safetensors").write_bytes(len(raw).to_bytes(8, "little") + raw + data[8 + len(raw) :])
+    elif how == "index of ints":
+        (folder / "model.safetensors").rename(folder / "model-00001-of-00001.safetensors")
+        index = {"weight_map": {"model.norm.weight": 1}}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    elif how == "nan":
+        tensors = load_file(folder / "model.safetensors")
+        tensors["model.layers.1.mlp.up_proj.weight"][5, 7] = float("nan")
+        save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    elif how in ("rope_theta", "rms_norm_eps"):
+        (folder / "config.json").write_text(json.dumps(config | {how: float("inf")}))
     return folder
 
 
@@ -263,6 +302,14 @@ def _broken(tiny_llama: Path, tmp_path: Path, how: str) -> Path:
               "the model needs [64, 32] (and 5 more)"),
     ("model_type", "model_type 'mixtral' is not supported"),
     ("shard", "model-00002-of-00002.safetensors is missing (listed in model.safetensors.index.json)"),
+    ("header list", "model.safetensors: the safetensors header is a JSON list, not an object"),
+    ("offsets", "model.safetensors: tensor model.norm.weight in the header has 124 bytes of data, its "
+                "shape [32] of F32 needs 128"),
+    ("index of ints", "model.safetensors.index.json: weight_map['model.norm.weight'] = 1 is not a "
+                      ".safetensors file name"),
+    ("nan", "model.safetensors: tensor model.layers.1.mlp.up_proj.weight holds NaN or inf values"),
+    ("rope_theta", "config.json: rope_theta = inf is not a finite number"),
+    ("rms_norm_eps", "config.json: rms_norm_eps = inf is not a finite number"),
 ])  # fmt: skip
 def test_a_bad_hf_folder_is_one_line_before_launch(tiny_llama, tmp_path, how, named):
     folder = _broken(tiny_llama, tmp_path, how)

@@ -171,6 +171,16 @@ def test_initial_load_in_hf_without_flavor_takes_the_folders_architecture(tmp_pa
         ({"hidden_size": None}, r"hidden_size is missing"),
         ({"num_key_value_heads": 0}, r"num_key_value_heads must be a positive int, got 0"),
         ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, r"rope type 'dynamic' is not supported"),
+        ({"rope_theta": float("inf")}, r"rope_theta = inf is not a finite number"),
+        ({"rms_norm_eps": float("inf")}, r"rms_norm_eps = inf is not a finite number"),
+        ({"rms_norm_eps": 2.0}, r"rms_norm_eps must be below 1"),
+        ({"rope_scaling": LLAMA31_8B["rope_scaling"] | {"high_freq_factor": float("nan")}},
+         r"rope_scaling\.high_freq_factor = nan is not a finite number"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "beta_fast": float("inf"),
+                           "original_max_position_embeddings": 32768}},
+         r"rope_scaling\.beta_fast = inf is not a finite number"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1e308}},
+         r"rope_scaling\.original_max_position_embeddings must be a positive integer, got 1e\+308"),
     ],
 )
 def test_a_config_json_flashcp_cannot_train_is_one_line(tmp_path, change, message):

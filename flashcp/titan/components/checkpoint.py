@@ -319,13 +319,13 @@ class Checkpointer(CheckpointManager):
         meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in model_state.items()}
         try:
             read_hf_config(path)
-            check_weights(path, {k: tuple(v.shape) for k, v in self.sd_adapter.to_hf(meta).items()})
+            unread = check_weights(path, {k: tuple(v.shape) for k, v in self.sd_adapter.to_hf(meta).items()})
         except (HFConfigError, HFFolderError) as e:
             raise CheckpointError(f"checkpoint.initial_load_path: {e}") from e
         logger.info(f"Loading the Hugging Face model from {path} (safetensors headers checked against the "
                     "model; an HF folder has no manifest to verify its bytes)")  # fmt: skip
         try:
-            self.dcp_load(model_state, str(path), from_hf=True, from_quantized=False)
+            self.dcp_load(model_state, str(path), from_hf=True, from_quantized=False, dropped=unread)
         except (Exception, dcp_api.CheckpointException) as e:
             raise CheckpointError(f"checkpoint.initial_load_path: {_unloadable(e, path)}") from e
 
@@ -340,7 +340,7 @@ class Checkpointer(CheckpointManager):
                 raise CheckpointError("checkpoint.initial_load_in_hf_quantized: quantized HF weights are not supported")
             hf_state = self.sd_adapter.to_hf(state_dict)
             dcp.load(hf_state, storage_reader=self.sd_adapter.get_hf_storage_reader(str(path)),
-                     planner=StrictPlanner(path))  # fmt: skip
+                     planner=StrictPlanner(path, dropped))  # fmt: skip
             self.states[MODEL].load_state_dict(self.sd_adapter.from_hf(hf_state))
             return
         reader = SafeReader(path)

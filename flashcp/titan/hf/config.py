@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -87,6 +88,7 @@ def read_hf_config(path: str | Path) -> Architecture:
 
 def architecture_from_hf(hf: dict[str, Any], where: str = "config.json") -> Architecture:
     """The architecture of a parsed config.json (transformers 4.x or 5.x layout)."""
+    _check_numbers(hf, where)
     model_type = hf.get("model_type")
     if model_type not in MODEL_TYPES:
         moe = " (mixture-of-experts models are not supported)" if "moe" in str(model_type) else ""
@@ -139,11 +141,38 @@ def architecture_from_hf(hf: dict[str, Any], where: str = "config.json") -> Arch
         head_dim=head_dim,
         hidden_dim=value("intermediate_size", int),
         vocab_size=value("vocab_size", int),
-        norm_eps=value("rms_norm_eps", float, 1e-6),
+        norm_eps=_norm_eps(value("rms_norm_eps", float, 1e-6), where),
         rope=rope,
         tie_embeddings=value("tie_word_embeddings", bool, False),
         max_position_embeddings=value("max_position_embeddings", int, 8192),
     )
+
+
+def _check_numbers(hf: dict[str, Any], where: str) -> None:
+    """HFConfigError naming the first number that is NaN or infinite anywhere in config.json (JSON's
+    Infinity / NaN, or 1e999), and the RoPE entries that must be positive integers."""
+    stack: list[tuple[str, Any]] = [(key, value) for key, value in hf.items()]
+    while stack:
+        key, value = stack.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            raise HFConfigError(f"{where}: {key} = {value} is not a finite number")
+        if isinstance(value, dict):
+            stack += [(f"{key}.{k}", v) for k, v in value.items()]
+        elif isinstance(value, list):
+            stack += [(f"{key}[{i}]", v) for i, v in enumerate(value)]
+    for section in ("rope_scaling", "rope_parameters"):
+        got = hf.get(section)
+        count = got.get("original_max_position_embeddings") if isinstance(got, dict) else None
+        if count is not None and (not isinstance(count, int) or isinstance(count, bool) or count < 1):
+            raise HFConfigError(f"{where}: {section}.original_max_position_embeddings must be a positive "
+                                f"integer, got {count!r}")  # fmt: skip
+
+
+def _norm_eps(eps: float, where: str) -> float:
+    """RMSNorm's epsilon, refused from 1 on: it would swamp the mean square of unit-scale activations."""
+    if eps >= 1:
+        raise HFConfigError(f"{where}: rms_norm_eps must be below 1 (typically 1e-5 or 1e-6), got {eps!r}")
+    return eps
 
 
 def to_hf_config(

@@ -8,10 +8,17 @@ verified is verified from the files themselves, reading only their JSON headers:
   lists, every listed file present and no other `*.safetensors` beside them (DCP's HF reader
   reads every such file in the folder: a stray one would mix into the weights). A folder with
   only `pytorch_model.bin` / `*.pt` is refused: those are pickles, which can run code.
-- Each file is whole: its header parses and the last tensor ends exactly at the end of the file
-  (a truncated copy is named).
+- Each file is whole: its header is a JSON object whose entries each give a dtype, a shape and
+  data offsets that fit the shape, the tensors' bytes tile the data without gaps or overlaps and
+  the last one ends exactly at the end of the file (a truncated copy is named); the index maps
+  tensor names to file names.
 - Every tensor the model needs is present with its shape and a floating dtype, and no tensor is
-  left unused (another size or architecture is named by its first keys).
+  left unused (another size or architecture is named by its first keys). A tied model (one
+  embedding for input and output) also loads a folder that stores `lm_head.weight` as well,
+  as transformers does, when that copy equals the embedding.
+- `check_finite`, run once before launch (it reads every tensor: about the time of reading the
+  folder from disk), refuses a tensor holding NaN or inf, which would otherwise show only as a
+  non-finite loss at the first step.
 
 Bit flips inside the tensor data cannot be seen without checksums; safetensors itself cannot run
 code, and nothing here trusts remote code.
@@ -20,7 +27,10 @@ code, and nothing here trusts remote code.
 from __future__ import annotations
 
 import json
+import math
 import struct
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +38,12 @@ CONFIG = "config.json"
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+# Bytes per element of the safetensors dtypes with whole-byte elements (others: sizes not checked).
+DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8,
+               "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}  # fmt: skip
 MAX_HEADER = 100 << 20  # the safetensors library's own bound on a header
+TIED_HEAD, EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
+CHUNK_BYTES = 64 << 20  # check_finite reads a large tensor in row blocks of about this size
 
 
 class HFFolderError(ValueError):
@@ -41,12 +56,7 @@ def weight_files(folder: Path) -> list[Path]:
     present = sorted(p.name for p in folder.glob("*.safetensors"))
     index = folder / INDEX
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            listed = sorted(set(weight_map.values()))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            problem = f"{type(e).__name__}: {e}"
-            raise HFFolderError(f"{index} is unreadable or has no weight_map ({problem})") from None
+        listed = sorted(set(_weight_map(index).values()))
         missing = [name for name in listed if name not in present]
         if missing:
             raise HFFolderError(f"{folder / missing[0]} is missing (listed in {INDEX})"
@@ -66,6 +76,21 @@ def weight_files(folder: Path) -> list[Path]:
     return [folder / name for name in names]
 
 
+def _weight_map(index: Path) -> dict[str, str]:
+    """The index's {tensor name: file name}; HFFolderError naming the index unless it is one."""
+    try:
+        content = json.loads(index.read_text())
+    except (OSError, ValueError) as e:
+        raise HFFolderError(f"{index} is unreadable ({type(e).__name__}: {e})") from None
+    weight_map = content.get("weight_map") if isinstance(content, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise HFFolderError(f"{index} has no weight_map object (tensor name -> file name)")
+    for name, file in weight_map.items():
+        if not isinstance(file, str) or Path(file).name != file or not file.endswith(".safetensors"):
+            raise HFFolderError(f"{index}: weight_map[{name!r}] = {file!r} is not a .safetensors file name")
+    return weight_map
+
+
 def read_header(path: Path) -> dict[str, dict[str, Any]]:
     """{tensor name: {"dtype", "shape"}} of one safetensors file, checking that the file is whole."""
     try:
@@ -82,30 +107,68 @@ def read_header(path: Path) -> dict[str, dict[str, Any]]:
         raise HFFolderError(f"{path} is unreadable ({type(e).__name__}: {e})") from None
     except ValueError as e:
         raise HFFolderError(f"{path}: unreadable safetensors header ({e})") from None
-    header.pop("__metadata__", None)
+    if not isinstance(header, dict):
+        raise HFFolderError(f"{path}: the safetensors header is a JSON {type(header).__name__}, not an object")
+    metadata = header.pop("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise HFFolderError(f"{path}: the header's __metadata__ is not an object of strings")
     end = 0
-    for name, entry in header.items():
-        try:
-            end = max(end, int(entry["data_offsets"][1]))
-            entry["shape"] = [int(n) for n in entry["shape"]]
-        except (KeyError, TypeError, ValueError, IndexError):
-            problem = f"{path}: tensor {name} has no valid shape / data_offsets in the header"
-            raise HFFolderError(problem) from None
+    for name, entry in sorted(header.items(), key=lambda item: _offsets(item[1])):
+        problem = _entry_problem(entry)
+        if problem is None and entry["data_offsets"][0] != end:
+            problem = f"starts at byte {entry['data_offsets'][0]} of the data, not at {end} where the previous ends"
+        if problem is not None:
+            raise HFFolderError(f"{path}: tensor {name} in the header {problem}")
+        end = entry["data_offsets"][1]
     if 8 + length + end != size:
         raise HFFolderError(f"{path} is {size} bytes, its header describes {8 + length + end}: "
                             "truncated or damaged")  # fmt: skip
     return header
 
 
-def check_weights(folder: Path, expected: dict[str, tuple[int, ...]]) -> None:
+def _offsets(entry: Any) -> tuple[int, int]:
+    """An entry's data offsets for sorting (anything malformed first, to be named)."""
+    offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+    valid = isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(n) for n in offsets)
+    return tuple(offsets) if valid else (-1, -1)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _entry_problem(entry: Any) -> str | None:
+    """What is wrong with one tensor's header entry, or None."""
+    if not isinstance(entry, dict):
+        return f"is a JSON {type(entry).__name__}, not an object (dtype, shape, data_offsets)"
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(dtype, str):
+        return f"has no dtype string (dtype = {dtype!r})"
+    if not isinstance(shape, list) or not all(_is_int(n) for n in shape):
+        return f"has no valid shape (shape = {shape!r})"
+    if _offsets(entry) == (-1, -1) or offsets[0] > offsets[1]:
+        return f"has no valid data_offsets (data_offsets = {offsets!r})"
+    if dtype in DTYPE_BYTES and offsets[1] - offsets[0] != math.prod(shape) * DTYPE_BYTES[dtype]:
+        return (f"has {offsets[1] - offsets[0]} bytes of data, its shape {_shape(shape)} of {dtype} needs "
+                f"{math.prod(shape) * DTYPE_BYTES[dtype]}")  # fmt: skip
+    return None
+
+
+def check_weights(folder: Path, expected: dict[str, tuple[int, ...]]) -> tuple[str, ...]:
     """HFFolderError naming the first problem when the folder's tensors are not exactly `expected`
-    ({HF name: shape}) with floating dtypes."""
+    ({HF name: shape}) with floating dtypes. Returns the top-level HF modules stored but left unread
+    on purpose: ("lm_head",) for a tied model's redundant copy of the embedding, else ()."""
     stored: dict[str, dict[str, Any]] = {}
     for path in weight_files(folder):
         for name, entry in read_header(path).items():
             if name in stored:
                 raise HFFolderError(f"{folder}: tensor {name} is stored twice ({path.name} and another file)")
             stored[name] = entry | {"file": path.name}
+    tied = TIED_HEAD not in expected and EMBEDDING in expected
+    redundant = tied and TIED_HEAD in stored and EMBEDDING in stored
+    if redundant:
+        _check_tied_copy(folder, stored)
+        del stored[TIED_HEAD]
     problems = []
     missing = [k for k in expected if k not in stored]
     if missing:
@@ -127,6 +190,58 @@ def check_weights(folder: Path, expected: dict[str, tuple[int, ...]]) -> None:
     if problems:
         raise HFFolderError(f"{folder} does not fit the job's model (another size or architecture?): "
                             + "; ".join(problems))  # fmt: skip
+    return (TIED_HEAD.removesuffix(".weight"),) if redundant else ()
+
+
+def _check_tied_copy(folder: Path, stored: dict[str, dict[str, Any]]) -> None:
+    """HFFolderError unless the stored lm_head.weight equals the embedding the tied model uses for it."""
+    tensors = []
+    for name in (TIED_HEAD, EMBEDDING):
+        with _opened(folder / stored[name]["file"]) as f:
+            tensors.append(f.get_tensor(name))
+    if tensors[0].shape != tensors[1].shape or not (tensors[0] == tensors[1]).all():
+        raise HFFolderError(f"{folder / stored[TIED_HEAD]['file']}: {TIED_HEAD} differs from {EMBEDDING}, but "
+                            "config.json ties them (tie_word_embeddings): the model would drop it; untie "
+                            f"them in config.json or remove {TIED_HEAD}")  # fmt: skip
+
+
+def check_finite(folder: Path) -> None:
+    """HFFolderError naming the first tensor (and its file) that holds NaN or inf, reading every
+    tensor once, large ones in row blocks of about CHUNK_BYTES."""
+    for path in weight_files(folder):
+        with _opened(path) as f:
+            for name in f.keys():
+                block = f.get_slice(name)
+                shape = block.get_shape()
+                row_bytes = math.prod(shape[1:]) * DTYPE_BYTES.get(block.get_dtype(), 8)
+                step = max(1, CHUNK_BYTES // max(row_bytes, 1))
+                rows = range(0, shape[0], step) if len(shape) > 1 else ()
+                blocks = (block[i : i + step] for i in rows) if rows else [f.get_tensor(name)]
+                if not all(_finite(b) for b in blocks):
+                    raise HFFolderError(f"{path}: tensor {name} holds NaN or inf values: refused (training "
+                                        "would start from a non-finite loss)")  # fmt: skip
+
+
+def _finite(block: Any) -> bool:
+    """Whether every value is finite: a sum is (NaN and inf propagate), 50x faster than isfinite
+    on CPU; an overflowing sum of finite values is told apart by the exact check."""
+    import torch
+
+    return bool(torch.isfinite(block.sum())) or bool(torch.isfinite(block).all())
+
+
+@contextmanager
+def _opened(path: Path) -> Iterator[Any]:
+    """safe_open(path), its errors as HFFolderError naming the file (checked headers make them rare)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, "pt") as f:
+            yield f
+    except HFFolderError:
+        raise
+    except Exception as e:  # safetensors raises its own SafetensorError, an Exception
+        raise HFFolderError(f"{path} cannot be read by safetensors ({type(e).__name__}: {e})") from None
 
 
 def _first(keys: list[str]) -> str:

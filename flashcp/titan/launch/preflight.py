@@ -41,8 +41,9 @@ def check_inputs(cfg: dict[str, Any]) -> int:
 
 def check_hf_import(cfg: dict[str, Any], tokenizer_vocab: int) -> None:
     """With `initial_load_in_hf`: ConfigError naming the first problem of the HF folder (config.json,
-    a missing or truncated safetensors file, a tensor the model lacks or shapes it otherwise)
-    against the job's model, from the files' headers only (`flashcp.titan.hf.folder`)."""
+    a missing, truncated or malformed safetensors file, a tensor the model lacks or shapes it
+    otherwise) against the job's model, from the files' headers, then any tensor holding NaN or
+    inf, reading them all once (`flashcp.titan.hf.folder`)."""
     ckpt = cfg["checkpoint"]
     if not ckpt["initial_load_in_hf"]:
         return
@@ -50,7 +51,7 @@ def check_hf_import(cfg: dict[str, Any], tokenizer_vocab: int) -> None:
 
     from flashcp.titan.models.decoders import job_architecture, state_dict_adapter, titan_config
     from flashcp.titan.hf.config import HFConfigError, read_hf_config
-    from flashcp.titan.hf.folder import check_weights, HFFolderError
+    from flashcp.titan.hf.folder import check_finite, check_weights, HFFolderError
 
     path = Path(ckpt["initial_load_path"])
     try:
@@ -62,6 +63,7 @@ def check_hf_import(cfg: dict[str, Any], tokenizer_vocab: int) -> None:
         with torch.device("meta"):
             state = model_config.build().state_dict()
         check_weights(path, {k: tuple(v.shape) for k, v in state_dict_adapter(model_config).to_hf(state).items()})
+        check_finite(path)
     except (HFConfigError, HFFolderError) as e:
         raise ConfigError(f"[checkpoint] initial_load_path: {e}") from e
 
