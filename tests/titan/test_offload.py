@@ -9,15 +9,26 @@ The modelled traffic of Llama 3 8B at 1M tokens on CP 8.
 
 from __future__ import annotations
 
+import os
 import weakref
+from unittest.mock import patch
 
-import flashcp.titan  # noqa: F401  (TorchTitan shims before TorchTitan is imported)
 import pytest
 import torch
+from distributed_pool import DistributedPool
+from harness import TINY, tiny_job, train
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 from flashcp.titan.models.offload import LayerInputOffload, offload_bytes_per_rank, offload_layer_inputs
 from flashcp.titan.models.offload import offload_seconds
+
+STEPS = 5
+QWEN3 = {"name": "qwen3", "head_dim": 16}  # QK-norm, a head_dim other than dim / heads
+LAYOUTS = {  # on 4 ranks
+    "llama3 CP 2 x FSDP 2": ({}, {"context_parallel_degree": 2, "data_parallel_shard_degree": 2}),
+    "qwen3 CP 2 x FSDP 2": (QWEN3, {"context_parallel_degree": 2, "data_parallel_shard_degree": 2}),
+    "llama3 TP 2 x CP 2": ({}, {"context_parallel_degree": 2, "tensor_parallel_degree": 2}),
+}
 
 
 class Block(torch.nn.Module):
@@ -107,3 +118,40 @@ def test_modelled_traffic_llama3_8b_1m_cp8():
     assert offload_bytes_per_rank(32, 1 << 20, 8, 4096, 2, local_batch=2) == 62 * 2**30
     assert offload_seconds(per_layer) == pytest.approx(0.0215, rel=1e-2)
     assert offload_seconds(per_layer, bandwidth=25e9) == pytest.approx(2 * offload_seconds(per_layer))
+
+
+def train_offloaded(rank: int, group, cfg: dict, stop_after: int | None = None):
+    """DistributedPool task: a rank's losses, gradient norms and how many layer inputs went to host."""
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(group.size())})
+    norms: dict[int, float] = {}
+    to_host = LayerInputOffload._to_host
+    copies = []
+    with patch.object(LayerInputOffload, "_to_host", lambda self, t: copies.append(t.shape) or to_host(self, t)):
+        losses = train(cfg, stop_after=stop_after, grad_norms=norms)
+    return losses, norms, len(copies)
+
+
+def test_offload_trains_what_full_ac_trains_and_resumes_exactly(tmp_path):
+    """Offload only moves bytes: the same losses and gradient norms as full AC without it, bit for bit."""
+    def job(name: str, model: dict, layout: dict, offload: bool, **sections) -> dict:
+        return tiny_job(tmp_path / name, model=model, parallelism=layout, training={"steps": STEPS},
+                        activation_checkpoint={"mode": "full", "offload": offload}, **sections)  # fmt: skip
+
+    offloaded_layers = TINY["model"]["n_layers"] - 1
+    runs = {}
+    with DistributedPool(world_size=4) as pool:
+        for name, (model, layout) in LAYOUTS.items():
+            kept, kept_norms, none = pool.run(train_offloaded, (job(f"{name}/kept", model, layout, False),))[0]
+            moved, moved_norms, copies = pool.run(train_offloaded, (job(f"{name}/moved", model, layout, True),))[0]
+            print(f"{name}: offload {copies} layer inputs to host, losses {moved}, vs none {kept}")
+            assert none == 0 and copies == STEPS * offloaded_layers
+            assert sorted(moved) == list(range(1, STEPS + 1)) and moved[STEPS] < moved[1]  # it trains
+            assert moved == kept and moved_norms == kept_norms
+            runs[name] = moved
+        # Stopped after step 3 and resumed: the last steps of the run straight through.
+        model, layout = LAYOUTS["llama3 CP 2 x FSDP 2"]
+        resumed = job("resumed", model, layout, True, checkpoint={"enable": True, "interval": 3})
+        first = pool.run(train_offloaded, (resumed, 3))[0][0]
+        rest = pool.run(train_offloaded, (resumed,))[0][0]
+    straight = runs["llama3 CP 2 x FSDP 2"]
+    assert first == {s: straight[s] for s in (1, 2, 3)} and rest == {s: straight[s] for s in (4, 5)}

@@ -24,6 +24,7 @@ from functools import partial
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 PCIE_GEN5_X16 = 50e9  # bytes/s each way a host <-> GPU copy sustains on PCIe Gen5 x16 (63 GB/s raw)
 
@@ -31,7 +32,8 @@ PCIE_GEN5_X16 = 50e9  # bytes/s each way a host <-> GPU copy sustains on PCIe Ge
 @dataclass(eq=False)
 class _Saved:
     """One saved input of layer `layer`: its host copy, or while on the device that tensor and the
-    event its copy ends with; `before` is the layer before's saved inputs, fetched next."""
+    event its copy ends with; `before` is the layer before's saved inputs, fetched next. A DTensor
+    (tensor parallelism) moves its local shard; `dtensor` rebuilds it."""
 
     layer: int
     device: torch.device
@@ -39,6 +41,7 @@ class _Saved:
     host: torch.Tensor | None = None
     on_device: torch.Tensor | None = None
     ready: torch.cuda.Event | None = None
+    dtensor: tuple | None = None  # (mesh, placements, shape, stride)
 
 
 class LayerInputOffload:
@@ -72,6 +75,9 @@ class LayerInputOffload:
         if self._keep:
             saved.on_device = tensor
         else:
+            if isinstance(tensor, DTensor):
+                saved.dtensor = (tensor.device_mesh, tensor.placements, tensor.shape, tensor.stride())
+                tensor = tensor.detach().to_local()
             saved.host = self._to_host(tensor.detach())
         self._current.append(saved)
         return saved
@@ -101,6 +107,9 @@ class LayerInputOffload:
             stream.wait_event(saved.ready)
             tensor.record_stream(stream)
             saved.ready = None
+        if saved.dtensor is not None:
+            mesh, placements, shape, stride = saved.dtensor
+            tensor = DTensor.from_local(tensor, mesh, placements, run_check=False, shape=shape, stride=stride)
         return tensor
 
     def _fetch(self, saved: _Saved) -> None:
