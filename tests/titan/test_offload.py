@@ -155,3 +155,19 @@ def test_offload_trains_what_full_ac_trains_and_resumes_exactly(tmp_path):
         rest = pool.run(train_offloaded, (resumed,))[0][0]
     straight = runs["llama3 CP 2 x FSDP 2"]
     assert first == {s: straight[s] for s in (1, 2, 3)} and rest == {s: straight[s] for s in (4, 5)}
+
+
+def test_launcher_refuses_an_offload_the_node_cannot_hold(tmp_path, monkeypatch):
+    """Llama 3 8B's dims at 1M tokens on CP 8 in bf16 pin 31 GiB per rank: 2 ranks fit a 64 GiB node, 8 do not."""
+    from flashcp.titan.config import ConfigError
+    from flashcp.titan.launch.preflight import check_offload_memory
+
+    cfg = tiny_job(tmp_path, model={"dim": 4096, "n_layers": 32, "n_heads": 32, "n_kv_heads": 8},
+                   training={"seq_len": 1 << 20, "mixed_precision_param": "bfloat16"},
+                   parallelism={"context_parallel_degree": 8}, activation_checkpoint={"mode": "full", "offload": True})  # fmt: skip
+    monkeypatch.setattr(os, "sysconf", {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": 16 << 20}.get)  # 64 GiB
+    check_offload_memory(cfg, 2)
+    with pytest.raises(ConfigError, match=r"offload = true pins 31.0 GiB of host memory per rank \(31 layer inputs\), "
+                                          r"248 GiB for this node's 8 ranks, which has 64 GiB"):  # fmt: skip
+        check_offload_memory(cfg, 8)
+    check_offload_memory(cfg | {"activation_checkpoint": {**cfg["activation_checkpoint"], "offload": False}}, 8)

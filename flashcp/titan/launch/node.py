@@ -35,7 +35,7 @@ from flashcp.run import rendezvous
 from flashcp.run.ownership import check_free_space, check_writable, describe_broken, describe_stale, FolderInUse
 from flashcp.run.ownership import LockUnavailable, NotWritable, RunLock
 from flashcp.titan.config import check_layout, ConfigError, load_job, resolve_config_path, world_size_hint
-from flashcp.titan.launch.preflight import check_cpu_memory, check_inputs, checkpoint_bytes
+from flashcp.titan.launch.preflight import check_cpu_memory, check_inputs, check_offload_memory, checkpoint_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -134,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_job(path, overrides)
         nproc, on_gpu = ranks.ranks_per_node(world_size_hint(cfg), nnodes)
         check_cpu_ranks(cfg, nproc, nnodes, on_gpu)
+        check_offload_memory(cfg, nproc)
         vocab = check_inputs(cfg)
         dump = cfg["job"]["dump_folder"]
         run_id = rendezvous.run_id(dump)

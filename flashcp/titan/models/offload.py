@@ -139,11 +139,12 @@ def offload_layer_inputs(layers: Sequence[torch.nn.Module]) -> LayerInputOffload
 
 
 def offload_bytes_per_rank(
-    n_layers: int, seq_len: int, cp: int, dim: int, dtype_bytes: int, local_batch: int = 1
+    n_layers: int, seq_len: int, cp: int, dim: int, dtype_bytes: int, local_batch: int = 1, tp: int = 1
 ) -> int:
     """Host memory one rank's offload holds at the end of a forward: every layer's input but the last's,
-    (seq_len / cp) x dim activations per sequence. A layer's share is what each copy moves each way."""
-    return (n_layers - 1) * local_batch * (seq_len // cp) * dim * dtype_bytes
+    (seq_len / cp) x dim activations per sequence, split over `tp` under sequence parallelism
+    (TorchTitan's default with TP). A layer's share is what each copy moves each way."""
+    return (n_layers - 1) * local_batch * (seq_len // cp // tp) * dim * dtype_bytes
 
 
 def offload_seconds(nbytes: float, bandwidth: float = PCIE_GEN5_X16) -> float:
