@@ -19,8 +19,8 @@ from distributed_pool import DistributedPool
 from harness import TINY, tiny_job, train
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-from flashcp.titan.models.offload import LayerInputOffload, offload_bytes_per_rank, offload_layer_inputs
-from flashcp.titan.models.offload import offload_seconds
+from flashcp.titan.models.offload import layer_input_bytes, LayerInputOffload, offload_bytes_per_rank
+from flashcp.titan.models.offload import offload_layer_inputs, offload_seconds
 
 STEPS = 5
 QWEN3 = {"name": "qwen3", "head_dim": 16}  # QK-norm, a head_dim other than dim / heads
@@ -112,10 +112,10 @@ def test_no_grad_forward_saves_nothing():
 def test_modelled_traffic_llama3_8b_1m_cp8():
     """Llama 3 8B (32 layers, dim 4096, bf16) at 1M tokens on CP 8: 1 GiB per layer each way, 31 GiB held
     per rank; at PCIe Gen5 x16's ~50 GB/s a layer's copy takes ~21 ms, under its forward's dense
-    compute alone (2 x 218M parameters x 131072 tokens = 57 TFLOP, ~140 ms at 400 TFLOP/s)."""
-    per_layer = offload_bytes_per_rank(2, 1 << 20, 8, 4096, 2)
-    assert per_layer == 2**30
-    assert offload_bytes_per_rank(32, 1 << 20, 8, 4096, 2, local_batch=2) == 62 * 2**30
+    compute alone (2 x 218M parameters x 131072 tokens = 57 TFLOP: 58 ms at H100's 989 TFLOP/s peak)."""
+    per_layer = layer_input_bytes(1 << 20, 8, 4096, 2)
+    assert per_layer == 2**30 and layer_input_bytes(1 << 20, 8, 4096, 2, local_batch=2, tp=2) == per_layer
+    assert offload_bytes_per_rank(32, 1 << 20, 8, 4096, 2) == 31 * per_layer
     assert offload_seconds(per_layer) == pytest.approx(0.0215, rel=1e-2)
     assert offload_seconds(per_layer, bandwidth=25e9) == pytest.approx(2 * offload_seconds(per_layer))
 

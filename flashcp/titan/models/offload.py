@@ -26,7 +26,9 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-PCIE_GEN5_X16 = 50e9  # bytes/s each way a host <-> GPU copy sustains on PCIe Gen5 x16 (63 GB/s raw)
+# Bytes/s each way a pinned host <-> GPU copy sustains on PCIe Gen5 x16: NVIDIA's H100 datasheet gives
+# 128 GB/s for both directions (64 each; 32 GT/s x 16 lanes, 128b/130b: 63 GB/s), less protocol overhead.
+PCIE_GEN5_X16 = 50e9
 
 
 @dataclass(eq=False)
@@ -138,13 +140,17 @@ def offload_layer_inputs(layers: Sequence[torch.nn.Module]) -> LayerInputOffload
     return offload
 
 
+def layer_input_bytes(seq_len: int, cp: int, dim: int, dtype_bytes: int, local_batch: int = 1, tp: int = 1) -> int:
+    """One layer's input on one rank, what its offload moves each way per step: (seq_len / cp) x dim
+    activations per sequence, split over `tp` under sequence parallelism (TorchTitan's default with TP)."""
+    return local_batch * (seq_len // cp // tp) * dim * dtype_bytes
+
+
 def offload_bytes_per_rank(
     n_layers: int, seq_len: int, cp: int, dim: int, dtype_bytes: int, local_batch: int = 1, tp: int = 1
 ) -> int:
-    """Host memory one rank's offload holds at the end of a forward: every layer's input but the last's,
-    (seq_len / cp) x dim activations per sequence, split over `tp` under sequence parallelism
-    (TorchTitan's default with TP). A layer's share is what each copy moves each way."""
-    return (n_layers - 1) * local_batch * (seq_len // cp // tp) * dim * dtype_bytes
+    """Host memory one rank's offload holds at the end of a forward: every layer's input but the last's."""
+    return (n_layers - 1) * layer_input_bytes(seq_len, cp, dim, dtype_bytes, local_batch, tp)
 
 
 def offload_seconds(nbytes: float, bandwidth: float = PCIE_GEN5_X16) -> float:
