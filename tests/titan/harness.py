@@ -138,11 +138,11 @@ def train(
 
 def train_on_pool_rank(
     rank: int, group: Any, cfg: dict, grad_norms: dict[int, float] | None = None,
-    validations: list[Any] | None = None,
+    validations: list[Any] | None = None, stop_after: int | None = None,
 ) -> dict[int, float]:
     """DistributedPool task: one rank of a multi-rank run of `cfg`."""
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(dist.get_world_size())})
-    return train(cfg, grad_norms=grad_norms, validations=validations)
+    return train(cfg, stop_after=stop_after, grad_norms=grad_norms, validations=validations)
 
 
 class KVCollectiveCounter(TorchDispatchMode):

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import pytest
 from distributed_pool import DistributedPool
-from harness import TINY, single_rank, tiny_job, tiny_seed_checkpoint, train, train_counting_exchanges
+from harness import (TINY, single_rank, tiny_job, tiny_seed_checkpoint, train, train_counting_exchanges,
+                     train_on_pool_rank)
 
 STEPS = 5
 TOLERANCE = 2e-5  # absolute, on losses of ~8.5 in float32 (observed: ~1e-6)
@@ -127,3 +128,41 @@ def test_a_balanced_dp2_step_reproduces_dp1_with_two_micro_steps(tmp_path, seed)
     assert _worst(two, one) <= TOLERANCE
     assert _worst(two_norms, one_norms, relative=True) <= GRAD_TOLERANCE
     assert _worst(stream, one) > TOLERANCE  # balancing moved documents between the windows
+
+
+TILED_CASES = [  # (model, cp, dp_shard, tp, activation checkpointing)
+    ("llama3", 2, 2, 1, "full"),  # tiles inside the block's recompute
+    ("qwen3", 2, 2, 1, "none"),
+    ("llama3", 1, 1, 2, "full"),  # the tiles' w2 outputs reduced per tile under TP (and SP)
+]
+TILED_TOLERANCE = 1e-6  # relative, losses and gradient norms: fp32 summation order only
+
+
+def _train_rank(rank: int, group, cfg: dict, stop_after: int | None = None) -> tuple[dict, dict]:
+    norms: dict[int, float] = {}
+    return train_on_pool_rank(rank, group, cfg, norms, stop_after=stop_after), norms
+
+
+@pytest.mark.parametrize("name,cp,dp,tp,ac", TILED_CASES)
+def test_mlp_tiles_change_no_loss_gradient_or_resume(tmp_path, name, cp, dp, tp, ac):
+    """`[activation_checkpoint] mlp_tiles = 3` (not dividing a rank's tokens) trains the untiled job's
+    losses and gradient norms, and its run stopped at step 3 resumes to the same steps 4 and 5."""
+    def job(dump: str, tiles: int) -> dict:
+        return tiny_job(tmp_path / dump, model={"name": name}, training={"steps": STEPS},
+                        parallelism={"context_parallel_degree": cp, "data_parallel_shard_degree": dp,
+                                     "tensor_parallel_degree": tp},
+                        checkpoint={"enable": True, "interval": 3},
+                        activation_checkpoint={"mode": ac, "mlp_tiles": tiles})  # fmt: skip
+
+    with DistributedPool(world_size=cp * dp * tp) as pool:
+        plain, plain_norms = pool.run(_train_rank, (job("plain", 0),))[0]
+        tiled, tiled_norms = pool.run(_train_rank, (job("tiled", 3),))[0]
+        pool.run(_train_rank, (job("resumed", 3), 3))
+        resumed, _ = pool.run(_train_rank, (job("resumed", 3),))[0]
+    loss_diff, norm_diff = _worst(tiled, plain, relative=True), _worst(tiled_norms, plain_norms, relative=True)
+    resume_diff = max(abs(resumed[s] - tiled[s]) for s in resumed)
+    print(f"{name} CP={cp} x FSDP={dp} TP={tp} AC {ac}, 3 MLP tiles vs none: loss {loss_diff:.1e}, grad norm "
+          f"{norm_diff:.1e} (relative); resumed at step 3: {resume_diff:.1e}")  # fmt: skip
+    assert tiled[STEPS] < tiled[1]  # it trains
+    assert loss_diff <= TILED_TOLERANCE and norm_diff <= TILED_TOLERANCE, (tiled, plain, tiled_norms, plain_norms)
+    assert sorted(resumed) == [4, 5] and resume_diff <= TILED_TOLERANCE * tiled[STEPS], (resumed, tiled)

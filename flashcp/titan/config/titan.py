@@ -135,6 +135,9 @@ OWN_KEYS: dict[str, dict[str, Key]] = {
         "mode": Key(str, AC_DEFAULT, tuple(AC_MODES), "TorchTitan's policy class (its CLI subcommand name)"),
         "offload": Key(bool, False, doc="mode = 'full' only: the layer inputs it keeps wait in pinned host memory "
                        "(flashcp.titan.models.offload)"),
+        "mlp_tiles": Key(int, 0, doc="every mode: the MLP runs over this many sequence tiles, each recomputed in "
+                         "backward, so its intermediate exists for one tile at a time (flashcp.titan.models."
+                         "tiled_mlp); 0 or 1: untiled"),
     },
 }
 
@@ -182,7 +185,7 @@ TITAN_KEYS = _section_keys()
 def ac_keys(mode: str) -> set[str]:
     """The [activation_checkpoint] keys that apply to `mode`."""
     cls = AC_MODES[mode]
-    own = {"mode", "offload"} if mode == "full" else {"mode"}
+    own = {"mode", "mlp_tiles", "offload"} if mode == "full" else {"mode", "mlp_tiles"}
     return own | ({f.name for f in dataclasses.fields(cls)} if cls is not None else set())
 
 

@@ -29,7 +29,8 @@ def trainer_config(cfg: dict[str, Any]) -> FlashCPTrainer.Config:
     flashcp_on = cfg["model"]["attention"] == "flashcp"
     train, fcp = cfg["training"], cfg["flashcp"]
     spec = model_spec(cfg["model"], fcp, tokenizer.vocab_size, train["seq_len"],
-                      offload=cfg["activation_checkpoint"]["offload"])  # fmt: skip
+                      offload=cfg["activation_checkpoint"]["offload"],
+                      mlp_tiles=cfg["activation_checkpoint"]["mlp_tiles"])  # fmt: skip
     sections = titan_configs(cfg)  # training, optimizer, parallelism, checkpoint, ... (TorchTitan's classes)
     sections["checkpoint"].model_record = job_model_record(cfg, tokenizer.vocab_size, tokenizer.path)
     cp = sections["parallelism"].context_parallel_degree

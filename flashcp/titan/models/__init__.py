@@ -5,7 +5,9 @@
 - `registry`: the dense flavors TorchTitan registers, read as architectures;
 - `rope`: RoPE base and scaling, as config.json and the job's `[model]` keys say;
 - `attention`: FlashCP's CP attention as TorchTitan's inner attention;
-- `offload`: full activation checkpointing's saved layer inputs in host memory (`[activation_checkpoint] offload`).
+- `offload`: full activation checkpointing's saved layer inputs in host memory (`[activation_checkpoint] offload`);
+- `rotary`: RoPE rows for this rank's tokens, once per step, instead of a table in every layer;
+- `tiled_mlp`: the MLP over sequence tiles (`[activation_checkpoint] mlp_tiles`).
 
 May import: torch, TorchTitan, the core (plan, dispatch, attention), `flashcp.titan.config` (its
 errors and flavor lists), `flashcp.titan.hf` (architectures read from config.json) and `compat`.

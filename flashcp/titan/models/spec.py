@@ -27,14 +27,16 @@ from flashcp.titan.models.attention import use_flashcp_attention
 from flashcp.titan.config import ConfigError
 from flashcp.titan.models.decoders import ADAPTERS, job_architecture, titan_config
 from flashcp.titan.models.offload import offload_layer_inputs
+from flashcp.titan.models.tiled_mlp import use_tiled_mlp
 
 
 def model_spec(
     model_cfg: dict[str, Any], flashcp_cfg: dict[str, Any], tokenizer_vocab: int, seq_len: int,
-    offload: bool = False,
+    offload: bool = False, mlp_tiles: int = 0,
 ) -> ModelSpec:
     """The job's model as a TorchTitan ModelSpec, with FlashCP attention when selected; `offload`: full
-    activation checkpointing's layer inputs wait in host memory (`[activation_checkpoint] offload`)."""
+    activation checkpointing's layer inputs wait in host memory (`[activation_checkpoint] offload`);
+    `mlp_tiles` > 1: the MLP runs over sequence tiles (`[activation_checkpoint] mlp_tiles`)."""
     arch = job_architecture(model_cfg, tokenizer_vocab, seq_len)
     if tokenizer_vocab > arch.vocab_size:
         raise ConfigError(
@@ -53,6 +55,7 @@ def model_spec(
         parallelize = parallelize_flashcp
     else:
         parallelize = _parallelize_titan_cp
+    use_tiled_mlp(model, mlp_tiles)
     if offload:
         parallelize = partial(_offloaded, parallelize)
     # No pipeline parallelism. The spec keeps TorchTitan's HF state_dict_adapter: checkpoints stay

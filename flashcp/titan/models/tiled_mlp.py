@@ -1,0 +1,62 @@
+"""The SwiGLU MLP over sequence tiles: its intermediate never exists for all of a rank's tokens at once.
+
+TorchTitan's `FeedForward` computes `w2(silu(w1 x) * w3 x)` for every token of the rank at once, and
+autograd keeps w1 x, w3 x and their product (3 x tokens x hidden, hidden ~3.5 x dim) for backward.
+`TiledFeedForward` runs that same forward on `tiles` slices of the sequence, each under a
+non-reentrant `torch.utils.checkpoint`: autograd keeps only each tile's input (a view of the normed
+input, which w1 / w3 kept anyway) and backward recomputes one tile's intermediate at a time (as
+Arctic Long Sequence Training's TiledMLP), at the cost of recomputing w1 and w3. Inside full
+activation checkpointing the block's recompute tiles the same way (the checkpoints nest).
+
+The weights and their names (w1, w2, w3) are TorchTitan's: FSDP gathers them once per block as
+before and checkpoints load either way. Under tensor parallelism each tile runs TorchTitan's TP plan
+(w1 / w3 split along the hidden dim, w2 reduced per tile) and the joined output is put back into the
+placement the untiled MLP returns. The MLP is token-wise, so tiles change only summation order.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
+from torchtitan.models.common.feed_forward import FeedForward
+
+
+class TiledFeedForward(FeedForward):
+    """TorchTitan's SwiGLU FeedForward, run over at most `tiles` sequence tiles (dim 1 of `[B, L, D]`)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(FeedForward.Config):
+        tiles: int = 2
+
+    def __init__(self, config: Config) -> None:
+        super().__init__(config)
+        self.tiles = config.tiles
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tile_len = math.ceil(x.shape[1] / self.tiles)
+        parts = [
+            checkpoint(FeedForward.forward, self, tile, use_reentrant=False, preserve_rng_state=False)
+            for tile in x.split(tile_len, dim=1)
+        ]
+        out = torch.cat(parts, dim=1)
+        if isinstance(out, DTensor):  # TP: joining tiles sharded along the sequence may change placement
+            out = out.redistribute(placements=parts[0].placements)
+        return out
+
+
+def use_tiled_mlp(model_config, tiles: int) -> None:
+    """Make every layer's dense FeedForward of a TorchTitan decoder config a `TiledFeedForward`, in
+    place (tiles <= 1: unchanged)."""
+    if tiles <= 1:
+        return
+    for layer in model_config.layers:
+        ffn = getattr(layer, "feed_forward", None)
+        if type(ffn) is FeedForward.Config:
+            layer.feed_forward = TiledFeedForward.Config(
+                w1=ffn.w1, w2=ffn.w2, w3=ffn.w3, param_init=ffn.param_init,
+                sharding_config=ffn.sharding_config, tiles=tiles,
+            )  # fmt: skip
