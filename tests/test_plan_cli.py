@@ -70,6 +70,8 @@ def test_sources_and_ilp(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> 
         (["--cp", "0"], "positive integer"),
         (["--lengths", "4,4", "--cp", "2", "--target-imbalance", "0.9"], "target_imbalance must be >= 1.0"),
         (["--lengths", "4,4", "--cp", "2", "--strategy", "ilp", "--ilp-time-limit", "0"], "time_limit"),
+        *((["--lengths", "4,4", "--cp", "2", option, value], f"expected a finite number, got '{value}'")
+          for option in ("--target-imbalance", "--ilp-time-limit") for value in ("inf", "nan", "1e999")),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(

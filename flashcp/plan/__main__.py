@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -49,6 +50,17 @@ def _lengths(text: str) -> list[int]:
     return lens
 
 
+def _finite(text: str) -> float:
+    """A finite float: inf or nan would pass the planner's own `>=` checks as no limit at all."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
 def _positive(text: str) -> int:
     try:
         value = int(text)
@@ -79,12 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
         "ilp is slow and runs only when named)",
     )
     p.add_argument(
-        "--target-imbalance", type=float, default=1.05, help="target max/mean workload (default 1.05)"
+        "--target-imbalance", type=_finite, default=1.05, help="target max/mean workload (default 1.05)"
     )
     p.add_argument(
         "--ilp-block", type=_positive, help="ilp last-shard granularity in tokens (default C / (8 N))"
     )
-    p.add_argument("--ilp-time-limit", type=float, default=60.0, help="ilp seconds per window (default 60)")
+    p.add_argument("--ilp-time-limit", type=_finite, default=60.0, help="ilp seconds per window (default 60)")
     p.add_argument("--json", action="store_true", help="print one JSON object keyed by strategy")
     return p
 

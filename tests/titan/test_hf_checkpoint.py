@@ -50,9 +50,18 @@ def logits(folder: Path, ids: torch.Tensor) -> torch.Tensor:
         return model(ids).logits
 
 
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+GENERATION = {"bos_token_id": 0, "eos_token_id": [7, 1], "temperature": 0.6, "top_p": 0.9, "do_sample": True}
+
+
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory) -> Path:
-    return make_tiny_hf(tmp_path_factory.mktemp("hf") / "llama")
+    """The tiny Llama with what newer transformers saves beside a chat model: the chat template in
+    its own file and sampling defaults with an extra EOS id."""
+    folder = make_tiny_hf(tmp_path_factory.mktemp("hf") / "llama")
+    (folder / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    (folder / "generation_config.json").write_text(json.dumps(GENERATION))
+    return folder
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +79,12 @@ IDS = torch.randint(0, 4096, (2, 48), generator=torch.Generator().manual_seed(0)
 def test_round_trip_at_negligible_lr_gives_the_original_logits(negligible_step, tiny_llama, tmp_path):
     out = tmp_path / "export"
     assert export_main(["--checkpoint", str(negligible_step), "--out", str(out)]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json",
+    assert sorted(p.name for p in out.iterdir()) == ["chat_template.jinja", "config.json", "generation_config.json",
+                                                     "model.safetensors", "tokenizer.json",
                                                      "tokenizer_config.json"]  # fmt: skip
+    assert (out / "chat_template.jinja").read_text() == CHAT_TEMPLATE
+    assert json.loads((out / "generation_config.json").read_text()) == GENERATION | {"eos_token_id": [1, 7]}
+    assert transformers.GenerationConfig.from_pretrained(out).eos_token_id == [1, 7]
     original, exported = logits(tiny_llama, IDS), logits(out, IDS)
     assert (exported - original).abs().max() <= 1e-5
     config = json.loads((out / "config.json").read_text())
@@ -188,38 +201,86 @@ def test_export_without_the_jobs_tokenizer_says_so(negligible_step, tmp_path, ca
     manifest = json.loads((copy / "manifest.json").read_text())
     manifest["model"]["tokenizer"] = str(tmp_path / "moved" / "tokenizer.json")
     (copy / "manifest.json").write_text(json.dumps(manifest))
+    manifest["model"]["hf_folder"] = str(tmp_path / "moved")
+    (copy / "manifest.json").write_text(json.dumps(manifest))
     files = export(copy, tmp_path / "out")
-    assert sorted(p.name for p in files) == ["config.json", "model.safetensors"]
-    assert "no longer exists: exported without tokenizer files" in caplog.text
+    assert sorted(p.name for p in files) == ["config.json", "generation_config.json", "model.safetensors"]
+    assert "no longer exists: exported without it" in caplog.text
+    assert "no longer exists: exported without its tokenizer-side files" in caplog.text
+    # Written anew from config.json's ids, which the base model's config.json carried over.
+    assert json.loads((tmp_path / "out" / "generation_config.json").read_text()) == {"bos_token_id": 0,
+                                                                                   "eos_token_id": 1}  # fmt: skip
 
 
 @pytest.mark.parametrize("change, named", [
     ("no record", "does not record the model"),
     ("no manifest", "is not a complete FlashCP checkpoint (no manifest.json)"),
+    ("manifest a list", "manifest.json is malformed (AttributeError"),
+    ("entry without size", "manifest.json is malformed (KeyError: 'size')"),
+    ("tokenizer a number", "manifest.json: model.tokenizer = 3 is not a path"),
+    ("unfinished", "step-1.partial-0123456789ab is an unfinished save (never published)"),
+    ("unfinished, no manifest", "step-1.partial-0123456789ab is an unfinished save (never published)"),
+    ("not a step folder", "my-checkpoint is not a published checkpoint folder (step-N"),
 ])  # fmt: skip
 def test_export_names_a_checkpoint_it_cannot_read_the_model_of(negligible_step, tmp_path, capsys, change,
                                                                named):  # fmt: skip
-    copy = tmp_path / "step-1"
+    names = {"unfinished": "step-1.partial-0123456789ab", "not a step folder": "my-checkpoint"}
+    copy = tmp_path / names.get(change.removesuffix(", no manifest"), "step-1")
     shutil.copytree(negligible_step, copy)
-    if change == "no manifest":
+    manifest = json.loads((copy / "manifest.json").read_text())
+    if change.endswith("no manifest"):
         (copy / "manifest.json").unlink()
-    else:
-        manifest = json.loads((copy / "manifest.json").read_text())
+    elif change == "no record":
         del manifest["model"]
+    elif change == "manifest a list":
+        manifest = [manifest]
+    elif change == "entry without size":
+        del manifest["files"][0]["size"]
+    elif change == "tokenizer a number":
+        manifest["model"]["tokenizer"] = 3
+    if (copy / "manifest.json").exists():
         (copy / "manifest.json").write_text(json.dumps(manifest))
+    before = sorted(p.name for p in copy.iterdir())
     assert export_main(["--checkpoint", str(copy), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and named in err and not (tmp_path / "out").exists()
+    assert err.startswith("error: ") and err.count("\n") == 1 and named in err, err
+    assert not (tmp_path / "out").exists() and sorted(p.name for p in copy.iterdir()) == before
 
 
-def test_export_refuses_a_non_empty_folder(negligible_step, tmp_path, capsys):
-    out = tmp_path / "taken"
-    out.mkdir()
-    (out / "keep.txt").write_text("mine")
+def _target(tmp_path: Path, kind: str) -> Path:
+    """An --out the export must refuse, beside something already saved."""
+    (tmp_path / "saved").mkdir()
+    (tmp_path / "saved" / "keep.txt").write_text("mine")
+    if kind == "symlink":
+        (tmp_path / "link").symlink_to(tmp_path / "saved" / "empty", target_is_directory=True)
+        (tmp_path / "saved" / "empty").mkdir()
+        return tmp_path / "link"
+    if kind == "dangling symlink":
+        (tmp_path / "link").symlink_to(tmp_path / "nowhere")
+        return tmp_path / "link"
+    if kind == "read-only":  # a file system no one may write, also root (who passes permission bits)
+        return Path("/proc/flashcp-export")
+    return {"non-empty": tmp_path / "saved", "a file": tmp_path / "saved" / "keep.txt",
+            "in a file": tmp_path / "saved" / "keep.txt" / "out"}[kind]  # fmt: skip
+
+
+@pytest.mark.parametrize("kind, named", [
+    ("non-empty", "is not empty: refusing to write there"),
+    ("a file", "exists and is not a folder: refusing"),
+    ("in a file", "keep.txt is not a folder"),
+    ("symlink", "is a symbolic link: refusing"),
+    ("dangling symlink", "is a symbolic link to nothing: refusing"),
+    ("read-only", "/proc/flashcp-export"),
+])  # fmt: skip
+def test_export_refuses_every_bad_output_path_and_touches_nothing(negligible_step, tmp_path, capsys, kind,
+                                                                   named):  # fmt: skip
+    out = _target(tmp_path, kind)
+    before = sorted((str(p), p.is_symlink()) for p in tmp_path.rglob("*"))
     assert export_main(["--checkpoint", str(negligible_step), "--out", str(out)]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "is not empty: refusing to overwrite" in err
-    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    assert err.startswith("error: ") and err.count("\n") == 1 and named in err, err
+    assert sorted((str(p), p.is_symlink()) for p in tmp_path.rglob("*")) == before
+    assert (tmp_path / "saved" / "keep.txt").read_text() == "mine"
 
 
 def test_export_names_a_damaged_checkpoint(negligible_step, tmp_path, capsys):

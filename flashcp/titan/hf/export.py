@@ -4,14 +4,25 @@
 
 What the checkpoint holds is read from its manifest: every save records the model
 (`model_record`: the HF `config.json` of the architecture trained, with the RoPE settings and
-context actually used, and the job's tokenizer file), so no job file is needed and a checkpoint
-folder copied elsewhere still exports. The checkpoint is verified against its manifest like
-every load, read as data only (`flashcp.run.safe_load`) and strictly (the model's keys and shapes
-exactly), converted by the model's TorchTitan state_dict_adapter, and written as
-`model.safetensors` (or shards with `model.safetensors.index.json` above `max_shard_bytes`),
-`config.json` and the tokenizer's files, into a fresh folder beside the target that is renamed
-into place at the end: a crash leaves no half export under the target's name. A non-empty target
-is refused. The whole model is held in host memory once, in the checkpoint's dtype.
+context actually used, the job's tokenizer file and the HF folder the job started from, if any),
+so no job file is needed and a published `step-N` folder copied elsewhere still exports; an
+unfinished save (`step-N.partial-*`) is refused even when it holds a manifest. The checkpoint is
+verified against its manifest like every load, read as data only (`flashcp.run.safe_load`) and
+strictly (the model's keys and shapes exactly), converted by the model's TorchTitan
+state_dict_adapter, and written as `model.safetensors` (or shards with
+`model.safetensors.index.json` above `max_shard_bytes`), `config.json`, `generation_config.json`
+and the tokenizer's files, into a fresh folder beside the target that is renamed into place at
+the end: a crash leaves no half export under the target's name.
+
+Side files: every tokenizer-side file of the HF folder the job started from (SIDE_FILES: the
+tokenizer, its config and special tokens, the chat template that newer transformers keeps in
+`chat_template.jinja`), then the job's own tokenizer file and its companions over them (what
+trained). `generation_config.json` keeps the source's (sampling defaults, extra EOS ids) with the
+job tokenizer's BOS / EOS first; one is written when the source had none.
+
+The target must be absent or an empty, writable folder, not a symbolic link; anything else is
+refused before the checkpoint is read, and nothing that exists is changed. The whole model is
+held in host memory once, in the checkpoint's dtype.
 """
 
 from __future__ import annotations
@@ -31,14 +42,18 @@ import torch.distributed.checkpoint.api as dcp_api
 from safetensors.torch import save_file
 from torchtitan.components.checkpoint import DATALOADER, LR_SCHEDULER, OPTIMIZER, TRAIN_STATE
 
+from flashcp.data.tokenizer import load_tokenizer, TokenizerError
 from flashcp.run.manifest import MANIFEST, read_manifest, verify_files
-from flashcp.run.publish import error_in, fsync_dir, root_cause
+from flashcp.run.publish import error_in, fsync_dir, LEFTOVER_DIR, root_cause, STEP_DIR
 from flashcp.run.safe_load import MismatchedCheckpoint, SafeReader, StrictPlanner, UnsafeCheckpoint
 from flashcp.titan.models.decoders import job_architecture, state_dict_adapter, titan_config
 from flashcp.titan.hf.config import architecture_from_hf, HFConfigError, to_hf_config
 from flashcp.titan.hf.folder import CONFIG, INDEX, SINGLE
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
+SIDE_FILES = (*TOKENIZER_FILES, "added_tokens.json", "chat_template.jinja", "chat_template.json", "vocab.json",
+              "merges.txt", "vocab.txt", "spiece.model")  # fmt: skip
+GENERATION = "generation_config.json"
 NON_MODEL_STATES = (OPTIMIZER, LR_SCHEDULER, DATALOADER, TRAIN_STATE)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)?", re.IGNORECASE)
@@ -53,10 +68,14 @@ class ExportError(ValueError):
     """A checkpoint that cannot be exported, or a target that must not be written; one line."""
 
 
-def model_record(hf_config: dict[str, Any], tokenizer: str | Path | None) -> dict[str, Any]:
+def model_record(hf_config: dict[str, Any], tokenizer: str | Path | None,
+                 hf_folder: str | Path | None = None) -> dict[str, Any]:  # fmt: skip
     """What a checkpoint's manifest says about its model: the HF config.json of the architecture
-    trained and the job's tokenizer file (absolute), for the export."""
-    return {"hf_config": hf_config, "tokenizer": str(Path(tokenizer).resolve()) if tokenizer else None}
+    trained, the job's tokenizer file and the HF folder it started from (absolute), for the export."""
+    def absolute(path: str | Path | None) -> str | None:
+        return str(Path(path).resolve()) if path else None
+
+    return {"hf_config": hf_config, "tokenizer": absolute(tokenizer), "hf_folder": absolute(hf_folder)}
 
 
 def job_model_record(cfg: dict[str, Any], tokenizer_vocab: int,
@@ -71,7 +90,8 @@ def job_model_record(cfg: dict[str, Any], tokenizer_vocab: int,
     if source:
         path = Path(source)
         base = json.loads(((path / CONFIG) if path.is_dir() else path).read_text())
-    return model_record(to_hf_config(arch, torch_dtype=cfg["training"]["dtype"], base=base), tokenizer)
+    hf_config = to_hf_config(arch, torch_dtype=cfg["training"]["dtype"], base=base)
+    return model_record(hf_config, tokenizer, imported)
 
 
 def parse_size(text: str) -> int:
@@ -83,10 +103,23 @@ def parse_size(text: str) -> int:
 
 
 def check_target(out: Path) -> None:
-    """ExportError unless `out` is absent or an empty folder (a complete export is never overwritten)."""
-    if out.exists() and not (out.is_dir() and not any(out.iterdir())):
-        raise ExportError(f"{out} " + ("is not empty" if out.is_dir() else "exists and is not a folder") +
-                          ": refusing to overwrite it; choose another output folder")  # fmt: skip
+    """ExportError unless `out` is absent or an empty folder, not a symbolic link, in a writable
+    folder (a complete export, or anything else that exists, is never overwritten)."""
+    problem = None
+    if out.is_symlink():
+        problem = "is a symbolic link" + ("" if out.exists() else " to nothing")
+    elif out.exists() and not out.is_dir():
+        problem = "exists and is not a folder"
+    elif out.is_dir() and any(out.iterdir()):
+        problem = "is not empty"
+    if problem:
+        raise ExportError(f"{out} {problem}: refusing to write there; choose another output folder")
+    parent = next(p for p in out.absolute().parents if p.exists() or p.is_symlink())
+    if not parent.is_dir():
+        raise ExportError(f"{out}: {parent} is not a folder")
+    for folder in (parent, out) if out.is_dir() else (parent,):
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise ExportError(f"{out}: {folder} is not writable")
 
 
 def export(checkpoint: Path, out: Path, dtype: str | None = None,
@@ -95,6 +128,7 @@ def export(checkpoint: Path, out: Path, dtype: str | None = None,
     checkpoint, out = Path(checkpoint), Path(out)
     check_target(out)
     record = verified_record(checkpoint)
+    tokenizer, source = record["tokenizer"], record["hf_folder"]
     try:
         arch = architecture_from_hf(record["hf_config"], where=f"{checkpoint / MANIFEST} (model.hf_config)")
     except HFConfigError as e:
@@ -105,7 +139,10 @@ def export(checkpoint: Path, out: Path, dtype: str | None = None,
     target = DTYPES[dtype] if dtype else next(iter(weights.values())).dtype
     hf_weights = {k: v.to(target).contiguous() for k, v in hf_weights.items()}
     hf_config = dict(record["hf_config"]) | {"torch_dtype": _dtype_name(target), "dtype": _dtype_name(target)}
-    return write_folder(out, hf_weights, hf_config, record.get("tokenizer"), max_shard_bytes)
+    side = side_files(tokenizer, source)
+    hf_config |= token_ids(tokenizer)
+    side[GENERATION] = generation_config(side.get(GENERATION), hf_config)
+    return write_folder(out, hf_weights, hf_config, side, max_shard_bytes)
 
 
 def verified_record(checkpoint: Path) -> dict[str, Any]:
@@ -113,18 +150,30 @@ def verified_record(checkpoint: Path) -> dict[str, Any]:
     if not checkpoint.is_dir():
         state = "is not a folder" if checkpoint.exists() else "does not exist"
         raise ExportError(f"{checkpoint}: {state}")
+    name = checkpoint.resolve().name
+    if LEFTOVER_DIR.fullmatch(name) and ".partial-" in name:
+        raise ExportError(f"{checkpoint} is an unfinished save (never published): export a step-N folder")
+    if not STEP_DIR.fullmatch(name):
+        raise ExportError(f"{checkpoint} is not a published checkpoint folder (step-N, as the run names them)")
     if not (checkpoint / ".metadata").is_file() or not (checkpoint / MANIFEST).is_file():
         missing = ".metadata" if not (checkpoint / ".metadata").is_file() else MANIFEST
         raise ExportError(f"{checkpoint} is not a complete FlashCP checkpoint (no {missing})")
-    manifest = read_manifest(checkpoint)
-    problems = verify_files(checkpoint, manifest, 0, 1)
+    try:
+        manifest = read_manifest(checkpoint)
+        problems = verify_files(checkpoint, manifest, 0, 1)
+    except (AttributeError, KeyError, TypeError) as e:  # JSON, but not a manifest's objects and keys
+        raise ExportError(f"{checkpoint / MANIFEST} is malformed ({type(e).__name__}: {e})") from None
     if problems:
         raise ExportError(f"checkpoint {checkpoint} is damaged: {problems[0]}")
     record = manifest.get("model")
     if not isinstance(record, dict) or not isinstance(record.get("hf_config"), dict):
         raise ExportError(f"{checkpoint / MANIFEST} does not record the model (saved before FlashCP "
                           "recorded it): resume the run for one step to save a checkpoint that does")
-    return record
+    paths = {key: record.get(key) for key in ("tokenizer", "hf_folder")}
+    wrong = next((key for key, value in paths.items() if not isinstance(value, (str, type(None)))), None)
+    if wrong:
+        raise ExportError(f"{checkpoint / MANIFEST}: model.{wrong} = {paths[wrong]!r} is not a path")
+    return record | paths
 
 
 def read_weights(checkpoint: Path, model_config: Any) -> dict[str, torch.Tensor]:
@@ -148,9 +197,18 @@ def read_weights(checkpoint: Path, model_config: Any) -> dict[str, torch.Tensor]
 
 
 def write_folder(out: Path, weights: dict[str, torch.Tensor], hf_config: dict[str, Any],
-                 tokenizer: str | None, max_shard_bytes: int) -> list[Path]:  # fmt: skip
-    """Safetensors shards, index, config.json and tokenizer files into a temporary folder renamed to `out`."""
+                 side: dict[str, bytes], max_shard_bytes: int) -> list[Path]:  # fmt: skip
+    """Safetensors shards, index, config.json and the `side` files ({name: content}) into a
+    temporary folder renamed to `out`; ExportError naming the path when the disk refuses."""
     check_target(out)
+    try:
+        return _write_folder(out, weights, hf_config, side, max_shard_bytes)
+    except OSError as e:
+        raise ExportError(f"cannot write {out}: {root_cause(e)}") from e
+
+
+def _write_folder(out: Path, weights: dict[str, torch.Tensor], hf_config: dict[str, Any],
+                  side: dict[str, bytes], max_shard_bytes: int) -> list[Path]:  # fmt: skip
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(f".{out.name}.partial-{uuid.uuid4().hex[:12]}")
     partial.mkdir()
@@ -166,7 +224,8 @@ def write_folder(out: Path, weights: dict[str, torch.Tensor], hf_config: dict[st
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (partial / INDEX).write_text(json.dumps(index, indent=2))
         (partial / CONFIG).write_text(json.dumps(hf_config, indent=2))
-        _copy_tokenizer(tokenizer, partial)
+        for name, content in side.items():
+            (partial / name).write_bytes(content)
         for path in partial.iterdir():
             with open(path, "rb") as f:
                 os.fsync(f.fileno())
@@ -195,20 +254,62 @@ def _shards(weights: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, 
     return shards
 
 
-def _copy_tokenizer(tokenizer: str | None, folder: Path) -> None:
-    """The job's tokenizer file and its companions (tokenizer_config.json, ...) from the same folder."""
-    if not tokenizer:
-        return
-    path = Path(tokenizer)
-    if not path.is_file():  # the weights are what matters; say what is missing
-        logger.warning(f"the job's tokenizer {path} (recorded in the checkpoint) no longer exists: exported "
-                       "without tokenizer files")  # fmt: skip
-        return
-    shutil.copyfile(path, folder / ("tokenizer.model" if path.suffix == ".model" else "tokenizer.json"))
-    for name in TOKENIZER_FILES:
-        companion = path.parent / name
-        if companion.is_file() and not (folder / name).exists():
-            shutil.copyfile(companion, folder / name)
+def side_files(tokenizer: str | None, source: str | None) -> dict[str, bytes]:
+    """{name: content}: the tokenizer-side files of the HF folder the job started from (and its
+    generation_config.json), then the job's tokenizer file and its companions over them."""
+    files = {}
+    if source and not Path(source).is_dir():  # the weights are what matters; say what is missing
+        logger.warning(f"the HF folder {source} the job started from (recorded in the checkpoint) no longer "
+                       "exists: exported without its tokenizer-side files and generation_config.json")  # fmt: skip
+    elif source:
+        files |= {name: (Path(source) / name).read_bytes() for name in (*SIDE_FILES, GENERATION)
+                  if (Path(source) / name).is_file()}  # fmt: skip
+    if tokenizer and not Path(tokenizer).is_file():
+        logger.warning(f"the job's tokenizer {tokenizer} (recorded in the checkpoint) no longer exists: exported "
+                       "without it")  # fmt: skip
+    elif tokenizer:
+        path = Path(tokenizer)
+        files |= {name: (path.parent / name).read_bytes() for name in TOKENIZER_FILES
+                  if (path.parent / name).is_file()}  # fmt: skip
+        files["tokenizer.model" if path.suffix == ".model" else "tokenizer.json"] = path.read_bytes()
+    return files
+
+
+def token_ids(tokenizer: str | None) -> dict[str, int]:
+    """The BOS / EOS ids the job's tokenizer gave its documents ({} when it cannot be read)."""
+    if not tokenizer or not Path(tokenizer).is_file():
+        return {}
+    try:
+        tok = load_tokenizer(tokenizer)
+    except TokenizerError as e:
+        logger.warning(f"{e}: the BOS / EOS ids of config.json are kept")
+        return {}
+    ids = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id}
+    return {key: value for key, value in ids.items() if value is not None}
+
+
+def generation_config(source: bytes | None, hf_config: dict[str, Any]) -> bytes:
+    """generation_config.json: the source's (sampling defaults, extra EOS ids) with the trained
+    model's BOS, and its EOS ids first, or one holding only those when the source had none."""
+    try:
+        config = json.loads(source) if source else {}
+    except ValueError:
+        config = None
+    if not isinstance(config, dict):
+        logger.warning(f"the source's {GENERATION} is not a JSON object: written anew")
+        config = {}
+    if "bos_token_id" in hf_config:
+        config["bos_token_id"] = hf_config["bos_token_id"]
+    if hf_config.get("eos_token_id") is not None:
+        eos = [*_ids(hf_config["eos_token_id"])]
+        eos += [i for i in _ids(config.get("eos_token_id")) if i not in eos]
+        config["eos_token_id"] = eos[0] if len(eos) == 1 else eos
+    return json.dumps(config, indent=2).encode()
+
+
+def _ids(value: Any) -> list[Any]:
+    """An id or a list of ids as a list (None: none)."""
+    return list(value) if isinstance(value, list) else [] if value is None else [value]
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
