@@ -137,12 +137,13 @@ def prepare(
     from flashcp.data.tokenizer import tokenizer_file
 
     out = Path(out).absolute()
-    if out.exists():
-        raise StoreError(
-            f"{out} already exists; a store is never overwritten (remove it or pick another --out)"
-        )
+    if out.exists() or out.is_symlink():
+        link = " (a symbolic link)" if out.is_symlink() else ""
+        raise StoreError(f"{out} already exists{link}; a store is never overwritten (remove it or pick another --out)")
     if workers < 1:
         raise StoreError(f"--workers must be >= 1, got {workers}")
+    if max_doc_tokens < 1:
+        raise StoreError(f"--max-doc-tokens must be >= 1, got {max_doc_tokens}")
     tok_path = tokenizer_file(DEFAULT_TOKENIZER if tokenizer == "default" else tokenizer)
     _load_tokenizer(str(tok_path))
     dtype = token_dtype(_tokenizer.vocab_size, tok_path)

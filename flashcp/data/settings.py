@@ -168,6 +168,12 @@ def mix_entries(cfg: DataConfig) -> list[MixEntry]:
         weights.append(weight)
     if not entries:
         raise DataError("data.mix names no source: give at least one [data.mix.NAME] table, or use data.source")
-    total = math.fsum(weights)
-    return [MixEntry(name, source, w / total, low, high, settings)
-            for (name, source, low, high, settings), w in zip(entries, weights)]  # fmt: skip
+    top = max(weights)  # scaled first: weights near the float maximum would overflow their sum
+    total = math.fsum(w / top for w in weights)
+    shares = [w / top / total for w in weights]
+    if 0 in shares:
+        name = entries[shares.index(0)][0]
+        raise DataError(f"[data.mix.{name}] weight {weights[shares.index(0)]} is no share of the tokens beside "
+                        f"{top}: its share rounds to 0")  # fmt: skip
+    return [MixEntry(name, source, share, low, high, settings)
+            for (name, source, low, high, settings), share in zip(entries, shares)]  # fmt: skip

@@ -21,7 +21,8 @@ from flashcp.data.loader import build_loader, WindowLoader, WindowPacker
 from flashcp.data.mixture import MixedSource, Part
 from flashcp.data.prepare import prepare
 from flashcp.data.sources import DataConfig
-from flashcp.titan.config import ConfigError, load_job
+from flashcp.data.settings import mix_entries
+from flashcp.titan.config import ConfigError, load_job, main as config_main
 from flashcp.titan.launch.preflight import check_inputs
 
 SOURCE = 10**9  # token id = SOURCE * source + 1000 * document + position (documents < 1000 tokens here)
@@ -234,6 +235,26 @@ def test_bad_mixtures_fail_with_one_line_naming_the_key(tmp_path, text, override
     with pytest.raises(ConfigError, match=message) as e:
         job(tmp_path, text, *overrides)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("long, short, message", [
+    ("1e308", "1e308", None),  # their sum overflows a float: the shares are still 1/2 each
+    ("inf", "0.6", "[data.mix.long] weight must be a finite number, got inf"),
+    ("nan", "0.6", "[data.mix.long] weight must be a finite number, got nan"),
+    ("-1", "0.6", "[data.mix.long] weight must be > 0 (a share of the tokens), got -1"),
+    ("1e308", "1e-320", "[data.mix.short] weight 1e-320 is no share of the tokens beside 1e+308"),
+])  # fmt: skip
+def test_weights_out_of_range_are_one_line_from_the_config_check(tmp_path, capsys, long, short, message):
+    path = tmp_path / "job.toml"
+    path.write_text(MIX)
+    argv = ["--check", str(path), "--data.mix.long.weight", long, "--data.mix.short.weight", short]
+    assert config_main(argv) == (2 if message else 0)
+    err = capsys.readouterr().err
+    if message is None:
+        assert err == ""
+        assert [e.share for e in mix_entries(DataConfig(**load_job(path, argv[2:])["data"]))] == [0.5, 0.5]
+    else:
+        assert err.startswith(f"error: {message}") and err.count("\n") == 1, err
 
 
 def test_the_launch_check_opens_every_source_and_refuses_a_filter_that_keeps_nothing(tmp_path):

@@ -183,6 +183,28 @@ def test_an_existing_store_is_never_overwritten(tmp_path):
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
+@pytest.mark.parametrize("out, extra, message", [
+    ("link", [], "link already exists (a symbolic link); a store is never overwritten"),
+    ("dangling", [], "dangling already exists (a symbolic link); a store is never overwritten"),
+    ("file", [], "file already exists; a store is never overwritten"),
+    ("file/store", [], "File exists"),
+    ("/proc/flashcp-store", [], "/proc/flashcp-store"),  # read-only for root too
+    ("store", ["--max-doc-tokens", "0"], "--max-doc-tokens must be >= 1, got 0"),
+    ("store", ["--workers", "-1"], "--workers must be >= 1, got -1"),
+])  # fmt: skip
+def test_a_bad_output_or_number_is_one_line_and_touches_nothing(tmp_path, capsys, out, extra, message):
+    source = str(corpus(tmp_path / "text"))
+    (tmp_path / "file").write_text("mine")
+    (tmp_path / "saved").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "saved", target_is_directory=True)
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    before = sorted((str(p), p.is_symlink()) for p in tmp_path.rglob("*"))
+    assert prep.main([source, "--tokenizer", "default", "--out", str(tmp_path / out), *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
+    assert sorted((str(p), p.is_symlink()) for p in tmp_path.rglob("*")) == before
+
+
 def test_fingerprints_follow_the_source_and_the_tokenizer(tmp_path):
     def fingerprints(source: Path, tokenizer: str, name: str) -> tuple[str, str]:
         m = open_store(prep.prepare(str(source), tokenizer, tmp_path / name, progress=False)).manifest
