@@ -30,7 +30,7 @@ class ModelShape:
     head_dim: int  # Qwen3's is not always dim / heads
     ffn: int
     vocab: int
-    rope_len: int  # positions each layer's RoPE cache holds
+    rope_rows: int  # RoPE rows a rank holds: TorchTitan's table per layer (layers x seq_len), FlashCP's step rows (tokens)
     rope_row_bytes: int  # one position of it (complex Llama RoPE: 4 x head_dim, cos / sin Qwen3 RoPE: 8 x)
 
 
@@ -69,7 +69,7 @@ def estimate(m: ModelShape, lay: Layout) -> dict[str, float]:
         "parameters": (4 * params / shard + 2 * (2 * layer_params(m) + vocab_params) / lay.tp) / GIB,
         "gradients": (4 * params / shard + 4 * layer_params(m) / lay.tp) / GIB,
         "optimizer_states": 8 * params / shard / GIB,
-        "model_buffers": m.layers * m.rope_len * m.rope_row_bytes / GIB,
+        "model_buffers": m.rope_rows * m.rope_row_bytes / GIB,
         "activations": 2 * (checkpoints + (working if lay.full_ac else 0) + lay.tokens * m.dim) / GIB,
         "flashcp_buffers": 2 * 2 * lay.kv_rows * kv_dim / GIB,
         "loss": (14 * lay.loss_tokens * m.vocab / lay.tp + (chunk_buffers if chunked else 0)) / GIB,

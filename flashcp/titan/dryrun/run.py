@@ -37,13 +37,15 @@ from flashcp.data.tokenizer import TokenizerError
 from flashcp.titan.config import ConfigError, check_layout, load_job, resolve_config_path, world_size_hint
 from flashcp.titan.dryrun.estimate import GIB, estimate, Layout, ModelShape
 from flashcp.titan.dryrun.memtrack import CategoryTracker
+from flashcp.titan.models.rotary import rotation
 
 KERNEL = "dryrun"  # the attention backend name the dry run registers while it runs
 ADVICE = {
     "parameters": "shard them wider: more ranks (data_parallel_shard_degree) or a higher tensor_parallel_degree",
     "gradients": "shard them wider: more ranks (data_parallel_shard_degree) or a higher tensor_parallel_degree",
     "optimizer_states": "shard them wider: more ranks (data_parallel_shard_degree) or a higher tensor_parallel_degree",
-    "model_buffers": "TorchTitan keeps one RoPE cache per layer: a higher tensor_parallel_degree shares the rest",
+    "model_buffers": "TorchTitan's attention keeps one RoPE table per layer (model.attention = 'flashcp' computes "
+                     "each step's rows for this rank's tokens instead)",
     "activations": "set [activation_checkpoint] mode = 'full', or raise context_parallel_degree (fewer tokens per rank)",
     "flashcp_buffers": "raise tensor_parallel_degree (fewer KV heads per rank) or context_parallel_degree",
     "loss": "lower [loss] chunk_tokens (0 turns chunking off), or raise tensor_parallel_degree (vocabulary split)",
@@ -269,12 +271,14 @@ def _shape_and_layout(trainer, dispatch) -> tuple[ModelShape, Layout]:
     model, dims, cfg = trainer.model_config, trainer.parallel_dims, trainer.config
     attention = model.first_attention
     tokens = cfg.training.seq_len // dims.cp
-    rope_cache = trainer.model_parts[0].layers["0"].attention.rope.cache
+    rope_row = rotation(attention.rope, torch.zeros(1, dtype=torch.long))  # one position's RoPE row
+    tables = hasattr(trainer.model_parts[0].layers["0"].attention.rope, "cache")  # TorchTitan's, else per step
     shape = ModelShape(
         dim=model.dim, layers=len(model.layers), heads=attention.n_heads,
         kv_heads=attention.n_kv_heads or attention.n_heads, head_dim=attention.head_dim or model.dim // attention.n_heads,
         ffn=model.layers[0].feed_forward.w1.out_features, vocab=model.vocab_size,
-        rope_len=attention.rope.max_seq_len, rope_row_bytes=rope_cache.shape[-1] * rope_cache.element_size(),
+        rope_rows=len(model.layers) * attention.rope.max_seq_len if tables else tokens,
+        rope_row_bytes=rope_row.numel() * rope_row.element_size(),
     )  # fmt: skip
     chunks = getattr(trainer.loss_fn, "num_chunks", 1)
     layout = Layout(
