@@ -37,7 +37,7 @@ from flashcp.run.ownership import LockUnavailable, NotWritable, RunLock
 from flashcp.titan.config import check_layout, ConfigError, load_job, resolve_config_path, world_size_hint
 from flashcp.titan.launch.preflight import check_cpu_memory, check_inputs, check_offload_memory, checkpoint_bytes
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def output_folders(cfg: dict) -> list[str]:
