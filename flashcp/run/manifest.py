@@ -57,14 +57,42 @@ def write_manifest(folder: Path, save_id: str, entries: list[dict[str, Any]],
 
 
 def read_manifest(folder: Path) -> dict[str, Any]:
-    """The manifest, or one with a `problem` when it cannot be read."""
+    """The manifest, or one with a `problem` (and no files) when it cannot be read or is malformed.
+
+    Every caller treats the `problem` as a damaged checkpoint (`verify_files` reports it), so a
+    manifest that is JSON but not a manifest (a list, an entry without its size, a number for a
+    name) is one line naming manifest.json, never an AttributeError or KeyError further on.
+    """
     try:
         manifest = json.loads((folder / MANIFEST).read_text())
-        if manifest.get("format") != FORMAT or not isinstance(manifest.get("files"), list):
-            return {"problem": f"{MANIFEST}: unknown format", "files": []}
-        return manifest
     except (OSError, ValueError) as e:
         return {"problem": f"{MANIFEST}: unreadable ({type(e).__name__}: {e})", "files": []}
+    problem = _malformed(manifest)
+    if problem is not None:
+        return {"problem": f"{MANIFEST}: {problem}", "files": []}
+    return manifest
+
+
+def _malformed(manifest: Any) -> str | None:
+    """What makes parsed JSON not a manifest this version wrote, or None."""
+    if not isinstance(manifest, dict):
+        return f"malformed (a JSON {type(manifest).__name__}, not an object)"
+    if manifest.get("format") != FORMAT:
+        return f"unknown format {manifest.get('format')!r} (this version reads format {FORMAT})"
+    files = manifest.get("files")
+    if not isinstance(files, list):
+        return f"malformed (files is {type(files).__name__}, not a list)"
+    for i, entry in enumerate(files):
+        if not isinstance(entry, dict):
+            return f"malformed (files[{i}] is a JSON {type(entry).__name__}, not an object)"
+        name, size, check = entry.get("name"), entry.get("size"), entry.get("checksum")
+        if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name:
+            return f"malformed (files[{i}].name = {name!r} is not a file name)"
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            return f"malformed (files[{i}] {name}: size = {size!r} is not a byte count)"
+        if not isinstance(check, str):
+            return f"malformed (files[{i}] {name}: checksum = {check!r} is not a string)"
+    return None
 
 
 def verify_files(folder: Path, manifest: dict[str, Any], rank: int, world: int) -> list[str]:

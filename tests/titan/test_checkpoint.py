@@ -13,7 +13,7 @@ import torch.distributed.checkpoint as dcp
 from harness import single_rank, tiny_job, train
 
 from flashcp.titan.components.checkpoint import CheckpointError
-from flashcp.run.manifest import checksum, MANIFEST, read_manifest
+from flashcp.run.manifest import checksum, MANIFEST, read_manifest, verify_files
 
 
 @pytest.fixture
@@ -118,6 +118,41 @@ def test_an_explicitly_chosen_damaged_checkpoint_is_an_error_naming_the_file(tmp
     (dump / "checkpoint/step-3/__0_1.distcp").write_bytes(b"stray")
     with pytest.raises(CheckpointError, match=r"step-3 is damaged: __0_1.distcp: not written by this save"):
         train(job(dump, load_step=3))
+
+
+def test_a_malformed_manifest_is_a_damaged_checkpoint_skipped_with_one_line(tmp_path, rank, caplog):
+    dump = tmp_path / "run"
+    whole = train(job(dump))
+    manifest = json.loads((dump / "checkpoint/step-6" / MANIFEST).read_text())
+    (dump / "checkpoint/step-6" / MANIFEST).write_text(json.dumps([manifest]))  # JSON, but a list
+    resumed = train(job(dump, load_step=-1) | {"training": job(dump)["training"] | {"steps": 6}})
+    assert resumed == {s: whole[s] for s in (4, 5, 6)}  # from step 3, bit for bit
+    assert "step-6 is damaged: manifest.json: malformed (a JSON list, not an object)" in caplog.text
+
+
+@pytest.mark.parametrize("edit, problem", [
+    (lambda m: [m], "malformed (a JSON list, not an object)"),
+    (lambda m: 7, "malformed (a JSON int, not an object)"),
+    (lambda m: m | {"format": 2}, "unknown format 2"),
+    (lambda m: m | {"files": {"a": 1}}, "malformed (files is dict, not a list)"),
+    (lambda m: m | {"files": ["__0_0.distcp"]}, "malformed (files[0] is a JSON str, not an object)"),
+    (lambda m: m | {"files": [{"size": 1, "checksum": "crc32:0"}]}, "files[0].name = None is not a file name"),
+    (lambda m: m | {"files": [{"name": "../x", "size": 1, "checksum": "crc32:0"}]}, "name = '../x' is not a"),
+    (lambda m: m | {"files": [{"name": "a", "checksum": "crc32:0"}]}, "files[0] a: size = None is not a byte count"),
+    (lambda m: m | {"files": [{"name": "a", "size": "1", "checksum": "c"}]}, "size = '1' is not a byte count"),
+    (lambda m: m | {"files": [{"name": "a", "size": True, "checksum": "c"}]}, "size = True is not a byte count"),
+    (lambda m: m | {"files": [{"name": "a", "size": 1, "checksum": 5}]}, "checksum = 5 is not a string"),
+])  # fmt: skip
+def test_read_manifest_names_every_malformed_manifest(tmp_path, edit, problem):
+    good = {"format": 1, "save_id": "x", "files": [{"name": "a", "size": 1, "checksum": "crc32:0", "rank": 0}]}
+    (tmp_path / MANIFEST).write_text(json.dumps(good))
+    assert read_manifest(tmp_path) == good
+    (tmp_path / MANIFEST).write_text(json.dumps(edit(good)))
+    manifest = read_manifest(tmp_path)
+    assert manifest["files"] == [] and manifest["problem"].startswith("manifest.json: ")
+    assert problem in manifest["problem"], manifest["problem"]
+    assert verify_files(tmp_path, manifest, 0, 1) == [manifest["problem"]]
+    assert verify_files(tmp_path, manifest, 1, 2) == []  # rank 0 reports it; the ranks then agree
 
 
 def test_every_checkpoint_damaged_is_an_error_not_a_fresh_start(tmp_path, rank):

@@ -215,8 +215,8 @@ def test_export_without_the_jobs_tokenizer_says_so(negligible_step, tmp_path, ca
 @pytest.mark.parametrize("change, named", [
     ("no record", "does not record the model"),
     ("no manifest", "is not a complete FlashCP checkpoint (no manifest.json)"),
-    ("manifest a list", "manifest.json is malformed (AttributeError"),
-    ("entry without size", "manifest.json is malformed (KeyError: 'size')"),
+    ("manifest a list", "step-1 is damaged: manifest.json: malformed (a JSON list, not an object)"),
+    ("entry without size", "step-1 is damaged: manifest.json: malformed (files[0] .metadata: size = None is not"),
     ("tokenizer a number", "manifest.json: model.tokenizer = 3 is not a path"),
     ("unfinished", "step-1.partial-0123456789ab is an unfinished save (never published)"),
     ("unfinished, no manifest", "step-1.partial-0123456789ab is an unfinished save (never published)"),
