@@ -166,6 +166,43 @@ def test_a_host_name_that_is_loopback_only_here_is_refused(monkeypatch):
         rendezvous.listen("node0", 0)
 
 
+@pytest.mark.parametrize("addresses, problem", [
+    ([("127.0.1.1", 0)], "is 127.0.1.1 on this host, which no other node reaches"),
+    (OSError(-2, "Name or service not known"), "'node0' cannot be resolved: Name or service not known"),
+])  # fmt: skip
+def test_node_0_with_an_address_no_other_node_reaches_is_told_to_fix_the_address_not_the_port(
+        tmp_path, monkeypatch, addresses, problem):  # fmt: skip
+    def resolve(*args, **kwargs):
+        if isinstance(addresses, OSError):
+            raise addresses
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", address) for address in addresses]
+
+    monkeypatch.delenv("RDZV_ENDPOINT", raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "node0")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    monkeypatch.setattr(socket, "getaddrinfo", resolve)
+    card = rendezvous.JobCard("job", {}, "code")
+    with pytest.raises(rendezvous.JobMismatch) as refused:
+        rendezvous.meet(card, str(tmp_path), 2, 0, 30, lambda: lambda: None)
+    line = str(refused.value)
+    assert problem in line and "\n" not in line, line
+    assert line.endswith("set MASTER_ADDR / RDZV_ENDPOINT to an address of this node that the other nodes reach")
+    assert "MASTER_PORT" not in line
+
+
+def test_node_0_whose_port_is_taken_is_told_to_choose_another_port(tmp_path, monkeypatch):
+    port = free_port()
+    monkeypatch.delenv("RDZV_ENDPOINT", raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port + 1))
+        taken.listen(1)
+        with pytest.raises(rendezvous.JobMismatch, match=f"^port {port + 1} on 127.0.0.1 cannot be used: .*; "
+                                                         "choose another MASTER_PORT$"):  # fmt: skip
+            rendezvous.meet(rendezvous.JobCard("job", {}, "code"), str(tmp_path), 2, 0, 30, lambda: lambda: None)
+
+
 @pytest.mark.parametrize("nnodes, node_rank", [(1, "0"), (2, "0"), (2, "1")])
 def test_torchruns_store_is_served_on_the_rendezvous_address_only(monkeypatch, nnodes, node_rank):
     from flashcp.run import launch

@@ -51,6 +51,11 @@ class JobMismatch(RuntimeError):
     """This node cannot join the job at the rendezvous address; the message says why."""
 
 
+class BadAddress(JobMismatch):
+    """The rendezvous host is not an address of this node that the other nodes reach; the message
+    names the fix (another port would not help)."""
+
+
 @dataclass(frozen=True)
 class JobCard:
     """What every node of one job must share."""
@@ -125,14 +130,15 @@ def listen(host: str, port: int) -> socket.socket:
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except OSError as e:
-        raise JobMismatch(f"the rendezvous host {host!r} cannot be resolved: {e.strerror or e}") from None
+        raise BadAddress(f"the rendezvous host {host!r} cannot be resolved: {e.strerror or e}; set MASTER_ADDR / "
+                         "RDZV_ENDPOINT to an address of this node that the other nodes reach") from None
     if host != "localhost" and all(ipaddress.ip_address(info[4][0]).is_loopback for info in infos):
         try:
             ipaddress.ip_address(host)
         except ValueError:  # a name this host maps to loopback (127.0.1.1 in /etc/hosts): other nodes differ
-            raise JobMismatch(f"the rendezvous host {host} is {infos[0][4][0]} on this host, which no other node "
-                              "reaches: give MASTER_ADDR / RDZV_ENDPOINT as this node's address on the job's "
-                              "network") from None  # fmt: skip
+            raise BadAddress(f"the rendezvous host {host} is {infos[0][4][0]} on this host, which no other node "
+                             "reaches: set MASTER_ADDR / RDZV_ENDPOINT to an address of this node that the other "
+                             "nodes reach") from None  # fmt: skip
     error: OSError | None = None
     for family, kind, proto, _, address in infos:
         sock = socket.socket(family, kind, proto)
@@ -191,6 +197,9 @@ def meet(card: JobCard, dump_folder: str, nnodes: int, node_rank: int | None, ti
     if node_rank == 0 or (node_rank is None and is_local(host)):
         try:
             store = serve(host, port, timeout_s)
+        except BadAddress:
+            if node_rank == 0:  # its line names the fix: the address, not the port
+                raise
         except (JobMismatch, RuntimeError) as e:
             if node_rank == 0:
                 raise JobMismatch(f"{e}: the job's launchers meet on the rendezvous port + 1; "
