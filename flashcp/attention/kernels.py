@@ -215,7 +215,8 @@ BACKENDS: dict[str, Backend] = {
 
 INSTALL_HINTS = {
     "flash_attn": "flash-attn ships prebuilt wheels only for torch <= 2.10; for newer torch build it "
-    "against the installed one: pip install flash-attn --no-build-isolation (needs nvcc; see README)",
+    "against the installed one: pip install flash-attn --no-build-isolation (needs nvcc; see "
+    'docs/training.md, "Ranks, kernels, logs")',
     "torch": "torch's varlen_attn needs torch >= 2.11 and an sm80+ GPU (A100, H100 or newer)",
 }
 

@@ -64,8 +64,9 @@ class DataConfig:
     # every document is trained once, whole unless it is longer than a window (then in window-long
     # pieces). "deferral-cut" also cuts what deferral could not bring within balance_target.
     # "off": windows in stream order.
-    # Default by the balance rule (balance.py --rule, README): p95 <= 1.05 with delay p90 <= 8 steps
-    # in every setting measured, keeping the most attended pairs (105 % of stream packing's; mesh-cut 73 %).
+    # Default by the balance rule (balance.py --rule, docs/results.md "Global-batch balance"): p95 <= 1.05
+    # with delay p90 <= 8 steps in every setting measured, keeping the most attended pairs (105 % of
+    # stream packing's; mesh-cut 73 %).
     balance: str = "deferral-cut"
     balance_target: float = 1.05
     max_delay_steps: int = 8

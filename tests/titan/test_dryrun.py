@@ -82,7 +82,7 @@ def test_a_passing_config_check_names_the_dry_run_with_its_overrides(capsys):
 
 def test_a_recipe_without_its_data_says_how_to_dry_run_it(capsys):
     """The shipped recipes read a tokenizer and stores the user prepares: one line naming the missing
-    file and the synthetic stand-ins (the README's command for the recipes' memory)."""
+    file and the synthetic stand-ins (docs/extend.md's command for the recipes' memory)."""
     from flashcp.titan.dryrun import run as dryrun
 
     assert dryrun.main(["--config", "llama3_8b_extend_128k", "--world-size", "8"]) == 2

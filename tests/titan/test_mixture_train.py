@@ -28,7 +28,8 @@ def mixed_job(dump: Path, lengths: Path) -> dict:
            "short": {"source": "synthetic", "synthetic_lengths": str(lengths / "short.json"), "weight": 0.6}}  # fmt: skip
     # Stream order (balance off): the tokens logged are then exactly the documents the trained windows
     # reached. Deferral's queue runs the stream ahead of training by the documents waiting (at most
-    # max_delay_steps steps, README); its exact resume with a mixture is tested in test_mixture.py.
+    # max_delay_steps steps, docs/data.md "Mixtures"); its exact resume with a mixture is tested in
+    # test_mixture.py.
     return tiny_job(dump, data={"mix": mix, "balance": "off"}, training={"steps": 4, "global_batch_size": 2},
                     checkpoint={"enable": True, "interval": 2}, metrics={"enable_tensorboard": True})  # fmt: skip
 

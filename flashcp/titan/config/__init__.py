@@ -15,7 +15,7 @@ names others import and the `--check` / `--keys` command line (`__main__`).
 
 A bad file fails with one `error: ...` line naming the key and what it accepts. Only TorchTitan's
 config modules and model registries are imported, not its trainer: `--check` takes about as long
-as importing them (README, "Training").
+as importing them (docs/training.md, "Job files").
 
 May import: torch, TorchTitan's config classes and registries, `compat`, and from the other rooms of
 flashcp.titan only what describes a key: `models` (flavors, RoPE), `hf` (config.json) and
