@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 JOB = """
 [model]
@@ -105,3 +107,65 @@ def test_full_checkpointing_keeps_one_input_per_layer(tmp_path):
         activations[layers] = json.loads(proc.stdout)["by_category"]["activations"] * 2**30
     checkpoint_per_layer = seq_len // cp * dim * 2
     assert 0 <= (activations[4] - activations[2]) / 2 <= 1.5 * checkpoint_per_layer, activations
+
+
+def test_offload_moves_the_layer_inputs_to_host_memory(tmp_path):
+    """With offload the layer inputs full AC keeps are tracked as host memory (every layer's but the
+    last), the GPU's activations at the peak shrink by at most that (where the peak falls decides how
+    many of them it held), and the copies' time is modelled."""
+    dim, seq_len, cp, layers = 256, 1024, 4, 4
+    wide = ["--model.dim", str(dim), "--model.ffn_dim_multiplier", "4", "--training.seq_len", str(seq_len),
+            "--loss.chunk_tokens", "0", "--model.n_layers", str(layers)]  # fmt: skip
+    reports = {}
+    for offload in ("false", "true"):
+        proc = _dry_run(tmp_path, *wide, "--activation_checkpoint.offload", offload)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        reports[offload] = json.loads(proc.stdout)
+    layer_input = seq_len // cp * dim * 2
+    off, on = reports["false"], reports["true"]
+    assert off["host_gib"] == 0 and off["offload"] is None
+    assert on["host_gib"] * 2**30 == (layers - 1) * layer_input
+    saved = (off["by_category"]["activations"] - on["by_category"]["activations"]) * 2**30
+    assert 0 < saved <= (layers - 1) * layer_input, saved
+    assert on["offload"]["layer_gib_each_way"] * 2**30 == layer_input and on["offload"]["hides"] in (True, False)
+    assert set(on) >= set(off) - {"offload"}  # today's keys kept
+
+
+@pytest.mark.parametrize("args", [["--gpu-gib", "0"], ["--gpu-gib", "inf"], ["--reserve-gib", "nan"],
+                                  ["--host-gib", "-1"], ["--world-size", "0"]])  # fmt: skip
+def test_bad_numbers_are_one_line(args, capsys):
+    from flashcp.titan.dryrun import run as dryrun
+
+    with pytest.raises(SystemExit) as stop:
+        dryrun.main(["--config", "debug_cpu", *args])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("python -m flashcp.titan.dryrun: error: argument " + args[0])
+
+
+AC_SETTINGS = [
+    {"mode": mode, "mlp_tiles": tiles, "offload": offload}
+    for mode in ("none", "selective", "full") for tiles in (0, 16) for offload in ((False, True) if mode == "full" else (False,))
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("ac", AC_SETTINGS, ids=str)
+@pytest.mark.parametrize("chunk_tokens", [0, 2048])
+def test_the_non_fit_line_never_advises_a_setting_the_job_has(ac, chunk_tokens):
+    """Every `[section] key = value` the advice names differs from the job's value, for every term."""
+    import re
+
+    from flashcp.titan.dryrun import run as dryrun
+
+    cfg = {"activation_checkpoint": ac, "loss": {"chunk_tokens": chunk_tokens}}
+    for category in ("parameters", "gradients", "optimizer_states", "model_buffers", "activations",
+                     "flashcp_buffers", "loss", "host"):  # fmt: skip
+        line = dryrun.advice(category, cfg)
+        assert line
+        for section, key, value in re.findall(r"\[(\w+)\] (\w+) = ('?\w+'?)", line):
+            have = cfg[section][key]
+            assert str(have).lower() != value.strip("'").lower(), (category, line)
+        if ac["offload"] or (ac["mode"] == "full" and ac["mlp_tiles"] > 1):
+            assert "mode = 'full'" not in line
+        if ac["mlp_tiles"] > 1:
+            assert "mlp_tiles" not in line or category != "activations"

@@ -3,8 +3,10 @@
 Counts bytes from the model's shape and the layout alone: fp32 master weights, gradients and
 AdamW's two moments sharded over FSDP x TP; bf16 copies of the layers FSDP has gathered (the
 layer at work, the one prefetched, and the output projection, kept through the step); one RoPE
-cache per layer (TorchTitan's); with full activation checkpointing one bf16 input per layer plus
-one layer's recomputed working set (under TP the projections' inputs and their gradients are
+rows per layer (TorchTitan's tables) or per step (FlashCP's rows of this rank's tokens); with full
+activation checkpointing one bf16 input per layer (two with offload: the last layer's and the one
+being fetched back) plus one layer's recomputed working set (the MLP's intermediates for one of
+`mlp_tiles` tiles) (under TP the projections' inputs and their gradients are
 gathered to all of the rank's tokens at full width, the rest is split by TP), and the final hidden
 states the output projection reads; FlashCP's gathered K/V and their gradients; and the loss's
 logits (bf16, fp32 copy, saved log-softmax, its fp32 gradient) for one loss slice. A chunked loss
@@ -43,6 +45,8 @@ class Layout:
     kv_rows: int  # K/V rows FlashCP gathers for this rank's shards in one layer
     loss_tokens: int  # tokens of one loss slice
     full_ac: bool
+    mlp_tiles: int = 1  # the MLP's sequence tiles ([activation_checkpoint] mlp_tiles)
+    offload: bool = False  # full AC's layer inputs in host memory, all but two on the GPU at the peak
 
 
 def layer_params(m: ModelShape) -> int:
@@ -60,9 +64,10 @@ def estimate(m: ModelShape, lay: Layout) -> dict[str, float]:
     # One layer's bf16 elements: gathered projection inputs and gradients (full width); q, attention
     # output, k / v and the feed-forward's four intermediates (this rank's share); the residual
     # stream, norms and their gradients between blocks (fp32 in places, hence 8).
-    sharded = lay.tokens * (2 * m.heads * m.head_dim + kv_dim + 4 * m.ffn) // lay.tp
+    sharded = lay.tokens * (2 * m.heads * m.head_dim + kv_dim + 4 * m.ffn // lay.mlp_tiles) // lay.tp
     working = 4 * lay.tokens * m.dim + sharded + 8 * seq * m.dim
-    checkpoints = m.layers * seq * m.dim if lay.full_ac else m.layers * working
+    on_gpu = min(2, m.layers) if lay.offload else m.layers  # layer inputs on the GPU at the peak
+    checkpoints = on_gpu * seq * m.dim if lay.full_ac else m.layers * working
     chunked = lay.loss_tokens < lay.tokens
     chunk_buffers = 4 * lay.tokens * m.dim + (2 * 4 * vocab_params // lay.tp if lay.fsdp > 1 else 0)
     out = {

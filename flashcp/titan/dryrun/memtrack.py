@@ -13,6 +13,9 @@ output's shape, under the active fake mode. On a GPU that costs nothing; here th
 is the dry run's own, so torch's tracker (which skips only a fake mode other than the one it was
 entered under) counted those tensors as activations: gradient clipping's one foreach op over all
 gradients then "allocated" an fp32 copy of the whole unsharded model (30 GiB for Llama 3 8B).
+
+Storages created inside `host()` (the offloaded layer inputs, which on a GPU live in pinned host
+memory) are not the GPU's: they are left out of the peak and their own peak is `peak_host`.
 """
 
 from __future__ import annotations
@@ -48,6 +51,9 @@ class CategoryTracker(FSDPMemTracker):
         self._peak_labelled: dict[str, int] = {}
         self._propagating = 0  # > 0 inside DTensor's sharding propagation: nothing is allocated there
         self._propagate = ShardingPropagator._propagate_tensor_meta_non_cached
+        self._host_depth = 0  # > 0 inside `host()`
+        self._host: WeakIdKeyDictionary = WeakIdKeyDictionary()  # host storage -> bytes
+        self.peak_host = 0  # bytes
 
     def __enter__(self) -> CategoryTracker:
         if self._depth == 0:
@@ -92,7 +98,21 @@ class CategoryTracker(FSDPMemTracker):
         finally:
             self.pop()
 
+    @contextlib.contextmanager
+    def host(self) -> Iterator[None]:
+        """Storages created here are host memory: counted in `peak_host`, not in the GPU's peak."""
+        self._host_depth += 1
+        try:
+            yield
+        finally:
+            self._host_depth -= 1
+
     def _track(self, reftype, t: torch.Tensor) -> None:
+        if self._host_depth:
+            for st in get_untyped_storages(t):
+                self._host[st] = st.nbytes()
+            self.peak_host = max(self.peak_host, sum(self._host.values()))
+            return
         new = [st for st in get_untyped_storages(t) if st not in self._WINFO] if self._labels else []
         super()._track(reftype, t)
         for st in new:
