@@ -18,7 +18,11 @@ accumulation, i.e. calling `next()` several times. A batch is a dict:
   load_ms   float           time to read, tokenise and pack this step's windows
   plan_ms   float           time to plan this window and build its dispatch
   wait_ms   float           time `next()` blocked the caller (near 0 when prefetching keeps up)
-  source_tokens  dict[str, int]  a mixture only: tokens the stream took from each source so far
+  source_tokens  dict[str, int]  a mixture only: tokens of each source trained so far (in all
+                            ranks' windows up to this batch's round or balanced step; with
+                            overflow="truncate" a cut document counts whole)
+  new_source_tokens  dict[str, int]  of those, what this batch's `next()` added: the round's
+                            dp_world windows, or a whole balanced step on its last batch (0 on the others)
 Reading, tokenising, packing, planning and the rank's dispatch (index building, pinning) run in a
 background thread `prefetch` batches ahead (`prefetch=0`: in the caller), so they stay off the
 training step's critical path: the trainer's main thread only copies the dispatch to the device.
@@ -145,9 +149,9 @@ class WindowLoader:
         deferral = self._balance.deferral if self._balance is not None else None
         if deferral is not None:
             state["deferral"] = deferral.state()
-        if isinstance(self._packer.source, MixedSource):  # anchored where a deferred document waits
-            waiting = [p.position for p in deferral.pending] if deferral is not None else []
-            state["mix"] = self._packer.source.state(min([cursor["doc"], *waiting]), cursor["doc"])
+        if isinstance(self._packer.source, MixedSource):
+            pending = [(p.position, p.length) for p in deferral.pending] if deferral is not None else []
+            state["mix"] = self._packer.source.state(cursor["doc"], cursor["offset"], pending)
         return {**state, "in_step": in_step} if in_step else state
 
     def _produce(self) -> list[tuple[dict[str, Any], dict[str, Any]]] | None:
@@ -269,10 +273,13 @@ class WindowLoader:
         if item is None:
             self._done = True
             raise StopIteration
-        batch, self._state = item
+        batch, state = item
         batch["wait_ms"] = (time.perf_counter() - t0) * 1e3
-        if "mix" in self._state:  # the stream's tokens so far from each source of a mixture
-            batch["source_tokens"] = dict(self._state["mix"]["tokens"])
+        if "mix" in state:  # a mixture's tokens per source: so far, and what this batch's next() added
+            before, after = self._state["mix"]["tokens"], state["mix"]["tokens"]
+            batch["source_tokens"] = dict(after)
+            batch["new_source_tokens"] = {name: after[name] - before[name] for name in after}
+        self._state = state
         return batch
 
     def dispatch_with(self, dispatcher: Callable[[Any], Any]) -> None:

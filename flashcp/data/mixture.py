@@ -21,8 +21,10 @@ Length filter: a document is kept when min_tokens <= length <= max_tokens, count
 
 State (`state` / `load`, kept by the loader in its state_dict): the stream position it refers to
 and, for each source, the (epoch, position) of its next document and the tokens taken from it
-so far. Later positions are found again by replaying lengths from there; the loader anchors the
-state at the oldest position it may still need (its cursor, or a deferred document before it).
+so far. Later positions are found again by replaying lengths from there; the state is anchored at
+the oldest position the loader may still need (its cursor, or a deferred document before it).
+The state also says how many tokens of each source the windows so far trained (informational,
+never loaded: recomputed from the cursor and the pending documents, so older states resume).
 Not a fast path: the stream is walked document by document on every rank (token stores' lengths
 only), where a single store lays windows out from its offsets in bulk.
 """
@@ -30,7 +32,7 @@ only), where a single store lays windows out from its offsets in bulk.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -174,18 +176,28 @@ class MixedSource:
             taken[i] += len(tokens)
             yield position, tokens
 
-    def state(self, anchor: int, cursor: int) -> dict[str, Any]:
-        """Plain data for the loader's state: the mixer at `anchor` (the oldest position the loader
-        may go back to; logged positions before it are dropped) and each source's tokens before
-        `cursor`."""
+    def state(self, cursor: int, offset: int, pending: Sequence[tuple[int, int]]) -> dict[str, Any]:
+        """Plain data for the loader's state, whose packing cursor is `offset` tokens into stream
+        document `cursor` and whose deferral still holds `pending` (position, tokens) before it: the
+        mixer at the oldest of these positions (the loader may go back there; logged positions
+        before it are dropped) and each source's tokens trained so far, i.e. taken before the
+        cursor, plus the cursor document's first `offset`, less the pending (from the first step
+        on, where whole documents would show nothing until a source's first one ends)."""
+        anchor = min([cursor, *(position for position, _ in pending)])
         s = self._state_at(anchor)
-        tokens = self._state_at(cursor).taken
+        if offset:
+            self._state_at(cursor + 1)  # walks the stream on until the log holds the cursor's document
+        trained = np.array(self._state_at(cursor).taken, dtype=np.int64)
+        changes = [(cursor, offset)] * bool(offset) + [(position, -tokens) for position, tokens in pending]
+        positions, tokens = np.array(changes, dtype=np.int64).reshape(-1, 2).T
+        logged_part = np.frombuffer(self._log.columns[0], dtype=np.int64)
+        np.add.at(trained, logged_part[positions - self._anchor.position], tokens)
         self._log.drop(anchor - self._anchor.position)
         self._anchor = s
         return {
             "position": s.position,
             "sources": {p.name: [*c, t] for p, c, t in zip(self.parts, s.cursors, s.taken)},
-            "tokens": {p.name: t for p, t in zip(self.parts, tokens)},
+            "tokens": {p.name: int(t) for p, t in zip(self.parts, trained)},
         }
 
     def load(self, state: Mapping[str, Any] | None) -> None:

@@ -312,7 +312,8 @@ class FlashCPTrainer(Trainer):
 
     def _window_inputs(self, batch: dict[str, Any]) -> tuple[dict[str, Any], torch.Tensor]:
         self.metrics_processor.record_window(batch["plan"], batch["plan_ms"], batch.get("deferral"),
-                                             batch.get("source_tokens"))  # fmt: skip
+                                             batch.get("source_tokens"),
+                                             batch.get("new_source_tokens"))  # fmt: skip
         return self.window_inputs(batch)
 
     def window_inputs(self, batch: dict[str, Any]) -> tuple[dict[str, Any], torch.Tensor]:

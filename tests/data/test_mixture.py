@@ -164,6 +164,59 @@ def test_resume_with_a_mixture_is_exact_also_under_another_dp_size(stores, balan
     assert sorted(t for tokens, _ in flat for t in tokens) == tokens(plain)
 
 
+def balanced_loaders(balance: str, world: int, micro: int) -> list[WindowLoader]:
+    """Every DP rank's loader of a mixture whose long documents (300-900 tokens) outlast a window."""
+    rng = np.random.default_rng(0)
+    lens = [rng.integers(300, 900, 50).tolist(), rng.integers(5, 60, 2000).tolist()]
+    loaders = [mixed_loader((0.4, 0.6), lens, seq_len=256, dp_rank=r, dp_world=world) for r in range(world)]
+    if BALANCES[balance] is not None:
+        for loader in loaders:
+            loader.balance_with(micro, WindowCost(dense_per_token=40.0, attn_per_pair=1.0), **BALANCES[balance])
+    return loaders
+
+
+@pytest.mark.parametrize("balance", BALANCES)
+def test_each_step_counts_the_tokens_per_source_of_its_windows_from_the_first_step(balance):
+    """On every rank, the batches of a step (one round of DP windows, or a balanced step) add the
+    tokens of each source that all ranks' windows of the step hold, and `source_tokens` sums them
+    over the steps so far: from the first step, where no long document (longer than a window) has
+    ended yet (counting finished documents showed nothing there), and under deferral, where
+    documents wait for later steps (their tokens count in the step that trains them)."""
+    world, micro = 2, 2
+    per_step = 1 if BALANCES[balance] is None else micro
+    loaders, so_far, delayed = balanced_loaders(balance, world, micro), np.zeros(2, dtype=np.int64), 0.0
+    for step in range(10):
+        out = [[next(loader) for _ in range(per_step)] for loader in loaders]
+        tokens = np.concatenate([b["input"].numpy() for rank in out for b in rank])
+        in_windows = np.bincount(tokens // SOURCE, minlength=2)
+        so_far += in_windows
+        for rank in out:
+            assert [sum(b["new_source_tokens"][f"s{i}"] for b in rank) for i in range(2)] == in_windows.tolist()
+            assert rank[-1]["source_tokens"] == {"s0": so_far[0], "s1": so_far[1]}, step
+        delayed += out[0][-1].get("deferral", {}).get("delayed_tokens", 0.0)
+    assert so_far.min() > 0 and (balance != "deferral" or delayed > 0)
+
+
+@pytest.mark.parametrize("balance", BALANCES)
+def test_a_resumed_loader_counts_on_as_an_uninterrupted_one_whatever_counts_its_state_holds(balance):
+    """The counts in a state are never loaded but recomputed from its cursor and pending documents:
+    a state of an older version (which counted finished documents only) resumes with the counts of
+    an uninterrupted run."""
+    micro = 2
+    per_step = 1 if BALANCES[balance] is None else micro
+    whole = balanced_loaders(balance, 1, micro)[0]
+    counts = lambda b: (b["source_tokens"], b["new_source_tokens"])  # noqa: E731
+    expected = [counts(next(whole)) for _ in range(6 * per_step)]
+    first = balanced_loaders(balance, 1, micro)[0]
+    for _ in range(3 * per_step):
+        next(first)
+    state = first.state_dict()
+    state["mix"]["tokens"] = {"s0": 0, "s1": 0}
+    resumed = balanced_loaders(balance, 1, micro)[0]
+    resumed.load_state_dict(state)
+    assert [counts(next(resumed)) for _ in range(3 * per_step)] == expected[3 * per_step :]
+
+
 @pytest.mark.parametrize("text", [False, True])
 def test_a_prefetching_mixture_saves_the_state_of_the_last_batch_handed_out(stores, text):
     plain, _, _ = batches(mix_cfg(stores, text=text), 9)

@@ -1,6 +1,6 @@
 """A data mixture through the trainer: a run resumed from its checkpoint trains exactly what an
-uninterrupted run trains, and TensorBoard gets every source's tokens (the mixer itself is
-tests/data/test_mixture.py)."""
+uninterrupted run trains, and TensorBoard gets every source's tokens, per step and so far, from the
+first step (the mixer and the loader's counts themselves are tests/data/test_mixture.py)."""
 
 from __future__ import annotations
 
@@ -26,11 +26,8 @@ def mixed_job(dump: Path, lengths: Path) -> dict:
     mix = {"long": {"source": "synthetic", "synthetic_lengths": str(lengths / "long.json"), "weight": 0.4,
                     "min_tokens": 300},
            "short": {"source": "synthetic", "synthetic_lengths": str(lengths / "short.json"), "weight": 0.6}}  # fmt: skip
-    # Stream order (balance off): the tokens logged are then exactly the documents the trained windows
-    # reached. Deferral's queue runs the stream ahead of training by the documents waiting (at most
-    # max_delay_steps steps, docs/data.md "Mixtures"); its exact resume with a mixture is tested in
-    # test_mixture.py.
-    return tiny_job(dump, data={"mix": mix, "balance": "off"}, training={"steps": 4, "global_batch_size": 2},
+    # The default balance (deferral-cut): documents wait for later steps, and count where they train.
+    return tiny_job(dump, data={"mix": mix}, training={"steps": 4, "global_batch_size": 2},
                     checkpoint={"enable": True, "interval": 2}, metrics={"enable_tensorboard": True})  # fmt: skip
 
 
@@ -47,10 +44,14 @@ def test_a_mixture_resumes_exactly_from_a_checkpoint_and_logs_tokens_per_source(
     resumed = train(mixed_job(dump, tmp_path))
     assert resumed == {s: whole[s] for s in (3, 4)}
     tb, tb_whole = scalars(dump), scalars(tmp_path / "whole")
-    for name in ("long", "short"):
-        assert sorted(tb[f"data/tokens/{name}"]) == list(range(1, 5))
-        assert tb[f"data/tokens/{name}"] == tb_whole[f"data/tokens/{name}"]  # the mixer resumed too
-    tokens = {name: tb[f"data/tokens/{name}"][4] for name in ("long", "short")}
-    # The documents the stream passed, up to the one the last window cut: 4 steps of 2 windows of 256.
-    assert 4 * 2 * 256 - 700 < sum(tokens.values()) <= 4 * 2 * 256
-    assert abs(tb["data/token_share/long"][4] - 0.4) <= 700 / sum(tokens.values())  # within a document
+    names, per_step = ("long", "short"), 2 * 256  # 2 windows of 256 tokens a step
+    for tag in [f"data/{kind}/{name}" for kind in ("tokens", "step_token_share") for name in names]:
+        assert sorted(tb[tag]) == list(range(1, 5))
+        assert tb[tag] == tb_whole[tag]  # the counts resumed too
+    tokens = {name: {0: 0.0, **tb[f"data/tokens/{name}"]} for name in names}
+    for step in range(1, 5):  # every token trained so far; each step's shares are of its own tokens
+        assert sum(tokens[name][step] for name in names) == step * per_step
+        for name in names:
+            added = tokens[name][step] - tokens[name][step - 1]
+            assert tb[f"data/step_token_share/{name}"][step] * per_step == pytest.approx(added, abs=1e-3)
+    assert abs(tb["data/token_share/long"][4] - 0.4) <= 700 / (4 * per_step)  # within a document

@@ -157,6 +157,34 @@ def test_metrics_count_document_masked_flops_and_plan_figures():
     assert m["flashcp/planning_ms"] == 2.0 and "loss_metrics/global_max_loss" not in m  # CP > 1
 
 
+def test_metrics_log_a_mixtures_shares_of_the_steps_since_the_last_log_and_so_far():
+    """A mixture's `mix:` shares are of the tokens the batches since the last log added, `so far`
+    (data/tokens, data/token_share) the loader's totals of the last batch."""
+    from torchtitan.distributed import ParallelDims
+
+    from flashcp import plan_shards
+    from flashcp.titan.components.metrics import FlashCPMetrics
+
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, world_size=1)
+    metrics = FlashCPMetrics(FlashCPMetrics.Config(peak_tflops=1.0), parallel_dims=dims)
+    logged = []
+    metrics.logger.log = lambda values, step: logged.append(values)
+    # (long, short) so far and of them new, of each batch: two at step 1, one at step 2
+    for step, batches in enumerate(([(96, 32, 96, 32), (160, 96, 64, 64)], [(160, 224, 0, 128)]), start=1):
+        for so_far_long, so_far_short, new_long, new_short in batches:
+            metrics.record_window(plan_shards([128], 1, "per_doc"), 1.0, None,
+                                  {"long": so_far_long, "short": so_far_short},
+                                  {"long": new_long, "short": new_short})  # fmt: skip
+            metrics.ntokens_since_last_log += 128
+        metrics.log(step=step, global_avg_loss=5.0, global_max_loss=6.0, grad_norm=1.0)
+
+    assert [m["data/step_token_share/long"] for m in logged] == [160 / 256, 0.0]
+    assert [m["data/token_share/long"] for m in logged] == [160 / 256, 160 / 384]
+    assert [(m["data/tokens/long"], m["data/tokens/short"]) for m in logged] == [(160, 96), (160, 224)]
+    line = metrics._console_line(2, logged[1], 0.0)
+    assert "mix: long 0.0% short 100.0% (so far long 41.7% short 58.3%)" in line
+
+
 def test_dispatch_is_built_in_the_loader_thread_not_the_main_thread(tmp_path, rank, monkeypatch):
     """With prefetching, the main thread only receives each window's dispatch ready-made."""
     import threading

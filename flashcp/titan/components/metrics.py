@@ -5,8 +5,10 @@ documents under a document mask a token only sees its own document's prefix, so 
 counts exactly the (query, key) pairs the mask keeps: sum over documents of d (d + 1) / 2.
 Each logged step also reports the sharding plans of the windows this rank trained on since the
 last log (workload imbalance, KV bytes received per layer under the compact and the full
-exchange, documents split across ranks, planning time), a data mixture's tokens per source
-(`data/tokens/<name>` so far, `data/token_share/<name>` of all) and a progress line with an ETA.
+exchange, documents split across ranks, planning time), a data mixture's tokens per source in the
+windows all ranks trained (`data/step_token_share/<name>`: of the steps since the last log, the
+`mix:` of the log line; `data/tokens/<name>` and `data/token_share/<name>`: since the run's first
+step, `so far`), counted by the loader from the first step on, and a progress line with an ETA.
 
 TensorBoard: one run per dump folder (`<dump_folder>/<save_tb_folder>/run`), appended to by every
 launch. TorchTitan's folder per launch time showed a resumed run as a separate run repeating
@@ -43,12 +45,19 @@ class WindowStats:
     split_docs: int = 0
     docs: int = 0
     deferral: dict[str, float] = field(default_factory=dict)  # sums of the loader's per-step figures (max: max)
-    source_tokens: dict[str, int] = field(default_factory=dict)  # a mixture: the stream's tokens per source so far
+    source_tokens: dict[str, int] = field(default_factory=dict)  # a mixture: tokens trained per source so far
+    new_source_tokens: dict[str, int] = field(default_factory=dict)  # of those, since the last log
 
 
 def attention_pairs(doc_lens: list[int]) -> int:
     """(query, key) pairs a causal document mask keeps: d (d + 1) / 2 per document."""
     return sum(d * (d + 1) // 2 for d in doc_lens)
+
+
+def shares(prefix: str, tokens: dict[str, int]) -> dict[str, float]:
+    """`prefix/<name>`: each name's share of the tokens (0 for all when there are none)."""
+    total = sum(tokens.values())
+    return {f"{prefix}/{name}": n / max(total, 1) for name, n in tokens.items()}
 
 
 def format_duration(seconds: float) -> str:
@@ -124,12 +133,16 @@ class FlashCPMetrics(MetricsProcessor):
             self.tensorboard.first_step = step + 1
 
     def record_window(self, plan: Plan, plan_ms: float, deferral: dict[str, float] | None = None,
-                      source_tokens: dict[str, int] | None = None) -> None:  # fmt: skip
+                      source_tokens: dict[str, int] | None = None,
+                      new_source_tokens: dict[str, int] | None = None) -> None:  # fmt: skip
         """Account one window's plan (called once per micro step, on every rank), the figures of
         its step's deferral (the same on each window of a step, so their mean is the steps' mean) and
-        a mixture's tokens per source so far (the whole stream's: the same on every rank)."""
+        a mixture's tokens per source in all ranks' windows (the same on every rank): so far, and
+        those its batch added (summed: the steps since the last log)."""
         s = self.stats
         s.source_tokens = dict(source_tokens or s.source_tokens)
+        for name, tokens in (new_source_tokens or {}).items():
+            s.new_source_tokens[name] = s.new_source_tokens.get(name, 0) + tokens
         for key, value in (deferral or {}).items():
             old = s.deferral.get(key, 0.0)
             s.deferral[key] = max(old, value) if key == "delay_max" else old + value
@@ -155,10 +168,9 @@ class FlashCPMetrics(MetricsProcessor):
         }
         for key, value in s.deferral.items():
             out[f"flashcp/deferral_{key}"] = value if key == "delay_max" else value / s.windows
-        total = sum(s.source_tokens.values())
-        for name, tokens in s.source_tokens.items():
-            out[f"data/tokens/{name}"] = tokens
-            out[f"data/token_share/{name}"] = tokens / max(total, 1)
+        out |= {f"data/tokens/{name}": tokens for name, tokens in s.source_tokens.items()}
+        out |= shares("data/token_share", s.source_tokens)
+        out |= shares("data/step_token_share", s.new_source_tokens)
         if s.imbalance:
             out |= {
                 "flashcp/imbalance": sum(s.imbalance) / len(s.imbalance),
@@ -241,10 +253,10 @@ class FlashCPMetrics(MetricsProcessor):
                 f"kv: {m.get('flashcp/comm_compact_over_full', 0.0):.2f}x full  "
                 f"plan: {m['flashcp/planning_ms']:.1f}ms"
             )
-        shares = [f"{k.removeprefix('data/token_share/')} {100 * v:.1f}%" for k, v in m.items()
-                  if k.startswith("data/token_share/")]  # fmt: skip
-        if shares:
-            parts.append(f"{c.white}mix: {' '.join(shares)}")
+        recent, so_far = ([f"{k.removeprefix(p)} {100 * v:.1f}%" for k, v in m.items() if k.startswith(p)]
+                          for p in ("data/step_token_share/", "data/token_share/"))  # fmt: skip
+        if recent:
+            parts.append(f"{c.white}mix: {' '.join(recent)} (so far {' '.join(so_far)})")
         if self._start is None:
             self._start = (step, now)
         elif step > self._start[0]:
