@@ -14,25 +14,12 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from ports import free_port
 from torch.distributed import TCPStore
 
 from flashcp.run import rendezvous
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    """A port p with p + 1 free (the launchers meet on the rendezvous port + 1)."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port + 1))
-                return port
-            except OSError:
-                continue
 
 
 @pytest.fixture

@@ -19,6 +19,7 @@ from types import SimpleNamespace
 
 import pytest
 from harness import tiny_job
+from ports import free_port
 
 from flashcp.run import ownership, rendezvous
 from flashcp.run.ownership import FolderInUse, LockUnavailable, RunLock
@@ -27,20 +28,6 @@ from flashcp.titan.launch import node as launch
 ROOT = Path(__file__).resolve().parents[2]
 TWO_RANKS = ["--config", "debug_cpu", "--parallelism.data_parallel_shard_degree", "1",
              "--parallelism.context_parallel_degree", "2"]  # fmt: skip
-
-
-def free_port() -> int:
-    """A port p with p + 1 free too (the launchers meet on the rendezvous port + 1)."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port + 1))
-                return port
-            except OSError:
-                continue
 
 
 def node(dump: Path, env: dict[str, str], *args: str) -> subprocess.Popen:
