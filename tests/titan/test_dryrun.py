@@ -85,9 +85,9 @@ def test_a_passing_config_check_names_the_dry_run_with_its_overrides(capsys):
 def test_a_recipe_without_its_data_says_how_to_dry_run_it(capsys):
     """The shipped recipes read a tokenizer and stores the user prepares: one line naming the missing
     file and the synthetic stand-ins (docs/extend.md's command for the recipes' memory)."""
-    from flashcp.titan.dryrun import run as dryrun
+    from flashcp.titan.dryrun import cli
 
-    assert dryrun.main(["--config", "llama3_8b_extend_128k", "--world-size", "8"]) == 2
+    assert cli.main(["--config", "llama3_8b_extend_128k", "--world-size", "8"]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("error: tokenizer file not found: /models/Llama-3.1-8B/tokenizer.json; the dry run")
     assert "--data.mix.NAME.source synthetic" in line
@@ -134,10 +134,10 @@ def test_offload_moves_the_layer_inputs_to_host_memory(tmp_path):
 @pytest.mark.parametrize("args", [["--gpu-gib", "0"], ["--gpu-gib", "inf"], ["--reserve-gib", "nan"],
                                   ["--host-gib", "-1"], ["--world-size", "0"]])  # fmt: skip
 def test_bad_numbers_are_one_line(args, capsys):
-    from flashcp.titan.dryrun import run as dryrun
+    from flashcp.titan.dryrun import cli
 
     with pytest.raises(SystemExit) as stop:
-        dryrun.main(["--config", "debug_cpu", *args])
+        cli.main(["--config", "debug_cpu", *args])
     assert stop.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("python -m flashcp.titan.dryrun: error: argument " + args[0])
@@ -155,12 +155,12 @@ def test_the_non_fit_line_never_advises_a_setting_the_job_has(ac, chunk_tokens):
     """Every `[section] key = value` the advice names differs from the job's value, for every term."""
     import re
 
-    from flashcp.titan.dryrun import run as dryrun
+    from flashcp.titan.dryrun.report import advice
 
     cfg = {"activation_checkpoint": ac, "loss": {"chunk_tokens": chunk_tokens}}
     for category in ("parameters", "gradients", "optimizer_states", "model_buffers", "activations",
                      "flashcp_buffers", "loss", "host"):  # fmt: skip
-        line = dryrun.advice(category, cfg)
+        line = advice(category, cfg)
         assert line
         for section, key, value in re.findall(r"\[(\w+)\] (\w+) = ('?\w+'?)", line):
             have = cfg[section][key]

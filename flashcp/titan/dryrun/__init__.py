@@ -1,7 +1,10 @@
 """Will a job fit its GPUs? One rank of it built and stepped on fake tensors, on any machine.
 
-- `run`: `python -m flashcp.titan.dryrun` (`__main__`): the job's rank 0 on fake tensors, its report;
-- `memtrack`: that rank's peak memory by category (torch's FSDP2 tracker plus FlashCP's share);
+- `cli`: `python -m flashcp.titan.dryrun` (`__main__`): arguments, exit codes, the one-line verdict;
+- `run`: the job's rank 0 built and stepped on fake tensors;
+- `report`: what it found (the `--json` object, the table), the offload's modelled time, the levers;
+- `memtrack`: that rank's peak memory by category (torch's FSDP2 tracker plus FlashCP's share), host
+  memory apart;
 - `estimate`: the same peak counted from the model's shape and the layout, to check the tracker.
 
 May import: torch, TorchTitan, the core, `flashcp.data` and the other rooms of flashcp.titan (it

@@ -1,8 +1,8 @@
-"""`python -m flashcp.titan.dryrun`: see `flashcp.titan.dryrun.run`."""
+"""`python -m flashcp.titan.dryrun`: see `flashcp.titan.dryrun.cli`."""
 
 import sys
 
-from flashcp.titan.dryrun.run import main
+from flashcp.titan.dryrun.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,6 +1,6 @@
 """Will a job fit its GPUs? One rank of it, built and stepped on fake tensors, on any machine.
 
-    python -m flashcp.titan.dryrun --config llama8b_128k --world-size 8 [--json] [--gpu-gib 80] [--host-gib 256]
+    report = dry_run(load_job(path, overrides), world_size=8)  # `python -m flashcp.titan.dryrun` (cli)
 
 Builds the job as rank 0 of W ranks on TorchTitan's fake process group (`comm.mode =
 "fake_backend"`), with the real FSDP / TP / FlashCP parallelisation, the model and optimizer as
@@ -8,7 +8,8 @@ fake tensors (shapes and sizes, no memory, no values), draws one window from the
 plan and this rank's dispatch are real), and runs one forward / backward / optimizer step under
 `flashcp.titan.dryrun.memtrack`. Attention runs torch's `varlen_attn` op, whose registered fake kernel
 has FlashAttention-2's output and saved-tensor shapes. It prints the peak per category next to
-the analytic estimate (`flashcp.titan.dryrun.estimate`) and the window's plan figures. Not
+the analytic estimate (`flashcp.titan.dryrun.estimate`) and the window's plan figures
+(`flashcp.titan.dryrun.report`). Not
 counted: the CUDA context, NCCL buffers and allocator fragmentation, hence `--reserve-gib`.
 With `[activation_checkpoint] offload` the layer inputs sent to host memory are tracked apart
 (`host_gib`, against `--host-gib` per rank: 1/8 of a 2 TB node by default), and the copies' time
@@ -18,14 +19,10 @@ naming its biggest term and the levers it does not already use.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
 import dataclasses
-import json
-import math
 import os
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -36,76 +33,14 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from flashcp.attention import kernels
-from flashcp.costmodel.proxy import H100_BF16_TFLOPS
-from flashcp.data.errors import DataError
-from flashcp.data.tokenizer import TokenizerError
-from flashcp.titan.config import ConfigError, check_layout, load_job, resolve_config_path, world_size_hint
-from flashcp.titan.dryrun.estimate import estimate, GIB, Layout, layer_params, ModelShape
+from flashcp.titan.config import check_layout, ConfigError
+from flashcp.titan.dryrun.estimate import estimate, GIB, Layout, ModelShape
 from flashcp.titan.dryrun.memtrack import CategoryTracker
-from flashcp.titan.models.offload import layer_input_bytes, LayerInputOffload, offload_seconds, PCIE_GEN5_X16
+from flashcp.titan.dryrun.report import offload_time, Report
+from flashcp.titan.models.offload import LayerInputOffload
 from flashcp.titan.models.rotary import rotation
 
 KERNEL = "dryrun"  # the attention backend name the dry run registers while it runs
-SHARD_WIDER = "shard them wider: more ranks (data_parallel_shard_degree) or a higher tensor_parallel_degree"
-
-
-def advice(category: str, cfg: dict[str, Any]) -> str:
-    """What would shrink `category` in this job: only levers it does not already use, each naming its
-    section, so that a job already at full AC with offload is never told to set either."""
-    ac, loss = cfg["activation_checkpoint"], cfg["loss"]
-    if category == "activations":
-        levers = [] if ac["mode"] == "full" else ["set [activation_checkpoint] mode = 'full'"]
-        if ac["mlp_tiles"] <= 1:
-            levers.append("set [activation_checkpoint] mlp_tiles = 16 (the MLP's intermediate a tile at a time)")
-        if not ac["offload"]:
-            levers.append("set [activation_checkpoint] offload = true (full AC's layer inputs in host memory)")
-        return ", or ".join([*levers, "raise context_parallel_degree (fewer tokens per rank)"])
-    if category == "loss":
-        chunks = ("set [loss] chunk_tokens = 2048 (the logits a slice at a time)" if loss["chunk_tokens"] == 0
-                  else f"lower [loss] chunk_tokens (now {loss['chunk_tokens']})")  # fmt: skip
-        return f"{chunks}, or raise tensor_parallel_degree (vocabulary split)"
-    if category == "flashcp_buffers":
-        return "raise tensor_parallel_degree (fewer KV heads per rank) or context_parallel_degree"
-    if category == "model_buffers":
-        return "raise context_parallel_degree (the RoPE rows of fewer tokens per rank)"
-    if category == "host":
-        off = ", or set [activation_checkpoint] offload = false" if ac["offload"] else ""
-        return f"raise context_parallel_degree (fewer tokens per rank to keep){off}"
-    return SHARD_WIDER
-
-
-@dataclasses.dataclass
-class Report:
-    """What one dry run measured; `as_json()` is the `--json` object."""
-
-    config: str
-    world_size: int
-    degrees: dict[str, int]
-    gpu_gib: float
-    reserve_gib: float
-    peak_gib: float
-    by_category: dict[str, float]
-    estimate_gib: dict[str, float]
-    plan: dict[str, float]
-    loss_chunks: int
-    seconds: float
-    host_gib: float = 0.0  # tracked: the offloaded layer inputs one rank keeps in host memory
-    host_limit_gib: float = 256.0
-    offload: dict[str, Any] | None = None  # modelled: the copies' time against the layer's compute
-
-    @property
-    def fits_gpu(self) -> bool:
-        return self.peak_gib + self.reserve_gib <= self.gpu_gib
-
-    @property
-    def fits(self) -> bool:
-        return self.fits_gpu and self.host_gib <= self.host_limit_gib
-
-    def biggest(self) -> str:
-        return max(self.by_category, key=self.by_category.get)
-
-    def as_json(self) -> dict[str, Any]:
-        return {"fits": self.fits, **dataclasses.asdict(self)}
 
 
 def dry_run(cfg: dict[str, Any], world_size: int, gpu_gib: float = 80.0, reserve_gib: float = 6.0,
@@ -130,7 +65,7 @@ def dry_run(cfg: dict[str, Any], world_size: int, gpu_gib: float = 80.0, reserve
         config=cfg["_path"], world_size=world_size, degrees=degrees, gpu_gib=gpu_gib, reserve_gib=reserve_gib,
         peak_gib=peak / GIB, by_category={k: v / GIB for k, v in by_category.items()},
         estimate_gib=est, plan=plan, loss_chunks=chunks, seconds=time.perf_counter() - start,
-        host_gib=host / GIB, host_limit_gib=host_gib, offload=_offload_time(shape, layout) if layout.offload else None,
+        host_gib=host / GIB, host_limit_gib=host_gib, offload=offload_time(shape, layout) if layout.offload else None,
     )  # fmt: skip
 
 
@@ -272,19 +207,6 @@ def _host_copies(tracker: CategoryTracker) -> Iterator[None]:
         LayerInputOffload._to_host = to_host
 
 
-def _offload_time(m: ModelShape, lay: Layout) -> dict[str, Any]:
-    """Modelled: one layer's input copied each way at PCIe Gen5 x16 (`PCIE_GEN5_X16`) against that
-    layer's dense forward at the H100's bf16 peak (a lower bound of its time: attention, MFU < 1 and
-    the backward, 2 x more, only add), so `hides` errs on the side of saying no."""
-    nbytes = layer_input_bytes(lay.tokens, 1, m.dim, 2, tp=lay.tp if lay.sequence_parallel else 1)
-    forward_s = 2 * layer_params(m) / lay.tp * lay.tokens / (H100_BF16_TFLOPS * 1e12)
-    return {
-        "layer_gib_each_way": nbytes / GIB, "step_gib_each_way": (m.layers - 1) * nbytes / GIB,
-        "copy_ms": offload_seconds(nbytes) * 1e3, "layer_forward_ms_at_peak": forward_s * 1e3,
-        "link_gb_per_s": PCIE_GEN5_X16 / 1e9, "hides": offload_seconds(nbytes) <= forward_s,
-    }  # fmt: skip
-
-
 class _LabelledLoss:
     """The trainer's loss with its memory labelled "loss": the call (with a chunked loss's own
     backward) and the backward from the loss down to the model's output."""
@@ -351,102 +273,3 @@ def _shape_and_layout(trainer, dispatch, ac: dict[str, Any]) -> tuple[ModelShape
         mlp_tiles=max(1, ac["mlp_tiles"]), offload=ac["offload"],
     )  # fmt: skip
     return shape, layout
-
-
-def _format(r: Report) -> str:
-    deg = " x ".join(f"{k} {v}" for k, v in r.degrees.items() if v > 1) or "1 rank"
-    lines = [
-        f"dry run: {r.config} as rank 0 of {r.world_size} ({deg}), one step on fake tensors in {r.seconds:.0f} s",
-        f"{'category':<18}{'tracked GiB':>12}{'estimate GiB':>14}",
-    ]
-    for name, gib in sorted(r.by_category.items(), key=lambda kv: -kv[1]):
-        lines.append(f"{name:<18}{gib:>12.2f}{r.estimate_gib.get(name, 0.0):>14.2f}")
-    lines.append(f"{'peak':<18}{r.peak_gib:>12.2f}{r.estimate_gib['peak']:>14.2f}")
-    if r.loss_chunks > 1:
-        lines.append(f"loss: cross-entropy in {r.loss_chunks} slices ([loss] chunk_tokens)")
-    if "imbalance" in r.plan:
-        mib = {k.removeprefix("kv_recv_bytes_per_layer_"): v / 2**20 for k, v in r.plan.items() if "kv_recv" in k}
-        lines.append(
-            f"window: {r.plan['docs_per_window']:.0f} documents, imbalance {r.plan['imbalance']:.3f}, "
-            f"{r.plan['split_docs']:.0f} split; KV received per layer: compact {mib['compact']:.1f} MiB, "
-            f"full {mib['full']:.1f} MiB, needed {mib['needed']:.1f} MiB"
-        )
-    if r.offload is not None:
-        o = r.offload
-        lines.append(
-            f"offload: {r.host_gib:.1f} GiB per rank in host memory (tracked; {r.host_limit_gib:g} GiB allowed); "
-            f"{o['step_gib_each_way']:.1f} GiB each way per step, a layer's {o['layer_gib_each_way']:.2f} GiB in "
-            f"{o['copy_ms']:.1f} ms at {o['link_gb_per_s']:g} GB/s against its dense forward's "
-            f"{o['layer_forward_ms_at_peak']:.1f} ms at peak (modelled): {'hides' if o['hides'] else 'does NOT hide'}"
-        )
-    verdict = "fits" if r.fits else "does NOT fit"
-    lines.append(f"{verdict}: {r.peak_gib:.1f} GiB tracked + {r.reserve_gib:g} GiB reserve (CUDA context, NCCL, "
-                 f"fragmentation) against a {r.gpu_gib:g} GiB GPU")  # fmt: skip
-    return "\n".join(lines)
-
-
-def _gib(minimum: float, strict: bool) -> Any:
-    """An argparse type: a finite number of GiB above (or at) `minimum`."""
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if not math.isfinite(value) or value < minimum or (strict and value == minimum):
-            raise argparse.ArgumentTypeError(f"{text} must be a finite number {'>' if strict else '>='} {minimum:g}")
-        return value
-
-    return parse
-
-
-def _ranks(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be a whole number >= 1")
-    return int(text)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m flashcp.titan.dryrun",
-        description="Peak memory per rank of a job, measured on fake tensors (no GPU needed). "
-        "Overrides (--section.key value) apply as in training.",
-    )
-    parser.add_argument("--config", required=True, help="job file or name in train_configs/")
-    parser.add_argument("--world-size", type=_ranks, help="ranks of the job (default: what its layout fixes)")
-    parser.add_argument("--gpu-gib", type=_gib(0, strict=True), default=80.0,
-                        help="GPU memory to check against (default 80)")
-    parser.add_argument("--reserve-gib", type=_gib(0, strict=False), default=6.0,
-                        help="untracked memory: CUDA context, NCCL buffers, fragmentation (default 6)")
-    parser.add_argument("--host-gib", type=_gib(0, strict=False), default=256.0,
-                        help="host memory per rank the offload may pin (default 256: 1/8 of a 2 TB node)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    args, overrides = parser.parse_known_args(argv)
-    try:
-        cfg = load_job(resolve_config_path(args.config), overrides)
-        world = args.world_size or world_size_hint(cfg)
-        if world is None:
-            raise ConfigError("data_parallel_shard_degree = -1 leaves the world open: pass --world-size")
-        report = dry_run(cfg, world, args.gpu_gib, args.reserve_gib, args.host_gib)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except (DataError, TokenizerError) as e:  # e.g. a recipe's stores, not prepared yet
-        print(f"error: {e}; the dry run draws one window from the job's data: until it exists, "
-              "--data.tokenizer default and --data.source synthetic (a mixture: "
-              "--data.mix.NAME.source synthetic for each source) stand in for it, with "
-              "--validation.enable false", file=sys.stderr)  # fmt: skip
-        return 2
-    print(json.dumps(report.as_json()) if args.json else _format(report), flush=True)
-    if not report.fits_gpu:
-        biggest = report.biggest()
-        print(f"error: does not fit: {report.peak_gib:.1f} GiB + {report.reserve_gib:g} GiB reserve > "
-              f"{report.gpu_gib:g} GiB; biggest term: {biggest} {report.by_category[biggest]:.1f} GiB: "
-              f"{advice(biggest, cfg)}", file=sys.stderr)  # fmt: skip
-        return 1
-    if not report.fits:
-        print(f"error: does not fit: the offload keeps {report.host_gib:.1f} GiB per rank in host memory > "
-              f"{report.host_limit_gib:g} GiB (--host-gib): {advice('host', cfg)}", file=sys.stderr)
-        return 1
-    return 0
-

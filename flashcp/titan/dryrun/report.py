@@ -1,0 +1,120 @@
+"""What a dry run found, and what to say about it: the `--json` object, the table, the levers.
+
+`advice` names, for the term that does not fit, only levers the job does not already use; the
+offload's time is modelled here (its bytes are tracked by the run) against the layer's compute.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from flashcp.costmodel.proxy import H100_BF16_TFLOPS
+from flashcp.titan.dryrun.estimate import GIB, Layout, layer_params, ModelShape
+from flashcp.titan.models.offload import layer_input_bytes, offload_seconds, PCIE_GEN5_X16
+
+SHARD_WIDER = "shard them wider: more ranks (data_parallel_shard_degree) or a higher tensor_parallel_degree"
+
+
+def advice(category: str, cfg: dict[str, Any]) -> str:
+    """What would shrink `category` in this job: only levers it does not already use, each naming its
+    section, so that a job already at full AC with offload is never told to set either."""
+    ac, loss = cfg["activation_checkpoint"], cfg["loss"]
+    if category == "activations":
+        levers = [] if ac["mode"] == "full" else ["set [activation_checkpoint] mode = 'full'"]
+        if ac["mlp_tiles"] <= 1:
+            levers.append("set [activation_checkpoint] mlp_tiles = 16 (the MLP's intermediate a tile at a time)")
+        if not ac["offload"]:
+            levers.append("set [activation_checkpoint] offload = true (full AC's layer inputs in host memory)")
+        return ", or ".join([*levers, "raise context_parallel_degree (fewer tokens per rank)"])
+    if category == "loss":
+        chunks = ("set [loss] chunk_tokens = 2048 (the logits a slice at a time)" if loss["chunk_tokens"] == 0
+                  else f"lower [loss] chunk_tokens (now {loss['chunk_tokens']})")  # fmt: skip
+        return f"{chunks}, or raise tensor_parallel_degree (vocabulary split)"
+    if category == "flashcp_buffers":
+        return "raise tensor_parallel_degree (fewer KV heads per rank) or context_parallel_degree"
+    if category == "model_buffers":
+        return "raise context_parallel_degree (the RoPE rows of fewer tokens per rank)"
+    if category == "host":
+        off = ", or set [activation_checkpoint] offload = false" if ac["offload"] else ""
+        return f"raise context_parallel_degree (fewer tokens per rank to keep){off}"
+    return SHARD_WIDER
+
+
+@dataclasses.dataclass
+class Report:
+    """What one dry run measured; `as_json()` is the `--json` object."""
+
+    config: str
+    world_size: int
+    degrees: dict[str, int]
+    gpu_gib: float
+    reserve_gib: float
+    peak_gib: float
+    by_category: dict[str, float]
+    estimate_gib: dict[str, float]
+    plan: dict[str, float]
+    loss_chunks: int
+    seconds: float
+    host_gib: float = 0.0  # tracked: the offloaded layer inputs one rank keeps in host memory
+    host_limit_gib: float = 256.0
+    offload: dict[str, Any] | None = None  # modelled: the copies' time against the layer's compute
+
+    @property
+    def fits_gpu(self) -> bool:
+        return self.peak_gib + self.reserve_gib <= self.gpu_gib
+
+    @property
+    def fits(self) -> bool:
+        return self.fits_gpu and self.host_gib <= self.host_limit_gib
+
+    def biggest(self) -> str:
+        return max(self.by_category, key=self.by_category.get)
+
+    def as_json(self) -> dict[str, Any]:
+        return {"fits": self.fits, **dataclasses.asdict(self)}
+
+
+def offload_time(m: ModelShape, lay: Layout) -> dict[str, Any]:
+    """Modelled: one layer's input copied each way at PCIe Gen5 x16 (`PCIE_GEN5_X16`) against that
+    layer's dense forward at the H100's bf16 peak (a lower bound of its time: attention, MFU < 1 and
+    the backward, 2 x more, only add), so `hides` errs on the side of saying no."""
+    nbytes = layer_input_bytes(lay.tokens, 1, m.dim, 2, tp=lay.tp if lay.sequence_parallel else 1)
+    forward_s = 2 * layer_params(m) / lay.tp * lay.tokens / (H100_BF16_TFLOPS * 1e12)
+    return {
+        "layer_gib_each_way": nbytes / GIB, "step_gib_each_way": (m.layers - 1) * nbytes / GIB,
+        "copy_ms": offload_seconds(nbytes) * 1e3, "layer_forward_ms_at_peak": forward_s * 1e3,
+        "link_gb_per_s": PCIE_GEN5_X16 / 1e9, "hides": offload_seconds(nbytes) <= forward_s,
+    }  # fmt: skip
+
+
+def format_report(r: Report) -> str:
+    deg = " x ".join(f"{k} {v}" for k, v in r.degrees.items() if v > 1) or "1 rank"
+    lines = [
+        f"dry run: {r.config} as rank 0 of {r.world_size} ({deg}), one step on fake tensors in {r.seconds:.0f} s",
+        f"{'category':<18}{'tracked GiB':>12}{'estimate GiB':>14}",
+    ]
+    for name, gib in sorted(r.by_category.items(), key=lambda kv: -kv[1]):
+        lines.append(f"{name:<18}{gib:>12.2f}{r.estimate_gib.get(name, 0.0):>14.2f}")
+    lines.append(f"{'peak':<18}{r.peak_gib:>12.2f}{r.estimate_gib['peak']:>14.2f}")
+    if r.loss_chunks > 1:
+        lines.append(f"loss: cross-entropy in {r.loss_chunks} slices ([loss] chunk_tokens)")
+    if "imbalance" in r.plan:
+        mib = {k.removeprefix("kv_recv_bytes_per_layer_"): v / 2**20 for k, v in r.plan.items() if "kv_recv" in k}
+        lines.append(
+            f"window: {r.plan['docs_per_window']:.0f} documents, imbalance {r.plan['imbalance']:.3f}, "
+            f"{r.plan['split_docs']:.0f} split; KV received per layer: compact {mib['compact']:.1f} MiB, "
+            f"full {mib['full']:.1f} MiB, needed {mib['needed']:.1f} MiB"
+        )
+    if r.offload is not None:
+        o = r.offload
+        lines.append(
+            f"offload: {r.host_gib:.1f} GiB per rank in host memory (tracked; {r.host_limit_gib:g} GiB allowed); "
+            f"{o['step_gib_each_way']:.1f} GiB each way per step, a layer's {o['layer_gib_each_way']:.2f} GiB in "
+            f"{o['copy_ms']:.1f} ms at {o['link_gb_per_s']:g} GB/s against its dense forward's "
+            f"{o['layer_forward_ms_at_peak']:.1f} ms at peak (modelled): {'hides' if o['hides'] else 'does NOT hide'}"
+        )
+    verdict = "fits" if r.fits else "does NOT fit"
+    lines.append(f"{verdict}: {r.peak_gib:.1f} GiB tracked + {r.reserve_gib:g} GiB reserve (CUDA context, NCCL, "
+                 f"fragmentation) against a {r.gpu_gib:g} GiB GPU")  # fmt: skip
+    return "\n".join(lines)
