@@ -83,6 +83,12 @@ SLOW = {  # command -> (the test that runs the same entry point on a small job, 
     "--gpu-gib 80 --reserve-gib 6": (
         "tests/titan/test_dryrun.py::test_a_gpu_too_small_exits_1_naming_the_biggest_term",
         "a tiny job with --gpu-gib and --reserve-gib"),
+    ".venv/bin/python -m flashcp.titan.dryrun --config llama8b_128k --world-size 8 --training.seq_len 2097152 "
+    "--activation_checkpoint.mlp_tiles 16 --activation_checkpoint.offload true": (
+        "tests/titan/test_dryrun.py::test_offload_moves_the_layer_inputs_to_host_memory", "a tiny job with offload"),
+    ".venv/bin/python benchmarks/dryrun_frontier.py": (
+        "tests/titan/test_dryrun.py::test_offload_moves_the_layer_inputs_to_host_memory",
+        "each of its rows is one such dry run; all 25 take about an hour"),
     ".venv/bin/python -m flashcp.titan.dryrun --config llama3_8b_extend_128k --world-size 8 --data.tokenizer "
     "default --data.mix.long.source synthetic --data.mix.short.source synthetic --validation.enable false": (
         "tests/titan/test_dryrun.py::test_a_recipe_without_its_data_says_how_to_dry_run_it",
