@@ -163,6 +163,7 @@ def test_shipped_gpu_configs_pick_the_kernel_that_is_installed():
          r"^\[training\] seq_len \(1099511627776\) must be < 2\*\*31: the attention kernels index a window with int32"),
         ({"comm": {"init_timeout_seconds": 0}}, r"^\[comm\] init_timeout_seconds must be >= 1, got 0$"),
         ({"comm": {"train_timeout_seconds": -5}}, r"^\[comm\] train_timeout_seconds must be >= 1, got -5$"),
+        ({"activation_checkpoint": {"mlp_tiles": -2}}, r"^\[activation_checkpoint\] mlp_tiles must be >= -1, got -2$"),
         ({"data": {"prefetch": 1000000}}, r"^\[data\] prefetch must be in \[0, 64\] \(windows the loader builds "
                                           r"ahead; more only holds memory\), got 1000000$"),
     ],

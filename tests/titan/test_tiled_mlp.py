@@ -56,3 +56,23 @@ def test_tiles_equal_the_untiled_mlp(length: int, tiles: int, seed: int) -> None
     # Forward keeps no hidden-sized tensor at all (each tile is recomputed in backward).
     tile = math.ceil(length / tiles)
     assert not [s for s in saved if s[-1] == HIDDEN and math.prod(s[:-1]) > tile], saved
+
+
+def test_automatic_tiles_keep_one_tiles_intermediates_within_the_budget(monkeypatch) -> None:
+    """mlp_tiles = -1: the fewest tiles whose four hidden-sized intermediates fit TILE_BYTES, from the
+    shapes of the call (here a budget of 3 tokens' worth: 10 tokens -> 4 tiles); same output."""
+    from flashcp.titan.models import tiled_mlp
+
+    assert tiled_mlp.tile_count(7, 10**6, 10**4, 2) == 7
+    assert tiled_mlp.tile_count(tiled_mlp.AUTO, 131072, 14336, 2) == 14  # Llama 3 8B, 1M / CP 8: 1 GiB a tile
+    monkeypatch.setattr(tiled_mlp, "TILE_BYTES", 3 * 4 * HIDDEN * 4)
+    torch.manual_seed(0)
+    plain = _config().build()
+    auto = _config(TiledFeedForward, tiles=tiled_mlp.AUTO).build()
+    auto.load_state_dict(plain.state_dict())
+    x, dy = torch.randn(1, 10, DIM), torch.randn(1, 10, DIM)
+    ref, _ = _grads(plain, x, dy)
+    got, saved = _grads(auto, x, dy)
+    for a, b in zip(got, ref, strict=True):
+        assert ((a - b).abs().max() / b.abs().max()).item() <= TOLERANCE
+    assert [s[1] for s in saved if len(s) == 3 and s[-1] == DIM] == [3, 3, 3, 1]  # the tiles' inputs

@@ -172,7 +172,7 @@ def _check_unsupported(cfg: dict) -> None:
             f"[comm] mode = {mode!r} is not supported: FlashCP's KV exchange runs torch.distributed "
             "collectives between one process per rank ('default', or 'fake_backend' for a dry run)"
         )
-    _positive(cfg, "activation_checkpoint", "mlp_tiles", minimum=0)
+    _positive(cfg, "activation_checkpoint", "mlp_tiles", minimum=-1)  # -1: automatic
     stray = sorted(set(_given(cfg, "activation_checkpoint")) - ac_keys(ac["mode"]))
     if stray:
         raise ConfigError(f"[activation_checkpoint] {stray[0]} does not apply to mode = {ac['mode']!r}")

@@ -137,7 +137,7 @@ OWN_KEYS: dict[str, dict[str, Key]] = {
                        "(flashcp.titan.models.offload)"),
         "mlp_tiles": Key(int, 0, doc="every mode: the MLP runs over this many sequence tiles, each recomputed in "
                          "backward, so its intermediate exists for one tile at a time (flashcp.titan.models."
-                         "tiled_mlp); 0 or 1: untiled"),
+                         "tiled_mlp); 0 or 1: untiled; -1: automatic, tiles whose intermediates fit 1 GiB"),
     },
 }
 

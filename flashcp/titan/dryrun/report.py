@@ -22,7 +22,7 @@ def advice(category: str, cfg: dict[str, Any]) -> str:
     ac, loss = cfg["activation_checkpoint"], cfg["loss"]
     if category == "activations":
         levers = [] if ac["mode"] == "full" else ["set [activation_checkpoint] mode = 'full'"]
-        if ac["mlp_tiles"] <= 1:
+        if ac["mlp_tiles"] in (0, 1):
             levers.append("set [activation_checkpoint] mlp_tiles = 16 (the MLP's intermediate a tile at a time)")
         if not ac["offload"]:
             levers.append("set [activation_checkpoint] offload = true (full AC's layer inputs in host memory)")

@@ -39,6 +39,7 @@ from flashcp.titan.dryrun.memtrack import CategoryTracker
 from flashcp.titan.dryrun.report import offload_time, Report
 from flashcp.titan.models.offload import LayerInputOffload
 from flashcp.titan.models.rotary import rotation
+from flashcp.titan.models.tiled_mlp import tile_count
 
 KERNEL = "dryrun"  # the attention backend name the dry run registers while it runs
 
@@ -270,6 +271,6 @@ def _shape_and_layout(trainer, dispatch, ac: dict[str, Any]) -> tuple[ModelShape
         fsdp=dims.dp_shard * dims.cp, tp=dims.tp, sequence_parallel=cfg.parallelism.enable_sequence_parallel,
         tokens=tokens, kv_rows=dispatch.kv_index.numel() + dispatch.recv_size, loss_tokens=tokens // chunks,
         full_ac=isinstance(cfg.activation_checkpoint, FullAC.Config),
-        mlp_tiles=max(1, ac["mlp_tiles"]), offload=ac["offload"],
+        mlp_tiles=max(1, tile_count(ac["mlp_tiles"], tokens, shape.ffn // dims.tp, 2)), offload=ac["offload"],
     )  # fmt: skip
     return shape, layout

@@ -12,6 +12,9 @@ The weights and their names (w1, w2, w3) are TorchTitan's: FSDP gathers them onc
 before and checkpoints load either way. Under tensor parallelism each tile runs TorchTitan's TP plan
 (w1 / w3 split along the hidden dim, w2 reduced per tile) and the joined output is put back into the
 placement the untiled MLP returns. The MLP is token-wise, so tiles change only summation order.
+
+`tiles = AUTO` picks the count from the shapes each call sees (no host sync): the fewest tiles
+whose intermediates (w1 x, w3 x, silu and the product: 4 x tile x hidden) fit `TILE_BYTES`.
 """
 
 from __future__ import annotations
@@ -23,6 +26,17 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 from torchtitan.models.common.feed_forward import FeedForward
+
+AUTO = -1  # [activation_checkpoint] mlp_tiles = -1: tiles sized by TILE_BYTES
+TILE_BYTES = 2**30  # one tile's four hidden-sized intermediates with AUTO
+
+
+def tile_count(tiles: int, tokens: int, hidden: int, element_bytes: int) -> int:
+    """Tiles for `tokens` rows: `tiles` as given, or with AUTO the fewest that keep one tile's
+    intermediates within TILE_BYTES (`hidden`: this rank's share of the MLP's width)."""
+    if tiles != AUTO:
+        return tiles
+    return max(1, math.ceil(4 * tokens * hidden * element_bytes / TILE_BYTES))
 
 
 class TiledFeedForward(FeedForward):
@@ -37,7 +51,10 @@ class TiledFeedForward(FeedForward):
         self.tiles = config.tiles
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        tile_len = math.ceil(x.shape[1] / self.tiles)
+        w1 = self.w1.weight
+        hidden = w1.to_local().shape[0] if isinstance(w1, DTensor) else w1.shape[0]
+        tiles = tile_count(self.tiles, x.shape[0] * x.shape[1], hidden, x.element_size())
+        tile_len = math.ceil(x.shape[1] / tiles)
         parts = [
             checkpoint(FeedForward.forward, self, tile, use_reentrant=False, preserve_rng_state=False)
             for tile in x.split(tile_len, dim=1)
@@ -50,8 +67,8 @@ class TiledFeedForward(FeedForward):
 
 def use_tiled_mlp(model_config, tiles: int) -> None:
     """Make every layer's dense FeedForward of a TorchTitan decoder config a `TiledFeedForward`, in
-    place (tiles <= 1: unchanged)."""
-    if tiles <= 1:
+    place (tiles 0 or 1: unchanged; AUTO: sized by TILE_BYTES at each call)."""
+    if tiles in (0, 1):
         return
     for layer in model_config.layers:
         ffn = getattr(layer, "feed_forward", None)
