@@ -41,17 +41,20 @@ BASELINE = "82d3476"
 MIB = 2**20
 
 
-class _LargestTensor(TorchDispatchMode):
-    """Bytes of the largest tensor any torch op makes inside the block."""
+class LargestTensor(TorchDispatchMode):
+    """The largest tensor any torch op makes inside the block: its elements (`numel`) and the most
+    bytes (`nbytes`); tests/test_dispatch.py bounds the first."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.largest = 0
+        self.numel = self.nbytes = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        sizes = [t.numel() * t.element_size() for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-        self.largest = max([self.largest, *sizes])
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.numel = max(self.numel, t.numel())
+                self.nbytes = max(self.nbytes, t.numel() * t.element_size())
         return out
 
 
@@ -115,17 +118,17 @@ def measure(doc_windows: list[list[int]], cp: int, comm: str, baseline: ModuleTy
             if rank not in ranks:
                 continue
             times["after"].append(seconds)
-            with _LargestTensor() as made:
+            with LargestTensor() as made:
                 build_dispatch(plan, rank, comm)
-            peak["after"] = max(peak["after"], made.largest)
+            peak["after"] = max(peak["after"], made.nbytes)
             if baseline is not None:
                 old, seconds = timed(baseline.build_dispatch, plan, rank, comm)
                 times["before"].append(seconds)
                 identical &= same(d, old)
                 del old
-                with _LargestTensor() as made:
+                with LargestTensor() as made:
                     baseline.build_dispatch(plan, rank, comm)
-                peak["before"] = max(peak["before"], made.largest)
+                peak["before"] = max(peak["before"], made.nbytes)
     rows = {k: max(r[k] for r, _ in per_rank) for k in per_rank[0][0]}
     return {
         "tokens": plan.tokens_per_rank,

@@ -12,9 +12,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
+from benchmarks.core_memory import LargestTensor
 from flashcp import plan_shards
 from flashcp.dispatch import build_dispatch, COMM_MODES, Dispatch
 from flashcp.plan import STRATEGIES, Plan, Shard
@@ -166,20 +165,6 @@ def test_ilp_dispatch_equals_the_window_table_construction(cp_size):
     assert_matches_reference(plan_shards([13, 7, 5, 11, 3, 9], cp_size, "ilp", target_imbalance=2.0, time_limit=1.0))
 
 
-class _LargestTensor(TorchDispatchMode):
-    """Records the element count of the largest tensor any torch op makes inside the block."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        sizes = [t.numel() for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-        self.largest = max([self.largest, *sizes])
-        return out
-
-
 # 12 documents of 6 to 3000 tokens, 24 times over: a window of 146,736 tokens (9,171 per rank at N = 16).
 SIZED_WINDOW = [600, 6, 90, 1500, 33, 250, 8, 420, 60, 3000, 17, 130] * 24
 
@@ -194,7 +179,7 @@ def test_dispatch_is_sized_by_the_rank_not_the_window(strategy, comm):
     per_rank, pieces = plan.tokens_per_rank, sum(map(len, plan.ranks))
     largest = 0
     for rank in range(plan.cp_size):
-        with _LargestTensor() as made:
+        with LargestTensor() as made:
             d = build_dispatch(plan, rank, comm, overlap=True)
         shards = plan.ranks[rank]
         pieces_per_doc = max(Counter(s.doc for s in shards).values())
@@ -204,7 +189,7 @@ def test_dispatch_is_sized_by_the_rank_not_the_window(strategy, comm):
         assert d.send_index.numel() <= sent
         assert d.kv_index.numel() == int(d.cu_seqlens_k[-1])
         assert d.kv_index.numel() <= pieces_per_doc * (per_rank + plan.needed_tokens()[rank])
-        assert made.largest <= max(per_rank, sent, d.kv_index.numel(), 3 * pieces)  # 3 * pieces: the plan
-        largest = max(largest, made.largest)
+        assert made.numel <= max(per_rank, sent, d.kv_index.numel(), 3 * pieces)  # 3 * pieces: the plan
+        largest = max(largest, made.numel)
     if strategy in ("flashcp", "whole_doc") and comm != "full":  # where those bounds are far below C
         assert largest < plan.context // 2, largest
