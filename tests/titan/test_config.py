@@ -148,7 +148,6 @@ def test_shipped_gpu_configs_pick_the_kernel_that_is_installed():
         ({"flashcp": {"target_imbalance": 0.9}}, r"target_imbalance must be >= 1.0"),
         ({"training": {"local_batch_size": 2}}, r"local_batch_size must be 1 with FlashCP"),
         ({"checkpoint": {"keep_latest_k": 1}}, r"keep_latest_k must be 0 .* or >= 2"),
-        ({"model": {"attention": "flex"}, "flashcp": {}}, r"\[flashcp\] settings need model.attention"),
         ({"model": {"flavor": "8B"}}, r"\[model\] dim, .* only apply to flavor = 'custom'; flavor '8B'"),
         ({"model": {"dim": 30}}, r"dim \(30\) must be divisible by n_heads \(4\)"),
         ({"parallelism": {"spmd_backend": "spmd_types"}}, r"spmd_backend must be 'partial_dtensor'"),

@@ -65,6 +65,12 @@ def key_lines(sections: list[str] | None = None) -> list[str]:
     return lines
 
 
+def _warn(cfg: dict) -> None:
+    """The job's warnings (settings it ignores), once it is known to pass."""
+    for line in cfg["_warnings"]:
+        print(f"warning: {line}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Check a FlashCP job file without launching anything.")
     mode = parser.add_mutually_exclusive_group(required=True)
@@ -81,12 +87,14 @@ def main(argv: list[str] | None = None) -> int:
         world = args.world_size or world_size_hint(cfg)
         if world is None:
             print(f"{path}: OK (data_parallel_shard_degree = -1: pass --world-size to check a layout)")
+            _warn(cfg)
             return 0
         deg = check_layout(cfg, world)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"{path}: OK for {world} ranks: " + ", ".join(f"{k}={v}" for k, v in deg.items()))
+    _warn(cfg)
     if cfg["model"]["attention"] == "flashcp":  # the jobs the dry run builds
         print(f"memory per GPU, checked without GPUs: {dryrun_command(path, world, overrides)}")
     return 0

@@ -165,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"flashcp: {describe_broken(lock.broken)}", flush=True)
             elif lock.taken_over:
                 print(f"flashcp: {describe_stale(lock.taken_over)}", flush=True)
+        for line in cfg["_warnings"]:  # after every check passed: a refused job prints only its error
+            print(f"flashcp: warning: {line}", flush=True)
         device = "GPU" if on_gpu else "CPU (gloo)"
         print(f"flashcp: {path.resolve()} on {nnodes} node(s) x {nproc} {device} rank(s), output in {dump}",
               flush=True)  # fmt: skip
