@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from flashcp.titan.config.converters import check_converters
 from flashcp.titan.config.keys import check_value, ConfigError
 from flashcp.data.errors import DataError
 from flashcp.data.sources import DataConfig
@@ -111,6 +112,7 @@ def _check_semantics(cfg: dict) -> None:
     if not fcp["target_imbalance"] >= 1.0:
         raise ConfigError(f"[flashcp] target_imbalance must be >= 1.0, got {fcp['target_imbalance']}")
     check_model(cfg)
+    check_converters(cfg, cfg["_given"])
     _check_attention(cfg)
     _check_unsupported(cfg)
 

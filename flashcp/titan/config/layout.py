@@ -9,6 +9,7 @@ rank starts.
 from __future__ import annotations
 
 from flashcp.attention.kernels import gpu_backend_problem
+from flashcp.titan.config.converters import converter_problem
 from flashcp.titan.config.keys import ConfigError
 from flashcp.titan.config.model import model_dims
 from flashcp.titan.config.schema import GPU_BACKENDS
@@ -103,6 +104,15 @@ def _check_machine(cfg: dict, has_cuda: bool) -> None:
         if not has_cuda or (torch.version.hip is None and torch.cuda.get_device_capability() < (9, 0)):
             raise ConfigError("[parallelism] enable_fsdp_symm_mem needs NVIDIA GPUs of compute capability 9.0 "
                               "or newer (or AMD GPUs)")  # fmt: skip
+    for name in cfg["model"]["converters"]:
+        capability, rocm = (None, False)
+        if has_cuda:
+            import torch
+
+            capability, rocm = torch.cuda.get_device_capability(), torch.version.hip is not None
+        problem = converter_problem(name, cfg["float8"]["emulate"], has_cuda, capability, rocm)
+        if problem:
+            raise ConfigError(f"[model] converters = [{name!r}] cannot run on this machine: {problem}")
     if not has_cuda:
         if attention == "flashcp" and backend in GPU_BACKENDS:
             raise ConfigError(

@@ -30,6 +30,8 @@ MODEL_KEYS: dict[str, Key] = {
         "flashcp: FlashCP's op (CP through [flashcp]); flex / varlen: TorchTitan's own "
         "attention, with TorchTitan's built-in CP for flex",
     ),
+    "converters": Key(list[str], [], doc="TorchTitan's low-precision linears, applied to the model config before "
+                      "TP, compile and FSDP: float8 ([float8]) | mx ([mx]); needs torchao and a recent GPU"),
     # flavor = "custom" only; vocab_size defaults to the tokenizer's.
     "dim": Key(int),
     "n_layers": Key(int),

@@ -16,6 +16,7 @@ from flashcp.attention.kernels import BACKENDS as KERNELS
 from flashcp.data.sources import DataConfig
 from flashcp.dispatch import COMM_MODES
 from flashcp.plan import STRATEGIES
+from flashcp.titan.config.converters import CONVERTER_KEYS
 from flashcp.titan.config.keys import field_default, Key, key_from_hint
 from flashcp.titan.config.model import MODEL_KEYS
 from flashcp.titan.config.titan import class_keys, TITAN_KEYS
@@ -67,10 +68,12 @@ OWN_SECTIONS: dict[str, dict[str, Key]] = {
 
     # TorchTitan's `validator` section, named as the job files name it.
     "validation": _validation_keys(),
+    # TorchTitan's converter configs ([model] converters), field for field.
+    **CONVERTER_KEYS,
 }
 ORDER = ("job", "model", "data", "training", "optimizer", "lr_scheduler", "parallelism", "checkpoint",
          "metrics", "activation_checkpoint", "compile", "comm", "profiler", "debug", "loss", "flashcp",
-         "validation")  # fmt: skip
+         "validation", "float8", "mx")  # fmt: skip
 SCHEMA: dict[str, dict[str, Key]] = {name: (OWN_SECTIONS | TITAN_KEYS)[name] for name in ORDER}
 # Sections TorchTitan names otherwise: an unknown-section error names FlashCP's.
 RENAMED_SECTIONS = {"validator": "validation"}

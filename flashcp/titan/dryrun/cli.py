@@ -76,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(report.as_json()) if args.json else format_report(report), flush=True)
     if not report.fits_gpu:
         biggest = report.biggest()
-        print(f"error: does not fit: {report.peak_gib:.1f} GiB + {report.reserve_gib:g} GiB reserve > "
+        need = report.peak_gib + report.casts_gib
+        print(f"error: does not fit: {need:.1f} GiB + {report.reserve_gib:g} GiB reserve > "
               f"{report.gpu_gib:g} GiB; biggest term: {biggest} {report.by_category[biggest]:.1f} GiB: "
               f"{advice(biggest, cfg)}", file=sys.stderr)  # fmt: skip
         return 1

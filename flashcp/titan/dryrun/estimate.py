@@ -14,6 +14,18 @@ adds the fp32 gradient of the hidden states and, under FSDP, the output projecti
 unsharded across the slices in fp32 (FSDP's reduce dtype in the shipped configs) plus the fp32
 reduce-scatter input it is copied into at the last slice. It assumes every term peaks at once, so
 it should sit at or above the tracked peak.
+
+With a low-precision converter (`[model] converters`, `LowPrecision`) one term is added, the casts
+of one converted linear's backward, the largest (`cast_bytes`); nothing else changes. Source:
+torchao's `Float8Linear` (`matmul_with_hp_or_float8_args`) and `MXFP8Linear` (`mx_mm`) save the
+high-precision input and weight for backward and cast them again there, so the saved activations
+stay bf16; the weights stay high-precision parameters (master copy, gradients and AdamW moments as
+before); FSDP gathers them in bf16 (torchao gathers in float8 only with tensorwise scaling, which
+TorchTitan 0.3.0's recipes, rowwise and rowwise_with_gw_hp, do not use). The backward casts
+grad_output along both dims, the weight and the input (rowwise_with_gw_hp: grad_output once and the
+weight), 1 byte per element (MXFP8 adds an 8-bit scale per 32; Float8's fp32 scale per row, 4 /
+row length of the data, is left out). Not modelled: under torch.compile the partitioner may save
+the float8 casts in place of the bf16 inputs.
 """
 
 from __future__ import annotations
@@ -37,6 +49,15 @@ class ModelShape:
 
 
 @dataclass(frozen=True)
+class LowPrecision:
+    """The linears a converter swaps, as this rank runs them: (in, out, tokens) each, split by TP."""
+
+    converter: str  # "float8" | "mx"
+    linears: tuple[tuple[int, int, int], ...]
+    grad_weight_hp: bool = False  # Float8's rowwise_with_gw_hp: the weight gradient's matmul in high precision
+
+
+@dataclass(frozen=True)
 class Layout:
     fsdp: int  # ranks a parameter is sharded over (dp_shard x cp)
     tp: int
@@ -47,6 +68,16 @@ class Layout:
     full_ac: bool
     mlp_tiles: int = 1  # the MLP's sequence tiles ([activation_checkpoint] mlp_tiles)
     offload: bool = False  # full AC's layer inputs in host memory, all but two on the GPU at the peak
+    low_precision: LowPrecision | None = None  # [model] converters
+
+
+def cast_bytes(lp: LowPrecision) -> float:
+    """The low-precision copies alive in the backward of the converted linear where they are largest
+    (see the module doc): (2 T N + T K + K N) elements, (T N + K N) with the weight gradient in high
+    precision, 1 byte each plus MXFP8's scale byte per 32."""
+    per_element = 1 + (1 / 32 if lp.converter == "mx" else 0)
+    casts = [t * n + k * n + (0 if lp.grad_weight_hp else t * n + t * k) for k, n, t in lp.linears]
+    return per_element * max(casts, default=0)
 
 
 def layer_params(m: ModelShape) -> int:
@@ -79,5 +110,7 @@ def estimate(m: ModelShape, lay: Layout) -> dict[str, float]:
         "flashcp_buffers": 2 * 2 * lay.kv_rows * kv_dim / GIB,
         "loss": (14 * lay.loss_tokens * m.vocab / lay.tp + (chunk_buffers if chunked else 0)) / GIB,
     }  # fmt: skip
+    if lay.low_precision is not None:
+        out["low_precision_casts"] = cast_bytes(lay.low_precision) / GIB
     out["peak"] = sum(out.values())
     return out

@@ -10,7 +10,7 @@ import dataclasses
 from typing import Any
 
 from flashcp.costmodel.proxy import H100_BF16_TFLOPS
-from flashcp.titan.dryrun.estimate import GIB, Layout, layer_params, ModelShape
+from flashcp.titan.dryrun.estimate import cast_bytes, GIB, Layout, layer_params, LowPrecision, ModelShape
 from flashcp.titan.models.offload import layer_input_bytes, offload_seconds, PCIE_GEN5_X16
 
 SHARD_WIDER = "shard them wider: more ranks (data_parallel_shard_degree) or a higher tensor_parallel_degree"
@@ -59,10 +59,15 @@ class Report:
     host_gib: float = 0.0  # tracked: the offloaded layer inputs one rank keeps in host memory
     host_limit_gib: float = 256.0
     offload: dict[str, Any] | None = None  # modelled: the copies' time against the layer's compute
+    low_precision: dict[str, Any] | None = None  # modelled: a converter's casts, added to the tracked peak
+
+    @property
+    def casts_gib(self) -> float:
+        return self.low_precision["casts_gib"] if self.low_precision else 0.0
 
     @property
     def fits_gpu(self) -> bool:
-        return self.peak_gib + self.reserve_gib <= self.gpu_gib
+        return self.peak_gib + self.casts_gib + self.reserve_gib <= self.gpu_gib
 
     @property
     def fits(self) -> bool:
@@ -86,6 +91,14 @@ def offload_time(m: ModelShape, lay: Layout) -> dict[str, Any]:
         "copy_ms": offload_seconds(nbytes) * 1e3, "layer_forward_ms_at_peak": forward_s * 1e3,
         "link_gb_per_s": PCIE_GEN5_X16 / 1e9, "hides": offload_seconds(nbytes) <= forward_s,
     }  # fmt: skip
+
+
+def low_precision_report(lp: LowPrecision | None) -> dict[str, Any] | None:
+    """Modelled: the converter's linears (run unconverted here: no torchao on fake tensors) and
+    the casts their backward adds at most (`estimate.cast_bytes`, which states its source)."""
+    if lp is None:
+        return None
+    return {"converter": lp.converter, "linears": len(lp.linears), "casts_gib": cast_bytes(lp) / GIB}
 
 
 def format_report(r: Report) -> str:
@@ -114,7 +127,15 @@ def format_report(r: Report) -> str:
             f"{o['copy_ms']:.1f} ms at {o['link_gb_per_s']:g} GB/s against its dense forward's "
             f"{o['layer_forward_ms_at_peak']:.1f} ms at peak (modelled): {'hides' if o['hides'] else 'does NOT hide'}"
         )
+    casts = ""
+    if r.low_precision is not None:
+        lp = r.low_precision
+        lines.append(
+            f"{lp['converter']}: {lp['linears']} linears converted, tracked here unconverted (the same saved inputs, "
+            f"weights and FSDP gathers); their casts in a backward add {lp['casts_gib']:.2f} GiB (modelled)"
+        )
+        casts = f" + {r.casts_gib:.1f} GiB casts (modelled)"
     verdict = "fits" if r.fits else "does NOT fit"
-    lines.append(f"{verdict}: {r.peak_gib:.1f} GiB tracked + {r.reserve_gib:g} GiB reserve (CUDA context, NCCL, "
-                 f"fragmentation) against a {r.gpu_gib:g} GiB GPU")  # fmt: skip
+    lines.append(f"{verdict}: {r.peak_gib:.1f} GiB tracked{casts} + {r.reserve_gib:g} GiB reserve (CUDA context, "
+                 f"NCCL, fragmentation) against a {r.gpu_gib:g} GiB GPU")  # fmt: skip
     return "\n".join(lines)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import math
 import os
 import tempfile
 import time
@@ -34,9 +35,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from flashcp.attention import kernels
 from flashcp.titan.config import check_layout, ConfigError
-from flashcp.titan.dryrun.estimate import estimate, GIB, Layout, ModelShape
+from flashcp.titan.config.converters import converted_linears
+from flashcp.titan.dryrun.estimate import estimate, GIB, Layout, LowPrecision, ModelShape
 from flashcp.titan.dryrun.memtrack import CategoryTracker
-from flashcp.titan.dryrun.report import offload_time, Report
+from flashcp.titan.dryrun.report import low_precision_report, offload_time, Report
 from flashcp.titan.models.offload import LayerInputOffload
 from flashcp.titan.models.rotary import rotation
 from flashcp.titan.models.tiled_mlp import tile_count
@@ -57,7 +59,7 @@ def dry_run(cfg: dict[str, Any], world_size: int, gpu_gib: float = 80.0, reserve
             input_dict, labels = next(trainer.batch_generator(trainer.dataloader))
             peak, by_category, host = _measure(trainer, input_dict, labels)
             plan = _plan_figures(trainer)
-            shape, layout = _shape_and_layout(trainer, input_dict["dispatch"], cfg["activation_checkpoint"])
+            shape, layout = _shape_and_layout(trainer, input_dict["dispatch"], cfg)
             est = estimate(shape, layout)
         finally:
             trainer.close()
@@ -67,6 +69,7 @@ def dry_run(cfg: dict[str, Any], world_size: int, gpu_gib: float = 80.0, reserve
         peak_gib=peak / GIB, by_category={k: v / GIB for k, v in by_category.items()},
         estimate_gib=est, plan=plan, loss_chunks=chunks, seconds=time.perf_counter() - start,
         host_gib=host / GIB, host_limit_gib=host_gib, offload=offload_time(shape, layout) if layout.offload else None,
+        low_precision=low_precision_report(layout.low_precision),
     )  # fmt: skip
 
 
@@ -74,6 +77,7 @@ def _cpu_checkable(cfg: dict[str, Any]) -> dict[str, Any]:
     """The job as the layout check sees it on this GPU-less machine: any GPU kernel is replaced here."""
     out = copy.deepcopy(cfg)
     out["flashcp"]["backend"] = "auto"
+    out["model"]["converters"] = []  # nor torchao or its GPU: the converters' casts are modelled
     return out
 
 
@@ -89,6 +93,9 @@ def _dry_job(cfg: dict[str, Any], folder: str) -> dict[str, Any]:
     out["job"]["dump_folder"] = folder
     out["data"]["prefetch"] = 0
     out["flashcp"]["backend"] = KERNEL
+    # torchao's linears cannot be built without torchao: the linears run in bf16, whose saved tensors,
+    # weights and FSDP gathers are the converted ones' (estimate.py), and their casts are modelled.
+    out["model"]["converters"] = []
     return out
 
 
@@ -251,10 +258,11 @@ def _plan_figures(trainer) -> dict[str, float]:
     return {key.removeprefix("flashcp/"): value for key, value in figures.items()}
 
 
-def _shape_and_layout(trainer, dispatch, ac: dict[str, Any]) -> tuple[ModelShape, Layout]:
+def _shape_and_layout(trainer, dispatch, job: dict[str, Any]) -> tuple[ModelShape, Layout]:
     from torchtitan.distributed.activation_checkpoint import FullAC
 
     model, dims, cfg = trainer.model_config, trainer.parallel_dims, trainer.config
+    ac = job["activation_checkpoint"]
     attention = model.first_attention
     tokens = cfg.training.seq_len // dims.cp
     rope_row = rotation(attention.rope, torch.zeros(1, dtype=torch.long))  # one position's RoPE row
@@ -273,4 +281,22 @@ def _shape_and_layout(trainer, dispatch, ac: dict[str, Any]) -> tuple[ModelShape
         full_ac=isinstance(cfg.activation_checkpoint, FullAC.Config),
         mlp_tiles=max(1, tile_count(ac["mlp_tiles"], tokens, shape.ffn // dims.tp, 2)), offload=ac["offload"],
     )  # fmt: skip
-    return shape, layout
+    return shape, dataclasses.replace(layout, low_precision=_low_precision(job, model, layout, dims.tp))
+
+
+def _low_precision(job: dict[str, Any], model_config: Any, lay: Layout, tp: int) -> LowPrecision | None:
+    """The job's converted linears as this rank runs them: TorchTitan's TP splits wo and w2 along their
+    input (row-wise), the others along their output; the MLP runs a tile's tokens at a time, the output
+    projection a loss slice's."""
+    names = job["model"]["converters"]
+    if not names:
+        return None
+    linears = []
+    for fqn, lin in converted_linears(model_config, job):
+        k, n = lin.in_features, lin.out_features
+        k, n = (k // tp, n) if fqn.rsplit(".", 1)[-1] in ("wo", "w2") else (k, n // tp)
+        tokens = lay.loss_tokens if fqn == "lm_head" else \
+            math.ceil(lay.tokens / lay.mlp_tiles) if ".feed_forward." in fqn else lay.tokens  # fmt: skip
+        linears.append((k, n, tokens))
+    gw_hp = names[0] == "float8" and job["float8"]["recipe_name"] == "rowwise_with_gw_hp"
+    return LowPrecision(names[0], tuple(linears), grad_weight_hp=gw_hp)

@@ -20,6 +20,8 @@ from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
 from torchtitan.models.llama3 import parallelize_llama
 from torchtitan.models.qwen3 import parallelize_qwen3, Qwen3Model
+from torchtitan.models.utils import validate_converter_order
+from torchtitan.protocols.model import ModelConfigConverter
 from torchtitan.protocols.model_spec import ModelSpec
 
 from flashcp.titan import compat
@@ -32,11 +34,13 @@ from flashcp.titan.models.tiled_mlp import use_tiled_mlp
 
 def model_spec(
     model_cfg: dict[str, Any], flashcp_cfg: dict[str, Any], tokenizer_vocab: int, seq_len: int,
-    offload: bool = False, mlp_tiles: int = 0,
+    offload: bool = False, mlp_tiles: int = 0, converters: list[ModelConfigConverter.Config] | None = None,
 ) -> ModelSpec:
     """The job's model as a TorchTitan ModelSpec, with FlashCP attention when selected; `offload`: full
     activation checkpointing's layer inputs wait in host memory (`[activation_checkpoint] offload`);
-    `mlp_tiles` > 1: the MLP runs over sequence tiles (`[activation_checkpoint] mlp_tiles`)."""
+    `mlp_tiles` > 1: the MLP runs over sequence tiles (`[activation_checkpoint] mlp_tiles`);
+    `converters`: TorchTitan's model converters (`[model] converters`), applied last to the config as
+    TorchTitan's registries apply them, so before the model is built, parallelised and compiled."""
     arch = job_architecture(model_cfg, tokenizer_vocab, seq_len)
     if tokenizer_vocab > arch.vocab_size:
         raise ConfigError(
@@ -56,6 +60,10 @@ def model_spec(
     else:
         parallelize = _parallelize_titan_cp
     use_tiled_mlp(model, mlp_tiles)
+    if converters:  # as torchtitan.models.llama3.model_registry does
+        validate_converter_order(converters)
+        for converter in converters:
+            model = converter.build().convert(model)
     if offload:
         parallelize = partial(_offloaded, parallelize)
     # No pipeline parallelism. The spec keeps TorchTitan's HF state_dict_adapter: checkpoints stay
