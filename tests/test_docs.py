@@ -67,6 +67,8 @@ ELSEWHERE = {  # command -> (the test that runs it, what that test changes)
         "in process, a checkpoint of the same tiny Llama"),
     ".venv/bin/python -m flashcp.gpucheck --device cpu --quick --out outputs/gpucheck": (
         "tests/test_gpucheck.py::test_quick_check_runs_every_section", "--no-budgets, its own folder"),
+    ".venv/bin/python -m flashcp.titan.config --check default --model.attention flex": (
+        "tests/titan/test_flex_switch.py::test_check_on_cpu_refuses_in_one_line", "CUDA_VISIBLE_DEVICES empty"),
 }  # fmt: skip
 SLOW = {  # command -> (the test that runs the same entry point on a small job, how)
     "./run_train.sh": (
@@ -93,6 +95,9 @@ SLOW = {  # command -> (the test that runs the same entry point on a small job, 
     "default --data.mix.long.source synthetic --data.mix.short.source synthetic --validation.enable false": (
         "tests/titan/test_dryrun.py::test_a_recipe_without_its_data_says_how_to_dry_run_it",
         "the recipe without these overrides, which names them"),
+    ".venv/bin/python -m flashcp.titan.dryrun --config llama8b_128k --world-size 8 --model.converters float8": (
+        "tests/titan/test_converters.py::test_the_dry_run_of_a_float8_job_adds_its_modelled_casts",
+        "debug_cpu with and without float8; the 8B job takes 0.5-2 minutes"),
 }  # fmt: skip
 
 
