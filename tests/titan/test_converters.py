@@ -57,6 +57,20 @@ def test_the_launcher_check_refuses_float8_on_cpu_in_one_line():
                                         f"{missing}{ON_CPU}"]  # fmt: skip
 
 
+def test_the_launcher_refuses_float8_on_cpu_in_one_line(tmp_path, capsys, monkeypatch):
+    from flashcp.titan.launch import node as launch
+
+    monkeypatch.delenv("NGPU", raising=False)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 0)  # a machine without GPUs
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    code = launch.main(["--config", "debug_cpu", "--model.converters", "float8", "--job.dump_folder", str(tmp_path)])
+    missing = "" if find_spec("torchao") else "torchao is not installed; "
+    assert code == 2 and capsys.readouterr().err.splitlines() == [
+        "error: no GPU found, so the job was laid out on 4 CPU rank(s) (the job's layout; set NGPU to the ranks per "
+        f"node to choose): [model] converters = ['float8'] cannot run on this machine: {missing}{ON_CPU}"
+    ]
+
+
 @pytest.mark.parametrize(
     "name, emulate, has_cuda, capability, rocm, problem",
     [
