@@ -15,6 +15,7 @@ refuses the job before launch with it (`flashcp.titan.config.layout`).
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from importlib.util import find_spec
 from typing import Any
 
@@ -79,8 +80,7 @@ def check_converters(cfg: dict, given: dict[str, list[str]]) -> None:
     for name in CONVERTERS:
         if given.get(name) and name not in names:
             raise ConfigError(f"[{name}] settings need [model] converters = [{name!r}]")
-    float8 = cfg["float8"]
-    if "float8" in names and float8["emulate"] and _compiled(cfg):
+    if "float8" in names and cfg["float8"]["emulate"] and _compiled(cfg):
         raise ConfigError("[float8] emulate = true runs in eager mode only (TorchTitan's Float8 emulation): "
                           "not with [compile] enable and 'model' in components")  # fmt: skip
 
@@ -115,8 +115,6 @@ def converter_problem(name: str, emulate: bool, has_cuda: bool, capability: tupl
 
 def torchao_module(name: str) -> bool:
     """Whether TorchTitan could import torchao's module for `name` (it sets the class to None otherwise)."""
-    import importlib
-
     module, cls, _ = TORCHAO_MODULE[name]
     return getattr(importlib.import_module(f"torchtitan.components.quantization.{module}"), cls) is not None
 

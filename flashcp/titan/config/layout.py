@@ -105,12 +105,11 @@ def _check_machine(cfg: dict, has_cuda: bool) -> None:
             raise ConfigError("[parallelism] enable_fsdp_symm_mem needs NVIDIA GPUs of compute capability 9.0 "
                               "or newer (or AMD GPUs)")  # fmt: skip
     for name in cfg["model"]["converters"]:
-        capability, rocm = (None, False)
-        if has_cuda:
-            import torch
+        import torch
 
-            capability, rocm = torch.cuda.get_device_capability(), torch.version.hip is not None
-        problem = converter_problem(name, cfg["float8"]["emulate"], has_cuda, capability, rocm)
+        capability = torch.cuda.get_device_capability() if has_cuda else None
+        problem = converter_problem(name, cfg["float8"]["emulate"], has_cuda, capability,
+                                    rocm=has_cuda and torch.version.hip is not None)  # fmt: skip
         if problem:
             raise ConfigError(f"[model] converters = [{name!r}] cannot run on this machine: {problem}")
     if not has_cuda:
