@@ -1,0 +1,140 @@
+"""The two-level KV exchange (CP groups spanning nodes) equals single-process attention on gloo.
+
+Four gloo ranks play two nodes of two (`ranks_per_node=2`), four nodes of one and one node of
+four; each case runs `cp_varlen_attention(comm="two_level")` forward and backward and compares
+output and dq/dk/dv with the float64 oracle of tests/test_cp_attention.py (same tolerances). The
+rows every stage moves, recorded per rank (`record_comm`: "two_level_inter" over the fabric,
+"two_level_intra" over NVLink), must equal `flashcp.plan.nodes.node_traffic`'s counts, and the
+fabric rows must never exceed the flat needed exchange's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from distributed_pool import DistributedPool
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_cp_attention import EDGE_WINDOWS, TOL, Case, oracle, window_tensors
+
+from flashcp import plan_shards
+from flashcp.attention import build_two_level_dispatch, cp_varlen_attention, record_comm
+from flashcp.plan.nodes import node_metrics, node_traffic
+
+STRATEGIES = ("flashcp", "per_doc", "per_seq", "whole_doc")
+
+
+def run_two_level(rank: int, group, cases: list[tuple]):
+    """Worker: forward + backward of every (plan, ranks_per_node, heads, dtype, seed) on this rank."""
+    results = []
+    for plan, g, heads, dtype, seed in cases:
+        dispatch = build_two_level_dispatch(plan, rank, g)
+        idx = dispatch.token_index
+        q, k, v, w = (t[idx].clone() for t in window_tensors(plan.context, heads, dtype, seed))
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        with record_comm() as log:
+            out = cp_varlen_attention(q, k, v, dispatch, group, comm="two_level", backend="reference")
+            (out * w).sum().backward()
+        results.append((idx, out.detach(), q.grad, k.grad, v.grad, list(log)))
+    return results
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with DistributedPool(world_size=4, sizes=(2, 4)) as p:
+        yield p
+
+
+def check(pool: DistributedPool, cases: list[tuple]) -> None:
+    """Run `cases` (all on one CP size), compare with the oracle and the plan's row counts."""
+    size = cases[0][0].cp_size
+    per_rank = pool.run(run_two_level, (cases,), size=size)
+    for i, (plan, g, heads, dtype, seed) in enumerate(cases):
+        what = f"{plan.strategy} N={size} g={g} docs={plan.doc_lens} {dtype}"
+        want = oracle(Case(plan, "two_level", heads=heads, seed=seed))
+        got = [torch.empty_like(x) for x in want]
+        for rank_results in per_rank:
+            idx, *tensors, _ = rank_results[i]
+            for full, local in zip(got, tensors):
+                full[idx] = local.double()
+        for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+            torch.testing.assert_close(a, b, **TOL[dtype], msg=lambda m: f"{what} {name}: {m}")
+        t = node_traffic(plan, g)
+        for r, rank_results in enumerate(per_rank):
+            log = rank_results[i][-1]
+            rows = {(x.op, x.pass_): (x.sent_rows, x.recv_rows) for x in log}
+            assert len(rows) == len(log) == 4, (what, log)  # two stages each way, once
+            assert rows[("two_level_inter", "forward")] == (t.stage1_send[r], t.stage1_recv[r]), what
+            assert rows[("two_level_intra", "forward")] == (t.stage2_send[r], t.stage2_recv[r]), what
+            # the backward moves the same rows back
+            assert rows[("two_level_inter", "backward")] == (t.stage1_recv[r], t.stage1_send[r]), what
+            assert rows[("two_level_intra", "backward")] == (t.stage2_recv[r], t.stage2_send[r]), what
+
+
+@pytest.mark.parametrize("layout", [(4, 2), (4, 1), (4, 4), (2, 1)], ids=lambda x: f"N{x[0]}g{x[1]}")
+@pytest.mark.parametrize("window", EDGE_WINDOWS, ids=list(EDGE_WINDOWS))
+def test_edge_windows_match_single_process(pool, window, layout):
+    n, g = layout
+    doc_lens = list(EDGE_WINDOWS[window])
+    doc_lens[-1] += -sum(doc_lens) % n
+    plans = [plan_shards(doc_lens, n, s) for s in STRATEGIES]
+    check(pool, [(p, g, h, torch.float64, 1) for p in plans for h in ((2, 2, 8), (4, 1, 4))])
+
+
+def test_float32(pool):
+    plans = [plan_shards([19, 6, 1, 14, 8], 4, s) for s in STRATEGIES]
+    check(pool, [(p, 2, (6, 2, 4), torch.float32, 2) for p in plans])
+
+
+@st.composite
+def windows(draw):
+    doc_lens = draw(st.lists(st.integers(1, 30), min_size=1, max_size=10))
+    if sum(doc_lens) % 4:
+        doc_lens.append(-sum(doc_lens) % 4)
+    return doc_lens, draw(st.sampled_from(STRATEGIES)), draw(st.integers(0, 2**16))
+
+
+@settings(max_examples=20, deadline=None)
+@given(windows())
+def test_random_windows_two_nodes_of_two(pool, window):
+    doc_lens, strategy, seed = window
+    check(pool, [(plan_shards(doc_lens, 4, strategy), 2, (2, 1, 4), torch.float64, seed)])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 400), min_size=1, max_size=40), st.sampled_from([(8, 2), (8, 4), (16, 4), (16, 8)]),
+       st.sampled_from(STRATEGIES))  # fmt: skip
+def test_fabric_rows_never_exceed_the_flat_exchange(doc_lens, layout, strategy):
+    """Each piece crosses into a node at most once, where the flat exchange sends it to every rank
+    of that node that needs it; with one rank per node the two are the same."""
+    n, g = layout
+    doc_lens.append(-sum(doc_lens) % n or n)
+    plan = plan_shards(doc_lens, n, strategy)
+    t, flat = node_traffic(plan, g), node_traffic(plan, 1)
+    totals = t.totals()
+    assert totals["two_level_inter"] <= totals["flat_inter"]
+    assert flat.totals()["two_level_inter"] == flat.totals()["flat_inter"]
+    # every rank still gets every row it needs: from the fabric (its own stage 1 share or a
+    # node-mate's forward) or from a node-mate's own rows
+    assert [sum(row) for row in t.needed] == plan.needed_tokens()
+    assert sum(t.flat_inter_recv) + sum(t.flat_intra_recv) == sum(plan.needed_tokens())
+
+
+def test_shared_prefix_crosses_the_fabric_once():
+    """Llama3 CP's chunks cut document 0 (40 tokens) into one piece per rank: with nodes {0, 1}
+    and {2, 3}, ranks 2 and 3 both need rank 0's and rank 1's pieces (40 rows flat, 20 two-level);
+    document 2 (30 tokens) runs back from rank 3 to rank 0, so ranks 0 and 1 need rank 3's 2 and
+    rank 2's 10 rows (24 flat, 12 two-level)."""
+    plan = plan_shards([40, 8, 30, 2], 4, "per_seq")
+    m = node_metrics(plan, 2, row_bytes=16)
+    assert (m["fabric_rows_flat"], m["fabric_rows_two_level"]) == (64, 32)
+    assert m["fabric_saving"] == 0.5
+    assert m["two_level_inter_bytes"] == 16 * m["two_level_inter_rows"]
+
+
+def test_ranks_per_node_must_divide_the_cp_size():
+    plan = plan_shards([12, 12], 4, "flashcp")
+    with pytest.raises(ValueError, match="ranks_per_node=3 must be a positive divisor of the CP size 4"):
+        build_two_level_dispatch(plan, 0, 3)
+    with pytest.raises(ValueError, match="ranks_per_node=3 must divide the CP size 4"):
+        node_traffic(plan, 3)
