@@ -62,65 +62,76 @@ def build_two_level_dispatch(plan: Plan, rank: int, ranks_per_node: int) -> TwoL
     needed = build_dispatch(plan, rank, "needed")  # the shards, queries and key lengths are the same
     node = [r // g for r in range(n)]
     local_start, pieces_of = _local_pieces(plan)
-    docs = doc_pieces(plan)
-    needers = _needers(docs)  # piece -> ranks holding a later piece of its document
+    needers = _needers(doc_pieces(plan))  # piece -> ranks holding a later piece of its document
+    need_nodes = {p: {node[r] for r in rs} for p, rs in needers.items()}
     mine = node[rank]
-    rail_sources = [s for s in range(rank % g, n, g) if node[s] != mine]
-
-    def wanted(piece: tuple, ranks) -> bool:
-        return any(r in needers[piece] for r in ranks)
-
-    def rows(piece: tuple, base: int) -> list[int]:
-        return list(range(base, base + piece[2]))
+    forwarded = [s for s in range(n) if node[s] != mine]  # sources whose pieces arrive via a proxy
 
     # stage 1: my pieces to the rail-mate of every other node that needs them
-    s1_index, s1_send = [], [0] * n
+    s1_rows, s1_send = _Ranges(), [0] * n
     for a in sorted(set(node) - {mine}):
-        proxy = a * g + rank % g
         for p in pieces_of[rank]:
-            if wanted(p, range(a * g, a * g + g)):
-                s1_index += rows(p, local_start[p])
-                s1_send[proxy] += p[2]
+            if a in need_nodes[p]:
+                s1_rows.add(local_start[p], p[2])
+                s1_send[a * g + rank % g] += p[2]
     # what arrives here in stage 1, and where each piece lands in stage 1's output
     s1_recv, pos1, offset = [0] * n, {}, 0
-    for s in rail_sources:
-        for p in pieces_of[s]:
-            if wanted(p, range(mine * g, mine * g + g)):
-                pos1[p], offset = offset, offset + p[2]
-                s1_recv[s] += p[2]
+    for s in forwarded:
+        if s % g == rank % g:
+            for p in pieces_of[s]:
+                if mine in need_nodes[p]:
+                    pos1[p], offset = offset, offset + p[2]
+                    s1_recv[s] += p[2]
     n1 = offset
 
     def segment(src: int, dest: int) -> list[tuple]:
         """Pieces `src` hands `dest` in stage 2: its own, then those it forwards, in that order."""
         own = [p for p in pieces_of[src] if dest in needers[p]] if src != dest else []
-        return own + [p for s in range(src % g, n, g) if node[s] != mine for p in pieces_of[s] if dest in needers[p]]
+        return own + [p for s in forwarded if s % g == src % g for p in pieces_of[s] if dest in needers[p]]
 
-    s2_index, s2_send, s2_recv, recv_pos, offset = [], [0] * n, [0] * n, {}, 0
+    s2_rows, s2_send, s2_recv, recv_pos, offset = _Ranges(), [0] * n, [0] * n, {}, 0
     for peer in range(mine * g, mine * g + g):
         for p in segment(rank, peer):  # what I send to `peer`
-            s2_index += rows(p, n1 + local_start[p] if p[3] == rank else pos1[p])
+            s2_rows.add(n1 + local_start[p] if p[3] == rank else pos1[p], p[2])
             s2_send[peer] += p[2]
         for p in segment(peer, rank):  # what `peer` sends me
             recv_pos[p], offset = offset, offset + p[2]
             s2_recv[peer] += p[2]
     recv_size = offset
 
-    # keys of every local shard: its document's pieces up to itself, from the buffer or local rows
-    kv: list[int] = []
-    for p in pieces_of[rank]:
-        for start, length, owner in docs[p[0]]:
-            if start <= p[1]:
-                q = (p[0], start, length, owner)
-                kv += rows(q, recv_size + local_start[q] if owner == rank else recv_pos[q])
-    route = TwoLevelRoute(g, _long(s1_index), s1_send, s1_recv, _long(s2_index), s2_send, s2_recv)
+    # The needed dispatch's keys point into its own buffer (sources in rank order, window order
+    # within, then the local rows): move each received row to where stage 2 delivers it.
+    moved = _Ranges()
+    for s in range(n):
+        for p in pieces_of[s] if s != rank else ():
+            if rank in needers[p]:
+                moved.add(recv_pos[p], p[2])
+    moved.add(recv_size, plan.tokens_per_rank)
+    kv_index = moved.index()[needed.kv_index]
+    s1_index, s2_index = s1_rows.index(), s2_rows.index()
+    route = TwoLevelRoute(g, s1_index, s1_send, s1_recv, s2_index, s2_send, s2_recv)
     base = {f.name: getattr(needed, f.name) for f in fields(Dispatch)}
     base.update(comm="two_level", send_index=route.stage1_index, send_pad=0, send_splits=s1_send,
-                recv_splits=s2_recv, recv_size=recv_size, kv_index=_long(kv), overlap=None)  # fmt: skip
+                recv_splits=s2_recv, recv_size=recv_size, kv_index=kv_index, overlap=None)  # fmt: skip
     return TwoLevelDispatch(**base, route=route)
 
 
-def _long(values: list[int]) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.long)
+class _Ranges:
+    """Row ranges collected on the host, expanded into one index tensor without a Python loop."""
+
+    def __init__(self) -> None:
+        self.starts: list[int] = []
+        self.lengths: list[int] = []
+
+    def add(self, start: int, length: int) -> None:
+        self.starts.append(start)
+        self.lengths.append(length)
+
+    def index(self) -> torch.Tensor:
+        starts, lengths = torch.tensor(self.starts, dtype=torch.long), torch.tensor(self.lengths, dtype=torch.long)
+        offsets = torch.cumsum(lengths, 0) - lengths  # where each range begins in the output
+        total = int(lengths.sum())
+        return torch.repeat_interleave(starts - offsets, lengths, output_size=total) + torch.arange(total)
 
 
 def _local_pieces(plan: Plan) -> tuple[dict[tuple, int], list[list[tuple]]]:
