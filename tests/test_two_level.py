@@ -10,6 +10,8 @@ fabric rows must never exceed the flat needed exchange's.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from distributed_pool import DistributedPool
@@ -138,3 +140,30 @@ def test_ranks_per_node_must_divide_the_cp_size():
         build_two_level_dispatch(plan, 0, 3)
     with pytest.raises(ValueError, match="ranks_per_node=3 must divide the CP size 4"):
         node_traffic(plan, 3)
+
+
+def test_planner_cli_reports_the_fabric_rows_of_both_exchanges(capsys):
+    from flashcp.plan.__main__ import main
+
+    assert main(["--lengths", "40,8,30,2", "--cp", "4", "--strategy", "per_seq", "--ranks-per-node", "2",
+                 "--json"]) == 0  # fmt: skip
+    summary = json.loads(capsys.readouterr().out)["per_seq"]
+    plan = plan_shards([40, 8, 30, 2], 4, "per_seq")
+    t, full = node_traffic(plan, 2), plan.metrics()["comm_full_tokens"]
+    flat = max(max(t.flat_inter_send), max(t.flat_inter_recv))
+    staged = max(max(t.stage1_send), max(t.stage1_recv))
+    assert summary["fabric_flat_inter_ratio"]["mean"] == pytest.approx(flat / full)
+    assert summary["fabric_two_level_inter_ratio"]["mean"] == pytest.approx(staged / full)
+    assert staged < flat
+    with pytest.raises(SystemExit) as bad:
+        main(["--lengths", "12,12", "--cp", "4", "--ranks-per-node", "3"])
+    assert bad.value.code == 2
+    assert "ranks_per_node=3 must divide the CP size 4" in capsys.readouterr().err
+
+
+def test_one_rank_needs_no_process_group():
+    plan = plan_shards([29, 3, 1, 2, 5, 4], 1, "flashcp")
+    ((idx, *got, log),) = run_two_level(0, None, [(plan, 1, (2, 2, 8), torch.float64, 0)])
+    assert log == [] and idx.tolist() == list(range(plan.context))
+    for a, b in zip(got, oracle(Case(plan, "two_level"))):
+        torch.testing.assert_close(a, b, **TOL[torch.float64])
