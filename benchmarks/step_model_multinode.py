@@ -214,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profiles", nargs="+", type=Path, default=[SHARED_PROFILES])
     p.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
     args = p.parse_args(argv)
+    args.cp = sorted(set(args.cp))  # "stops hiding" is the first CP size, in order, past 1
     if args.windows < 1 or any(n < 1 for n in args.cp) or any(c < max(args.cp) for c in args.contexts):
         p.error("--windows and --cp must be positive and every context at least the largest CP size")
     if args.nic_gbps <= 0 or not 0 < args.nic_efficiency <= 1 or (args.ranks_per_node or 1) < 1:
