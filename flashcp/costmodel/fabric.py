@@ -16,9 +16,9 @@ NCCL runs them, from these constants (each with its source; change them to match
 
 What is priced (g = ranks of the group per node, m = N / g nodes, ranks node-major):
 - all-gather / reduce-scatter (NCCL's ring; the cited tuning model has trees for all-reduce only):
-  NCCL builds one ring per NIC, each leaving a node
-  on its own rail, and every ring edge carries all N - 1 other chunks, so the bus bandwidth is
-  the lower of NVLink's (the g-rank table at the buffer size) and g NICs' (g x nic). With a whole
+  NCCL builds one ring per NIC, each leaving a node on its own rail, and every ring edge carries
+  all N - 1 other chunks, so the bus bandwidth is the lower of NVLink's (the g-rank table at the
+  buffer size) and g NICs' (g x nic). With a whole
   node in the group (g = 8) the fabric's 8 x 45 = 360 GB/s is about NVLink's: a ring across
   nodes is not slower per byte; with one rank per node (g = 1) it falls to one NIC's 45 GB/s.
 - all-to-all-v (the "needed" mode): a rank's rows to other nodes leave through its own NIC, its
