@@ -133,6 +133,22 @@ def magi_backward_tflops(model: CostModel, lens: list[int], n: int) -> float:
     return 2.5 * 4 * area * MAGI_SHAPE.heads * MAGI_SHAPE.head_dim / (ms / 1e3 * n) / 1e12
 
 
+# Llama 3 405B's long-context stage (Llama 3 paper, Table 4, from memory: 16K H100s, TP 8 inside each
+# node, CP 16 across 16 nodes, 128K tokens; 380 TFLOP/s/GPU against 400 at 8K without CP): one
+# attention layer per GPU has 128 / 8 query heads and 8 / 8 KV heads. No TP or PP model here, so
+# this is a check of scale, not a prediction of the measured throughput.
+LLAMA3_405B_TP8 = AttentionShape(heads=16, kv_heads=1, head_dim=128)
+
+
+def llama3_405b_check(flat: CostModel, fabric: Fabric) -> dict:
+    """Llama 3 405B's CP all-gather at 128K on CP 16, one rank per node, next to the layer's attention."""
+    model = multinode_model(flat, replace(fabric, group_ranks_per_node=1))
+    t = model.step("llama3", LLAMA3_405B_TP8, {"per_seq": plan_shards([131072], 16, strategy="per_seq")})
+    return {"what": "Llama 3 405B, 128K, CP 16 over 16 nodes (TP 8 inside): one layer, ms",
+            "all_gather_ms": t.comm_fwd, "attention_fwd_ms": t.attn_fwd, "reduce_scatter_ms": t.comm_bwd,
+            "attention_bwd_ms": t.attn_bwd, "hide_fwd": t.comm_fwd / t.attn_fwd}  # fmt: skip
+
+
 def validate(model: MultiNodeCostModel, flat: CostModel, windows: int, seed: int) -> list[dict]:
     """Every published multi-node figure the model predicts; both measurements ran on whole nodes of
     8 GPUs, so they are priced so whatever --ranks-per-node says (the NICs as given)."""
@@ -196,6 +212,10 @@ def markdown(payload: dict) -> str:
         lines += ["", "| measurement | measured | predicted | error | note |", "|---|---|---|---|---|"]
         for r in payload["validation"]:
             lines.append(f"| {r['what']} | {r['measured']:,.3g} | {r['predicted']:,.3g} | {100 * r['error']:+.0f} % | {r['note']} |")
+    if payload.get("llama3_405b_check"):
+        c = payload["llama3_405b_check"]
+        lines += ["", f"{c['what']}: all-gather {c['all_gather_ms']:.2f} vs attention forward {c['attention_fwd_ms']:.1f}; "
+                  f"reduce-scatter {c['reduce_scatter_ms']:.2f} vs attention backward {c['attention_bwd_ms']:.1f}"]
     return "\n".join(lines) + "\n"
 
 
@@ -251,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     if not args.no_validate:
         payload["validation"] = validate(model, flat, args.windows, args.seed)
+        payload["llama3_405b_check"] = llama3_405b_check(flat, fabric)
     args.results.mkdir(parents=True, exist_ok=True)
     (args.results / "step_model_multinode.json").write_text(json.dumps(payload, indent=1) + "\n")
     text = markdown(payload)

@@ -21,9 +21,10 @@ What is priced (g = ranks of the group per node, m = N / g nodes, ranks node-maj
   buffer size) and g NICs' (g x nic). With a whole
   node in the group (g = 8) the fabric's 8 x 45 = 360 GB/s is about NVLink's: a ring across
   nodes is not slower per byte; with one rank per node (g = 1) it falls to one NIC's 45 GB/s.
-- all-to-all-v (the "needed" mode): a rank's rows to other nodes leave through its own NIC, its
-  rows to node-mates over NVLink, both at once: latency + the busiest rank's max(fabric rows /
-  nic, NVLink rows at the single-node all-to-all rate).
+- all-to-all-v (the "needed" mode): rows for a remote rank cross NVLink to the sender's node-mate
+  on the receiver's rail and leave through that GPU's NIC (NCCL's PXN), rows for node-mates go
+  over NVLink, all at once: latency + max(the busiest NIC's rows / nic, the busiest GPU's NVLink
+  rows at the single-node all-to-all rate); `flashcp.plan.nodes` counts the rows.
 - two-level (`flashcp.plan.nodes`): stage 1 over the fabric, each row once per node that needs it,
   NIC to NIC on one rail, then stage 2 over NVLink; the two stages run one after the other.
 """
@@ -117,7 +118,7 @@ class MultiNodeComm(CommModel):
         return self.fabric.network_hop_us * (nodes - 1) / 1e3 + link_bytes / (self.fabric.nic * 1e9) * 1e3
 
     def needed_ms(self, traffic: NodeTraffic, row_bytes: int) -> float:
-        """The flat all-to-all-v: fabric and NVLink rows of every rank at once, the busiest rank's time."""
+        """The flat all-to-all-v: every NIC's and GPU's rows at once, the busiest one's time."""
         g, n = traffic.ranks_per_node, len(traffic.needed)
         inter = max(max(traffic.flat_inter_send), max(traffic.flat_inter_recv)) * row_bytes
         intra = max(max(traffic.flat_intra_send), max(traffic.flat_intra_recv)) * row_bytes

@@ -5,7 +5,9 @@ r // g, rail r % g: the rail is the GPU's own NIC, as in rail-optimised clusters
 document is needed by the owners of its document's later pieces; two exchanges deliver it:
 
 - flat "needed" (one all-to-all-v): every (source, receiver) pair gets its own copy, so a piece
-  needed by three ranks of another node crosses the fabric three times;
+  needed by three ranks of another node crosses the fabric three times. NCCL routes a row for a
+  remote rank through the sender's node-mate on the receiver's rail (PXN, on by default since
+  NCCL 2.12): an NVLink hop, then that GPU's NIC, so each NIC sends what its node owes its rail;
 - "two_level": stage 1 sends each piece once to every other node that needs it, to the rank of the
   source's rail there (the proxy: NIC to NIC on one rail); stage 2 shares it over NVLink with the
   proxy's node-mates that need it, together with the pieces they need from their own node.
@@ -27,9 +29,9 @@ class NodeTraffic:
 
     ranks_per_node: int
     needed: list[list[int]]  # needed[r][s]: rows rank r attends to that rank s holds (r != s)
-    flat_inter_send: list[int]
+    flat_inter_send: list[int]  # rows through the NIC of each rank's rail (what its node owes that rail)
     flat_inter_recv: list[int]
-    flat_intra_send: list[int]
+    flat_intra_send: list[int]  # NVLink: rows to node-mates, and to the node-mate on a receiver's rail
     flat_intra_recv: list[int]
     stage1_send: list[int]  # two-level, over the fabric (deduplicated per destination node)
     stage1_recv: list[int]
@@ -80,13 +82,23 @@ def node_traffic(plan: Plan, ranks_per_node: int) -> NodeTraffic:
     # local copy, no link); same-node rows go straight from their owner.
     stage2 = [[intra[r][p] + sum(inter[r][s] for s in range(p % g, n, g)) * (p != r) if node[p] == node[r] else 0
                for p in range(n)] for r in range(n)]  # fmt: skip
+    # PXN: the rows s owes a remote r cross NVLink to s's node-mate on r's rail, then its NIC
+    nic_send, hop_send, hop_recv = [0] * n, [0] * n, [0] * n
+    for s in range(n):
+        for r in range(n):
+            if inter[r][s]:
+                via = node[s] * g + r % g
+                nic_send[via] += inter[r][s]
+                if via != s:
+                    hop_send[s] += inter[r][s]
+                    hop_recv[via] += inter[r][s]
     return NodeTraffic(
         ranks_per_node=g,
         needed=needed,
-        flat_inter_send=[sum(inter[r][s] for r in range(n)) for s in range(n)],
+        flat_inter_send=nic_send,
         flat_inter_recv=[sum(row) for row in inter],
-        flat_intra_send=[sum(intra[r][s] for r in range(n)) for s in range(n)],
-        flat_intra_recv=[sum(row) for row in intra],
+        flat_intra_send=[sum(intra[r][s] for r in range(n)) + hop_send[s] for s in range(n)],
+        flat_intra_recv=[sum(row) + hop_recv[r] for r, row in enumerate(intra)],
         stage1_send=stage1_send,
         stage1_recv=stage1_recv,
         stage2_send=[sum(stage2[r][p] for r in range(n)) for p in range(n)],
