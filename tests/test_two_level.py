@@ -29,13 +29,15 @@ STRATEGIES = ("flashcp", "per_doc", "per_seq", "whole_doc")
 def run_two_level(rank: int, group, cases: list[tuple]):
     """Worker: forward + backward of every (plan, ranks_per_node, heads, dtype, seed) on this rank."""
     results = []
-    for plan, g, heads, dtype, seed in cases:
-        dispatch = build_two_level_dispatch(plan, rank, g)
+    for plan, g, heads, dtype, seed, *overlap in cases:
+        overlap = bool(overlap and overlap[0])
+        dispatch = build_two_level_dispatch(plan, rank, g, overlap)
         idx = dispatch.token_index
         q, k, v, w = (t[idx].clone() for t in window_tensors(plan.context, heads, dtype, seed))
         q, k, v = (t.requires_grad_() for t in (q, k, v))
         with record_comm() as log:
-            out = cp_varlen_attention(q, k, v, dispatch, group, comm="two_level", backend="reference")
+            out = cp_varlen_attention(q, k, v, dispatch, group, comm="two_level", backend="reference",
+                                      overlap=overlap)  # fmt: skip
             (out * w).sum().backward()
         results.append((idx, out.detach(), q.grad, k.grad, v.grad, list(log)))
     return results
@@ -51,7 +53,7 @@ def check(pool: DistributedPool, cases: list[tuple]) -> None:
     """Run `cases` (all on one CP size), compare with the oracle and the plan's row counts."""
     size = cases[0][0].cp_size
     per_rank = pool.run(run_two_level, (cases,), size=size)
-    for i, (plan, g, heads, dtype, seed) in enumerate(cases):
+    for i, (plan, g, heads, dtype, seed, *_) in enumerate(cases):
         what = f"{plan.strategy} N={size} g={g} docs={plan.doc_lens} {dtype}"
         want = oracle(Case(plan, "two_level", heads=heads, seed=seed))
         got = [torch.empty_like(x) for x in want]
@@ -81,6 +83,13 @@ def test_edge_windows_match_single_process(pool, window, layout):
     doc_lens[-1] += -sum(doc_lens) % n
     plans = [plan_shards(doc_lens, n, s) for s in STRATEGIES]
     check(pool, [(p, g, h, torch.float64, 1) for p in plans for h in ((2, 2, 8), (4, 1, 4))])
+
+
+@pytest.mark.parametrize("g", [1, 2])
+def test_overlap_gives_the_same_result(pool, g):
+    """Local-only shards run while stage 1 is in flight; stage 2 runs at the wait."""
+    plans = [plan_shards([40, 3, 9, 1, 17, 2, 8], 4, s) for s in STRATEGIES]  # whole and split documents
+    check(pool, [(p, g, (4, 2, 8), torch.float64, 3, True) for p in plans])
 
 
 def test_float32(pool):

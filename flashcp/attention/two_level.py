@@ -13,7 +13,8 @@ three ranks of another node need crosses the fabric three times, on the sender's
   with its own pieces they need (same-node traffic goes direct, as in "needed").
 
 Both stages are one all-to-all-v over the CP group (stage 1 has only inter-node splits, stage 2
-only intra-node ones). Stage 2's output is the receive buffer: the dispatch's `kv_index` points
+only intra-node ones); launched asynchronously, stage 1 runs under whatever precedes the wait
+(`overlap=True`: the local-only shards) and stage 2 at the wait. Stage 2's output is the receive buffer: the dispatch's `kv_index` points
 straight into it, so no permutation is copied. The backward runs the transposes in reverse order
 and sums a forwarded piece's gradients on the proxy before they cross the fabric once.
 
@@ -24,7 +25,7 @@ stages; `flashcp.attention.collectives` calls it for dispatches whose comm is "t
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -54,12 +55,14 @@ class TwoLevelDispatch(Dispatch):
     route: TwoLevelRoute | None = None
 
 
-def build_two_level_dispatch(plan: Plan, rank: int, ranks_per_node: int) -> TwoLevelDispatch:
-    """Rank `rank`'s dispatch for the two-level exchange; ranks r // ranks_per_node share a node."""
+def build_two_level_dispatch(plan: Plan, rank: int, ranks_per_node: int, overlap: bool = False) -> TwoLevelDispatch:
+    """Rank `rank`'s dispatch for the two-level exchange; ranks r // ranks_per_node share a node.
+    With `overlap`, also the split of `cp_varlen_attention(overlap=True)` (local-only shards run
+    while stage 1 crosses the fabric)."""
     n, g = plan.cp_size, ranks_per_node
     if g < 1 or n % g:
         raise ValueError(f"ranks_per_node={g} must be a positive divisor of the CP size {n}")
-    needed = build_dispatch(plan, rank, "needed")  # the shards, queries and key lengths are the same
+    needed = build_dispatch(plan, rank, "needed", overlap)  # the same shards, queries and key lengths
     node = [r // g for r in range(n)]
     local_start, pieces_of = _local_pieces(plan)
     needers = _needers(doc_pieces(plan))  # piece -> ranks holding a later piece of its document
@@ -107,12 +110,15 @@ def build_two_level_dispatch(plan: Plan, rank: int, ranks_per_node: int) -> TwoL
             if rank in needers[p]:
                 moved.add(recv_pos[p], p[2])
     moved.add(recv_size, plan.tokens_per_rank)
-    kv_index = moved.index()[needed.kv_index]
+    remap = moved.index()
+    split = needed.overlap
+    if split is not None:  # the remote shards' keys move like all keys; local ones read local K/V
+        split = replace(split, remote=replace(split.remote, kv_index=remap[split.remote.kv_index]))
     s1_index, s2_index = s1_rows.index(), s2_rows.index()
     route = TwoLevelRoute(g, s1_index, s1_send, s1_recv, s2_index, s2_send, s2_recv)
     base = {f.name: getattr(needed, f.name) for f in fields(Dispatch)}
     base.update(comm="two_level", send_index=route.stage1_index, send_pad=0, send_splits=s1_send,
-                recv_splits=s2_recv, recv_size=recv_size, kv_index=kv_index, overlap=None)  # fmt: skip
+                recv_splits=s2_recv, recv_size=recv_size, kv_index=remap[needed.kv_index], overlap=split)  # fmt: skip
     return TwoLevelDispatch(**base, route=route)
 
 
@@ -161,20 +167,38 @@ def _needers(docs: dict[int, list[tuple[int, int, int]]]) -> dict[tuple, set[int
 Record = Callable[[str, str, int, int, torch.Tensor], None]
 
 
+class _Staged:
+    """Stage 1 in flight; `wait()` completes it, then runs stage 2 (which forwards its output)."""
+
+    def __init__(self, work: Any, stage2: Callable[[], None]) -> None:
+        self.work, self.stage2 = work, stage2
+
+    def wait(self) -> None:
+        self.work.wait()
+        self.stage2()
+
+
 def launch(recv: torch.Tensor, local: torch.Tensor, dispatch: TwoLevelDispatch, comms: Any, async_op: bool,
            record: Record) -> tuple[Any, torch.Tensor]:  # fmt: skip
-    """Stage 1 (waited for: stage 2 forwards its output), then stage 2 into `recv`, the receive
-    buffer. Returns stage 2's handle and its send buffer, to keep alive until it completes."""
+    """Start stage 1 into a buffer of its own and run stage 2 into `recv`, the receive buffer: at
+    once, or with `async_op` when the returned handle is waited for (so the work done before the
+    wait overlaps the fabric stage). Returns the handle and stage 1's send rows to keep alive."""
     route, me = dispatch.route, dispatch.rank
     send1 = local.index_select(0, route.stage1_index)
     out1 = local.new_empty(sum(route.stage1_recv_splits), *local.shape[1:])
-    comms.all_to_all(out1, send1, route.stage1_recv_splits, route.stage1_send_splits)
+    work = comms.all_to_all(out1, send1, route.stage1_recv_splits, route.stage1_send_splits, async_op)
     record("two_level_inter", "forward", len(send1), len(out1), send1)
-    send2 = torch.cat([out1, local]).index_select(0, route.stage2_index)
-    work = comms.all_to_all(recv, send2, route.stage2_recv_splits, route.stage2_send_splits, async_op)
-    record("two_level_intra", "forward", len(send2) - route.stage2_send_splits[me],
-           len(recv) - route.stage2_recv_splits[me], send2)  # fmt: skip
-    return work, send2
+
+    def stage2() -> None:
+        send2 = torch.cat([out1, local]).index_select(0, route.stage2_index)
+        comms.all_to_all(recv, send2, route.stage2_recv_splits, route.stage2_send_splits)
+        record("two_level_intra", "forward", len(send2) - route.stage2_send_splits[me],
+               len(recv) - route.stage2_recv_splits[me], send2)  # fmt: skip
+
+    if async_op:
+        return _Staged(work, stage2), send1
+    stage2()
+    return None, send1
 
 
 def backward(grad_recv: torch.Tensor, local_rows: int, dispatch: TwoLevelDispatch, comms: Any,
