@@ -150,8 +150,8 @@ def llama3_405b_check(flat: CostModel, fabric: Fabric) -> dict:
 
 
 def validate(model: MultiNodeCostModel, flat: CostModel, windows: int, seed: int) -> list[dict]:
-    """Every published multi-node figure the model predicts; both measurements ran on whole nodes of
-    8 GPUs, so they are priced so whatever --ranks-per-node says (the NICs as given)."""
+    """Every published multi-node figure the model predicts. Both measurements ran on whole nodes of
+    8 GPUs, so they are priced on whole nodes whatever --ranks-per-node says (the NICs as given)."""
     model = multinode_model(flat, replace(model.comm.fabric, group_ranks_per_node=None))
     rows = []
     masks = {"causal (one document)": lambda c: [[c]]}
@@ -184,38 +184,42 @@ def validate(model: MultiNodeCostModel, flat: CostModel, windows: int, seed: int
 # --- output ----------------------------------------------------------------------------------
 
 
+def table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in rows]
+
+
 def markdown(payload: dict) -> str:
     lines = [f"`{payload['command']}`", "", payload["modelled"], "", "Fabric: " + json.dumps(payload["fabric"]), ""]
-    lines += ["| data | C | CP | system | exchange fwd / bwd ms | attention fwd / bwd ms | hide fwd / bwd | "
-              "step s (tokens/s/GPU) | exchange share of step |", "|---|---|---|---|---|---|---|---|---|"]
+    rows = []
     for run in payload["runs"]:
         c, n = run["context"], run["cp"]
         for s in SYSTEMS:
             r = run["systems"][s]
-            lines.append(f"| {run['dataset']} | {c // 1024}K | {n} | {s} | {r['comm_fwd']:.2f} / {r['comm_bwd']:.2f} | "
-                         f"{r['attn_fwd']:.1f} / {r['attn_bwd']:.1f} | {r['hide_fwd']:.2f} / {r['hide_bwd']:.2f} | "
-                         f"{r['step_s']:.2f} ({c / n / r['step_s']:,.0f}) | {100 * r['exchange_share_of_step']:.1f} % |")  # fmt: skip
-    lines += ["", "Smallest CP size of the grid where an exchange stops hiding (exchange > attention of its pass):", "",
-              "| data | C | " + " | ".join(SYSTEMS) + " |", "|---|---|" + "---|" * len(SYSTEMS)]  # fmt: skip
-    for row in payload["stops_hiding"]:
-        cells = [str(row[s]) if row[s] else f"> {payload['cp_sizes'][-1]}" for s in SYSTEMS]
-        lines.append(f"| {row['dataset']} | {row['context'] // 1024}K | " + " | ".join(cells) + " |")
-    lines += ["", "FlashCP's needed rows on the fabric, busiest rank, flat all-to-all-v vs two-level (MB per layer):",
-              "", "| data | C | CP | flat fabric MB | two-level fabric MB | fabric rows saved (all ranks) |",
-              "|---|---|---|---|---|---|"]  # fmt: skip
-    for run in payload["runs"]:
-        t = run["systems"].get("flashcp_node_traffic")
-        if t:
-            lines.append(f"| {run['dataset']} | {run['context'] // 1024}K | {run['cp']} | {t['flat_inter_bytes'] / 1e6:.1f} | "
-                         f"{t['two_level_inter_bytes'] / 1e6:.1f} | {100 * t['fabric_saving']:.0f} % |")  # fmt: skip
+            rows.append([run["dataset"], f"{c // 1024}K", str(n), s, f"{r['comm_fwd']:.2f} / {r['comm_bwd']:.2f}",
+                         f"{r['attn_fwd']:.1f} / {r['attn_bwd']:.1f}", f"{r['hide_fwd']:.2f} / {r['hide_bwd']:.2f}",
+                         f"{r['step_s']:.2f} ({c / n / r['step_s']:,.0f})",
+                         f"{100 * r['exchange_share_of_step']:.1f} %"])  # fmt: skip
+    lines += table(["data", "C", "CP", "system", "exchange fwd / bwd ms", "attention fwd / bwd ms", "hide fwd / bwd",
+                    "step s (tokens/s/GPU)", "exchange share of step"], rows)  # fmt: skip
+    lines += ["", "Smallest CP size of the grid where an exchange stops hiding (exchange > attention of its pass):", ""]
+    last = payload["cp_sizes"][-1]
+    lines += table(["data", "C", *SYSTEMS], [[r["dataset"], f"{r['context'] // 1024}K",
+                                             *(str(r[s]) if r[s] else f"> {last}" for s in SYSTEMS)]
+                                            for r in payload["stops_hiding"]])  # fmt: skip
+    lines += ["", "FlashCP's needed rows on the fabric, busiest NIC, flat all-to-all-v vs two-level (MB per layer):", ""]
+    rows = [[run["dataset"], f"{run['context'] // 1024}K", str(run["cp"]), f"{t['flat_inter_bytes'] / 1e6:.1f}",
+             f"{t['two_level_inter_bytes'] / 1e6:.1f}", f"{100 * t['fabric_saving']:.0f} %"]
+            for run in payload["runs"] if (t := run["systems"].get("flashcp_node_traffic"))]  # fmt: skip
+    lines += table(["data", "C", "CP", "flat fabric MB", "two-level fabric MB", "fabric rows saved (all ranks)"], rows)
     if payload.get("validation"):
-        lines += ["", "| measurement | measured | predicted | error | note |", "|---|---|---|---|---|"]
-        for r in payload["validation"]:
-            lines.append(f"| {r['what']} | {r['measured']:,.3g} | {r['predicted']:,.3g} | {100 * r['error']:+.0f} % | {r['note']} |")
+        lines += [""] + table(["measurement", "measured", "predicted", "error", "note"], [
+            [r["what"], f"{r['measured']:,.3g}", f"{r['predicted']:,.3g}", f"{100 * r['error']:+.0f} %", r["note"]]
+            for r in payload["validation"]])  # fmt: skip
     if payload.get("llama3_405b_check"):
         c = payload["llama3_405b_check"]
-        lines += ["", f"{c['what']}: all-gather {c['all_gather_ms']:.2f} vs attention forward {c['attention_fwd_ms']:.1f}; "
-                  f"reduce-scatter {c['reduce_scatter_ms']:.2f} vs attention backward {c['attention_bwd_ms']:.1f}"]
+        lines += ["", f"{c['what']}: all-gather {c['all_gather_ms']:.2f} vs attention forward "
+                  f"{c['attention_fwd_ms']:.1f}; reduce-scatter {c['reduce_scatter_ms']:.2f} vs attention backward "
+                  f"{c['attention_bwd_ms']:.1f}"]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

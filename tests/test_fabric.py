@@ -94,7 +94,7 @@ def test_fsdp_across_nodes_uses_the_fabric_model():
     assert step.fsdp_ms() < single_rail
 
 
-@pytest.mark.skipif(not SHARED_PROFILES.is_dir(), reason="needs ../shared/data/gpu_profiles (the calibration)")
+@pytest.mark.skipif(not SHARED_PROFILES.is_dir(), reason="needs ../shared/data/gpu_profiles (calibration)")
 def test_benchmark_writes_every_system_and_where_it_stops_hiding(tmp_path):
     command = [sys.executable, str(ROOT / "benchmarks" / "step_model_multinode.py"), "--datasets", "wlbllm",
                "--contexts", "131072", "--cp", "8", "16", "--windows", "1", "--no-validate",
@@ -110,7 +110,7 @@ def test_benchmark_writes_every_system_and_where_it_stops_hiding(tmp_path):
         assert ("flashcp_node_traffic" in run["systems"]) is (run["cp"] > 8)
     (row,) = payload["stops_hiding"]
     for name in ("llama3", "flashcp", "flashcp_two_level"):
-        ratios = [max(r["systems"][name]["hide_fwd"], r["systems"][name]["hide_bwd"]) for r in payload["runs"]]
+        ratios = [max(r["systems"][name][k] for k in ("hide_fwd", "hide_bwd")) for r in payload["runs"]]
         first = next((n for n, x in zip((8, 16), ratios) if x > 1), None)
         assert row[name] == first
     assert "MODELLED" in (tmp_path / "step_model_multinode.md").read_text()

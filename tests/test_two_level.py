@@ -113,8 +113,11 @@ def test_random_windows_two_nodes_of_two(pool, window):
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.integers(1, 400), min_size=1, max_size=40), st.sampled_from([(8, 2), (8, 4), (16, 4), (16, 8)]),
-       st.sampled_from(STRATEGIES))  # fmt: skip
+@given(
+    st.lists(st.integers(1, 400), min_size=1, max_size=40),
+    st.sampled_from([(8, 2), (8, 4), (16, 4), (16, 8)]),
+    st.sampled_from(STRATEGIES),
+)
 def test_fabric_rows_never_exceed_the_flat_exchange(doc_lens, layout, strategy):
     """Each piece crosses into a node at most once, where the flat exchange sends it to every rank
     of that node that needs it; with one rank per node the two are the same."""

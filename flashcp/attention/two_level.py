@@ -14,9 +14,10 @@ three ranks of another node need crosses the fabric three times, on the sender's
 
 Both stages are one all-to-all-v over the CP group (stage 1 has only inter-node splits, stage 2
 only intra-node ones); launched asynchronously, stage 1 runs under whatever precedes the wait
-(`overlap=True`: the local-only shards) and stage 2 at the wait. Stage 2's output is the receive buffer: the dispatch's `kv_index` points
-straight into it, so no permutation is copied. The backward runs the transposes in reverse order
-and sums a forwarded piece's gradients on the proxy before they cross the fabric once.
+(`overlap=True`: the local-only shards) and stage 2 at the wait. Stage 2's output is the receive
+buffer: the dispatch's `kv_index` points straight into it, so no permutation is copied. The
+backward runs the transposes in reverse order and sums a forwarded piece's gradients on the proxy
+before they cross the fabric once.
 
 This module builds the routes on the host from the plan (O(pieces x ranks)) and runs the two
 stages; `flashcp.attention.collectives` calls it for dispatches whose comm is "two_level".
@@ -55,7 +56,9 @@ class TwoLevelDispatch(Dispatch):
     route: TwoLevelRoute | None = None
 
 
-def build_two_level_dispatch(plan: Plan, rank: int, ranks_per_node: int, overlap: bool = False) -> TwoLevelDispatch:
+def build_two_level_dispatch(
+    plan: Plan, rank: int, ranks_per_node: int, overlap: bool = False
+) -> TwoLevelDispatch:
     """Rank `rank`'s dispatch for the two-level exchange; ranks r // ranks_per_node share a node.
     With `overlap`, also the split of `cp_varlen_attention(overlap=True)` (local-only shards run
     while stage 1 crosses the fabric)."""
@@ -134,7 +137,8 @@ class _Ranges:
         self.lengths.append(length)
 
     def index(self) -> torch.Tensor:
-        starts, lengths = torch.tensor(self.starts, dtype=torch.long), torch.tensor(self.lengths, dtype=torch.long)
+        starts = torch.tensor(self.starts, dtype=torch.long)
+        lengths = torch.tensor(self.lengths, dtype=torch.long)
         offsets = torch.cumsum(lengths, 0) - lengths  # where each range begins in the output
         total = int(lengths.sum())
         return torch.repeat_interleave(starts - offsets, lengths, output_size=total) + torch.arange(total)
@@ -211,7 +215,8 @@ def backward(grad_recv: torch.Tensor, local_rows: int, dispatch: TwoLevelDispatc
     record("two_level_intra", "backward", len(grad_recv) - route.stage2_recv_splits[me],
            len(back2) - route.stage2_send_splits[me], back2)  # fmt: skip
     # a forwarded piece's gradients from every node-mate sum here, then cross the fabric once
-    summed = grad_recv.new_zeros(n1 + local_rows, *grad_recv.shape[1:]).index_add_(0, route.stage2_index, back2)
+    summed = grad_recv.new_zeros(n1 + local_rows, *grad_recv.shape[1:])
+    summed.index_add_(0, route.stage2_index, back2)
     back1 = grad_recv.new_empty(len(route.stage1_index), *grad_recv.shape[1:])
     comms.all_to_all(back1, summed[:n1], route.stage1_send_splits, route.stage1_recv_splits)
     record("two_level_inter", "backward", n1, len(back1), back1)

@@ -122,14 +122,16 @@ class MultiNodeComm(CommModel):
         g, n = traffic.ranks_per_node, len(traffic.needed)
         inter = max(max(traffic.flat_inter_send), max(traffic.flat_inter_recv)) * row_bytes
         intra = max(max(traffic.flat_intra_send), max(traffic.flat_intra_recv)) * row_bytes
-        return self.fabric.base_latency_us / 1e3 + max(self._fabric_ms(inter, n // g), self._intra_ms(intra, g))
+        latency = self.fabric.base_latency_us / 1e3
+        return latency + max(self._fabric_ms(inter, n // g), self._intra_ms(intra, g))
 
     def two_level_ms(self, traffic: NodeTraffic, row_bytes: int) -> float:
         """Stage 1 over the fabric (deduplicated per node, rail to rail), then stage 2 over NVLink."""
         g, n = traffic.ranks_per_node, len(traffic.needed)
         inter = max(max(traffic.stage1_send), max(traffic.stage1_recv)) * row_bytes
         intra = max(max(traffic.stage2_send), max(traffic.stage2_recv)) * row_bytes
-        return 2 * self.fabric.base_latency_us / 1e3 + self._fabric_ms(inter, n // g) + self._intra_ms(intra, g)
+        latency = 2 * self.fabric.base_latency_us / 1e3  # two collectives
+        return latency + self._fabric_ms(inter, n // g) + self._intra_ms(intra, g)
 
 
 # The collective systems on many nodes: FlashCP's plan with the two-level needed exchange too.

@@ -80,8 +80,11 @@ def node_traffic(plan: Plan, ranks_per_node: int) -> NodeTraffic:
     intra = [[needed[r][s] if node[r] == node[s] else 0 for s in range(n)] for r in range(n)]
     # Stage 2: proxy p forwards to r the rows r needs from remote sources on p's rail (p == r: a
     # local copy, no link); same-node rows go straight from their owner.
-    stage2 = [[intra[r][p] + sum(inter[r][s] for s in range(p % g, n, g)) * (p != r) if node[p] == node[r] else 0
-               for p in range(n)] for r in range(n)]  # fmt: skip
+    def forwarded(r: int, p: int) -> int:
+        return sum(inter[r][s] for s in range(p % g, n, g)) if p != r else 0
+
+    stage2 = [[intra[r][p] + forwarded(r, p) if node[p] == node[r] else 0 for p in range(n)]
+              for r in range(n)]
     # PXN: the rows s owes a remote r cross NVLink to s's node-mate on r's rail, then its NIC
     nic_send, hop_send, hop_recv = [0] * n, [0] * n, [0] * n
     for s in range(n):
@@ -123,5 +126,6 @@ def node_metrics(plan: Plan, ranks_per_node: int, row_bytes: int = 1) -> dict[st
     out.update({k.replace("_rows", "_bytes"): v * row_bytes for k, v in list(out.items())})
     totals = t.totals()
     out["fabric_rows_flat"], out["fabric_rows_two_level"] = totals["flat_inter"], totals["two_level_inter"]
-    out["fabric_saving"] = 1 - totals["two_level_inter"] / totals["flat_inter"] if totals["flat_inter"] else 0.0
+    flat = totals["flat_inter"]
+    out["fabric_saving"] = 1 - totals["two_level_inter"] / flat if flat else 0.0
     return out
