@@ -6,10 +6,12 @@ May import: torch, `flashcp.plan` and `flashcp.dispatch` (the engine: plan -> di
 from flashcp.attention.collectives import CommRecord, record_comm
 from flashcp.attention.cp import cp_varlen_attention
 from flashcp.attention.kernels import BACKENDS, BackendUnavailable, varlen_attention
+from flashcp.attention.two_level import build_two_level_dispatch
 
 __all__ = [
     "BACKENDS",
     "BackendUnavailable",
+    "build_two_level_dispatch",
     "CommRecord",
     "cp_varlen_attention",
     "record_comm",

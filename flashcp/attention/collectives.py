@@ -8,6 +8,8 @@ buffer, then gathers every local shard's keys with one `index_select` over `disp
 - "compact" and "full": one all-gather of `send_pad` rows per rank (zero padded). "compact" sends
   only non-last-shard rows, "full" sends all rows; the code path is the same.
 - "needed": one all-to-all-v sending each peer exactly the prefix rows it attends to.
+- "two_level": the needed rows of a CP group spanning nodes, in two all-to-all-v (the fabric once
+  per node, then NVLink; `flashcp.attention.two_level`).
 
 Backward is the transpose: scatter-add the key/value gradients onto the buffer (a row used by
 several shards sums), send the received part back with the transposed collective
@@ -38,6 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from flashcp.attention import two_level
 from flashcp.dispatch import Dispatch
 
 # torch 2.13 renamed the flat-tensor collectives (the old names emit FutureWarnings there);
@@ -190,7 +193,11 @@ def launch_kv_exchange(
         local = buffer[recv:]
         local[:, 0] = k
         local[:, 1] = v
-        if dispatch.comm == "needed":
+        if dispatch.comm == "two_level":  # two all-to-all-v: the fabric, then NVLink
+            send = None
+            if not solo:
+                work, send = two_level.launch(buffer[:recv], local, dispatch, comms, async_op, _record)
+        elif dispatch.comm == "needed":
             send = local.index_select(0, dispatch.send_index)
             if not solo:
                 work = comms.all_to_all(buffer[:recv], send, dispatch.recv_splits, dispatch.send_splits, async_op)
@@ -233,6 +240,10 @@ class _GatherKV(torch.autograd.Function):
         n_send = dispatch.send_index.numel()
         if dispatch.cp_size == 1:  # the "received" rows are this rank's own sent rows
             back = grad[:n_send]
+        elif dispatch.comm == "two_level":
+            back = two_level.backward(grad[:recv], ctx.local_rows, dispatch, collectives(group), _record)
+            local = grad[recv:] + back
+            return local[:, 0], local[:, 1], None, None, None, None
         elif dispatch.comm == "needed":
             back = grad.new_empty(n_send, *grad.shape[1:])
             collectives(group).all_to_all(back, grad[:recv], dispatch.send_splits, dispatch.recv_splits)

@@ -8,7 +8,8 @@
 Calibration comes only from measured tables (see `profiles` for their formats): nccl-tests
 all-gather / reduce-scatter bus bandwidth by message size, and FlashAttention call times (a
 per-document profile or per-rank measurements). `kernel` fits the attention time model,
-`comm` prices collectives, `model` composes them per CP system.
+`comm` prices collectives, `model` composes them per CP system; `fabric` prices CP and FSDP groups
+that span nodes (`multinode_model(model)`), `step` a whole training step.
 
 May import: numpy, the engine (`flashcp.plan`, `flashcp.dispatch`, `flashcp.attention`) and
 `flashcp.data` (length distributions); never TorchTitan.

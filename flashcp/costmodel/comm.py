@@ -49,6 +49,8 @@ def collective_ms(table: CollectiveTable, size: float) -> float:
 class CommModel:
     """Collective times on one node, from tables keyed by (op, n_ranks)."""
 
+    spans_nodes = False  # prices groups larger than one node (flashcp.costmodel.fabric) or not
+
     def __init__(self, tables: Iterable[CollectiveTable]):
         self.tables = {(t.op, t.n_ranks): t for t in tables}
         if not self.tables:

@@ -56,6 +56,9 @@ COLLECTIVE_SYSTEMS: dict[str, tuple[str, str, bool]] = {
     "flashcp_needed": ("flashcp", "needed", False),
     "flashcp_overlap": ("flashcp", "compact", True),
 }
+# KV exchange modes of the collective systems: the dispatch's, and the two-level exchange of CP
+# groups that span nodes (flashcp.attention.two_level)
+EXCHANGE_MODES = ("full", "compact", "needed", "two_level")
 RING_SYSTEMS = ("ring", "zigzag")
 SYSTEMS = (*COLLECTIVE_SYSTEMS, *RING_SYSTEMS)
 
@@ -128,6 +131,8 @@ class StepTime:
 class CostModel:
     """Kernel + collective + memory model of one CP attention layer; see the module docstring."""
 
+    systems: dict[str, tuple[str, str, bool]] = COLLECTIVE_SYSTEMS  # the collective systems it prices
+
     def __init__(self, kernel: KernelModel, comm: CommModel, memory: MemoryCosts | None = None):
         self.kernel = kernel
         self.comm = comm
@@ -161,18 +166,12 @@ class CostModel:
         local = plan.tokens_per_rank
         if comm == "full":
             send = [local] * n
-        elif comm in ("compact", "needed"):
+        elif comm in EXCHANGE_MODES:
             send = plan.send_tokens()
         else:
-            raise ValueError(f"unknown comm mode {comm!r}; choose full, compact or needed")
+            raise ValueError(f"unknown comm mode {comm!r}; choose one of {', '.join(EXCHANGE_MODES)}")
         key_rows = [sum(s.start + s.length for s in shards) for shards in plan.ranks]
-        if comm == "needed":
-            link = max(plan.needed_tokens()) * row
-            comm_fwd = comm_bwd = self.comm.all_to_all_ms(link, n) if n > 1 else 0.0
-        else:
-            pad = max(send)
-            comm_fwd = self.comm.all_gather_ms(pad * row, n) if n > 1 else 0.0
-            comm_bwd = self.comm.reduce_scatter_ms(pad * row, n) if n > 1 else 0.0
+        comm_fwd, comm_bwd = self.exchange_ms(plan, comm, row, max(send)) if n > 1 else (0.0, 0.0)
         copy = [self.memory.ms(2 * row * (local + send[r] + key_rows[r])) for r in range(n)]
         bwd_copy = [c * self.memory.bwd_copy_ratio for c in copy]
         r_b = int(np.argmax(np.add(bwd, bwd_copy)))
@@ -183,6 +182,16 @@ class CostModel:
             r_f = int(np.argmax(np.add(fwd, copy)))
             exposed = comm_fwd
         return StepTime(exposed, comm_bwd, fwd[r_f], bwd[r_b], copy[r_f], bwd_copy[r_b], list(fwd), list(bwd))
+
+    def exchange_ms(self, plan: Plan, comm: str, row: int, pad: int) -> tuple[float, float]:
+        """Forward and backward time of the KV exchange of `plan` (N > 1) in mode `comm`; `pad`:
+        rows every rank contributes to an all-gather. On one node "two_level" is "needed" (no
+        fabric to spare); `flashcp.costmodel.fabric` prices groups that span nodes."""
+        n = plan.cp_size
+        if comm in ("needed", "two_level"):
+            t = self.comm.all_to_all_ms(max(plan.needed_tokens()) * row, n)
+            return t, t
+        return self.comm.all_gather_ms(pad * row, n), self.comm.reduce_scatter_ms(pad * row, n)
 
     def _overlapped_forward(self, plan: Plan, shape: AttentionShape, comm_ms: float, copy: list[float]):
         """Forward finish time with local-only shards run under the collective, per rank."""
@@ -249,8 +258,8 @@ class CostModel:
 
     def step(self, system: str, shape: AttentionShape, plans: dict[str, Plan]) -> StepTime:
         """Step time of `system`, given the window's plans keyed by planner strategy."""
-        if system in COLLECTIVE_SYSTEMS:
-            strategy, comm, overlap = COLLECTIVE_SYSTEMS[system]
+        if system in self.systems:
+            strategy, comm, overlap = self.systems[system]
             if strategy not in plans:
                 raise KeyError(f"system {system!r} needs a {strategy!r} plan of the window")
             return self.collective_step(plans[strategy], comm, shape, overlap)

@@ -22,7 +22,8 @@ FSDP's parameter and gradient traffic, on every DP group, and waits for the slow
   every rank gathers the bf16 parameters twice (forward, and again in backward after
   `reshard_after_forward`) and reduce-scatters fp32 gradients, 8 bytes per parameter in all.
   Inside one node (<= `gpus_per_node` ranks) it is priced with the measured NVLink tables,
-  across nodes at `inter_node_busbw_gbps` (ASSUMED). It overlaps with compute (prefetching the
+  across nodes at `inter_node_busbw_gbps` (ASSUMED), or with the hierarchical model of
+  `flashcp.costmodel.fabric` when the attention model's comm is one. It overlaps with compute (prefetching the
   next layer); only what exceeds the compute is exposed (ASSUMED: perfect overlap up to that).
 - A micro step ends with FSDP's collectives, which every rank joins: it takes as long as the
   slowest DP group's window. The step is the sum over its micro steps; the optimizer update is
@@ -37,7 +38,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from flashcp import plan_shards
-from flashcp.costmodel.model import COLLECTIVE_SYSTEMS, AttentionShape, CostModel
+from flashcp.costmodel.model import AttentionShape, CostModel
 from flashcp.costmodel.proxy import DENSE_MFU, FULL_AC_DENSE, H100_BF16_TFLOPS
 from flashcp.plan.plan import Plan
 
@@ -117,7 +118,8 @@ class StepModel:
         """All layers' attention of one window on its CP group (slowest rank): forward + backward,
         and the forward again that full activation checkpointing recomputes (0 without it)."""
         # ring systems read only the window's lengths off whichever plan they are given
-        strategy = COLLECTIVE_SYSTEMS[system][0] if system in COLLECTIVE_SYSTEMS else "per_seq"
+        systems = self.attention.systems
+        strategy = systems[system][0] if system in systems else "per_seq"
         layer = self.attention.step(system, self.model.attention, {strategy: self.plan(strategy, doc_lens)})
         # one rank runs one kernel whatever the system: the CP systems' measured ratios do not apply
         scale = (self.assume.attention_scale.get(system, 1.0) if self.cp > 1 else 1.0) * self.model.n_layers
@@ -135,8 +137,8 @@ class StepModel:
         if n == 1:
             return 0.0
         total = self.model.params * self.assume.fsdp_bytes_per_param
-        if n <= self.assume.gpus_per_node:  # NVLink: the measured tables (all-gather priced for both)
-            return self.attention.comm.all_gather_ms(total / n, n)
+        if n <= self.assume.gpus_per_node or self.attention.comm.spans_nodes:  # the comm model's own
+            return self.attention.comm.all_gather_ms(total / n, n)  # (all-gather priced for both)
         return total * (n - 1) / n / (self.assume.inter_node_busbw_gbps * 1e9) * 1e3
 
     def step(self, system: str, windows: Sequence[Sequence[Sequence[int]]]) -> StepBreakdown:

@@ -9,7 +9,8 @@ pool of lengths (--lengths-file) or a named distribution (--distribution, defaul
 strategy plans every window through `flashcp.plan_shards`; the table (or --json) summarises,
 per strategy, the workload imbalance (max / mean), the compact and needed KV communication as
 ratios of the full all-gather, the documents split over several ranks, the shortest shard and
-the planning time in milliseconds.
+the planning time in milliseconds; with --ranks-per-node G (CP ranks per node), also the busiest
+rank's rows of the needed exchange that cross the fabric, flat and two-level (`flashcp.plan.nodes`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import numpy as np
 
 from flashcp.data.lengths import DISTRIBUTIONS, LengthPool, LengthSampler, length_sampler, pack_windows
 from flashcp.plan import STRATEGIES, plan_shards
+from flashcp.plan.nodes import node_metrics
 
 METRICS = ("imbalance", "comm_compact_ratio", "comm_needed_ratio", "split_docs", "min_shard_len", "plan_ms")
 DEFAULT_STRATEGIES = [s for s in STRATEGIES if s != "ilp"]
@@ -97,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--ilp-block", type=_positive, help="ilp last-shard granularity in tokens (default C / (8 N))"
     )
     p.add_argument("--ilp-time-limit", type=_finite, default=60.0, help="ilp seconds per window (default 60)")
+    p.add_argument(
+        "--ranks-per-node", type=_positive,
+        help="CP ranks per node: also the needed exchange's fabric rows, flat vs two-level (busiest rank)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object keyed by strategy")
     return p
 
@@ -116,9 +122,11 @@ def windows_from(args: argparse.Namespace) -> tuple[list[list[int]], str]:
 
 
 def evaluate(
-    windows: Sequence[Sequence[int]], cp: int, strategies: Sequence[str], target: float, ilp: dict[str, Any]
+    windows: Sequence[Sequence[int]], cp: int, strategies: Sequence[str], target: float, ilp: dict[str, Any],
+    ranks_per_node: int | None = None,
 ) -> dict[str, dict[str, list[float]]]:
-    """Per strategy, each metric of `METRICS` for every window."""
+    """Per strategy, each metric of `METRICS` for every window (and the fabric rows of the needed
+    exchange as ratios of the full all-gather, flat and two-level, with `ranks_per_node`)."""
     out: dict[str, dict[str, list[float]]] = {}
     for name in strategies:
         per = out.setdefault(name, {m: [] for m in METRICS})
@@ -130,6 +138,10 @@ def evaluate(
             m = plan.metrics()
             for key in METRICS[:-1]:
                 per[key].append(m[key])
+            if ranks_per_node:
+                nodes, full = node_metrics(plan, ranks_per_node), m["comm_full_tokens"] or 1
+                for key in ("flat_inter_rows", "two_level_inter_rows"):
+                    per.setdefault(f"fabric_{key[:-5]}_ratio", []).append(nodes[key] / full)
     return out
 
 
@@ -155,7 +167,10 @@ def render(summary: dict[str, dict[str, dict[str, float]]], header: str) -> str:
             f"{s['split_docs']['mean']:.1f}",
             f"{s['min_shard_len']['p50']:.0f}",
             f"{plan['p50']:.2f} / {plan['p95']:.2f}",
-        ])
+        ] + ([f"{s['fabric_flat_inter_ratio']['mean']:.3f} / {s['fabric_two_level_inter_ratio']['mean']:.3f}"]
+             if "fabric_flat_inter_ratio" in s else []))  # fmt: skip
+    if rows and len(rows[0]) > len(cols):
+        cols.append("fabric needed flat / two-level")
     width = [max(len(r[i]) for r in [cols, *rows]) for i in range(len(cols))]
     lines = [header, "  ".join(c.ljust(w) for c, w in zip(cols, width))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, width)) for r in rows]
@@ -174,7 +189,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ilp = {"time_limit": args.ilp_time_limit} | ({"block": args.ilp_block} if args.ilp_block else {})
     try:
         windows, source = windows_from(args)
-        results = evaluate(windows, args.cp, strategies, args.target_imbalance, ilp)
+        results = evaluate(windows, args.cp, strategies, args.target_imbalance, ilp, args.ranks_per_node)
     except (ValueError, RuntimeError) as e:
         parser.error(str(e))
     summary = {name: {m: summarise(v) for m, v in per.items()} for name, per in results.items()}
