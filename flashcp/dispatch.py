@@ -104,7 +104,7 @@ class Dispatch:
         return _map_tensors(self, torch.Tensor.pin_memory)
 
 
-def _expand(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+def expand_ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """Concatenate the ranges [starts[i], starts[i] + lengths[i]) without a Python loop."""
     total = int(lengths.sum())
     seg_begin = torch.cumsum(lengths, 0) - lengths
@@ -148,7 +148,7 @@ def build_dispatch(plan: Plan, rank: int, comm: str = "compact", overlap: bool =
         sent_before = _cumsum0(sent)[:-1] - _cumsum0(sent_by_rank)[pieces.owner]
         buf_start = pieces.owner * send_pad + sent_before
         mine_sent = mine[~pieces.is_last[mine]]
-        send_index = _expand(pieces.local_start[mine_sent], pieces.length[mine_sent])
+        send_index = expand_ranges(pieces.local_start[mine_sent], pieces.length[mine_sent])
     else:
         buf_start, recv_splits = pieces.needed_receive(rank, mine)
         recv_size, send_pad = sum(recv_splits), 0
@@ -159,14 +159,14 @@ def build_dispatch(plan: Plan, rank: int, comm: str = "compact", overlap: bool =
     base = torch.where(
         pieces.owner[prefix] == rank, recv_size + pieces.local_start[prefix], buf_start[prefix]
     )
-    kv_index = _expand(base, pieces.length[prefix])
+    kv_index = expand_ranges(base, pieces.length[prefix])
     cu_q, cu_k = _cumsum0(my_len).to(torch.int32), _cumsum0(key_len).to(torch.int32)
     return Dispatch(
         rank=rank,
         cp_size=n,
         comm=comm,
-        token_index=_expand(pieces.doc_start[my_doc] + my_start, my_len),
-        positions=_expand(my_start, my_len),
+        token_index=expand_ranges(pieces.doc_start[my_doc] + my_start, my_len),
+        positions=expand_ranges(my_start, my_len),
         cu_seqlens_q=cu_q,
         cu_seqlens_k=cu_k,
         max_seqlen_q=int(my_len.max()),
@@ -209,7 +209,7 @@ class _Pieces:
     def prefix_pieces(self, pieces: torch.Tensor) -> torch.Tensor:
         """For each of `pieces`, its document's pieces from the first up to itself, concatenated."""
         first = self.doc_first[self.doc[pieces]]
-        return self.by_window[_expand(first, self.window_rank[pieces] - first + 1)]
+        return self.by_window[expand_ranges(first, self.window_rank[pieces] - first + 1)]
 
     def needed_receive(self, rank: int, mine: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
         """needed mode: each piece's first row in `rank`'s receive buffer, and the rows per source.
@@ -228,7 +228,7 @@ class _Pieces:
         A piece goes to every other rank holding a later piece of its document."""
         later = self.window_rank[mine] + 1
         count = self.doc_end[self.doc[mine]] - later
-        dest = self.owner[self.by_window[_expand(later, count)]]
+        dest = self.owner[self.by_window[expand_ranges(later, count)]]
         piece = torch.repeat_interleave(mine, count)
         keep = dest != rank
         # One entry per (destination, piece), sorted by destination then local (= window) order.
@@ -236,7 +236,7 @@ class _Pieces:
         dest, piece = pairs // len(self.owner), pairs % len(self.owner)
         rows = self.length[piece]
         splits = torch.zeros(self.cp_size, dtype=torch.long).index_add_(0, dest, rows)
-        return _expand(self.local_start[piece], rows), splits.tolist()
+        return expand_ranges(self.local_start[piece], rows), splits.tolist()
 
 
 def _overlap_split(q_len: torch.Tensor, k_len: torch.Tensor, kv_index: torch.Tensor, recv_size: int) -> OverlapSplit:

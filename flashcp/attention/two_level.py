@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from flashcp.dispatch import Dispatch, build_dispatch
+from flashcp.dispatch import Dispatch, build_dispatch, expand_ranges
 from flashcp.plan.nodes import doc_pieces
 from flashcp.plan.plan import Plan
 
@@ -137,11 +137,7 @@ class _Ranges:
         self.lengths.append(length)
 
     def index(self) -> torch.Tensor:
-        starts = torch.tensor(self.starts, dtype=torch.long)
-        lengths = torch.tensor(self.lengths, dtype=torch.long)
-        offsets = torch.cumsum(lengths, 0) - lengths  # where each range begins in the output
-        total = int(lengths.sum())
-        return torch.repeat_interleave(starts - offsets, lengths, output_size=total) + torch.arange(total)
+        return expand_ranges(torch.tensor(self.starts, dtype=torch.long), torch.tensor(self.lengths, dtype=torch.long))
 
 
 def _local_pieces(plan: Plan) -> tuple[dict[tuple, int], list[list[tuple]]]:
