@@ -29,7 +29,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from flashcp.plan.per_doc import per_doc_shards
+import numpy as np
+
+from flashcp.plan.per_doc import per_doc_layout, per_doc_shards
 from flashcp.plan.plan import Shard, shard_workload
 from flashcp.plan.whole_doc import GOAL_SHARE, RankFill, place_documents, rebalance
 
@@ -156,12 +158,15 @@ class _Window:
         ranks, tokens, work, sent = [list(x) for x in ranks], list(tokens), list(work), list(sent)
         if count > done:
             docs = self.order[FLEXIBLE + done : FLEXIBLE + count]
-            more, pointer = per_doc_shards(self.doc_lens, docs, self.n, pointer)
-            for r, shards in enumerate(more):
-                ranks[r] += shards
-                tokens[r] += sum(s.length for s in shards)
-                work[r] += sum(shard_workload(s.start, s.length) for s in shards)
-                sent[r] += sum(s.length for s in shards if s.start + s.length < self.doc_lens[s.doc])
+            doc, starts, lengths, pointer = per_doc_layout(self.doc_lens, docs, self.n, pointer)
+            ends = starts + lengths
+            adds = (lengths.sum(1), ((ends + starts + 1) * lengths // 2).sum(1),
+                    np.where(ends < np.asarray(self.doc_lens)[doc], lengths, 0).sum(1))  # fmt: skip
+            for total, add in zip((tokens, work, sent), adds):
+                total[:] = [t + a for t, a in zip(total, add.tolist())]
+            doc = doc.tolist()
+            for r, (s, x) in enumerate(zip(starts.tolist(), lengths.tolist())):
+                ranks[r] += map(Shard, doc, s, x)
             self.per_doc_parts[count] = ([list(x) for x in ranks], pointer, list(tokens), list(work), list(sent))
         return ranks, tokens, work, sent
 
