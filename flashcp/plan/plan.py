@@ -131,18 +131,20 @@ def shard_array(ranks: Sequence[Sequence[Shard]]) -> tuple[np.ndarray, np.ndarra
 def normalize(ranks: Sequence[Sequence[Shard]]) -> tuple[tuple[Shard, ...], ...]:
     """Sort each rank's shards by (doc, start), drop empty ones and merge adjacent pieces."""
     rows, rank = shard_array(ranks)
-    keep = rows[:, 2] > 0
-    rows, rank = rows[keep], rank[keep]
-    doc, start, length = rows.T
-    order = np.lexsort((length, start, doc, rank))
-    doc, start, length, rank = doc[order], start[order], length[order], rank[order]
+    flat = list(itertools.chain.from_iterable(ranks))
+    kept = np.flatnonzero(rows[:, 2] > 0)
+    doc, start, length = rows[kept].T
+    order = np.lexsort((length, start, doc, rank[kept]))
+    kept, doc, start, length, rank = kept[order], doc[order], start[order], length[order], rank[kept][order]
     # A piece continues the previous one (same rank and document, starting where it ends).
     joins = (rank[1:] == rank[:-1]) & (doc[1:] == doc[:-1]) & (start[1:] == start[:-1] + length[:-1])
     heads = np.flatnonzero(np.concatenate(([True], ~joins)))
-    doc, start, rank = doc[heads], start[heads], rank[heads]
+    sizes = np.diff(np.append(heads, len(kept)))
     length = np.add.reduceat(length, heads) if len(heads) else length
-    bounds = np.searchsorted(rank, np.arange(len(ranks) + 1))
-    shards = list(map(Shard, doc.tolist(), start.tolist(), length.tolist()))
+    shards = [flat[i] for i in kept[heads].tolist()]  # unmerged shards stay the objects given
+    for g in np.flatnonzero(sizes > 1).tolist():
+        shards[g] = Shard(int(doc[heads[g]]), int(start[heads[g]]), int(length[g]))
+    bounds = np.searchsorted(rank[heads], np.arange(len(ranks) + 1))
     return tuple(tuple(shards[a:b]) for a, b in zip(bounds[:-1], bounds[1:]))
 
 
