@@ -151,6 +151,8 @@ class _Mirror:
         self.room = np.array(fill.room, dtype=np.int64)
         self.load = np.array([b + w for b, w in zip(fill.bias, fill.work)], dtype=np.float64)
         self.sent = np.array(fill.sent, dtype=np.int64)
+        n = len(fill.room)  # scratch buffers: a call makes no new arrays
+        self.left, self.predicted, self.full = np.empty(n, np.int64), np.empty(n), np.empty(n, bool)
 
     def update(self, r: int) -> None:
         fill = self.fill
@@ -159,14 +161,17 @@ class _Mirror:
     def best(self, length: int, last: bool, density: float) -> int:
         """The rank with room for `length` tokens and the lowest predicted workload (a whole
         document), or sending least, then lowest predicted (a head); -1 if none has room."""
-        left = self.room - length
-        fits = np.flatnonzero(left >= 0)
-        if not len(fits):
-            return -1
-        predicted = self.load[fits] + left[fits] * density
+        left, predicted, full = self.left, self.predicted, self.full
+        np.subtract(self.room, length, out=left)
+        np.multiply(left, density, out=predicted)
+        np.add(self.load, predicted, out=predicted)
+        np.less(left, 0, out=full)
         if last:
-            return int(fits[np.argmin(predicted)])
-        return int(fits[np.lexsort((predicted, self.sent[fits]))[0]])
+            np.copyto(predicted, np.inf, where=full)
+            best = int(predicted.argmin())
+            return -1 if full[best] else best
+        fits = np.flatnonzero(~full)
+        return int(fits[np.lexsort((predicted[fits], self.sent[fits]))[0]]) if len(fits) else -1
 
 
 def rebalance(doc_lens: tuple[int, ...], fill: RankFill, goal: float, max_sent: float = math.inf) -> int:
