@@ -8,8 +8,12 @@ Python loop launching `--ops` tiny torch ops (kernel launches, on a CPU). A back
 what the window loader's thread does for every window besides reading it: plan it (flashcp, CP
 N, wlbllm lengths, windows of C tokens packed beforehand) and build CP rank 0's compact dispatch.
 Steps alternate in blocks of 10 between idle (the thread waits) and busy (the thread plans and
-dispatches one window while the step runs, as in every training step), and each step's wall time
-is measured (perf_counter). The stall is busy minus idle, at the median and at p99. With
+dispatches one window while the step runs, as in every training step), each followed by the same
+150 ms pause (so that neither kind of step starts from a longer sleep than the other), and each
+step's wall time is measured (perf_counter). The training thread runs on CPU 0 and the loader's work (its thread,
+or the worker process) on CPU 1, so that they compete for the GIL only, not for a core (as on a
+training node, where the loader has cores of its own). The stall is busy minus idle, at the
+median and at p99. With
 `--worker` the thread hands the window to `flashcp.data.plan_worker.PlanWorker` (a worker
 process, as `WindowLoader.dispatch_with(..., worker=True)` does) and waits without the GIL.
 Measured on a shared machine: other processes add noise to both kinds of step alike. Reading
@@ -21,6 +25,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import sys
 import threading
 import time
@@ -35,6 +40,7 @@ from flashcp.data.plan_worker import PlanWorker
 from flashcp.dispatch import build_dispatch
 
 BLOCK = 10
+GAP = 0.15  # seconds between steps
 
 
 def fake_step(ops: int, x: torch.Tensor) -> float:
@@ -45,14 +51,23 @@ def fake_step(ops: int, x: torch.Tensor) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
+def pin(cpu: int, *_: object) -> None:
+    """Run the calling thread (or the worker process, as its 'planner') on `cpu` only."""
+    os.sched_setaffinity(0, {cpu})
+
+
 def measure(context: int, cp: int, steps: int, ops: int, worker: bool) -> dict:
     windows = pack_windows(length_sampler("wlbllm", 0), context, 20)
     planner = functools.partial(plan_shards, cp_size=cp, strategy="flashcp")
     dispatcher = functools.partial(build_dispatch, rank=0, comm="compact")
     pool = PlanWorker() if worker else None
+    pin(0)  # the training thread on CPU 0, the loader's work on CPU 1: they share the GIL, not a core
+    if pool is not None:
+        pool.run(functools.partial(pin, 1), None, [])
     go, done, stop, work_ms = threading.Event(), threading.Event(), threading.Event(), []
 
     def producer() -> None:  # the loader thread's plan + dispatch of one window per step
+        pin(1)
         i = 0
         while go.wait() and not stop.is_set():
             go.clear()
@@ -79,6 +94,7 @@ def measure(context: int, cp: int, steps: int, ops: int, worker: bool) -> dict:
             ms = fake_step(ops, x)
             if busy_block:
                 done.wait()
+            time.sleep(GAP)  # the same pause after both kinds of step, longer than the loader's work
             if block >= 2:  # the first two blocks warm up (the worker, torch's first calls)
                 (busy if busy_block else idle).append(ms)
     stop.set()
