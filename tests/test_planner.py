@@ -438,3 +438,20 @@ def test_validate_names_the_problem() -> None:
         validate(Plan((6, 2), 2, ((Shard(0, 0, 5),), (Shard(0, 5, 1), Shard(1, 0, 2))), "x"))
     with pytest.raises(AssertionError, match="document 0 covered up to 7 of 6"):
         validate(Plan((6, 2), 2, ((Shard(0, 0, 4),), (Shard(0, 4, 3), Shard(1, 0, 1))), "x"))
+
+
+@pytest.mark.parametrize("n", [3, 8, 32, 64])
+def test_numpy_rank_scan_places_as_the_loop(n: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`place_documents` scans ranks in numpy from VECTOR_RANKS on: the same plans as the loop,
+    forced either way, on windows with cuts, heads and ties (equal lengths)."""
+    import flashcp.plan.whole_doc as whole_doc
+
+    rng = random.Random(n)
+    for _ in range(15):
+        lens = [rng.choice([1 + int(rng.lognormvariate(6, 1.5)), 512, 512]) for _ in range(rng.randint(1, 6 * n))]
+        lens[-1] += (-sum(lens)) % n
+        plans = []
+        for threshold in (1, 10**9):
+            monkeypatch.setattr(whole_doc, "VECTOR_RANKS", threshold)
+            plans.append([make_plan(s, lens, n, 1.02).ranks for s in ("whole_doc", "flashcp")])
+        assert plans[0] == plans[1]
