@@ -10,11 +10,10 @@ N, wlbllm lengths, windows of C tokens packed beforehand) and build CP rank 0's 
 Steps alternate in blocks of 10 between idle (the thread waits) and busy (the thread plans and
 dispatches one window while the step runs, as in every training step), each followed by the same
 150 ms pause (so that neither kind of step starts from a longer sleep than the other), and each
-step's wall time is measured (perf_counter). The training thread runs on CPU 0 and the loader's work (its thread,
-or the worker process) on CPU 1, so that they compete for the GIL only, not for a core (as on a
-training node, where the loader has cores of its own). The stall is busy minus idle, at the
-median and at p99. With
-`--worker` the thread hands the window to `flashcp.data.plan_worker.PlanWorker` (a worker
+step's wall time is measured (perf_counter). The training thread runs on CPU 0 and the loader's
+work (its thread, or the worker process) on CPU 1, so that they compete for the GIL only, not for
+a core (as on a training node, where the loader has cores of its own). The stall is busy minus
+idle, at the median and at p99. With `--worker` the thread hands the window to `flashcp.data.plan_worker.PlanWorker` (a worker
 process, as `WindowLoader.dispatch_with(..., worker=True)` does) and waits without the GIL.
 Measured on a shared machine: other processes add noise to both kinds of step alike. Reading
 and packing (the loader's other work) are not part of this measurement.

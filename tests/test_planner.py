@@ -448,7 +448,8 @@ def test_numpy_rank_scan_places_as_the_loop(n: int, monkeypatch: pytest.MonkeyPa
 
     rng = random.Random(n)
     for _ in range(15):
-        lens = [rng.choice([1 + int(rng.lognormvariate(6, 1.5)), 512, 512]) for _ in range(rng.randint(1, 6 * n))]
+        count = rng.randint(1, 6 * n)
+        lens = [rng.choice([1 + int(rng.lognormvariate(6, 1.5)), 512, 512]) for _ in range(count)]
         lens[-1] += (-sum(lens)) % n
         plans = []
         for threshold in (1, 10**9):

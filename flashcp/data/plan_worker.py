@@ -18,7 +18,9 @@ from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 
-def _plan_and_dispatch(planner: Callable, dispatcher: Callable | None, doc_lens: Sequence[int]) -> tuple[Any, Any]:
+def _plan_and_dispatch(
+    planner: Callable, dispatcher: Callable | None, doc_lens: Sequence[int]
+) -> tuple[Any, Any]:
     plan = planner(doc_lens)
     return plan, dispatcher(plan) if dispatcher is not None else None
 
@@ -33,7 +35,8 @@ class PlanWorker:
     """One spawned process (safe next to CUDA and threads) planning windows one at a time."""
 
     def __init__(self) -> None:
-        self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=_one_thread)
+        spawn = multiprocessing.get_context("spawn")
+        self._pool = ProcessPoolExecutor(1, mp_context=spawn, initializer=_one_thread)
 
     def run(self, planner: Callable, dispatcher: Callable | None, doc_lens: Sequence[int]) -> tuple[Any, Any]:
         """(planner(doc_lens), dispatcher(plan)), computed in the worker."""

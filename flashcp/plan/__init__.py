@@ -8,7 +8,8 @@ result, so a strategy only has to decide placement.
 
 May import: the standard library and numpy (scipy for `ilp`). No torch: planning tools start
 fast. Plans at CP 64 can hold tens of thousands of shards; what scales with them (Per-Doc
-chunks, normalising, validating, the rank scan of placement) is vectorised in numpy. The command-line tool (`python -m flashcp.plan`) also draws windows from `flashcp.data`.
+chunks, normalising, validating, the rank scan of placement) is vectorised in numpy. The
+command-line tool (`python -m flashcp.plan`) also draws windows from `flashcp.data`.
 """
 
 from __future__ import annotations

@@ -83,7 +83,8 @@ class _Search:
     def __init__(self, window: "_Window", bounded: bool) -> None:
         self.window, self.bounded = window, bounded
         order, lens = window.order, window.doc_lens
-        self.sequence = [int(lens[order[0]] > window.per_rank or shard_workload(0, lens[order[0]]) > window.cap)]
+        longest = lens[order[0]]
+        self.sequence = [int(longest > window.per_rank or shard_workload(0, longest) > window.cap)]
         while self.sequence[-1] < len(order):
             k = self.sequence[-1]
             self.sequence.append(min(len(order), k + max(1, k // 2)))
@@ -127,7 +128,8 @@ class _Search:
         else:
             candidates = [first]
             k, sent = self.sequence[first], self.key(first)[1]
-            if first < last and sent > max(self.window.sent_floor(self.sequence[first + 1]), NEGLIGIBLE * self.window.per_rank):
+            floor = self.window.sent_floor(self.sequence[first + 1]) if first < last else 0.0
+            if first < last and sent > max(floor, NEGLIGIBLE * self.window.per_rank):
                 candidates.append(first + 1)
         best = min(candidates, key=lambda i: (self.key(i), i))
         return self.tried[best][1], self.sequence[best], not self.key(best)[0], len(self.tried)
@@ -154,11 +156,10 @@ class _Window:
     def heavy(self) -> int:
         """Documents that cannot stay whole on any rank: longer than C/N tokens or alone heavier
         than the target workload (the longest ones, as `order` is sorted by length)."""
-        lens = self.doc_lens
-        return next(
-            (i for i, d in enumerate(self.order) if lens[d] <= self.per_rank and shard_workload(0, lens[d]) <= self.cap),
-            len(self.order),
-        )
+        lens, per_rank, cap = self.doc_lens, self.per_rank, self.cap
+        whole = (lens[d] <= per_rank and shard_workload(0, lens[d]) <= cap for d in self.order)
+        fits = (i for i, ok in enumerate(whole) if ok)
+        return next(fits, len(self.order))
 
     def per_doc_part(self, count: int) -> tuple[list[list[Shard]], list[int], list[int], list[int]]:
         """Shards, tokens, workload and sent tokens per rank of `order[FLEXIBLE:FLEXIBLE + count]`
@@ -177,7 +178,8 @@ class _Window:
             doc = doc.tolist()
             for r, (s, x) in enumerate(zip(starts.tolist(), lengths.tolist())):
                 ranks[r] += map(Shard, doc, s, x)
-            self.per_doc_parts[count] = ([list(x) for x in ranks], pointer, list(tokens), list(work), list(sent))
+            snapshot = [list(x) for x in ranks], pointer, list(tokens), list(work), list(sent)
+            self.per_doc_parts[count] = snapshot
         return ranks, tokens, work, sent
 
     def last_chunk(self) -> float:

@@ -154,7 +154,9 @@ def validate(plan: Plan) -> None:
     doc, start, length = rows.T
     held = np.bincount(rank, weights=length, minlength=plan.cp_size)
     for r in np.flatnonzero(held != plan.tokens_per_rank)[:1]:
-        raise AssertionError(f"{plan.strategy}: rank {r} holds {int(held[r])} tokens, expected {plan.tokens_per_rank}")
+        raise AssertionError(
+            f"{plan.strategy}: rank {r} holds {int(held[r])} tokens, expected {plan.tokens_per_rank}"
+        )
     bad = (doc < 0) | (doc >= len(plan.doc_lens)) | (length <= 0) | (start < 0)
     for i in np.flatnonzero(bad)[:1]:
         raise AssertionError(Shard(*rows[i].tolist()))

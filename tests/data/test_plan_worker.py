@@ -15,8 +15,10 @@ from flashcp.dispatch import build_dispatch
 
 def batches(worker: bool, prefetch: int, count: int = 4) -> list[dict]:
     cfg = DataConfig(source="synthetic", synthetic_lengths="pile", seed=3, prefetch=prefetch)
-    loader = build_loader(cfg, 16384, 0, 2, 8, planner_kwargs={"strategy": "flashcp", "target_imbalance": 1.02})
-    loader.dispatch_with(functools.partial(build_dispatch, rank=5, comm="needed", overlap=True), worker=worker)
+    planner = {"strategy": "flashcp", "target_imbalance": 1.02}
+    loader = build_loader(cfg, 16384, 0, 2, 8, planner_kwargs=planner)
+    dispatcher = functools.partial(build_dispatch, rank=5, comm="needed", overlap=True)
+    loader.dispatch_with(dispatcher, worker=worker)
     with loader:
         return [next(loader) for _ in range(count)]
 
