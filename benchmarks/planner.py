@@ -14,6 +14,8 @@
    figures (ILP 36 % / 1.00, heuristic 28 % / 1.04) are printed beside ours; its window size and
    granularity are not stated, so the comparison is of trends, not of equal setups.
 
+Plan time and each rank's dispatch at CP 8-64 and windows of 128K-4M: `benchmarks/planner_scale.py`.
+
 Writes benchmarks/results/planner.{md,json,png}. Planning times are single-threaded CPU
 figures of this machine.
 """

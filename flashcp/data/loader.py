@@ -89,6 +89,7 @@ from flashcp.data.deferral import Deferral
 from flashcp.data.packing import balanced_step, deferred_step, IGNORE_INDEX, Window, WindowPacker
 from flashcp.data.errors import DataError
 from flashcp.data.mixture import build_data, MixedSource
+from flashcp.data.plan_worker import PlanWorker
 from flashcp.data.sources import DEFAULT_TOKENIZER, DataConfig
 from flashcp.data.store import file_fingerprint
 from flashcp.data.tokenizer import Tokenizer, load_tokenizer
@@ -127,6 +128,8 @@ class WindowLoader:
             raise DataError(f"dp_rank must be in [0, dp_world={dp_world}), got {dp_rank}")
         self._packer, self._planner = packer, planner
         self._dispatcher: Callable[[Any], Any] | None = None
+        self._use_worker = False
+        self._worker: PlanWorker | None = None  # started on first use, stopped by close()
         self._balance: StepBalance | None = None
         self._fingerprint = dict(fingerprint)
         self.dp_rank, self.dp_world, self.prefetch = dp_rank, dp_world, prefetch
@@ -202,8 +205,12 @@ class WindowLoader:
     def _batch(self, window: Window, index: int, load_ms: float) -> dict[str, Any]:
         """A window as a batch, planned (and dispatched for this rank)."""
         t1 = time.perf_counter()
-        plan = self._planner(window.doc_lens)
-        dispatch = self._dispatcher(plan) if self._dispatcher is not None else None
+        if self._use_worker:
+            self._worker = self._worker or PlanWorker()
+            plan, dispatch = self._worker.run(self._planner, self._dispatcher, window.doc_lens)
+        else:
+            plan = self._planner(window.doc_lens)
+            dispatch = self._dispatcher(plan) if self._dispatcher is not None else None
         batch = {
             "input": torch.from_numpy(window.input),
             "labels": torch.from_numpy(window.labels),
@@ -282,10 +289,13 @@ class WindowLoader:
         self._state = state
         return batch
 
-    def dispatch_with(self, dispatcher: Callable[[Any], Any]) -> None:
-        """Build each window's dispatch with `dispatcher(plan)` in the producer (before iterating)."""
+    def dispatch_with(self, dispatcher: Callable[[Any], Any] | None, worker: bool = False) -> None:
+        """Build each window's dispatch with `dispatcher(plan)` in the producer (before iterating).
+
+        With `worker`, planning and the dispatch run in a worker process (`flashcp.data.plan_worker`:
+        the planner and `dispatcher` must then be picklable), off the GIL of the training thread."""
         self._stop_producer()
-        self._dispatcher = dispatcher
+        self._dispatcher, self._use_worker = dispatcher, worker
 
     def balance_with(self, micro: int, cost: WindowCost, cut_target: float | None = None,
                      max_delay: int | None = None, target: float = 1.05) -> None:  # fmt: skip
@@ -347,8 +357,12 @@ class WindowLoader:
         self._restore(state)
 
     def close(self) -> None:
-        """Stop the prefetch thread; iteration may continue afterwards from the same point."""
+        """Stop the prefetch thread and the worker process; iteration may continue afterwards from
+        the same point."""
         self._stop_producer()
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
 
     def __enter__(self) -> WindowLoader:
         return self

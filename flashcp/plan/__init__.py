@@ -6,8 +6,10 @@ Every strategy is a small function `(doc_lens, cp_size, **options) -> (ranks, in
 of its own; `plan_shards` checks the input, runs it, normalises the shards and validates the
 result, so a strategy only has to decide placement.
 
-May import: the standard library (scipy for `ilp`). Pure Python, no torch: planning tools start
-fast. The command-line tool (`python -m flashcp.plan`) also draws windows from `flashcp.data`.
+May import: the standard library and numpy (scipy for `ilp`). No torch: planning tools start
+fast. Plans at CP 64 can hold tens of thousands of shards; what scales with them (Per-Doc
+chunks, normalising, validating, the rank scan of placement) is vectorised in numpy. The
+command-line tool (`python -m flashcp.plan`) also draws windows from `flashcp.data`.
 """
 
 from __future__ import annotations

@@ -8,30 +8,45 @@ remainder tokens and each rank ends with exactly C/N tokens, for documents of an
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Sequence
+
+import numpy as np
 
 from flashcp.plan.plan import Shard
 
 
+def per_doc_layout(
+    doc_lens: tuple[int, ...], docs: Sequence[int], cp_size: int, pointer: int = 0
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """The head-tail chunks of `docs` as arrays: the document of each of a rank's pieces (head,
+    tail, head, tail, ... in `docs` order), their starts and lengths per rank (cp_size x 2 len(docs)),
+    and the remainder pointer after them. In numpy: with many ranks and many Per-Doc documents
+    these are tens of thousands of chunks."""
+    n = cp_size
+    docs = np.asarray(docs, dtype=np.int64)
+    lens = np.asarray(doc_lens, dtype=np.int64)[docs]
+    base, rem = np.divmod(lens, 2 * n)
+    # Remainder token j of a document goes to rank (pointer + j) % n: its head chunk the first
+    # time (j < n), its tail chunk the second (j >= n).
+    first = (pointer + np.cumsum(rem) - rem) % n
+    turn = (np.arange(n) - first[:, None]) % n
+    chunk = np.concatenate((turn < rem[:, None], (turn + n < rem[:, None])[:, ::-1]), axis=1) + base[:, None]
+    starts = np.cumsum(chunk, axis=1) - chunk
+    return np.repeat(docs, 2), _by_rank(starts, n), _by_rank(chunk, n), pointer + int(rem.sum())
+
+
+def _by_rank(chunks: np.ndarray, n: int) -> np.ndarray:
+    """Per-document rows of 2n chunks -> per-rank rows: rank r holds chunks r and 2n - 1 - r."""
+    return np.stack((chunks[:, :n], chunks[:, ::-1][:, :n]), axis=2).transpose(1, 0, 2).reshape(n, -1)
+
+
 def per_doc_shards(
-    doc_lens: tuple[int, ...], docs: Iterable[int], cp_size: int, pointer: int = 0
+    doc_lens: tuple[int, ...], docs: Sequence[int], cp_size: int, pointer: int = 0
 ) -> tuple[list[list[Shard]], int]:
     """Head-tail shards of `docs` for every rank, and the remainder pointer after them."""
-    n = cp_size
-    ranks: list[list[Shard]] = [[] for _ in range(n)]
-    for d in docs:
-        base, rem = divmod(doc_lens[d], 2 * n)
-        chunk = [base] * (2 * n)
-        for _ in range(rem):
-            r = pointer % n
-            # A rank's first extra token goes to its head chunk, a second one to its tail chunk.
-            chunk[r if chunk[r] == base else 2 * n - 1 - r] += 1
-            pointer += 1
-        start = 0
-        for c, length in enumerate(chunk):
-            ranks[c if c < n else 2 * n - 1 - c].append(Shard(d, start, length))
-            start += length
-    return ranks, pointer
+    doc, starts, lengths, pointer = per_doc_layout(doc_lens, docs, cp_size, pointer)
+    doc = doc.tolist()
+    return [list(map(Shard, doc, s, x)) for s, x in zip(starts.tolist(), lengths.tolist())], pointer
 
 
 def plan_per_doc(doc_lens: tuple[int, ...], cp_size: int) -> tuple[list[list[Shard]], dict]:

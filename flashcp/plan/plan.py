@@ -9,8 +9,12 @@ deterministic and independent of any device.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
+
+import numpy as np
 
 
 class Shard(NamedTuple):
@@ -114,35 +118,61 @@ class Plan:
         }
 
 
-def normalize(ranks: list[list[Shard]]) -> tuple[tuple[Shard, ...], ...]:
+def shard_array(ranks: Sequence[Sequence[Shard]]) -> tuple[np.ndarray, np.ndarray]:
+    """All shards as an int64 array of (doc, start, length) rows and the rank of each row: plans
+    with thousands of shards (many Per-Doc documents over many ranks) are checked and sorted in
+    numpy rather than shard by shard."""
+    counts = [len(shards) for shards in ranks]
+    flat = itertools.chain.from_iterable(itertools.chain.from_iterable(ranks))
+    rows = np.fromiter(flat, dtype=np.int64, count=3 * sum(counts)).reshape(-1, 3)
+    return rows, np.repeat(np.arange(len(ranks)), counts)
+
+
+def normalize(ranks: Sequence[Sequence[Shard]]) -> tuple[tuple[Shard, ...], ...]:
     """Sort each rank's shards by (doc, start), drop empty ones and merge adjacent pieces."""
-    out = []
-    for shards in ranks:
-        merged: list[Shard] = []
-        for s in sorted(s for s in shards if s.length > 0):
-            last = merged[-1] if merged else None
-            if last is not None and last.doc == s.doc and last.start + last.length == s.start:
-                merged[-1] = Shard(s.doc, last.start, last.length + s.length)
-            else:
-                merged.append(s)
-        out.append(tuple(merged))
-    return tuple(out)
+    rows, rank = shard_array(ranks)
+    flat = list(itertools.chain.from_iterable(ranks))
+    kept = np.flatnonzero(rows[:, 2] > 0)
+    doc, start, length = rows[kept].T
+    order = np.lexsort((length, start, doc, rank[kept]))
+    kept, doc, start, length, rank = kept[order], doc[order], start[order], length[order], rank[kept][order]
+    # A piece continues the previous one (same rank and document, starting where it ends).
+    joins = (rank[1:] == rank[:-1]) & (doc[1:] == doc[:-1]) & (start[1:] == start[:-1] + length[:-1])
+    heads = np.flatnonzero(np.concatenate(([True], ~joins)))
+    sizes = np.diff(np.append(heads, len(kept)))
+    length = np.add.reduceat(length, heads) if len(heads) else length
+    shards = [flat[i] for i in kept[heads].tolist()]  # unmerged shards stay the objects given
+    for g in np.flatnonzero(sizes > 1).tolist():
+        shards[g] = Shard(int(doc[heads[g]]), int(start[heads[g]]), int(length[g]))
+    bounds = np.searchsorted(rank[heads], np.arange(len(ranks) + 1))
+    return tuple(tuple(shards[a:b]) for a, b in zip(bounds[:-1], bounds[1:]))
 
 
 def validate(plan: Plan) -> None:
     """Raise AssertionError unless every token is held exactly once and ranks hold equal tokens."""
-    covered: dict[int, list[tuple[int, int]]] = {}
-    for r, shards in enumerate(plan.ranks):
-        held = sum(s.length for s in shards)
-        assert held == plan.tokens_per_rank, (
-            f"{plan.strategy}: rank {r} holds {held} tokens, expected {plan.tokens_per_rank}"
+    rows, rank = shard_array(plan.ranks)
+    doc, start, length = rows.T
+    held = np.bincount(rank, weights=length, minlength=plan.cp_size)
+    for r in np.flatnonzero(held != plan.tokens_per_rank)[:1]:
+        raise AssertionError(
+            f"{plan.strategy}: rank {r} holds {int(held[r])} tokens, expected {plan.tokens_per_rank}"
         )
-        for s in shards:
-            assert 0 <= s.doc < len(plan.doc_lens) and s.length > 0 and s.start >= 0, s
-            covered.setdefault(s.doc, []).append((s.start, s.start + s.length))
-    for d, length in enumerate(plan.doc_lens):
-        pos = 0
-        for a, b in sorted(covered.get(d, [])):
-            assert a == pos, f"{plan.strategy}: document {d} covered with a gap or overlap at {pos}"
-            pos = b
-        assert pos == length, f"{plan.strategy}: document {d} covered up to {pos} of {length}"
+    bad = (doc < 0) | (doc >= len(plan.doc_lens)) | (length <= 0) | (start < 0)
+    for i in np.flatnonzero(bad)[:1]:
+        raise AssertionError(Shard(*rows[i].tolist()))
+    lens = np.asarray(plan.doc_lens, dtype=np.int64)
+    order = np.lexsort((start + length, start, doc))
+    doc, start, end = doc[order], start[order], (start + length)[order]
+    # Per document, pieces sorted by start must tile [0, length): each starts where the last ended.
+    first = np.ones(len(doc), dtype=bool)
+    first[1:] = doc[1:] != doc[:-1]
+    expected = np.where(first, 0, np.concatenate(([0], end[:-1])))
+    for i in np.flatnonzero(start != expected)[:1]:
+        raise AssertionError(
+            f"{plan.strategy}: document {doc[i]} covered with a gap or overlap at {expected[i]}"
+        )
+    covered = np.zeros(len(lens), dtype=np.int64)
+    last = np.append(first[1:], True) if len(doc) else first
+    covered[doc[last]] = end[last]
+    for d in np.flatnonzero(covered != lens)[:1]:
+        raise AssertionError(f"{plan.strategy}: document {d} covered up to {covered[d]} of {lens[d]}")
