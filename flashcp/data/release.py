@@ -55,6 +55,10 @@ class StepAim(NamedTuple):
     tolerance: float  # max / mean - 1 aimed at
     short: np.ndarray  # the stream's short documents that fill the step (what the layout's cap counts)
     cost: WindowCost
+    # Per pool document, the short documents' tokens before it in the stream (-1: a waiting one,
+    # trained first). The step walks the stream in order, so a released one is trained only if the
+    # short ones before it leave room (None: all are).
+    short_before: np.ndarray | None = None
 
 
 def _fill(order: np.ndarray, lens: np.ndarray, w: np.ndarray, forced: np.ndarray, n_windows: int, window: int,
@@ -141,7 +145,9 @@ def choose_release(lens: np.ndarray, reference: np.ndarray, forced: np.ndarray, 
         released = forced.copy()
         released[free[under]] = True
         estimates.append((price(released), level))
-    best_levels = [level for _, level in sorted(estimates)[-EXACT:]]
+    # The forced documents' own level too: the prediction undervalues it most (it stacks long
+    # documents, which the prediction cuts as if each had its own window).
+    best_levels = {floor, *(level for _, level in sorted(estimates)[-EXACT:])}
     return max((_fill(order, lens, w, forced, n_windows, window, level)[0] for level in best_levels),
                key=price.layout)  # fmt: skip
 
@@ -179,10 +185,22 @@ class _Price:
         return min(int(np.searchsorted(self.ends, need)) + 1, self.ends.size) if need > 0 else 0
 
     def layout(self, released: np.ndarray) -> float:
-        """The same price with the cut the layout makes of the candidate step: its released documents
-        and the short ones that fill it (repeated where the span holds too few: the stream's next
-        ones are drawn alike), cut to the aim's bound."""
-        a, lens = self.aim, self.lens[released]
+        """The same price with the cut the layout makes of the step the release gives. That step is
+        built as `Deferral` walks the stream: the released waiting documents, then the stream in order,
+        short documents and released ones while the step has room (one the short documents before it
+        left no room for waits again, and keeps nothing now), the last short one cut; where the span
+        holds too few short documents, they repeat (the stream's next ones are drawn alike)."""
+        a = self.aim
+        taken = released.copy()
+        if a.short_before is not None:
+            need = a.n_windows * a.window - int(self.lens[released & (a.short_before < 0)].sum())
+            order = np.flatnonzero(released & (a.short_before >= 0))
+            for i in order[np.argsort(a.short_before[order], kind="stable")].tolist():
+                if int(a.short_before[i]) >= need or self.lens[i] > need - int(a.short_before[i]):
+                    taken[i] = False
+                else:
+                    need -= int(self.lens[i])
+        lens = self.lens[taken]
         need = a.n_windows * a.window - int(lens.sum())
         if need > 0 and not a.short.size:
             return self(released)
@@ -191,7 +209,6 @@ class _Price:
             short = np.resize(a.short, a.short.size * -(-need // int(self.ends[-1])))
             short = short[: int(np.searchsorted(np.cumsum(short), need)) + 1]
             short[-1] -= int(short.sum()) - need
-        step = np.concatenate((lens, short))
-        layout = layout_step(step, a.n_windows, 1, a.window, a.cost, 1 + a.tolerance)
+        layout = layout_step(np.concatenate((lens, short)), a.n_windows, 1, a.window, a.cost, 1 + a.tolerance)
         pieces = layout.length[layout.doc < lens.size].astype(np.float64)
-        return float((pieces * (pieces + 1) / 2).sum()) - KEEP_SHARE * float(self.reference[released].sum())
+        return float((pieces * (pieces + 1) / 2).sum()) - KEEP_SHARE * float(self.reference[taken].sum())
