@@ -24,7 +24,8 @@ between the step's windows so that every window's predicted cost is close to the
    longer short pieces than the cap predicted), the cap is tightened to that window's longest
    piece and the step is packed again (at most `RETRIES` times: a step whose forced deferred
    documents arrive without company may need several; it stops when two passes in a row do not
-   improve the worst window, and the best pass is kept). A pass within the tolerance whose cuts
+   improve the worst window, and the best pass is kept; a step still above the tolerance then tries
+   lower caps, `SCAN_STEP` apart, until one is within it). A pass within the tolerance whose cuts
    lose more than `GROW_LOSS` of the pairs and whose capped pieces outnumber the windows is tried
    once more with a cap halfway to the longest document (the cap's estimate assumes every long
    document cut, which then lowers the mean it aims at, so it can fall far too low).
@@ -58,7 +59,7 @@ CAP_SHARE = 0.8  # a capped piece's window aims at this share of the tolerated i
 RETRY_SHARE = 0.9  # a step with a window above this share of it is packed again with a tighter cap
 RETRIES = 8
 GROW_LOSS = 0.2  # a cap within the bound that cuts away this share of the pairs tries a larger one
-SCAN, SCAN_STEP = 8, 0.92  # a step the retries left above the bound tries up to SCAN caps, each this share of the last
+SCAN, SCAN_STEP = 8, 0.92  # a step the retries left above the bound tries SCAN caps, each this share lower
 
 
 class Piece(NamedTuple):

@@ -99,7 +99,8 @@ def test_a_forced_step_is_priced_by_the_cut_the_layout_makes():
     price = _Price(lens, reference, a)
     w = weight(lens.astype(np.float64), a.density)
     order = np.lexsort((np.arange(lens.size), -lens, ~forced))
-    candidates = [_fill(order, lens, w, forced, n_windows, window, level)[0] for level in sorted(set(w.tolist()))]
+    levels = sorted(set(w.tolist()))
+    candidates = [_fill(order, lens, w, forced, n_windows, window, level)[0] for level in levels]
     by_prediction = max(candidates, key=price)
     assert price.layout(by_prediction) < price(by_prediction) - 0.2 * reference.sum()  # cut far more
     assert price.layout(chosen) > price.layout(by_prediction) + 0.2 * reference.sum()
