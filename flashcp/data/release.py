@@ -148,8 +148,11 @@ def choose_release(lens: np.ndarray, reference: np.ndarray, forced: np.ndarray, 
     # The forced documents' own level too: the prediction undervalues it most (it stacks long
     # documents, which the prediction cuts as if each had its own window).
     best_levels = {floor, *(level for _, level in sorted(estimates)[-EXACT:])}
-    return max((_fill(order, lens, w, forced, n_windows, window, level)[0] for level in best_levels),
-               key=price.layout)  # fmt: skip
+    fills = {}  # levels that release the same documents are laid out once
+    for level in best_levels:
+        released = _fill(order, lens, w, forced, n_windows, window, level)[0]
+        fills.setdefault(released.tobytes(), released)
+    return max(fills.values(), key=price.layout)
 
 
 class _Price:
