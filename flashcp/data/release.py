@@ -22,8 +22,8 @@ level is priced: the pairs its documents keep after the cut net of `KEEP_SHARE` 
 packing would have kept of them (what a document held back may expect later), and the best is
 released. Levels are ranked with a vectorised estimate of the fill (each document under the level
 while the windows' total load and tokens allow) and the cut `length_cap` predicts; the best `EXACT`
-of them are filled exactly and priced by the cut the layout makes of the candidate step
-(`layout_step` of its documents and the stream's short ones). The prediction assumes one capped
+of them and the forced documents' own level are filled exactly and priced by the cut the layout
+makes of the step the stream walk will build (`layout_step`). The prediction assumes one capped
 piece per window; where the capped pieces outnumber the windows, those holding two are over the
 bound and the layout cuts further (a ProLong-like step at 128K / DP 64 of 33 window-long pieces and
 12 documents of 100K+: cap 64K predicted, 49K made, 56 % of stream packing's pairs kept), so
@@ -41,7 +41,7 @@ from flashcp.data.balance import CAP_SHARE, layout_step, length_cap, weight, Win
 
 LEVELS = 12  # candidate levels per step (the largest pool documents, geometrically spaced; bisected)
 KEEP_SHARE = 0.75  # a forced step prices its cut against this share of stream packing's pairs
-EXACT = 2  # levels of a forced step filled exactly, priced by the layout's cut (the best by the estimate)
+EXACT = 1  # levels of a forced step, the best by the estimate, filled exactly and priced by the layout's cut
 PRICE_ROUNDS = 16  # the predicted cap's fixed-point rounds: to where it settles (see `_Price`)
 
 
@@ -152,6 +152,8 @@ def choose_release(lens: np.ndarray, reference: np.ndarray, forced: np.ndarray, 
     for level in best_levels:
         released = _fill(order, lens, w, forced, n_windows, window, level)[0]
         fills.setdefault(released.tobytes(), released)
+    if len(fills) == 1:
+        return released
     return max(fills.values(), key=price.layout)
 
 

@@ -84,13 +84,13 @@ def test_a_forced_step_keeps_at_least_what_stacking_or_the_forced_one_alone_keep
 
 
 def test_a_forced_step_is_priced_by_the_cut_the_layout_makes():
-    """Four window-long documents, two of them forced with a mid-sized one: the cut `length_cap`
+    """Seven window-long documents, one of them forced with two mid-sized ones: the cut `length_cap`
     predicts assumes one capped piece per window and prefers a release the layout cuts much
     further; priced by the layout's cut, the release keeps more."""
     window, n_windows = 1024, 8
-    lens = np.array([1024, 1024, 1024, 1024, 399, 592, 581, 199, 892, 645])
+    lens = np.array([1024] * 7 + [624, 338, 479, 188, 449, 766])
     forced = np.zeros(lens.size, dtype=bool)
-    forced[[0, 4, 5]] = True
+    forced[[5, 7, 8]] = True
     a = aim(n_windows, window, base=40.0 * window + 2.5 * window, density=2.5,
             short=np.full(n_windows * window // 4, 4))  # fmt: skip
     reference = 2 / 3 * tri(lens.astype(float))  # stream packing cuts a window-long one where windows end
