@@ -5,7 +5,8 @@
                                  [--all-modes] [--json]
 
 Documents are drawn from the length distribution into one stream (`prolong` is a ProLong-like mix
-defined here: 40 % of tokens in long documents, ASSUMED mean 64K, 60 % in Pile-like short ones);
+defined here: 40 % of tokens in long documents, ASSUMED mean 64K, 60 % in Pile-like short ones;
+`prolong-32k` has long documents of mean 32K, `prolong-24k-50` also 50 % of the tokens in them);
 every mode trains that stream, S optimizer steps of dp x micro windows of exactly C tokens:
   off           stream packing (each window's last document carried into the next)
   mesh          the stream step's pieces moved between the step's windows
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import time
 from collections.abc import Iterable
 
@@ -57,7 +59,16 @@ PROLONG = LognormalMixture.from_token_shares(("long", "short"), (0.4, 0.6), (655
 
 
 def sampler(name: str, seed: int) -> LengthSampler:
-    return LengthSampler(PROLONG, seed, name) if name == "prolong" else length_sampler(name, seed=seed)
+    """`prolong[-<mean>k[-<long share %>]]` or a `flashcp.data.lengths` distribution / lengths file."""
+    match = re.fullmatch(r"prolong(?:-(\d+)k(?:-(\d+))?)?", name)
+    if not match:
+        return length_sampler(name, seed=seed)
+    mean, share = match.groups()
+    if mean is None:
+        return LengthSampler(PROLONG, seed, name)
+    long = float(share or 40) / 100
+    mix = LognormalMixture.from_token_shares(("long", "short"), (long, 1 - long), (1024.0 * int(mean), 1500.0))
+    return LengthSampler(mix, seed, name)
 
 
 class Stream:
@@ -278,7 +289,8 @@ def print_rule(path: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--distribution", help="a flashcp.data.lengths distribution: wlbllm, pile, redpajama")
+    source.add_argument("--distribution", help="a flashcp.data.lengths distribution (wlbllm, pile, redpajama) "
+                        "or prolong[-<long mean>k[-<long share %>]]")
     source.add_argument("--lengths-file", help="a JSON list of document lengths to sample from")
     source.add_argument("--rule", help="apply the default's rule to saved --json lines (a .jsonl file)")
     parser.add_argument("--context", type=int, help="window length C (tokens)")

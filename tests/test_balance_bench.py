@@ -101,3 +101,15 @@ def test_json_reports_the_trainers_default_mode_unless_one_is_named(tmp_path):
     check_keys(named)
     assert named["setting"]["mode"] == "deferral" and named["setting"]["max_delay"] == 4
     assert named["delay_steps"]["max"] <= 4
+
+
+def test_prolong_names_set_the_long_documents_mean_and_token_share():
+    from flashcp.data.lengths import LognormalMixture
+
+    assert bench.sampler("prolong", 0).dist is bench.PROLONG
+    for name, mean, share in (("prolong-32k", 32768.0, 0.4), ("prolong-24k-50", 24576.0, 0.5)):
+        mix = bench.sampler(name, 0).dist
+        assert mix == LognormalMixture.from_token_shares(("long", "short"), (share, 1 - share), (mean, 1500.0))
+    assert bench.sampler("wlbllm", 0).name == "wlbllm"
+    with pytest.raises(ValueError, match="unknown length distribution"):
+        bench.sampler("prolong-32", 0)

@@ -24,7 +24,8 @@ between the step's windows so that every window's predicted cost is close to the
    longer short pieces than the cap predicted), the cap is tightened to that window's longest
    piece and the step is packed again (at most `RETRIES` times: a step whose forced deferred
    documents arrive without company may need several; it stops when two passes in a row do not
-   improve the worst window, and the best pass is kept). A pass within the tolerance whose cuts
+   improve the worst window, and the best pass is kept; a step still above the tolerance then tries
+   lower caps, `SCAN_STEP` apart, until one is within it). A pass within the tolerance whose cuts
    lose more than `GROW_LOSS` of the pairs and whose capped pieces outnumber the windows is tried
    once more with a cap halfway to the longest document (the cap's estimate assumes every long
    document cut, which then lowers the mean it aims at, so it can fall far too low).
@@ -58,6 +59,7 @@ CAP_SHARE = 0.8  # a capped piece's window aims at this share of the tolerated i
 RETRY_SHARE = 0.9  # a step with a window above this share of it is packed again with a tighter cap
 RETRIES = 8
 GROW_LOSS = 0.2  # a cap within the bound that cuts away this share of the pairs tries a larger one
+SCAN, SCAN_STEP = 8, 0.92  # a step the retries left above the bound tries SCAN caps, each this share lower
 
 
 class Piece(NamedTuple):
@@ -350,6 +352,20 @@ def layout_step(
         # they set the mean the cap aims at, and cutting lowers it (a step of ~100 released long
         # documents fell to 44K where 82K met the bound). When its cuts cost much, one pass halfway
         # to the longest document. (With fewer, the rest of the windows set the mean: no retry.)
+        cap = best[2]
+        # The worst window's ratio is not monotonic in the cap: where a cap leaves more capped pieces
+        # than windows, those holding two are over, and the retries' tighter caps may stall between
+        # such counts (a step of 27 window-long pieces and 13 of 99-126K at DP 64: 1.08 at caps of
+        # 71-75K, 1.10-1.19 at 50-68K, 1.01-1.04 at 44-48K). A step left above `max_imbalance` tries
+        # lower caps, each SCAN_STEP below the last, until one is within the bound.
+        for _ in range(SCAN if best[0] > max_imbalance else 0):
+            cap = max(1, int(cap * SCAN_STEP))
+            packed = pack(lens, cap, n_windows, window)
+            ratio = _ratio(packed, n_windows, dense)
+            if ratio < best[0]:
+                best = (ratio, packed, cap)
+            if ratio <= bound:
+                break
         cap = best[2]
         if best[0] <= bound and int((lens // cap).sum()) >= n_windows and cut_loss(lens, cap) > GROW_LOSS:
             mid = (cap + min(int(lens.max()), window)) // 2

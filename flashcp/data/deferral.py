@@ -172,8 +172,10 @@ class Deferral:
         short = span.length[~candidate]
         density = float((short * (short + 1) / 2).sum() / max(int(short.sum()), 1))
         base = density * self.window + self.cost.dense_per_token * self.window / self.cost.attn_per_pair
+        short_tokens = np.where(candidate, 0, span.length)
+        before = (np.cumsum(short_tokens) - short_tokens)[candidate]  # short tokens before each candidate
         aim = StepAim(self.n_windows, self.window, density, base, AIM_SHARE * (self.target - 1), short,
-                      self.cost)  # fmt: skip
+                      self.cost, np.concatenate((np.full(pend.size, -1), before)))  # fmt: skip
         pool = np.concatenate((pend, span.length[candidate]))
         forced = np.concatenate((forced, np.zeros(pool.size - pend.size, dtype=bool)))
         waiting = np.array([p.offset + p.start for p in self.pending], dtype=np.int64)

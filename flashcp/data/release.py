@@ -18,11 +18,16 @@ step's longest documents to a cap, and which documents go decides how much that 
 up to the forced documents' level stacks long documents in every window (a step of ~100 long
 documents, nearly every window 0.9 C of them, cut to 0.4 C: 65 % of stream packing's pairs);
 releasing only the forced ones leaves the step's mean low and cuts them short. So each candidate
-level is priced: the pairs its documents keep after the predicted cut (`length_cap` of the
-candidate step) net of `KEEP_SHARE` of what stream packing would have kept of them (what a
-document held back may expect later), and the best is released. Levels are ranked with a
-vectorised estimate of the fill (each document under the level while the windows' total load
-and tokens allow), and the best `EXACT` of them filled exactly and priced again.
+level is priced: the pairs its documents keep after the cut net of `KEEP_SHARE` of what stream
+packing would have kept of them (what a document held back may expect later), and the best is
+released. Levels are ranked with a vectorised estimate of the fill (each document under the level
+while the windows' total load and tokens allow) and the cut `length_cap` predicts; the best `EXACT`
+of them and the forced documents' own level are filled exactly and priced by the cut the layout
+makes of the step the stream walk will build (`layout_step`). The prediction assumes one capped
+piece per window; where the capped pieces outnumber the windows, those holding two are over the
+bound and the layout cuts further (a ProLong-like step at 128K / DP 64 of 33 window-long pieces and
+12 documents of 100K+: cap 64K predicted, 49K made, 56 % of stream packing's pairs kept), so
+ranking the finalists by the prediction chose such releases.
 """
 
 from __future__ import annotations
@@ -32,11 +37,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-from flashcp.data.balance import CAP_SHARE, length_cap, weight, WindowCost
+from flashcp.data.balance import CAP_SHARE, layout_step, length_cap, weight, WindowCost
 
 LEVELS = 12  # candidate levels per step (the largest pool documents, geometrically spaced; bisected)
 KEEP_SHARE = 0.75  # a forced step prices its cut against this share of stream packing's pairs
-EXACT = 2  # levels of a forced step filled exactly (the best by the estimate)
+EXACT = 1  # levels of a forced step, the best by the estimate, filled exactly and priced by the layout's cut
 PRICE_ROUNDS = 16  # the predicted cap's fixed-point rounds: to where it settles (see `_Price`)
 
 
@@ -50,6 +55,10 @@ class StepAim(NamedTuple):
     tolerance: float  # max / mean - 1 aimed at
     short: np.ndarray  # the stream's short documents that fill the step (what the layout's cap counts)
     cost: WindowCost
+    # Per pool document, the short documents' tokens before it in the stream (-1: a waiting one,
+    # trained first). The step walks the stream in order, so a released one is trained only if the
+    # short ones before it leave room (None: all are).
+    short_before: np.ndarray | None = None
 
 
 def _fill(order: np.ndarray, lens: np.ndarray, w: np.ndarray, forced: np.ndarray, n_windows: int, window: int,
@@ -136,9 +145,16 @@ def choose_release(lens: np.ndarray, reference: np.ndarray, forced: np.ndarray, 
         released = forced.copy()
         released[free[under]] = True
         estimates.append((price(released), level))
-    best_levels = [level for _, level in sorted(estimates)[-EXACT:]]
-    return max((_fill(order, lens, w, forced, n_windows, window, level)[0] for level in best_levels),
-               key=price)  # fmt: skip
+    # The forced documents' own level too: the prediction undervalues it most (it stacks long
+    # documents, which the prediction cuts as if each had its own window).
+    best_levels = {floor, *(level for _, level in sorted(estimates)[-EXACT:])}
+    fills = {}  # levels that release the same documents are laid out once
+    for level in best_levels:
+        released = _fill(order, lens, w, forced, n_windows, window, level)[0]
+        fills.setdefault(released.tobytes(), released)
+    if len(fills) == 1:
+        return released
+    return max(fills.values(), key=price.layout)
 
 
 class _Price:
@@ -159,8 +175,7 @@ class _Price:
     def __call__(self, released: np.ndarray) -> float:
         """The short documents that fill the rest of the step are the stream's next ones (a prefix)."""
         a, lens = self.aim, self.lens[released]
-        need = a.n_windows * a.window - int(lens.sum())
-        k = min(int(np.searchsorted(self.ends, need)) + 1, self.ends.size) if need > 0 else 0
+        k = self._fillers(int(lens.sum()))
         # The step's shortest documents fill the capped windows: two sorted runs, merged in linear time.
         fillers = np.sort(np.concatenate((a.short[self.rank[self.rank < k]], np.sort(lens))), kind="stable")
         cap = length_cap(lens, a.n_windows, a.window, a.cost, 1 + CAP_SHARE * a.tolerance,
@@ -168,3 +183,37 @@ class _Price:
         full, rest = np.divmod(lens.astype(np.float64), cap)
         kept = float((full * (cap * (cap + 1) / 2) + rest * (rest + 1) / 2).sum())
         return kept - KEEP_SHARE * float(self.reference[released].sum())
+
+    def _fillers(self, released_tokens: int) -> int:
+        """How many of the stream's short documents fill the rest of the step (the last one cut)."""
+        need = self.aim.n_windows * self.aim.window - released_tokens
+        return min(int(np.searchsorted(self.ends, need)) + 1, self.ends.size) if need > 0 else 0
+
+    def layout(self, released: np.ndarray) -> float:
+        """The same price with the cut the layout makes of the step the release gives. That step is
+        built as `Deferral` walks the stream: the released waiting documents, then the stream in order,
+        short documents and released ones while the step has room (one the short documents before it
+        left no room for waits again, and keeps nothing now), the last short one cut; where the span
+        holds too few short documents, they repeat (the stream's next ones are drawn alike)."""
+        a = self.aim
+        taken = released.copy()
+        if a.short_before is not None:
+            need = a.n_windows * a.window - int(self.lens[released & (a.short_before < 0)].sum())
+            order = np.flatnonzero(released & (a.short_before >= 0))
+            for i in order[np.argsort(a.short_before[order], kind="stable")].tolist():
+                if int(a.short_before[i]) >= need or self.lens[i] > need - int(a.short_before[i]):
+                    taken[i] = False
+                else:
+                    need -= int(self.lens[i])
+        lens = self.lens[taken]
+        need = a.n_windows * a.window - int(lens.sum())
+        if need > 0 and not a.short.size:
+            return self(released)
+        short = np.zeros(0, dtype=np.int64)
+        if need > 0:
+            short = np.resize(a.short, a.short.size * -(-need // int(self.ends[-1])))
+            short = short[: int(np.searchsorted(np.cumsum(short), need)) + 1]
+            short[-1] -= int(short.sum()) - need
+        layout = layout_step(np.concatenate((lens, short)), a.n_windows, 1, a.window, a.cost, 1 + a.tolerance)
+        pieces = layout.length[layout.doc < lens.size].astype(np.float64)
+        return float((pieces * (pieces + 1) / 2).sum()) - KEEP_SHARE * float(self.reference[taken].sum())

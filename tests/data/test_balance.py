@@ -204,3 +204,24 @@ def test_a_step_leaves_the_garbage_collector_as_it_found_it():
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_a_step_the_retries_leave_above_the_bound_tries_lower_caps(monkeypatch):
+    """Four window-long documents and two of nearly a window over 8 windows: the retries' caps
+    stall where two capped pieces share a window (1.06 x the mean), a lower cap reaches the bound."""
+    import flashcp.data.balance as balance
+
+    window, n_windows, cost = 1024, 8, WindowCost(dense_per_token=40.0, attn_per_pair=1.0)
+    long = [1024, 1024, 1024, 1024, 961, 1011]
+    lens = long + [4] * ((n_windows * window - sum(long)) // 4)
+
+    def worst(max_imbalance: float = 1.05) -> float:
+        layout = balance.layout_step(lens, n_windows, 1, window, cost, max_imbalance)
+        pairs = np.add.reduceat(layout.length * (layout.length + 1) / 2, layout.bounds[:-1])
+        dense = cost.dense_per_token * window / cost.attn_per_pair
+        return float((dense + pairs.max()) / (dense + pairs.mean()))
+
+    check_cover(lens, balance_step(lens, n_windows, 1, window, cost), n_windows, 1, window)
+    assert worst() <= 1 + balance.RETRY_SHARE * 0.05
+    monkeypatch.setattr(balance, "SCAN", 0)
+    assert worst() > 1.05  # the retries alone

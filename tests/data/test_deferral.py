@@ -179,3 +179,22 @@ def test_deferral_cut_cuts_only_what_waiting_could_not_balance():
 
 def test_stream_pairs_cut_at_the_stream_windows():
     assert stream_pairs(np.array([0, 100, 6]), np.array([10, 60, 4]), 64).tolist() == [55.0, 406 + 528, 10.0]
+
+
+def test_forced_steps_priced_by_the_layout_train_every_token_once_within_the_delay(monkeypatch):
+    """A long-document mix (window-long and longer documents, which can only wait until forced):
+    the forced steps' releases priced by the layout's cut keep the guarantees."""
+    import flashcp.data.release as release
+
+    priced = []
+    layout = release._Price.layout
+    monkeypatch.setattr(release._Price, "layout", lambda self, r: priced.append(1) or layout(self, r))
+    rng = np.random.default_rng(3)
+    lens = [int(n) for n in np.clip(rng.lognormal(np.log(40), 1.0, 600), 1, 400)]
+    dp, micro, max_delay = 4, 1, 3
+    steps = run_steps([deferring(r, dp, micro, max_delay, lens=lens, cut=1.05) for r in range(dp)], micro)
+    assert len(steps) > 20 and priced
+    check_once(trained(steps), lens)
+    for step in steps:
+        assert step[0][0]["deferral"]["delay_max"] <= max_delay
+        assert all(b["input"].numel() == SEQ and sum(b["doc_lens"]) == SEQ for rank in step for b in rank)
