@@ -5,8 +5,8 @@ compiler sees one node taking q, k, v and the step's key tensor, and the RoPE ro
 the trainer computed. These tests trace a real block (Llama 3 with GQA, Qwen3 with its own
 head_dim) with `torch._dynamo.explain` for every KV exchange with and without overlap, train it
 compiled over 50 random windows of a CP group of 2 (all ranks in this process,
-flashcp.attention.simulate) counting the frames compiled, and compare every window's output and
-gradients with the eager block's. The multi-rank trainer runs (compiled = eager losses under
+flashcp.attention.simulate) counting the frames compiled, and compare every fifth window's output
+and gradients with the eager block's. The multi-rank trainer runs (compiled = eager losses under
 FSDP and TP) are in test_parity.py.
 """
 
@@ -33,6 +33,7 @@ MODELS = {  # GQA (4 query heads over 2 KV heads), and Qwen3's head_dim 24 != di
     "llama3": {"name": "llama3"},
     "qwen3": {"name": "qwen3", "head_dim": 24},
 }
+EAGER_EVERY = 5  # windows compared with the eager block (all ranks' outputs and gradients)
 TOLERANCE = 1e-10  # float64 block, compiled (aot_eager) vs eager: summation order only; observed 0-1e-15
 
 
@@ -105,12 +106,14 @@ def test_fifty_random_windows_compile_once_and_match_eager(name):
         plan = plan_shards(_window(rng), 2, "flashcp")
         comm = COMM_MODES[i % len(COMM_MODES)]
         x, g = torch.randn(2, 1, WINDOW, 64, dtype=torch.float64)
-        want = _train_window(block, ropes, plan, comm, x, g)
         got = _train_window(compiled, ropes, plan, comm, x, g)
-        for rank_want, rank_got in zip(want, got):
-            for a, b in zip(rank_want, rank_got):
-                worst = max(worst, (a - b).abs().max().item())
-    print(f"{name}: 50 windows, {counter.frame_count} frame(s) compiled, max |compiled - eager| {worst:.1e}")
+        if i % EAGER_EVERY == 0:
+            want = _train_window(block, ropes, plan, comm, x, g)
+            for rank_want, rank_got in zip(want, got):
+                for a, b in zip(rank_want, rank_got):
+                    worst = max(worst, (a - b).abs().max().item())
+    print(f"{name}: 50 windows, {counter.frame_count} frame(s) compiled, max |compiled - eager| {worst:.1e} "
+          f"over {50 // EAGER_EVERY} of them")  # fmt: skip
     assert counter.frame_count == 1
     assert worst <= TOLERANCE
     with torch.no_grad():
