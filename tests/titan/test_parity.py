@@ -174,7 +174,9 @@ COMPILE_CASES = [  # (cp, dp_shard, tp, activation checkpointing) on 4 ranks
     (2, 1, 2, "none"),
     (2, 2, 1, "full"),  # the block's recompute (the KV exchange included) inside the compiled backward
 ]
-COMPILE_TOLERANCE = 1e-4  # relative, losses and gradient norms over 20 steps; observed below, in the output
+# Relative, losses and gradient norms over 20 steps; observed 1.1e-7 (inductor's float32 summation
+# order); a wrong or missing gradient term moves them by orders of magnitude more.
+COMPILE_TOLERANCE = 1e-5
 
 
 def _train_counting_graphs(rank: int, group, cfg: dict) -> tuple[dict, dict, dict[str, int], tuple[int, int]]:
@@ -194,7 +196,7 @@ def _train_counting_graphs(rank: int, group, cfg: dict) -> tuple[dict, dict, dic
 def test_compiled_blocks_train_the_eager_losses(tmp_path, seed, cp, dp, tp, ac):
     """`[compile] enable` (inductor, each block one graph with FlashCP's op inside) trains the eager
     job's losses and gradient norms over 20 windows, runs the same KV collectives, and compiles one
-    graph for both blocks with no break: no window recompiles them."""
+    graph for the blocks (two under TP, see below) with no break: no window recompiles them."""
     def job(name: str, compiled: bool) -> dict:
         return tiny_job(tmp_path / name, checkpoint=seed, training={"steps": COMPILE_STEPS},
                         parallelism={"context_parallel_degree": cp, "data_parallel_shard_degree": dp,
@@ -211,4 +213,7 @@ def test_compiled_blocks_train_the_eager_losses(tmp_path, seed, cp, dp, tp, ac):
     assert compiled[COMPILE_STEPS] < compiled[1]  # it trains
     assert loss_diff <= COMPILE_TOLERANCE and norm_diff <= COMPILE_TOLERANCE, (compiled, eager, norms, eager_norms)
     assert exchanges == eager_exchanges
-    assert (graphs, breaks) == (1, 0)  # both blocks share one graph, kept over every window
+    # One graph for all blocks, kept over every window. Under TP the first block's input (the
+    # embedding's output, sequence-sharded) holds an AsyncCollectiveTensor and the later blocks' a
+    # plain tensor: a guard on that type gives the first block its own graph, whatever the depth.
+    assert (graphs, breaks) == (1 + (tp > 1), 0)
