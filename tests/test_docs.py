@@ -88,6 +88,9 @@ SLOW = {  # command -> (the test that runs the same entry point on a small job, 
     ".venv/bin/python -m flashcp.titan.dryrun --config llama8b_128k --world-size 8 --training.seq_len 2097152 "
     "--activation_checkpoint.mlp_tiles 16 --activation_checkpoint.offload true": (
         "tests/titan/test_dryrun.py::test_offload_moves_the_layer_inputs_to_host_memory", "a tiny job with offload"),
+    ".venv/bin/python benchmarks/compile_step.py": (
+        "tests/titan/test_parity.py::test_compiled_blocks_train_the_eager_losses",
+        "a tiny job on the same layouts, compiled and eager for 20 steps; the benchmark's timed runs take ~10 minutes"),
     ".venv/bin/python benchmarks/dryrun_frontier.py": (
         "tests/titan/test_dryrun.py::test_offload_moves_the_layer_inputs_to_host_memory",
         "each of its rows is one such dry run; all 25 take about an hour"),

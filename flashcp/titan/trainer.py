@@ -56,7 +56,7 @@ from flashcp.costmodel.proxy import window_cost
 from flashcp.data.balance import WindowCost
 from flashcp.data.errors import DataError
 from flashcp.dispatch import build_dispatch
-from flashcp.titan.models.attention import CPStep
+from flashcp.titan.models.attention import CPStep, flashcp_ropes
 from flashcp.titan.components.checkpoint import CheckpointError, Checkpointer
 from flashcp.titan.components.data import PipelineTokenizer, WindowDataLoader
 from flashcp.titan.hf.export import export, ExportError
@@ -120,6 +120,7 @@ class FlashCPTrainer(Trainer):
         else:
             self.cp_rank, self.cp_group = 0, None
         self._configure_metrics()
+        self._flashcp_ropes = flashcp_ropes(self.model_parts[0])  # RoPEs whose rows each step computes
         if self.flashcp.enable:
             self.dataloader.loader.dispatch_with(self.dispatch_window)
         if config.validator.enable:
@@ -341,7 +342,8 @@ class FlashCPTrainer(Trainer):
         dispatch = input_dict["dispatch"].to(self.device, non_blocking=True)
         inputs = input_dict["input"][:, dispatch.token_index]
         labels = labels[:, dispatch.token_index]
-        extra = {"positions": dispatch.positions[None], "attention_masks": CPStep(dispatch, self.cp_group)}
+        step = CPStep.of(self._flashcp_ropes, dispatch, self.cp_group)
+        extra = {"positions": dispatch.positions[None], "attention_masks": step}
         return inputs, labels, extra
 
     def close(self) -> None:

@@ -25,8 +25,8 @@ from typing import Any
 import flashcp.titan  # noqa: F401  (TorchTitan shims before TorchTitan is imported)
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from flashcp.attention import record_comm
 from flashcp.titan.config import check_layout, validate
 
 TINY: dict[str, dict[str, Any]] = {
@@ -145,38 +145,18 @@ def train_on_pool_rank(
     return train(cfg, stop_after=stop_after, grad_norms=grad_norms, validations=validations)
 
 
-class KVCollectiveCounter(TorchDispatchMode):
-    """Counts the collectives on FlashCP's KV buffers that actually execute, by pass.
-
-    A dispatcher-level count: under selective activation checkpointing the recompute replays
-    FlashCP's Python code either way, and only the policy decides whether each op runs again
-    or returns the output cached in forward, so counting calls of the exchange code
-    (`record_comm`) would not tell. The KV exchange moves `[rows, 2, Hkv, D]` buffers (K and V
-    side by side); FSDP's and the loss's collectives move flat tensors and are not counted. A
-    collective issued while autograd runs `_GatherKV`'s backward is the transpose
-    ("backward"); any other, including a checkpoint's recompute inside backward, is "forward".
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func.namespace == "c10d" and args and isinstance(args[0], torch.Tensor):
-            t = args[0]
-            if t.dim() == 4 and t.shape[1] == 2:
-                node = torch._C._current_autograd_node()
-                transpose = node is not None and node.name() == "_GatherKVBackward"
-                self.counts["backward" if transpose else "forward"] += 1
-        return func(*args, **kwargs)
-
-
 def train_counting_exchanges(
     rank: int, group: Any, cfg: dict
 ) -> tuple[dict[int, float], dict[int, float], dict[str, int]]:
-    """DistributedPool task: a rank's losses, gradient norms and KV collectives run per pass."""
+    """DistributedPool task: a rank's losses, gradient norms and KV collectives run per pass.
+
+    The attention is one dispatcher op (`flashcp::cp_attention`), so the exchange code runs
+    exactly when the op runs: under selective activation checkpointing the policy either reruns
+    the whole op (its collective included) or returns its cached output, and `record_comm`
+    counts the collectives that actually execute. The transpose ("backward") is issued by the
+    gathered keys' backward; a checkpoint's recompute inside backward counts as "forward".
+    """
     grad_norms: dict[int, float] = {}
-    with KVCollectiveCounter() as counter:
+    with record_comm() as log:
         losses = train_on_pool_rank(rank, group, cfg, grad_norms)
-    return losses, grad_norms, dict(counter.counts)
+    return losses, grad_norms, dict(Counter(entry.pass_ for entry in log))

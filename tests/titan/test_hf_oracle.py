@@ -24,7 +24,7 @@ from distributed_pool import DistributedPool
 import flashcp.titan  # noqa: F401  (TorchTitan shims before transformers / torchtitan)
 from flashcp.dispatch import build_dispatch
 from flashcp.plan import plan_shards, STRATEGIES
-from flashcp.titan.models.attention import CPStep
+from flashcp.titan.models.attention import CPStep, flashcp_ropes
 from flashcp.titan.config import validate
 from flashcp.titan.models.decoders import state_dict_adapter
 from flashcp.titan.models.spec import model_spec
@@ -124,7 +124,7 @@ def run_window(rank: int, group, folder: Path, tokens: torch.Tensor, plan, comm:
     dispatch = build_dispatch(plan, rank, comm)
     labels = _labels(tokens)[dispatch.token_index]
     logits = model(tokens[dispatch.token_index][None], positions=dispatch.positions[None],
-                   attention_masks=CPStep(dispatch, group if plan.cp_size > 1 else None))[0]  # fmt: skip
+                   attention_masks=CPStep.of(flashcp_ropes(model), dispatch, group if plan.cp_size > 1 else None))[0]  # fmt: skip
     # Each rank's token sum over the window's count, as the trainer normalises: the ranks' gradients add up.
     loss = torch.nn.functional.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
     (loss / (_labels(tokens) != -100).sum()).backward()

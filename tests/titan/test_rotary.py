@@ -15,7 +15,7 @@ import flashcp.titan  # noqa: F401  (TorchTitan shims before torchtitan)
 from flashcp.dispatch import build_dispatch
 from flashcp.plan import plan_shards
 from flashcp.titan.config import validate
-from flashcp.titan.models.attention import CPStep
+from flashcp.titan.models.attention import CPStep, flashcp_ropes
 from flashcp.titan.models.rotary import rotation, StepComplexRoPE, StepCosSinRoPE
 from flashcp.titan.models.spec import model_spec
 from torchtitan.models.common.rope import ComplexRoPE, CosSinRoPE
@@ -62,7 +62,7 @@ def _run(config, tokens: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Te
     model = config.build()
     model.init_states()
     dispatch = build_dispatch(plan_shards(DOC_LENS, 1, "per_seq"), 0, "compact")
-    logits = model(tokens[None], positions=dispatch.positions[None], attention_masks=CPStep(dispatch, None))
+    logits = model(tokens[None], positions=dispatch.positions[None], attention_masks=CPStep.of(flashcp_ropes(model), dispatch, None))
     logits.square().mean().backward()
     grads = {n: p.grad for n, p in model.named_parameters()}
     return logits.detach(), grads, set(model.state_dict())

@@ -4,10 +4,17 @@ TorchTitan's `GQAttention` projects q/k/v, applies RoPE and hands `(q, k, v, att
 to its `inner_attention` module; the decoder passes the same `attention_masks` object to every
 layer. FlashCP uses that channel: the trainer puts one `CPStep` (this rank's dispatch for the
 current window, the CP process group and the communication mode) in `attention_masks`, and
-`FlashCPAttention` runs `cp_varlen_attention` on it. The model file stays TorchTitan's; only the
+`FlashCPAttention` runs FlashCP's attention op on it. The model file stays TorchTitan's; only the
 inner-attention and RoPE configs of each layer are replaced (`use_flashcp_attention`): the RoPE
 module keeps no table and the inner attention rotates q and k with the step's rows, computed once
 per step for this rank's tokens (`flashcp.titan.models.rotary`).
+
+Compiled blocks (`[compile] enable`) are one graph each: the attention is the registered op
+`flashcp::cp_attention` (`flashcp.attention.op`), which the compiler sees as one node taking q, k,
+v and the step's key tensor, and the RoPE rows come in the `CPStep` as tensors computed by the
+trainer before the forward (`CPStep.of`). What the compiler reads of a `CPStep` is the key and the
+rows, tensors of fixed shapes (tokens per rank are seq_len / cp in every window) and the rotation dict's keys,
+the same at every step, so a new window neither breaks the graph nor recompiles it.
 """
 
 from __future__ import annotations
@@ -19,26 +26,36 @@ import torch.distributed as dist
 from torchtitan.models.common.rope import RoPE
 from torchtitan.protocols.module import Module
 
-from flashcp.attention.cp import cp_varlen_attention
+from flashcp.attention.op import cp_attention, step_key
 from flashcp.dispatch import Dispatch
 from flashcp.titan.models.rotary import rotate, rotation, rotation_key, tableless
 
 
 @dataclass(frozen=True)
 class CPStep:
-    """What every attention layer needs for one window: set once per step by the trainer."""
+    """What every attention layer needs for one window: built once per step by the trainer."""
 
     dispatch: Dispatch  # this CP rank's dispatch, already on the compute device
     group: dist.ProcessGroup | None  # the CP group; None when cp_size == 1
     rotations: dict[tuple, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
+    """RoPE rows at this rank's in-document positions, by `rotation_key`: one tensor per distinct
+    RoPE, shared by all layers (autograd saves one per step; a checkpoint's recompute reuses it)."""
+    key: torch.Tensor = field(init=False, repr=False, compare=False)
+    """Names (dispatch, group) to the attention op; the step stays registered while this lives."""
 
-    def rotation(self, rope: RoPE.Config) -> torch.Tensor:
-        """RoPE rows at this rank's in-document positions: computed by the first layer, shared by all
-        (autograd saves one tensor per step; a checkpoint's recompute reuses it)."""
-        key = rotation_key(rope)
-        if key not in self.rotations:
-            self.rotations[key] = rotation(rope, self.dispatch.positions)
-        return self.rotations[key]
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "key", step_key(self.dispatch, self.group))
+
+    @classmethod
+    def of(cls, ropes: dict[tuple, RoPE.Config], dispatch: Dispatch, group: dist.ProcessGroup | None) -> CPStep:
+        """The step with the rows of every RoPE in `ropes` (`flashcp_ropes(model)`), computed here,
+        outside the model (and any compiled block), once per step."""
+        return cls(dispatch, group, {key: rotation(rope, dispatch.positions) for key, rope in ropes.items()})
+
+
+def flashcp_ropes(model: torch.nn.Module) -> dict[tuple, RoPE.Config]:
+    """The distinct RoPEs the FlashCP attention layers of `model` apply, by `rotation_key`."""
+    return {m.rotation_key: m.rope for m in model.modules() if isinstance(m, FlashCPAttention) and m.rope is not None}
 
 
 class FlashCPAttention(Module):
@@ -69,6 +86,7 @@ class FlashCPAttention(Module):
         self.overlap = config.overlap
         self.scale_factor = config.scale_factor
         self.rope = config.rope
+        self.rotation_key = None if config.rope is None else rotation_key(config.rope)
 
     def forward(
         self,
@@ -88,27 +106,16 @@ class FlashCPAttention(Module):
         if q_BLNH.shape[0] != 1:
             raise ValueError(f"FlashCP attention takes one window per step (batch 1), got {q_BLNH.shape[0]}")
         if self.rope is not None:
-            rows = _rotation(attention_masks, self.rope)
+            rows = attention_masks.rotations.get(self.rotation_key)
+            if rows is None:
+                raise ValueError("the CPStep has no RoPE rows for this layer: build it with "
+                                 "CPStep.of(flashcp_ropes(model), dispatch, group)")  # fmt: skip
             q_BLNH, k_BLNH = rotate(self.rope, q_BLNH, k_BLNH, rows)
         if self.scale_factor != 1.0:
             scale = (q_BLNH.shape[-1] ** -0.5 if scale is None else scale) * self.scale_factor
-        out = _attention(q_BLNH[0], k_BLNH[0], v_BLNH[0], attention_masks, self.backend, scale, self.overlap)
+        out = cp_attention(q_BLNH[0], k_BLNH[0], v_BLNH[0], attention_masks.key, self.backend,
+                           overlap=self.overlap, softmax_scale=scale)  # fmt: skip
         return out.unsqueeze(0)
-
-
-@torch.compiler.disable  # a per-step cache: no guards on it in a compiled block
-def _rotation(step: CPStep, rope: RoPE.Config) -> torch.Tensor:
-    return step.rotation(rope)
-
-
-# Outside compiled graphs (compile.enable compiles each block): the op's sizes, index tensors and
-# collectives change with every window's plan, so tracing it would recompile at every step.
-@torch.compiler.disable
-def _attention(q, k, v, step: CPStep, backend: str, scale: float | None, overlap: bool) -> torch.Tensor:
-    return cp_varlen_attention(
-        q, k, v, step.dispatch, step.group, comm=step.dispatch.comm, backend=backend,
-        softmax_scale=scale, overlap=overlap,
-    )  # fmt: skip
 
 
 def use_flashcp_attention(

@@ -5,7 +5,7 @@ MiB at 1M tokens for Llama 3 8B, on every rank) and gathers its rows by position
 which autograd then saves once per layer. With FlashCP's attention each layer's RoPE module is a
 table-less `StepComplexRoPE` / `StepCosSinRoPE` (q and k pass through) and the inner attention
 rotates them with `rotation(config, positions)`: exactly the rows of TorchTitan's table at this
-rank's in-document positions (seq_len / cp rows), computed once per step (`CPStep.rotation`) and
+rank's in-document positions (seq_len / cp rows), computed once per step (`CPStep.of`) and
 shared by every layer. The configs stay subclasses of TorchTitan's, so its HF adapters and
 `max_seq_len` still read them. TorchTitan's table was a non-persistent buffer: no checkpoint held it.
 """

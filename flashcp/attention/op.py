@@ -1,0 +1,175 @@
+"""`cp_varlen_attention` as a registered torch op: a compiled block traces it as one node.
+
+    key = step_key(dispatch, group)              # once per window, outside compiled code
+    out = cp_attention(q, k, v, key, backend, overlap=..., softmax_scale=...)
+
+The op's work changes with every window: index tensors and Python ints (lengths, splits, the
+buffer sizes) of the step's `Dispatch`, a process group, collectives. None of it may reach the
+compiler, or every step would fail a guard and recompile, and a data-dependent shape would break
+the graph. So `flashcp::cp_attention` takes q, k, v, static settings (backend, overlap, scale)
+and `key`, a 0-d int64 CPU tensor naming the step's `(dispatch, group)` in a registry here: the
+compiler sees only a tensor input of fixed shape, whose value it never reads, and the op's fake
+implementation returns a tensor shaped like q. The registration lives exactly as long as the key
+tensor (a finalizer drops it), so a compiled backward that recomputes the op under activation
+checkpointing still finds the step while anything holds the key, and nothing outlives it.
+
+Autograd without a second exchange or a recompute: when gradients are needed the forward runs
+`cp_varlen_attention` eagerly under autograd inside the op (the KV exchange, the kernel and what
+they save, exactly as in eager), keeps that graph in a second registry and returns its output
+and a `handle` tensor naming it; the registered backward calls `flashcp::cp_attention_backward`,
+which runs `torch.autograd.grad` on the kept graph (the kernel backward and the transposed
+collective) and drops it. The graph is entered through gradient edges of a node that saves
+nothing, so it holds no extra copy of k and v. The kept graph, like the handle, dies with the
+handle tensor: under activation checkpointing (eager or compiled) the forward's handle is not
+saved, so its graph is freed at once and the recompute builds the one the backward uses; under
+`no_grad` (validation) no graph is built. Neither op reads device data on the host.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch._C import DispatchKey
+from torch.autograd.graph import get_gradient_edge
+
+from flashcp.attention.cp import cp_varlen_attention
+from flashcp.dispatch import Dispatch
+
+_steps: dict[int, tuple[Dispatch, Any]] = {}  # key value -> (dispatch, group), while the key tensor lives
+_graphs: dict[int, tuple[torch.Tensor, list]] = {}  # handle value -> (output, gradient edges of q, k, v)
+_ids = itertools.count()
+_AUTOGRAD_KEYS = (DispatchKey.AutogradFunctionality, DispatchKey.AutogradOther, DispatchKey.AutogradNestedTensor)
+
+
+def _register(table: dict[int, Any], value: Any) -> torch.Tensor:
+    """A fresh 0-d int64 CPU tensor naming `value` in `table` for as long as the tensor lives."""
+    n = next(_ids)
+    table[n] = value
+    tensor = torch.tensor(n, dtype=torch.int64)
+    weakref.finalize(tensor, table.pop, n, None)
+    return tensor
+
+
+def step_key(dispatch: Dispatch, group: Any = None) -> torch.Tensor:
+    """The key under which `cp_attention` finds this step's dispatch and CP group (None when
+    `cp_size == 1`, or any `Collectives`); keep it while the step's forward and backward run."""
+    return _register(_steps, (dispatch, group))
+
+
+def live_entries() -> tuple[int, int]:
+    """Registered steps and kept forward graphs (tests check that nothing accumulates)."""
+    return len(_steps), len(_graphs)
+
+
+@contextmanager
+def _autograd_inside_op() -> Iterator[None]:
+    """Autograd recording inside an op's implementation.
+
+    The dispatcher runs a custom op's implementation with the autograd keys excluded
+    (`_AutoDispatchBelowAutograd`), so `enable_grad` alone records nothing there; this re-admits
+    them for the block, as torch's own `torch._dynamo.decorators.leaf_function` does around the
+    eager code it runs (torch/_higher_order_ops/invoke_leaf_function.py)."""
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    for key in _AUTOGRAD_KEYS:
+        exclude = exclude.remove(key)
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude), torch.enable_grad():
+        yield
+
+
+class _Enter(torch.autograd.Function):
+    """Aliases of q, k, v that start an autograd graph; its node saves nothing (see the docstring)."""
+
+    @staticmethod
+    def forward(ctx, seed, q, k, v):
+        return q.detach(), k.detach(), v.detach()
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        return None, None, None, None
+
+
+@torch.library.custom_op("flashcp::cp_attention", mutates_args=())
+def _cp_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key: torch.Tensor,
+    backend: str, overlap: bool, scale: float | None, record: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    n = int(key)
+    if n not in _steps:
+        raise RuntimeError(
+            "cp_attention: the step key was released before the op ran (keep the CPStep / step_key "
+            "alive until the step's backward has run)"
+        )
+    dispatch, group = _steps[n]
+
+    def run(q, k, v):
+        return cp_varlen_attention(q, k, v, dispatch, group, comm=dispatch.comm, backend=backend,
+                                   softmax_scale=scale, overlap=overlap)  # fmt: skip
+
+    if not record:
+        with torch.no_grad():
+            return run(q, k, v).contiguous(), torch.tensor(-1, dtype=torch.int64)
+    with _autograd_inside_op():
+        seed = q.new_zeros((), requires_grad=True)
+        inputs = _Enter.apply(seed, q, k, v)
+        out = run(*inputs)
+    handle = _register(_graphs, (out, [get_gradient_edge(t) for t in inputs]))
+    return out.detach().contiguous(), handle
+
+
+@_cp_attention.register_fake
+def _(q, k, v, key, backend, overlap, scale, record):
+    return torch.empty_like(q, memory_format=torch.contiguous_format), key.new_empty(())
+
+
+@torch.library.custom_op("flashcp::cp_attention_backward", mutates_args=())
+def _cp_attention_backward(
+    grad: torch.Tensor, handle: torch.Tensor, kv_shape: list[int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    kept = _graphs.pop(int(handle), None)
+    if kept is None:
+        raise RuntimeError("cp_attention backward: the forward's graph is gone (a second backward through it?)")
+    out, edges = kept
+    with _autograd_inside_op():
+        grads = torch.autograd.grad(out, edges, grad, materialize_grads=True)
+    return tuple(g.contiguous() for g in grads)
+
+
+@_cp_attention_backward.register_fake
+def _(grad, handle, kv_shape):
+    return torch.empty_like(grad, memory_format=torch.contiguous_format), grad.new_empty(kv_shape), grad.new_empty(kv_shape)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    ctx.kv_shape = list(inputs[1].shape)
+    ctx.save_for_backward(output[1])  # saved, not kept on ctx: checkpointing may then drop it
+
+
+def _backward(ctx, grad, _grad_handle):
+    (handle,) = ctx.saved_tensors
+    dq, dk, dv = torch.ops.flashcp.cp_attention_backward(grad, handle, ctx.kv_shape)
+    return dq, dk, dv, None, None, None, None, None
+
+
+_cp_attention.register_autograd(_backward, setup_context=_setup_context)
+
+
+def cp_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key: torch.Tensor,
+    backend: str = "auto",
+    *,
+    overlap: bool = False,
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """`cp_varlen_attention(q, k, v, dispatch, group, ...)` of the step `key = step_key(dispatch, group)`
+    names, as one opaque op that torch.compile keeps in its graph (same results, same gradients)."""
+    record = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    scale = None if softmax_scale is None else float(softmax_scale)
+    return torch.ops.flashcp.cp_attention(q, k, v, key, backend, overlap, scale, record)[0]
