@@ -10,7 +10,10 @@ heatmap image and the scalars and trains exactly as with it off.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +33,7 @@ from flashcp.titan.probe import loop, ProbeResult, ProbeSettings
 from flashcp.titan.probe.prompts import build_prompts, haystack_stream, pack
 from flashcp.titan.trainer import FlashCPTrainer
 
+ROOT = Path(__file__).resolve().parents[2]
 SEQ_LEN = 256  # the tiny job's
 PROBE = {"enable": True, "freq": 1, "min_length": 64, "samples": 2, "depths": [0.0, 0.5, 1.0]}
 TOLERANCE = 1e-5  # absolute, on per-cell mean log-probabilities of ~ -8.3 in float32
@@ -204,3 +208,67 @@ def test_a_length_too_short_for_the_needle_is_one_line(tmp_path):
     s = dataclasses.replace(settings(job(tmp_path)), lengths=[16])
     with pytest.raises(DataError, match=r"\[probe\] a prompt of 16 tokens cannot hold the needle, question and answer"):
         build_prompts(s, SEQ_LEN, tok, haystack_stream(s.haystack, tok, 16), tok.bos_id)
+
+
+TINY_JOB_TOML = """
+[model]
+flavor = "custom"
+dim = 32
+n_layers = 2
+n_heads = 4
+n_kv_heads = 2
+multiple_of = 32
+[data]
+prefetch = 0
+[training]
+seq_len = 256
+steps = 1
+mixed_precision_param = "float32"
+[lr_scheduler]
+warmup_steps = 1
+[parallelism]
+data_parallel_shard_degree = 1
+context_parallel_degree = 2
+[flashcp]
+backend = "reference"
+[activation_checkpoint]
+mode = "none"
+[validation]
+source = "default"
+[probe]
+min_length = 64
+samples = 2
+depths = [0.0, 0.5, 1.0]
+"""
+
+
+def cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("WORLD_SIZE", None)
+    return subprocess.run([sys.executable, "-m", "flashcp.titan.probe", *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+
+
+def test_cli_probes_a_checkpoint_on_the_jobs_layout_as_training_does(tmp_path, seed):
+    """`python -m flashcp.titan.probe --checkpoint` on the seed checkpoint, CP = 2 through torchrun, gives
+    the probe of training at CP = 1 on the same weights; bad folders are one line, exit 2."""
+    with single_rank():
+        reference = probe_here(job(tmp_path / "ref", seed))
+    (tmp_path / "job.toml").write_text(TINY_JOB_TOML)
+    out = tmp_path / "out"
+    done = cli(tmp_path, "--checkpoint", seed["initial_load_path"], "--config", "job.toml", "--out", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    print(done.stdout)
+    assert "tokens); accuracy / log-prob of an answer token by depth and length:" in done.stdout
+    record = json.loads((out / "probe.json").read_text())
+    assert record["lengths"] == [64, 128, 256] and record["depths"] == [0.0, 0.5, 1.0]
+    assert record["tokens"] == reference.tokens
+    assert np.abs(np.array(record["logprob"]) - reference.logprob).max() <= TOLERANCE
+    assert (np.array(record["accuracy"]) == reference.accuracy).all()
+    assert (out / f"step-{record['step']}.png").is_file()
+
+    missing = cli(tmp_path, "--checkpoint", str(tmp_path / "nowhere"), "--config", "job.toml")
+    assert missing.returncode == 2 and missing.stderr == f"error: --checkpoint {tmp_path / 'nowhere'}: no such folder\n"
+    not_hf = cli(tmp_path, "--hf", seed["initial_load_path"], "--config", "job.toml")
+    assert not_hf.returncode == 2
+    assert not_hf.stderr == f"error: --hf {seed['initial_load_path']}: no config.json, not a Hugging Face model folder\n"
