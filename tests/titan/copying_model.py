@@ -16,8 +16,6 @@ is zero: uniform attention over the document, the same model without its lookup.
 from __future__ import annotations
 
 import math
-from typing import Any
-
 import torch
 
 DIM, HEADS, HEAD_DIM, EMB = 1024, 2, 512, 192
@@ -32,12 +30,12 @@ def _frequencies() -> torch.Tensor:
     return 1.0 / (THETA ** (torch.arange(0, HEAD_DIM, 2).double() / HEAD_DIM))
 
 
-def copying_state_dict(template: dict[str, torch.Tensor], vocab: int, retrieve: bool = True) -> dict[str, Any]:
-    """Weights for a model of `MODEL`'s shape (`template`: its state dict, for names and shapes)."""
+def copying_state_dict(shapes: dict[str, torch.Size], vocab: int, retrieve: bool = True) -> dict[str, torch.Tensor]:
+    """Float32 weights for a model of `MODEL`'s shape (`shapes`: its parameter names and global shapes)."""
     g = torch.Generator().manual_seed(0)
     emb = torch.randn(vocab, EMB, generator=g, dtype=torch.float64)
     emb /= emb.norm(dim=1, keepdim=True)
-    sd = {k: torch.zeros_like(v, dtype=torch.float64) for k, v in template.items()}
+    sd = {k: torch.zeros(shape, dtype=torch.float64) for k, shape in shapes.items()}
     sd["tok_embeddings.weight"][:, T] = emb
     sd["tok_embeddings.weight"][:, BIAS] = 1.0
     for name in ("layers.0.attention_norm.weight", "layers.1.attention_norm.weight", "layers.0.ffn_norm.weight",
@@ -68,4 +66,4 @@ def copying_state_dict(template: dict[str, torch.Tensor], vocab: int, retrieve: 
     sd[pre + "qkv_linear.wv.weight"][torch.arange(EMB), torch.arange(EMB)] = 1 / n2
     sd[pre + "wo.weight"][torch.arange(OUT.start, OUT.stop), torch.arange(EMB)] = 1.0
     sd["lm_head.weight"][:, OUT] = 40.0 * emb / n3
-    return {k: v.to(template[k].dtype) for k, v in sd.items()}
+    return {k: v.float() for k, v in sd.items()}

@@ -265,7 +265,7 @@ def test_cli_probes_a_checkpoint_on_the_jobs_layout_as_training_does(tmp_path, s
     assert record["tokens"] == reference.tokens
     assert np.abs(np.array(record["logprob"]) - reference.logprob).max() <= TOLERANCE
     assert (np.array(record["accuracy"]) == reference.accuracy).all()
-    assert (out / f"step-{record['step']}.png").is_file()
+    assert (out / "probe" / f"step-{record['step']}.png").is_file()
 
     missing = cli(tmp_path, "--checkpoint", str(tmp_path / "nowhere"), "--config", "job.toml")
     assert missing.returncode == 2 and missing.stderr == f"error: --checkpoint {tmp_path / 'nowhere'}: no such folder\n"

@@ -129,4 +129,4 @@ def test_probe_matches_transformers_on_each_prompt_alone(tmp_path, hf_folder):
     cli = np.array(record["logprob"])
     assert float(np.abs(cli - logprob).max() / np.abs(logprob).max()) <= RELATIVE_TOLERANCE
     assert (np.array(record["accuracy"]) == accuracy).all()
-    assert (out / "step-0.png").is_file()
+    assert (out / "probe" / "step-0.png").is_file()

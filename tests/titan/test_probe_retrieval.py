@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import distribute_tensor, DTensor
 from copying_model import copying_state_dict, MODEL
 from distributed_pool import DistributedPool
 from harness import tiny_job
@@ -40,9 +41,13 @@ def probe_copying_model(rank: int, group: Any, dump: Path, retrieve: bool) -> Pr
     check_layout(cfg, 2, has_cuda=False)
     trainer = FlashCPTrainer(trainer_config(cfg))
     try:
-        model = trainer.model_parts[0]
+        params = dict(trainer.model_parts[0].named_parameters())  # DTensors: FSDP shards over the CP ranks
+        weights = copying_state_dict({k: p.shape for k, p in params.items()}, trainer.tokenizer.get_vocab_size(),
+                                     retrieve)  # fmt: skip
         with torch.no_grad():
-            model.load_state_dict(copying_state_dict(model.state_dict(), trainer.tokenizer.get_vocab_size(), retrieve))
+            for name, p in params.items():
+                full = weights[name]
+                p.copy_(distribute_tensor(full, p.device_mesh, p.placements) if isinstance(p, DTensor) else full)
         return loop.run(trainer, trainer.probe, 1)
     finally:
         trainer.close()

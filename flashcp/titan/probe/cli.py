@@ -8,7 +8,7 @@ training job would use: `NGPU`, else the visible GPUs, else the layout's world o
 `[validation] source` (the haystack) and `[probe]` (the grid). The ranks are started through
 torchrun; each builds the job's trainer with the weights as its initial load (`--checkpoint`: a
 FlashCP / DCP step folder, model only; `--hf`: safetensors, as `initial_load_in_hf`), runs the probe
-once, and rank 0 prints the table and writes `<out>/probe.json` and `<out>/step-<N>.png`
+once, and rank 0 prints the table and writes `<out>/probe.json` and `<out>/probe/step-<N>.png`
 (`--out`, default outputs/probe/<the weights' folder name>). Exit 2 with one line for a bad job,
 folder or data.
 """
