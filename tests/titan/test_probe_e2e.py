@@ -29,9 +29,10 @@ def test_tiny_extend_with_the_probe_end_to_end(tmp_path):
         line = re.search(rf"probe step {step}: accuracy ([\d.]+) over the cells \(38,912 tokens per probe run", result.stdout)
         assert line, result.stdout[-3000:]
         assert (dump / "probe" / f"step-{step}.png").is_file()
-    table = result.stdout[result.stdout.index("probe step 2:"):].splitlines()[1:7]
-    assert table[0].split()[1:] == ["depth", "256", "512", "1K", "2K"] or table[0].split()[-4:] == ["256", "512", "1K", "2K"]
-    assert [row.split()[-9] for row in table[1:]] == ["0.00", "0.25", "0.50", "0.75", "1.00"]
+    last = result.stdout[result.stdout.index("probe step 2:"):]
+    assert re.search(r"depth +256 +512 +1K +2K\n", last)
+    rows = re.findall(r"^.*?(\d\.\d\d)((?: +-?\d+\.\d\d){8})$", last, re.M)[:5]  # depth, 4 x (accuracy, log-prob)
+    assert [depth for depth, _ in rows] == ["0.00", "0.25", "0.50", "0.75", "1.00"], last[:2000]
     events = EventAccumulator(str(dump / "tb" / "run"), size_guidance={"images": 0})
     events.Reload()
     assert [e.step for e in events.Images("probe/heatmap")] == [1, 2]

@@ -16,7 +16,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
 import torch.distributed as dist
 from torch.distributed.tensor import distribute_tensor, DTensor
 from copying_model import copying_state_dict, MODEL
@@ -41,13 +40,12 @@ def probe_copying_model(rank: int, group: Any, dump: Path, retrieve: bool) -> Pr
     check_layout(cfg, 2, has_cuda=False)
     trainer = FlashCPTrainer(trainer_config(cfg))
     try:
-        params = dict(trainer.model_parts[0].named_parameters())  # DTensors: FSDP shards over the CP ranks
-        weights = copying_state_dict({k: p.shape for k, p in params.items()}, trainer.tokenizer.get_vocab_size(),
+        model = trainer.model_parts[0]
+        current = model.state_dict()  # DTensors where FSDP shards over the CP ranks; wq, wk, wv as a job saves them
+        weights = copying_state_dict({k: v.shape for k, v in current.items()}, trainer.tokenizer.get_vocab_size(),
                                      retrieve)  # fmt: skip
-        with torch.no_grad():
-            for name, p in params.items():
-                full = weights[name]
-                p.copy_(distribute_tensor(full, p.device_mesh, p.placements) if isinstance(p, DTensor) else full)
+        model.load_state_dict({k: distribute_tensor(weights[k], v.device_mesh, v.placements) if isinstance(v, DTensor)
+                               else weights[k] for k, v in current.items()})  # fmt: skip
         return loop.run(trainer, trainer.probe, 1)
     finally:
         trainer.close()
