@@ -26,7 +26,8 @@ def test_tiny_extend_with_the_probe_end_to_end(tmp_path):
     assert ("probe: 20 cells (lengths [256, 512, 1024, 2048], depths [0.0, 0.25, 0.5, 0.75, 1.0]) x 2 prompts, "
             "38,912 tokens per run (19 windows), every 2 steps") in result.stdout  # fmt: skip
     for step in (1, 2):
-        line = re.search(rf"probe step {step}: accuracy ([\d.]+) over the cells \(38,912 tokens per probe run", result.stdout)
+        cost = rf"probe step {step}: accuracy ([\d.]+) over the cells \(38,912 tokens per probe run, [\d.]+ s;"
+        line = re.search(cost, result.stdout)
         assert line, result.stdout[-3000:]
         assert (dump / "probe" / f"step-{step}.png").is_file()
     last = result.stdout[result.stdout.index("probe step 2:"):]

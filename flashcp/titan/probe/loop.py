@@ -3,11 +3,12 @@
 `attach` builds the `Probe` once after the trainer (its tokenizer, CP planner settings, dispatch
 and data-parallel rank); `run` scores it with the trainer's path, model, loss slicing and context,
 sums over the DP x CP mesh and publishes (log and PNG on rank 0, TensorBoard on the metrics rank).
-Its tokens per run are logged once at `attach`.
+Its tokens per run are logged once at `attach`, its wall time at every run.
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +44,10 @@ def run(trainer: Any, probe: Probe, step: int) -> ProbeResult:
     """Score the probe on the trainer's current weights and publish the result."""
     dims = trainer.parallel_dims
     mesh = dims.get_optional_mesh("loss") if dims.dp_cp_enabled else None
+    start = time.perf_counter()
     result = probe.run(trainer, trainer.model_parts[0], trainer.loss_fn, trainer.train_context, mesh, step)
+    seconds = time.perf_counter() - start  # the summed scores reached the host: every window has run
     rank0 = torch.distributed.get_rank() == 0
     folder = Path(trainer.config.dump_folder) / "probe" if rank0 else None
-    publish(result, trainer.metrics_processor.tensorboard, folder)
+    publish(result, trainer.metrics_processor.tensorboard, folder, seconds)
     return result

@@ -76,16 +76,16 @@ def write_png(png: bytes, folder: Path, step: int) -> Path:
     return path
 
 
-def publish(result: ProbeResult, tensorboard: Any, folder: Path | None) -> None:
+def publish(result: ProbeResult, tensorboard: Any, folder: Path | None, seconds: float) -> None:
     """The log table and the PNG (`folder`: this rank writes them; None: not this rank), and TensorBoard
-    where `tensorboard` (a `RunTensorBoardLogger`, on the metrics rank) is given."""
+    where `tensorboard` (a `RunTensorBoardLogger`, on the metrics rank) is given; `seconds`: the run's wall time."""
     if folder is None and tensorboard is None:
         return
     png = heatmap_png(result)
     if folder is not None:
         path = write_png(png, folder, result.step)
         logger.info(f"probe step {result.step}: accuracy {result.mean_accuracy:.3f} over the cells "
-                    f"({result.tokens:,} tokens per probe run; {path}); accuracy / log-prob of an answer "
+                    f"({result.tokens:,} tokens per probe run, {seconds:.1f} s; {path}); accuracy / log-prob of an answer "
                     f"token by depth and length:\n{table(result)}")  # fmt: skip
     if tensorboard is not None:
         tensorboard.log(scalars(result), result.step)  # opens the run's writer on first use
