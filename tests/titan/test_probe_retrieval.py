@@ -5,7 +5,7 @@ loaded into the job's trainer and probed through the CP path at CP = 2: with its
 copies the pass key out of the needle at every length and depth (accuracy 1, answer tokens at
 log-probability ~0); with the lookup's query zeroed it attends uniformly and gets none (accuracy 0,
 log-probabilities near the uniform -log 4096 = -8.3). The two heatmaps are written beside the test's
-output (and were copied to docs/img/ for docs/probe.md).
+output; docs/img/probe_retrieval.png is `heatmap_png` of the figures it prints.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def test_the_probe_separates_a_retrieving_model_from_one_that_cannot(tmp_path, p
         result, other_rank = pool.run(probe_copying_model, (tmp_path / name, retrieve))
         assert (result.logprob == other_rank.logprob).all()
         results[name] = result
-        title = f"hand-written copying model{'' if retrieve else ', lookup off'}: accuracy, log-prob"
+        title = "copying model" if retrieve else "copying model, lookup off"
         (tmp_path / f"{name}.png").write_bytes(heatmap_png(result, title))
         print(f"{name}: accuracy {result.mean_accuracy:.2f}, answer log-prob by cell "
               f"{np.round(result.logprob, 3).tolist()}; heatmap {tmp_path / name}.png")  # fmt: skip
