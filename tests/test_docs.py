@@ -65,6 +65,16 @@ ELSEWHERE = {  # command -> (the test that runs it, what that test changes)
     "--out outputs/tiny_bf16 --dtype bfloat16": (
         "tests/titan/test_hf_checkpoint.py::test_export_shards_above_the_size_limit_and_casts",
         "in process, a checkpoint of the same tiny Llama"),
+    "./run_train.sh --config tiny_extend_cpu --probe.enable true": (
+        "tests/titan/test_probe_e2e.py::test_tiny_extend_with_the_probe_end_to_end", "2 steps, its own folders"),
+    ".venv/bin/python -m flashcp.titan.probe --checkpoint outputs/tiny_extend_cpu/checkpoint/step-20 --config "
+    "tiny_extend_cpu": (
+        "tests/titan/test_probe.py::test_cli_probes_a_checkpoint_on_the_jobs_layout_as_training_does",
+        "a tiny job's seed checkpoint"),
+    ".venv/bin/python -m flashcp.titan.probe --hf outputs/tiny_extend_cpu/checkpoint/step-20-hf --config "
+    "tiny_extend_cpu": (
+        "tests/titan/test_probe_oracle.py::test_probe_matches_transformers_on_each_prompt_alone",
+        "a tiny random HF Llama and a tiny job"),
     ".venv/bin/python -m flashcp.gpucheck --device cpu --quick --out outputs/gpucheck": (
         "tests/test_gpucheck.py::test_quick_check_runs_every_section", "--no-budgets, its own folder"),
     ".venv/bin/python -m flashcp.titan.config --check default --model.attention flex": (

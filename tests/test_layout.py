@@ -28,14 +28,17 @@ ALLOWED = {
 # `trainer`, `export`) and the rooms listed here.
 TITAN = CORE | {"flashcp.data", "flashcp.run", "flashcp.costmodel", "flashcp.titan"}
 TITAN_ROOMS = {
-    "flashcp.titan": {"flashcp.titan.components", "flashcp.titan.hf", "flashcp.titan.models"},
+    "flashcp.titan": {"flashcp.titan.components", "flashcp.titan.hf", "flashcp.titan.models", "flashcp.titan.probe"},
     "flashcp.titan.config": {"flashcp.titan.components", "flashcp.titan.hf", "flashcp.titan.models"},
     "flashcp.titan.models": {"flashcp.titan.config", "flashcp.titan.hf"},
     "flashcp.titan.hf": {"flashcp.titan.models"},
     "flashcp.titan.components": {"flashcp.titan.hf"},
     "flashcp.titan.launch": {"flashcp.titan.config", "flashcp.titan.components", "flashcp.titan.hf",
-                             "flashcp.titan.models"},
+                             "flashcp.titan.models", "flashcp.titan.probe"},
     "flashcp.titan.dryrun": {"flashcp.titan.config", "flashcp.titan.launch", "flashcp.titan.models"},
+    # The retrieval probe scores through validation's token scoring and the trainer's path; its CLI
+    # builds a job as train.py does (config, launch).
+    "flashcp.titan.probe": {"flashcp.titan.components", "flashcp.titan.config", "flashcp.titan.launch"},
 }
 ALLOWED.update({name: TITAN | rooms | {name} for name, rooms in TITAN_ROOMS.items()})
 TORCHTITAN_ALLOWED = set(TITAN_ROOMS)

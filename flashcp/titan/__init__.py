@@ -9,6 +9,8 @@
 - `components/`: what the trainer plugs into TorchTitan's slots (data, checkpoints, validation,
   metrics, loss);
 - `dryrun/`: `python -m flashcp.titan.dryrun`, one rank of a job on fake tensors;
+- `probe/`: a retrieval probe by needle depth and prompt length through the CP path, in training
+  and as `python -m flashcp.titan.probe` on a checkpoint or HF folder;
 - `trainer`: TorchTitan's Trainer with a FlashCP context-parallel dimension; `export`: the
   `python -m flashcp.titan.export` command; `compat`: the version shims, each commented with the
   versions that need it.

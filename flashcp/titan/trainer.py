@@ -30,6 +30,9 @@ With `[validation]`, TorchTitan's validator slot holds `flashcp.titan.components
 which reads held-out windows through `window_inputs` / `flashcp_inputs`, the same steps as
 training minus the counting (plan metrics, tokens seen).
 
+With `[probe]`, `flashcp.titan.probe` scores a retrieval probe (a number hidden at a depth of held-out
+text) through the same path after the training step at its frequency.
+
 With `model.attention` set to TorchTitan's flex attention instead, batches go through
 TorchTitan's own path (document positions, its block masks and its built-in CP), so both CP
 implementations can be compared inside one application.
@@ -62,6 +65,8 @@ from flashcp.titan.components.data import PipelineTokenizer, WindowDataLoader
 from flashcp.titan.hf.export import export, ExportError
 from flashcp.titan.components.metrics import FlashCPMetrics
 from flashcp.titan.components.validate import FlashCPValidator
+from flashcp.titan.probe import loop as probe_loop
+from flashcp.titan.probe.prompts import ProbeSettings
 from flashcp.run.preemption import StopRequest
 
 
@@ -95,6 +100,7 @@ class FlashCPTrainer(Trainer):
         metrics: FlashCPMetrics.Config = field(default_factory=FlashCPMetrics.Config)
         validator: FlashCPValidator.Config = field(default_factory=FlashCPValidator.Config)
         flashcp: FlashCPSettings = field(default_factory=FlashCPSettings)
+        probe: ProbeSettings = field(default_factory=ProbeSettings)
 
     metrics_processor: FlashCPMetrics
     dataloader: WindowDataLoader
@@ -125,6 +131,7 @@ class FlashCPTrainer(Trainer):
             self.dataloader.loader.dispatch_with(self.dispatch_window)
         if config.validator.enable:
             self.validator.connect(self, flashcp=self.flashcp.enable)
+        self.probe = probe_loop.attach(self) if config.probe.enable else None
         data = config.dataloader.data
         balance = data.balance_args()
         if balance is not None:
@@ -210,6 +217,12 @@ class FlashCPTrainer(Trainer):
         except ExportError as e:
             raise CheckpointError(f"checkpoint.last_save_in_hf: {e}") from e
         logger.info(f"Hugging Face export of step {steps} written to {target}")
+
+    def train_step(self, data_iterator: Iterator[tuple[dict[str, Any], torch.Tensor]]) -> None:
+        """TorchTitan's step, then the retrieval probe when `[probe]` asks for it at this step."""
+        super().train_step(data_iterator)
+        if self.probe is not None and self.config.probe.due(self.step):
+            probe_loop.run(self, self.probe, self.step)
 
     def should_continue_training(self) -> bool:
         """TorchTitan's test, plus a stop agreed by all ranks after a SIGTERM / SIGINT."""
@@ -352,4 +365,3 @@ class FlashCPTrainer(Trainer):
         if hasattr(self, "stop_request"):
             self.stop_request.close()
         super().close()  # the checkpointer's purge thread finishes its deletions
-        super().close()

@@ -53,7 +53,7 @@ def bucket_edges(seq_len: int, bucket_min: int) -> list[int]:
     return [*edges, seq_len]
 
 
-def _size(tokens: int) -> str:
+def size_name(tokens: int) -> str:
     for unit, suffix in ((1 << 20, "M"), (1 << 10, "K")):
         if tokens and tokens % unit == 0:
             return f"{tokens // unit}{suffix}"
@@ -62,7 +62,7 @@ def _size(tokens: int) -> str:
 
 def bucket_name(lo: int, hi: int) -> str:
     """"0-1K", "64K-128K", "512K-1M" (plain numbers where an edge is no multiple of 1K)."""
-    return f"{_size(lo)}-{_size(hi)}"
+    return f"{size_name(lo)}-{size_name(hi)}"
 
 
 @dataclass
@@ -98,6 +98,23 @@ class WindowPath(Protocol):
     def flashcp_inputs(
         self, input_dict: dict[str, Any], labels: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]: ...
+
+
+def score_tokens(
+    model: nn.Module, loss_fn: Any, inputs: torch.Tensor, labels: torch.Tensor, extra: dict[str, Any],
+    tally: Any, **per_token: torch.Tensor,
+) -> None:
+    """The model once on a rank's tokens, then `tally(logits, labels, **per_token)` per slice of tokens:
+    with `[loss] chunk_tokens`, TorchTitan's `ChunkedLossWrapper` (its lm_head, slices and FSDP
+    unshard) with `tally` as its inner loss, so one slice's logits live at once; else all at once.
+    `per_token` tensors are sliced with the labels. Validation and the retrieval probe score this way."""
+    pred = model(inputs, **extra)  # the hidden states when the loss is chunked, else the logits
+    if isinstance(loss_fn, ChunkedLossWrapper):
+        chunked = copy.copy(loss_fn)  # the same lm_head and slices, the loss inside replaced
+        chunked.loss_fn = tally  # type: ignore[assignment]
+        chunked(pred, labels, **per_token)
+    else:
+        tally(pred, labels, **per_token)
 
 
 class FlashCPValidator(Validator):
@@ -184,13 +201,7 @@ class FlashCPValidator(Validator):
         tally = _BucketSums(len(self.edges) - 1, labels.device)
         bucket = torch.bucketize(extra["positions"], inner_edges, right=True)
         with self.validation_context():
-            pred = model(inputs, **extra)  # the hidden states when the loss is chunked, else the logits
-            if isinstance(self.loss_fn, ChunkedLossWrapper):
-                chunked = copy.copy(self.loss_fn)  # the same lm_head and slices, the loss inside replaced
-                chunked.loss_fn = tally  # type: ignore[assignment]
-                chunked(pred, labels, bucket=bucket)
-            else:
-                tally(pred, labels, bucket=bucket)
+            score_tokens(model, self.loss_fn, inputs, labels, extra, tally, bucket=bucket)
         return tally.sums, tally.counts
 
     def log(self, result: ValidationResult) -> None:

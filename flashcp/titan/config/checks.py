@@ -109,6 +109,7 @@ def _check_semantics(cfg: dict) -> None:
     _check_optimizer(cfg)
     _check_bounds(cfg)
     _check_validation(cfg)
+    _check_probe(cfg)
     if not fcp["target_imbalance"] >= 1.0:
         raise ConfigError(f"[flashcp] target_imbalance must be >= 1.0, got {fcp['target_imbalance']}")
     check_model(cfg)
@@ -230,6 +231,28 @@ def _check_validation(cfg: dict) -> None:
             '[validation] enable = true needs [validation] source, the held-out data (as [data] source; "default": '
             "the shipped corpus's held-out split)"
         )
+
+
+def _check_probe(cfg: dict) -> None:
+    """The probe's grid fits the window, and its haystack is held-out text (`flashcp.titan.probe`)."""
+    probe, seq_len = cfg["probe"], cfg["training"]["seq_len"]
+    _positive(cfg, "probe", "freq", "min_length", "samples", "key_digits")
+    if probe["key_digits"] > 18:
+        raise ConfigError(f"[probe] key_digits must be <= 18, got {probe['key_digits']}")
+    too_long = [n for n in probe["lengths"] if not 1 <= n <= seq_len]
+    if too_long:
+        raise ConfigError(f"[probe] lengths must be in [1, seq_len = {seq_len}] (each prompt fits a window), "
+                          f"got {too_long[0]}")  # fmt: skip
+    if len(set(probe["lengths"])) != len(probe["lengths"]):
+        raise ConfigError(f"[probe] lengths must differ from each other, got {probe['lengths']}")
+    depths = probe["depths"]
+    if not depths or any(not 0.0 <= d <= 1.0 for d in depths) or len(set(depths)) != len(depths):
+        raise ConfigError(f"[probe] depths must be distinct fractions in [0, 1] (0: the haystack's start), got {depths}")
+    if probe["enable"] and cfg["validation"]["source"] is None:
+        raise ConfigError('[probe] enable = true needs [validation] source: the haystack is held-out text (as [data] '
+                          'source; "default": the shipped corpus\'s held-out split)')
+    if probe["enable"] and cfg["model"]["attention"] != "flashcp":
+        raise ConfigError("[probe] enable = true needs model.attention = 'flashcp': the probe runs FlashCP's CP path")
 
 
 def _check_bounds(cfg: dict) -> None:

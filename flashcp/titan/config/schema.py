@@ -3,7 +3,7 @@
 TorchTitan's sections come from its config classes (`flashcp.titan.config.titan`); FlashCP's own
 are declared here: `[job]`, `[model]` (the Llama 3 spec), `[data]` (the data pipeline's
 `DataConfig`, field for field), `[loss]`, `[flashcp]` and `[validation]` (TorchTitan's validator
-settings with FlashCP's held-out data). `python -m flashcp.titan.config --keys`
+settings with FlashCP's held-out data) and `[probe]` (the retrieval probe). `python -m flashcp.titan.config --keys`
 lists them all with their defaults.
 """
 
@@ -68,12 +68,24 @@ OWN_SECTIONS: dict[str, dict[str, Key]] = {
 
     # TorchTitan's `validator` section, named as the job files name it.
     "validation": _validation_keys(),
+    "probe": {
+        "enable": Key(bool, False, doc="score a retrieval probe through the CP path during training "
+                      "(flashcp.titan.probe, docs/probe.md); its tokens per run are printed"),
+        "freq": Key(int, 100, doc="probe every freq steps (and at step 1)"),
+        "lengths": Key(list[int], [], doc="prompt lengths in tokens; []: doubling from min_length up to seq_len"),
+        "min_length": Key(int, 4096, doc="the shortest prompt when lengths = [] (seq_len if longer)"),
+        "depths": Key(list[float], [0.0, 0.25, 0.5, 0.75, 1.0], doc="where the needle sits in the haystack, "
+                      "0 (start) to 1 (end)"),
+        "samples": Key(int, 4, doc="prompts per (length, depth) cell, each with its own key and haystack"),
+        "seed": Key(int, 0, doc="keys and haystack offsets: the same prompts on every rank and run"),
+        "key_digits": Key(int, 5, doc="digits of the number hidden and asked for"),
+    },
     # TorchTitan's converter configs ([model] converters), field for field.
     **CONVERTER_KEYS,
 }
 ORDER = ("job", "model", "data", "training", "optimizer", "lr_scheduler", "parallelism", "checkpoint",
          "metrics", "activation_checkpoint", "compile", "comm", "profiler", "debug", "loss", "flashcp",
-         "validation", "float8", "mx")  # fmt: skip
+         "validation", "probe", "float8", "mx")  # fmt: skip
 SCHEMA: dict[str, dict[str, Key]] = {name: (OWN_SECTIONS | TITAN_KEYS)[name] for name in ORDER}
 # Sections TorchTitan names otherwise: an unknown-section error names FlashCP's.
 RENAMED_SECTIONS = {"validator": "validation"}

@@ -6,5 +6,5 @@
 - `job`: a validated job as TorchTitan's `Trainer.Config`, which `train.py` runs.
 
 May import: torch, TorchTitan, `flashcp.data`, `flashcp.run`, and every other room of flashcp.titan
-(it assembles them); only the dry run imports it, to build a job as `train.py` does.
+(it assembles them); only the dry run and the probe's CLI import it, to build a job as `train.py` does.
 """

@@ -2,7 +2,7 @@
 
 TorchTitan's sections become its config classes (`flashcp.titan.config.titan.titan_configs`);
 `[model]` picks the model spec, `[data]` and `[flashcp]` configure the window loader and the
-attention, `[validation]` the held-out loader, `[job]` the output folder. Building the config
+attention, `[validation]` the held-out loader, `[probe]` the retrieval probe, `[job]` the output folder. Building the config
 loads the tokenizer (to size the vocabulary) but starts nothing.
 """
 
@@ -19,6 +19,7 @@ from flashcp.titan.components.heldout import held_out_data
 from flashcp.titan.components.loss import loss_config
 from flashcp.data.sources import DataConfig
 from flashcp.titan.models.spec import model_spec
+from flashcp.titan.probe.prompts import ProbeSettings
 from flashcp.titan.trainer import FlashCPSettings, FlashCPTrainer
 from flashcp.titan.components.validate import FlashCPValidator
 
@@ -56,6 +57,7 @@ def trainer_config(cfg: dict[str, Any]) -> FlashCPTrainer.Config:
         hf_assets_path=None,
         validator=_validator(cfg, windows),
         flashcp=FlashCPSettings(enable=flashcp_on, **fcp),
+        probe=ProbeSettings(**cfg["probe"], haystack=held_out_data(cfg)),
         **sections,
     )
 
