@@ -87,14 +87,14 @@ def _heads_first(x: torch.Tensor, kv_heads: int, dtype: torch.dtype) -> torch.Te
     """[T, H, D] -> [Hkv, T * H / Hkv, D]: a query block's rows of one KV head's group are adjacent,
     so one batched matmul per tile serves every query head of the group."""
     t, h, d = x.shape
-    return x.to(dtype).reshape(t, kv_heads, h // kv_heads, d).transpose(0, 1).reshape(kv_heads, -1, d)
+    return x.to(dtype).reshape(t, kv_heads, h // kv_heads, d).transpose(0, 1).reshape(kv_heads, t * h // kv_heads, d)
 
 
-def _tokens_first(x: torch.Tensor, tokens: int, dtype: torch.dtype) -> torch.Tensor:
-    """The inverse of `_heads_first`: [Hkv, T * G, D] -> [T, Hkv * G, D]."""
-    hkv, _, d = x.shape
-    y = x.view(hkv, tokens, -1, d).transpose(0, 1)
-    return y.to(dtype, copy=True, memory_format=torch.contiguous_format).view(tokens, -1, d)
+def _tokens_first(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The inverse of `_heads_first`, a new tensor of `like`'s shape and dtype: [Hkv, T * G, D] -> [T, H, D]."""
+    t, h, d = like.shape
+    y = x.view(x.shape[0], t, h // x.shape[0], d).transpose(0, 1)
+    return y.to(like.dtype, copy=True, memory_format=torch.contiguous_format).view(t, h, d)
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, tile: Tile, group: int) -> torch.Tensor:
@@ -141,7 +141,7 @@ class _BlockedAttention(torch.autograd.Function):
             lse[:, r0:r1] = torch.where(seen, peak + total.log(), math.inf).squeeze(-1)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan, ctx.scale, ctx.compute = plan, scale, compute
-        return _tokens_first(out, q.shape[0], q.dtype)
+        return _tokens_first(out, q)
 
     @staticmethod
     @once_differentiable
@@ -168,5 +168,5 @@ class _BlockedAttention(torch.autograd.Function):
                 dq[:, r0:r1] += dscores @ kt
                 dk[:, tile.k0 : tile.k1] += dscores.transpose(-1, -2) @ qb
         dq.mul_(scale)  # the tiles used q * scale
-        grads = (_tokens_first(g, t.shape[0], t.dtype) for g, t in ((dq, q), (dk, k), (dv, v)))
+        grads = (_tokens_first(g, t) for g, t in ((dq, q), (dk, k), (dv, v)))
         return (*grads, None, None, None)
