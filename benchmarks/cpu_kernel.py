@@ -10,8 +10,9 @@ calls forward (each kept for the backward, as a model's layers are), then one ba
 tiny debug model's head counts (train_configs/debug_cpu.toml: 4 query heads, 2 KV heads, head dim
 16), float32, one thread. Measured per rank: the process's peak resident memory (`ru_maxrss`)
 above its resident memory just before the first call, and the CPU time (`process_time`) of the
-forward + backward. The per-rank spread max / min of CPU time is printed beside the plan's
-imbalance (max / mean of attended pairs, which is modelled: the planner's count, not a timing).
+forward + backward run a second time in the process (the first run pays for first touches of
+memory). The per-rank spread max / min of CPU time is printed beside the plan's imbalance (max /
+mean of attended pairs, which is modelled: the planner's count, not a timing).
 The kernel comes from `--source` (default: this checkout), so an export of an older commit
 (`git archive <commit> flashcp | tar -x -C DIR`) gives the "before" figures. Results go to
 benchmarks/results/cpu_kernel.json (or `--out`).
@@ -40,7 +41,9 @@ def _rss_mib() -> float:
 
 
 def run_rank(q_lens: list[int], k_lens: list[int], layers: int, threads: int) -> dict:
-    """Forward of `layers` calls then their backward, on this process: peak memory and CPU time."""
+    """Forward of `layers` calls then their backward, twice on this process: the first run's peak
+    memory, and the CPU time of both (the second, warm one is the figure: the first also pays for
+    the process's first touch of its memory)."""
     import torch
 
     from flashcp.attention import varlen_attention
@@ -50,20 +53,23 @@ def run_rank(q_lens: list[int], k_lens: list[int], layers: int, threads: int) ->
     h, kv, d = TINY["heads"], TINY["kv_heads"], TINY["head_dim"]
     cu_q = torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32)
     cu_k = torch.tensor([0, *k_lens]).cumsum(0).to(torch.int32)
-    inputs = [
-        [torch.randn(sum(n), heads, d, generator=g).requires_grad_() for n, heads in ((q_lens, h), (k_lens, kv), (k_lens, kv))]
-        for _ in range(layers)
-    ]
+    shapes = ((q_lens, h), (k_lens, kv), (k_lens, kv))
+    inputs = [[torch.randn(sum(n), heads, d, generator=g).requires_grad_() for n, heads in shapes]
+              for _ in range(layers)]  # fmt: skip
     weight = torch.randn(sum(q_lens), h, d, generator=g)
+    longest = max(q_lens), max(k_lens)
+
+    def step() -> float:
+        t0 = time.process_time()
+        outs = [varlen_attention(q, k, v, cu_q, cu_k, *longest, backend="reference") for q, k, v in inputs]
+        torch.autograd.backward([o * weight for o in outs], [torch.ones_like(weight)] * layers)
+        return time.process_time() - t0
+
     base = _rss_mib()
-    t0 = time.process_time()
-    outs = [varlen_attention(q, k, v, cu_q, cu_k, max(q_lens), max(k_lens), backend="reference") for q, k, v in inputs]
-    t1 = time.process_time()
-    torch.autograd.backward([o * weight for o in outs], [torch.ones_like(weight)] * layers)
-    t2 = time.process_time()
+    cold = step()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     return {"base_rss_mib": base, "peak_rss_mib": peak, "peak_above_base_mib": peak - base,
-            "fwd_cpu_s": t1 - t0, "fwd_bwd_cpu_s": t2 - t0}  # fmt: skip
+            "cold_cpu_s": cold, "fwd_bwd_cpu_s": step()}  # fmt: skip
 
 
 def measure_rank(q_lens: list[int], k_lens: list[int], layers: int, threads: int, source: Path) -> dict:
@@ -83,21 +89,29 @@ def windows(context: int) -> dict[str, list[int]]:
 
 
 def measure_plan(doc_lens: list[int], cp: int, args) -> dict:
-    """Every rank of the FlashCP plan of one window, one fresh process each."""
+    """Every rank of the FlashCP plan of one window, one fresh process per run. The ranks take
+    turns (rank 0, 1, .., 0, 1, ..) so that a change in the machine's load falls on all of them."""
     from flashcp import build_dispatch, plan_shards
 
     plan = plan_shards(doc_lens, cp, "flashcp")
-    ranks = []
+    problems = []
     for rank in range(cp):
         d = build_dispatch(plan, rank)
-        q_lens, k_lens = d.cu_seqlens_q.diff().tolist(), d.cu_seqlens_k.diff().tolist()
-        runs = [measure_rank(q_lens, k_lens, args.layers, args.threads, args.source) for _ in range(args.repeats)]
-        ranks.append({
+        problems.append((d.cu_seqlens_q.diff().tolist(), d.cu_seqlens_k.diff().tolist()))
+    runs = [[] for _ in range(cp)]
+    for _ in range(args.repeats):
+        for rank, (q_lens, k_lens) in enumerate(problems):
+            runs[rank].append(measure_rank(q_lens, k_lens, args.layers, args.threads, args.source))
+    ranks = [
+        {
             "pairs": plan.workloads()[rank],
-            "peak_above_base_mib": max(r["peak_above_base_mib"] for r in runs),
-            "peak_rss_mib": max(r["peak_rss_mib"] for r in runs),
-            "fwd_bwd_cpu_s": statistics.median(r["fwd_bwd_cpu_s"] for r in runs),
-        })  # fmt: skip
+            "peak_above_base_mib": max(r["peak_above_base_mib"] for r in rs),
+            "peak_rss_mib": max(r["peak_rss_mib"] for r in rs),
+            "fwd_bwd_cpu_s": statistics.median(r["fwd_bwd_cpu_s"] for r in rs),
+            "fwd_bwd_cpu_s_runs": [r["fwd_bwd_cpu_s"] for r in rs],
+        }
+        for rank, rs in enumerate(runs)
+    ]
     cpu = [r["fwd_bwd_cpu_s"] for r in ranks]
     return {"cp": cp, "docs": len(doc_lens), "planned_imbalance": plan.metrics()["imbalance"],
             "cpu_spread": max(cpu) / min(cpu), "ranks": ranks}  # fmt: skip
@@ -108,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, nargs="+", default=[16384, 32768])
     p.add_argument("--cp", type=int, nargs="+", default=[1, 4])
     p.add_argument("--window", choices=["1 doc", "pile"], nargs="+", default=["1 doc", "pile"])
-    p.add_argument("--layers", type=int, default=2, help="attention calls held for the backward (tiny model: 2)")
+    p.add_argument("--layers", type=int, default=2,
+                   help="attention calls held for the backward (the tiny model has 2)")  # fmt: skip
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3, help="fresh processes per rank: max memory, median time")
     p.add_argument("--source", type=Path, default=ROOT, help="checkout whose flashcp kernel is measured")
@@ -136,13 +151,13 @@ def main(argv: list[str] | None = None) -> int:
                 r = measure_plan(doc_lens, cp, args)
                 cpu = [x["fwd_bwd_cpu_s"] for x in r["ranks"]]
                 peak = max(x["peak_above_base_mib"] for x in r["ranks"])
-                print(f"{name:>7} {context:>6} {cp:>2} {r['docs']:>5} {peak:>14.0f} "
-                      f"{f'{min(cpu):.2f}-{max(cpu):.2f}':>21} {r['cpu_spread']:>7.3f} {r['planned_imbalance']:>9.3f}",
-                      flush=True)  # fmt: skip
+                cpu_range = f"{min(cpu):.2f}-{max(cpu):.2f}"
+                print(f"{name:>7} {context:>6} {cp:>2} {r['docs']:>5} {peak:>14.0f} {cpu_range:>21} "
+                      f"{r['cpu_spread']:>7.3f} {r['planned_imbalance']:>9.3f}", flush=True)  # fmt: skip
                 rows.append({"window": name, "context": context, **r})
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"source": str(args.source), "layers": args.layers, "threads": args.threads,
-                                    "repeats": args.repeats, **TINY, "rows": rows}, indent=1))  # fmt: skip
+    setup = {"source": str(args.source), "layers": args.layers, "threads": args.threads, "repeats": args.repeats}
+    args.out.write_text(json.dumps({**setup, **TINY, "rows": rows}, indent=1))
     print(f"wrote {args.out}")
     return 0
 

@@ -53,8 +53,9 @@ def test_small_tiles_match_dense_attention(problem):
     weight = torch.randn(sum(q_lens), hq, 4, dtype=torch.float64)
 
     def tiled(q, k, v):
-        with mock.patch.object(reference, "BLOCK_Q", block_q), mock.patch.object(reference, "BLOCK_K", block_k):
-            return varlen_attention(q, k, v, _cu(q_lens), _cu(k_lens), 1, 1, causal=causal, backend="reference")
+        with mock.patch.multiple(reference, BLOCK_Q=block_q, BLOCK_K=block_k):
+            cu_q, cu_k = _cu(q_lens), _cu(k_lens)
+            return varlen_attention(q, k, v, cu_q, cu_k, 1, 1, causal=causal, backend="reference")
 
     got = _grads(tiled, q, k, v, weight)
     want = _grads(lambda q, k, v: dense_attention(q, k, v, q_lens, k_lens, causal), q, k, v, weight)
