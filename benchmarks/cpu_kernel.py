@@ -156,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"{r['cpu_spread']:>7.3f} {r['planned_imbalance']:>9.3f}", flush=True)  # fmt: skip
                 rows.append({"window": name, "context": context, **r})
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    setup = {"source": str(args.source), "layers": args.layers, "threads": args.threads, "repeats": args.repeats}
+    setup = {"source": str(args.source), "layers": args.layers, "threads": args.threads,
+             "repeats": args.repeats}  # fmt: skip
     args.out.write_text(json.dumps({**setup, **TINY, "rows": rows}, indent=1))
     print(f"wrote {args.out}")
     return 0

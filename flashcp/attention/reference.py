@@ -87,11 +87,13 @@ def _heads_first(x: torch.Tensor, kv_heads: int, dtype: torch.dtype) -> torch.Te
     """[T, H, D] -> [Hkv, T * H / Hkv, D]: a query block's rows of one KV head's group are adjacent,
     so one batched matmul per tile serves every query head of the group."""
     t, h, d = x.shape
-    return x.to(dtype).reshape(t, kv_heads, h // kv_heads, d).transpose(0, 1).reshape(kv_heads, t * h // kv_heads, d)
+    group = h // kv_heads
+    return x.to(dtype).reshape(t, kv_heads, group, d).transpose(0, 1).reshape(kv_heads, t * group, d)
 
 
 def _tokens_first(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """The inverse of `_heads_first`, a new tensor of `like`'s shape and dtype: [Hkv, T * G, D] -> [T, H, D]."""
+    """The inverse of `_heads_first` as a new tensor of `like`'s shape and dtype: [Hkv, T * G, D] ->
+    [T, H, D]."""
     t, h, d = like.shape
     y = x.view(x.shape[0], t, h // x.shape[0], d).transpose(0, 1)
     return y.to(like.dtype, copy=True, memory_format=torch.contiguous_format).view(t, h, d)
@@ -109,8 +111,10 @@ def _scores(q: torch.Tensor, k: torch.Tensor, tile: Tile, group: int) -> torch.T
 
 
 class _BlockedAttention(torch.autograd.Function):
+    """Forward and backward by tiles; autograd would keep every tile's probabilities instead."""
+
     @staticmethod
-    def forward(ctx, q, k, v, plan: list[list[Tile]], scale: float, compute: torch.dtype):  # type: ignore[override]
+    def forward(ctx, q, k, v, plan: list[list[Tile]], scale: float, compute: torch.dtype):  # type: ignore
         stat = torch.promote_types(compute, torch.float32)
         hkv, group = k.shape[1], q.shape[1] // k.shape[1]
         qs = _heads_first(q, hkv, compute) * scale
