@@ -106,7 +106,9 @@ def _scores(q: torch.Tensor, k: torch.Tensor, tile: Tile, group: int) -> torch.T
         rows = torch.arange(tile.q1 - tile.q0, device=q.device).unsqueeze(1) + tile.diagonal
         hidden = torch.arange(tile.k1 - tile.k0, device=q.device).unsqueeze(0) > rows
         hkv, _, bk = scores.shape
-        scores.view(hkv, -1, group, bk).masked_fill_(hidden.unsqueeze(1), float("-inf"))
+        # Out of place: selective activation checkpointing may hand back a saved matmul output.
+        masked = scores.view(hkv, -1, group, bk).masked_fill(hidden.unsqueeze(1), float("-inf"))
+        scores = masked.view(hkv, -1, bk)
     return scores
 
 
@@ -135,7 +137,7 @@ class _BlockedAttention(torch.autograd.Function):
                 new_peak = torch.maximum(peak, scores.amax(-1, keepdim=True).to(stat))
                 # A row with no visible key so far keeps peak -inf: subtract 0 instead (its exps are 0).
                 base = new_peak.masked_fill(new_peak == -math.inf, 0.0)
-                probs = scores.to(stat).sub_(base).exp_().to(compute)
+                probs = torch.exp(scores.to(stat) - base).to(compute)
                 decay = torch.exp(peak - base)
                 total.mul_(decay).add_(probs.sum(-1, keepdim=True, dtype=stat))
                 acc.mul_(decay).add_(probs @ vs[:, tile.k0 : tile.k1])
