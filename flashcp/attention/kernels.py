@@ -14,8 +14,9 @@ Backends (all differentiable through autograd, all with the same semantics):
 - "flash_attn": `flash_attn.flash_attn_varlen_func` (CUDA, fp16/bf16, head dim <= 256);
 - "torch": `torch.nn.attention.varlen.varlen_attn` (CUDA, fp16/bf16, head dim % 8 == 0, <= 256);
 - "reference": plain PyTorch, any device and dtype (float64 included): the CPU path and the
-  oracle of the tests. It loops over sequences and blocks of 512 queries in Python and
-  materialises each block's score matrix, so it is meant for small problems.
+  oracle of the tests (`flashcp.attention.reference`: tiles of 128 x 2048 with an online softmax
+  and a recomputing backward, so its memory is O(block x block) per step and its work follows
+  the attended pairs).
 "auto" takes the first of these that accepts the inputs. Asking for a specific backend that
 cannot run raises `BackendUnavailable` naming the reason.
 """
@@ -31,6 +32,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
+
+from flashcp.attention.reference import reference_attention
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -137,70 +140,9 @@ def _torch_run(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
 
 # --- reference -------------------------------------------------------------------------------
 
-_REFERENCE_BLOCK = 512  # query rows per step: bounds memory and skips keys above the diagonal
-
-
-def reference_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    causal: bool = True,
-    scale: float | None = None,
-    compute_dtype: torch.dtype | None = None,
-) -> torch.Tensor:
-    """Exact masked softmax attention, one sequence (and block of queries) at a time.
-
-    Computes in float64 for float64 inputs and in float32 otherwise, unless `compute_dtype` says
-    otherwise (the GPU check computes in half precision too, as the yardstick of how far a half
-    precision kernel may be from the exact result). A causal query block only reads the keys its
-    last query can see. A query row with no visible key (only possible when a sequence has fewer
-    keys than queries) outputs zeros, like the flash kernels.
-    """
-    compute = compute_dtype or (torch.float64 if q.dtype == torch.float64 else torch.float32)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    outs = []
-    for s in range(len(bounds_q) - 1):
-        q0, q1, k0, k1 = bounds_q[s], bounds_q[s + 1], bounds_k[s], bounds_k[s + 1]
-        shift = (k1 - k0) - (q1 - q0)  # causal: query i of the sequence sees keys 0 .. i + shift
-        for b0 in range(q0, q1, _REFERENCE_BLOCK):
-            b1 = min(q1, b0 + _REFERENCE_BLOCK)
-            if causal:
-                end = k0 + min(k1 - k0, max(0, b1 - q0 + shift))
-                outs.append(_attend(q[b0:b1], k[k0:end], v[k0:end], b0 - q0 + shift, scale, compute))
-            else:
-                outs.append(_attend(q[b0:b1], k[k0:k1], v[k0:k1], None, scale, compute))
-    if not outs:
-        return q.new_zeros(q.shape)
-    return torch.cat(outs).to(q.dtype)
-
 
 def _reference_run(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
     return reference_attention(q, k, v, cu_q, cu_k, causal, scale)
-
-
-def _attend(q, k, v, diagonal: int | None, scale: float, compute: torch.dtype) -> torch.Tensor:
-    """softmax(q k^T * scale) v for one block, all heads at once; causal if `diagonal` is set
-    (query row i then sees keys 0 .. i + diagonal)."""
-    lq, lk, (hq, d), hkv = q.shape[0], k.shape[0], q.shape[1:], k.shape[1]
-    # [Hkv, group, Lq, D] x [Hkv, 1, D, Lk] -> [Hkv, group, Lq, Lk]
-    qs = q.to(compute).reshape(lq, hkv, hq // hkv, d).permute(1, 2, 0, 3)
-    ks = k.to(compute).permute(1, 0, 2).unsqueeze(1)
-    vs = v.to(compute).permute(1, 0, 2).unsqueeze(1)
-    scores = (qs @ ks.transpose(-1, -2)) * scale
-    if diagonal is None:
-        probs = torch.softmax(scores, dim=-1)
-    else:
-        rows = torch.arange(lq, device=q.device).unsqueeze(1) + diagonal
-        visible = torch.arange(lk, device=q.device).unsqueeze(0) <= rows
-        # The most negative finite value rather than -inf: a row with no visible key then
-        # softmaxes to finite values (zeroed below) instead of NaNs that would poison the
-        # backward pass.
-        scores = scores.masked_fill(~visible, torch.finfo(compute).min)
-        probs = torch.softmax(scores, dim=-1).masked_fill(~visible.any(-1, keepdim=True), 0.0)
-    return (probs @ vs).permute(2, 0, 1, 3).reshape(lq, hq, d)
 
 
 BACKENDS: dict[str, Backend] = {
