@@ -9,12 +9,13 @@ plan and the dispatch's tensors. The planner and the dispatcher must be picklabl
 `functools.partial(plan_shards, ...)`, `functools.partial(build_dispatch, rank=..., comm=...)`);
 the outputs are those of calling them in the thread.
 
-The worker is a plain child process (`python -m flashcp.data.plan_worker`) talking pickle over its
-stdin / stdout pipes, not a multiprocessing pool: a pool cannot start from a daemonic process, and
+The worker is a plain child process (`python -m flashcp.data.plan_worker`) exchanging pickles
+(length-prefixed) over its stdin / stdout pipes, not a multiprocessing pool: a pool cannot start from a daemonic process, and
 a child reading its stdin ends by itself when the parent closes it or dies (no orphans). Both ends
 of the pipes are processes FlashCP started; nothing else is unpickled. The child runs in its own
 session and ignores SIGINT, so a Ctrl-C reaches only the ranks, which stop at a step boundary and
-then close the worker.
+then close the worker. The planner and the dispatcher are pickled by reference: they must be
+importable from `flashcp`'s directory and PYTHONPATH (not from a script's `__main__`).
 """
 
 from __future__ import annotations
@@ -51,10 +52,9 @@ class PlanWorker:
     def run(self, planner: Callable, dispatcher: Callable | None, doc_lens: Sequence[int]) -> tuple[Any, Any]:
         """(planner(doc_lens), dispatcher(plan)), computed in the worker; its exception is raised here."""
         try:
-            pickle.dump((planner, dispatcher, [int(n) for n in doc_lens]), self._proc.stdin)
-            self._proc.stdin.flush()
-            ok, value = pickle.load(self._proc.stdout)
-        except (OSError, EOFError, pickle.UnpicklingError) as e:
+            _send(self._proc.stdin, pickle.dumps((planner, dispatcher, [int(n) for n in doc_lens])))
+            ok, value = pickle.loads(_receive(self._proc.stdout))
+        except (OSError, EOFError) as e:
             raise WorkerError(f"the planning worker process (pid {self.pid}) {self._ended()} "
                               f"({type(e).__name__}: {e})") from None  # fmt: skip
         if not ok:
@@ -83,14 +83,30 @@ class PlanWorker:
         self._proc.stdout.close()
 
 
+def _send(pipe: BinaryIO, data: bytes) -> None:
+    """One message: its length, then its bytes (a message that fails to unpickle leaves the next intact)."""
+    pipe.write(len(data).to_bytes(8, "little") + data)
+    pipe.flush()
+
+
+def _receive(pipe: BinaryIO) -> bytes:
+    """The next message's bytes; EOFError at the end of the stream."""
+    head = pipe.read(8)
+    data = pipe.read(int.from_bytes(head, "little")) if len(head) == 8 else b""
+    if len(head) < 8 or len(data) < int.from_bytes(head, "little"):
+        raise EOFError("the pipe closed" + (" inside a message" if head else ""))
+    return data
+
+
 def _serve(requests: BinaryIO, replies: BinaryIO) -> None:
     """Answer each (planner, dispatcher, doc_lens) with (True, (plan, dispatch)) or (False, exception)."""
     while True:
         try:
-            planner, dispatcher, doc_lens = pickle.load(requests)
+            request = _receive(requests)
         except EOFError:
             return
         try:
+            planner, dispatcher, doc_lens = pickle.loads(request)
             plan = planner(doc_lens)
             reply = (True, (plan, dispatcher(plan) if dispatcher is not None else None))
         except Exception as e:
@@ -100,8 +116,7 @@ def _serve(requests: BinaryIO, replies: BinaryIO) -> None:
             data = pickle.dumps(reply)
         except Exception as e:  # an exception that does not pickle: its type and message
             data = pickle.dumps((False, RuntimeError(f"{type(reply[1]).__name__}: {reply[1]} ({e})")))
-        replies.write(data)
-        replies.flush()
+        _send(replies, data)
 
 
 def main() -> None:

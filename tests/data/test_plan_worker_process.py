@@ -81,3 +81,20 @@ def test_the_worker_ends_when_its_parent_is_killed() -> None:
         parent.kill()
         parent.wait()
     assert wait_gone(pid)
+
+
+def planner_the_worker_cannot_import(doc_lens: list[int]) -> int:
+    return len(doc_lens)
+
+
+def test_a_request_the_worker_cannot_read_fails_alone() -> None:
+    """This test module is not importable in the worker: that request fails, the next one works."""
+    from flashcp.data.plan_worker import PlanWorker
+
+    worker = PlanWorker()
+    try:
+        with pytest.raises(ModuleNotFoundError, match="test_plan_worker_process"):
+            worker.run(planner_the_worker_cannot_import, None, [1, 2])
+        assert worker.run(len, None, [1, 2, 3]) == (3, None)
+    finally:
+        worker.close()
