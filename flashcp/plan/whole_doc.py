@@ -164,23 +164,35 @@ class _Mirror:
         self.sent = np.array(fill.sent, dtype=np.int64)
         self.spare = np.array(fill.spare, dtype=np.int64)
         self.by_room = sorted(zip(fill.room, range(len(fill.room))))
+        self.rooms = list(fill.room)  # as in by_room
+        self.stale: set[int] = set()  # ranks whose arrays above are behind `fill`
         n = len(fill.room)  # scratch buffers: a call makes no new arrays
         self.left, self.predicted, self.full = np.empty(n, np.int64), np.empty(n), np.empty(n, bool)
 
     def update(self, r: int) -> None:
-        fill, by_room = self.fill, self.by_room
-        del by_room[bisect_left(by_room, (int(self.room[r]), r))]
-        insort(by_room, (fill.room[r], r))
-        room = self.room[r] = fill.room[r]
-        self.load[r], self.sent[r] = fill.bias[r] + fill.work[r] if room > 0 else np.inf, fill.sent[r]
+        by_room, room = self.by_room, self.fill.room[r]
+        del by_room[bisect_left(by_room, (self.rooms[r], r))]
+        insort(by_room, (room, r))
+        self.rooms[r] = room
+        self.stale.add(r)
+
+    def _sync(self) -> None:
+        """Bring the arrays up to `fill` (only the numpy scans read them)."""
+        fill = self.fill
+        for r in self.stale:
+            room = self.room[r] = fill.room[r]
+            self.load[r], self.sent[r] = fill.bias[r] + fill.work[r] if room > 0 else np.inf, fill.sent[r]
+        self.stale.clear()
 
     def overflow(self, length: int) -> int:
         """The rank with the most room (the first) of those with room and spare for `length`; -1 if none."""
+        self._sync()
         over = np.flatnonzero(self.room + self.spare >= length)
         return int(over[self.room[over].argmax()]) if len(over) else -1
 
     def roomiest(self) -> int:
         """The rank with the most room and spare (the first)."""
+        self._sync()
         return int((self.room + self.spare).argmax())
 
     def best(self, length: int, last: bool, density: float) -> int:
@@ -195,6 +207,7 @@ class _Mirror:
                 for _, r in self.by_room[first:]
             ]
             return min(keys)[2] if keys else -1
+        self._sync()
         left, predicted, full = self.left, self.predicted, self.full
         np.subtract(self.room, length, out=left)
         np.multiply(left, density, out=predicted)
