@@ -20,6 +20,7 @@ importable from `flashcp`'s directory and PYTHONPATH (not from a script's `__mai
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import signal
@@ -29,6 +30,8 @@ import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
+
+import torch
 
 _ROOT = str(Path(__file__).resolve().parents[2])  # the directory holding the flashcp package
 
@@ -83,6 +86,26 @@ class PlanWorker:
         self._proc.stdout.close()
 
 
+class _ReplyPickler(pickle.Pickler):
+    """Tensors as numpy arrays: unpickling them is one copy of their bytes, about a fifth of the time
+    torch's own pickling takes on the loader's thread, which holds the GIL meanwhile (~0.3 vs 1.3 ms per
+    1M-token CP 16 dispatch)."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if type(obj) is torch.Tensor and obj.device.type == "cpu" and not obj.requires_grad:
+            try:
+                return torch.from_numpy, (obj.numpy(),)
+            except TypeError:  # a dtype numpy lacks (bfloat16): torch's own pickling
+                pass
+        return NotImplemented
+
+
+def _dumps_reply(reply: Any) -> bytes:
+    out = io.BytesIO()
+    _ReplyPickler(out, protocol=5).dump(reply)
+    return out.getvalue()
+
+
 def _send(pipe: BinaryIO, data: bytes) -> None:
     """One message: its length, then its bytes (a message that fails to unpickle leaves the next intact)."""
     pipe.write(len(data).to_bytes(8, "little") + data)
@@ -113,7 +136,7 @@ def _serve(requests: BinaryIO, replies: BinaryIO) -> None:
             e.add_note(f"in the planning worker process:\n{traceback.format_exc()}")
             reply = (False, e)
         try:
-            data = pickle.dumps(reply)
+            data = _dumps_reply(reply)
         except Exception as e:  # an exception that does not pickle: its type and message
             data = pickle.dumps((False, RuntimeError(f"{type(reply[1]).__name__}: {reply[1]} ({e})")))
         _send(replies, data)
@@ -123,8 +146,6 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     replies = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # anything the planner prints goes to stderr, not into the replies
-    import torch
-
     torch.set_num_threads(1)  # index building on small tensors: threads only add synchronisation
     _serve(sys.stdin.buffer, replies)
 
