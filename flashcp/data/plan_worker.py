@@ -10,8 +10,9 @@ plan and the dispatch's tensors. The planner and the dispatcher must be picklabl
 the outputs are those of calling them in the thread.
 
 The worker is a plain child process (`python -m flashcp.data.plan_worker`) exchanging pickles
-(length-prefixed) over its stdin / stdout pipes, not a multiprocessing pool: a pool cannot start from a daemonic process, and
-a child reading its stdin ends by itself when the parent closes it or dies (no orphans). Both ends
+(length-prefixed) over its stdin / stdout pipes, not a multiprocessing pool: a pool cannot start
+from a daemonic process, and a child reading its stdin ends by itself when the parent closes it or
+dies (no orphans). Both ends
 of the pipes are processes FlashCP started; nothing else is unpickled. The child runs in its own
 session and ignores SIGINT, so a Ctrl-C reaches only the ranks, which stop at a step boundary and
 then close the worker. The planner and the dispatcher are pickled by reference: they must be
@@ -44,9 +45,11 @@ class PlanWorker:
     """One child process planning windows one at a time."""
 
     def __init__(self) -> None:
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_ROOT, os.environ.get("PYTHONPATH")])))
-        self._proc = subprocess.Popen([sys.executable, "-m", "flashcp.data.plan_worker"], stdin=subprocess.PIPE,
-                                      stdout=subprocess.PIPE, env=env, start_new_session=True)  # fmt: skip
+        path = os.pathsep.join(filter(None, [_ROOT, os.environ.get("PYTHONPATH")]))
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "flashcp.data.plan_worker"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            env=dict(os.environ, PYTHONPATH=path), start_new_session=True,
+        )  # fmt: skip
 
     @property
     def pid(self) -> int:

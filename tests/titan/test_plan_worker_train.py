@@ -77,4 +77,5 @@ def test_cp2_with_the_plan_worker_trains_resumes_and_ends_like_without(tmp_path)
     for losses, pids, alive, error in failed:
         assert losses is None and alive == []
         assert error is not None and "\n" not in error
-        assert error.startswith(f"WorkerError: the planning worker process (pid {pids[0]}) exited with code -9")
+        expected = f"WorkerError: the planning worker process (pid {pids[0]}) exited with code -9"
+        assert error.startswith(expected)
