@@ -62,7 +62,8 @@ def measure(context: int, cp: int, steps: int, ops: int, worker: bool) -> dict:
     pool = PlanWorker() if worker else None
     pin(0)  # the training thread on CPU 0, the loader's work on CPU 1: they share the GIL, not a core
     if pool is not None:
-        pool.run(functools.partial(pin, 1), None, [])
+        # The worker on CPU 1, through a function it can import (this script's `pin` is its __main__'s).
+        pool.run(functools.partial(os.sched_setaffinity, 0), None, [1])
     go, done, stop, work_ms = threading.Event(), threading.Event(), threading.Event(), []
 
     def producer() -> None:  # the loader thread's plan + dispatch of one window per step

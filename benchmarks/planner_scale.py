@@ -4,6 +4,8 @@
     python benchmarks/planner_scale.py --quick              # smoke run, results to a temp dir
     python benchmarks/planner_scale.py --label before --out DIR   # another checkout's figures,
                                                             # run with PYTHONPATH=that checkout
+    python benchmarks/planner_scale.py --against f5e0f2d    # also plan with that commit's
+                                                            # flashcp/plan, interleaved
 
 For wlbllm and pile lengths, C in {128K, 512K, 1M, 2M, 4M} and N in {8, 16, 32, 64}: W windows
 packed by `flashcp.data.pack_windows` (seed 0), each planned by `plan_shards` (flashcp, target
@@ -14,6 +16,11 @@ little; the least of repeats drops what they still add). Reported: plan ms p50 /
 ms for one rank (rank 0, torch on one thread) in each comm mode on the first D windows (p50).
 Everything is measured; nothing is modelled.
 
+Runs at different times of a shared machine differ by its load (recorded: the 1-minute load
+average at the start and end). `--against COMMIT` plans every window with that commit's
+`flashcp/plan` too (a copy imported as another package), alternating the two repeat by repeat,
+so both see the same load: their p50 / p99 and how many plans are identical.
+
 Writes benchmarks/results/planner_scale_<label>.json, and planner_scale.md with the `after` run
 beside `before` when both JSON files are there.
 """
@@ -21,8 +28,13 @@ beside `before` when both JSON files are there.
 from __future__ import annotations
 
 import argparse
+import importlib
+import io
 import json
+import os
+import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -52,11 +64,42 @@ def cpu_ms(fn, repeats: int) -> tuple[float, object]:
     return best, out
 
 
-def run_config(windows: list[list[int]], n: int, repeats: int, dispatch_windows: int) -> dict:
-    times, imbalance, compact, needed = [], [], [], []
+def reference_planner(commit: str):
+    """`plan_shards` of `commit`'s flashcp/plan, imported beside this checkout's as `flashcp_ref_plan`."""
+    repo = RESULTS.parents[1]
+    try:
+        tar = subprocess.run(["git", "archive", commit, "flashcp/plan"], cwd=repo, capture_output=True, check=True)
+    except (subprocess.CalledProcessError, OSError):
+        sys.exit(f"--against {commit}: not a commit of the git repository at {repo} with flashcp/plan")
+    root = Path(tempfile.mkdtemp(prefix="planner_ref_"))
+    tarfile.open(fileobj=io.BytesIO(tar.stdout)).extractall(root, filter="data")
+    package = (root / "flashcp" / "plan").rename(root / "flashcp_ref_plan")
+    for f in package.glob("*.py"):
+        f.write_text(f.read_text().replace("flashcp.plan", "flashcp_ref_plan"))
+    sys.path.insert(0, str(root))
+    return importlib.import_module("flashcp_ref_plan").plan_shards
+
+
+def percentiles(times: list[float]) -> dict:
+    t = np.asarray(times)
+    return {"p50": float(np.percentile(t, 50)), "p99": float(np.percentile(t, 99)), "max": float(t.max())}
+
+
+def run_config(windows: list[list[int]], n: int, repeats: int, dispatch_windows: int, reference=None) -> dict:
+    times, ref_times, same, imbalance, compact, needed = [], [], 0, [], [], []
     disp: dict[str, list[float]] = {c: [] for c in COMMS}
     for i, lens in enumerate(windows):
-        ms, plan = cpu_ms(lambda: plan_shards(lens, n, "flashcp", TARGET), repeats)
+        if reference is None:
+            ms, plan = cpu_ms(lambda: plan_shards(lens, n, "flashcp", TARGET), repeats)
+        else:  # alternate the two planners repeat by repeat
+            ms = ref_ms = float("inf")
+            for _ in range(repeats):
+                t, ref = cpu_ms(lambda: reference(lens, n, "flashcp", TARGET), 1)
+                ref_ms = min(ref_ms, t)
+                t, plan = cpu_ms(lambda: plan_shards(lens, n, "flashcp", TARGET), 1)
+                ms = min(ms, t)
+            ref_times.append(ref_ms)
+            same += ref.ranks == plan.ranks
         times.append(ms)
         m = plan.metrics()
         imbalance.append(m["imbalance"])
@@ -65,10 +108,10 @@ def run_config(windows: list[list[int]], n: int, repeats: int, dispatch_windows:
         if i < dispatch_windows:
             for comm in COMMS:
                 disp[comm].append(cpu_ms(lambda: build_dispatch(plan, 0, comm), 1)[0])
-    t = np.asarray(times)
+    reference_figures = {"ref_plan_ms": percentiles(ref_times), "same_plans": same} if ref_times else {}
     return {
         "windows": len(windows), "docs_per_window": float(np.mean([len(w) for w in windows])),
-        "plan_ms": {"p50": float(np.percentile(t, 50)), "p99": float(np.percentile(t, 99)), "max": float(t.max())},
+        "plan_ms": percentiles(times), **reference_figures,
         "imbalance_mean": float(np.mean(imbalance)), "imbalance_max": float(np.max(imbalance)),
         "comm_compact_ratio": float(np.mean(compact)), "comm_needed_ratio": float(np.mean(needed)),
         "dispatch_ms_p50": {c: float(np.median(v)) for c, v in disp.items()},
@@ -87,7 +130,8 @@ def markdown(runs: dict[str, dict]) -> str:
         f"{cfg['windows']} windows per (dataset, C, N), seed 0, target {TARGET}; plan ms = CPU time of one "
         f"thread, least of {cfg['repeats']} repeats per window, through `plan_shards` (validation included); "
         f"dispatch ms = `build_dispatch` for rank 0 (torch on one thread), median of the first "
-        f"{cfg['dispatch_windows']} windows. Measured on a shared 2-core VM.",
+        f"{cfg['dispatch_windows']} windows. Measured on a shared 2-core VM; 1-minute load average at "
+        "start / end: " + ", ".join(f"{x} {_load(runs[x])}" for x in labels) + ".",
         "",
         "| dataset | C | N | docs | " + " | ".join(f"plan p50 / p99 / max ({x})" for x in labels)
         + " | " + " | ".join(f"dispatch compact / full / needed ({x})" for x in labels)
@@ -107,7 +151,27 @@ def markdown(runs: dict[str, dict]) -> str:
             + " | " + " | ".join(disp) + " | " + " / ".join(f"{r['imbalance_mean']:.4f}" for r in rows)
             + " | " + " / ".join(f"{r['comm_compact_ratio']:.4f}" for r in rows) + " |"
         )
+    last = runs[labels[-1]]
+    if "against" in last["config"]:
+        lines += [
+            "",
+            f"Interleaved in the `{labels[-1]}` run: every window also planned by {last['config']['against']}'s "
+            "`flashcp/plan`, alternating repeat by repeat (the same load for both).",
+            "",
+            f"| dataset | C | N | plan p50 / p99 / max ({last['config']['against']}) | plan p50 / p99 / max "
+            f"({last['commit']}) | identical plans |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in last["rows"]:
+            ms = [" / ".join(f"{r[k][q]:.1f}" for q in ("p50", "p99", "max")) for k in ("ref_plan_ms", "plan_ms")]
+            lines.append(f"| {r['dataset']} | {r['context'] // 1024}K | {r['cp']} | {ms[0]} | {ms[1]} | "
+                         f"{r['same_plans']} / {r['windows']} |")  # fmt: skip
     return "\n".join(lines) + "\n"
+
+
+def _load(run: dict) -> str:
+    load = run["config"].get("load_average")
+    return " / ".join(f"{x:.1f}" for x in load) if load else "not recorded"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dispatch-windows", type=int, default=5, help="windows whose dispatch is timed")
     p.add_argument("--label", default="after", help="name of this run in the results (before / after)")
     p.add_argument("--commit", default="working tree", help="what was measured, for the table's header")
+    p.add_argument("--against", metavar="COMMIT", help="also plan with this commit's flashcp/plan, interleaved")
     p.add_argument("--out", type=Path, help="results directory (default benchmarks/results; a temp dir with --quick)")
     args = p.parse_args(argv)
     contexts = CONTEXTS
@@ -126,19 +191,26 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or (Path(tempfile.mkdtemp(prefix="planner_scale_")) if args.quick else RESULTS)
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
+    reference = reference_planner(args.against) if args.against else None
+    load_start = os.getloadavg()[0]
     rows = []
     for dataset in DATASETS:
         for context in contexts:
             windows = pack_windows(length_sampler(dataset, 0), context, args.windows)
             for n in CP_SIZES:
                 row = {"dataset": dataset, "context": context, "cp": n,
-                       **run_config(windows, n, args.repeats, args.dispatch_windows)}  # fmt: skip
+                       **run_config(windows, n, args.repeats, args.dispatch_windows, reference)}  # fmt: skip
                 rows.append(row)
                 pm, d = row["plan_ms"], row["dispatch_ms_p50"]
+                ref = f" ({args.against}: p50 {row['ref_plan_ms']['p50']:.1f} p99 {row['ref_plan_ms']['p99']:.1f}, " \
+                    f"identical plans {row['same_plans']})" if reference else ""  # fmt: skip
                 print(f"{dataset} C={context} N={n}: plan ms p50 {pm['p50']:.1f} p99 {pm['p99']:.1f} max "
-                      f"{pm['max']:.1f}; dispatch ms " + " ".join(f"{c} {d[c]:.1f}" for c in COMMS), flush=True)
+                      f"{pm['max']:.1f}{ref}; dispatch ms " + " ".join(f"{c} {d[c]:.1f}" for c in COMMS), flush=True)
     config = {"windows": args.windows, "repeats": args.repeats, "dispatch_windows": args.dispatch_windows,
-              "contexts": list(contexts), "cp": list(CP_SIZES), "target": TARGET}  # fmt: skip
+              "contexts": list(contexts), "cp": list(CP_SIZES), "target": TARGET,
+              "load_average": [load_start, os.getloadavg()[0]]}  # fmt: skip
+    if args.against:
+        config["against"] = args.against
     result = {"label": args.label, "commit": args.commit, "config": config, "rows": rows}
     (out / f"planner_scale_{args.label}.json").write_text(json.dumps(result, indent=1))
     runs = {x: json.loads(f.read_text()) for x in ("before", "after") if (f := out / f"planner_scale_{x}.json").exists()}

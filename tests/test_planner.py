@@ -442,8 +442,10 @@ def test_validate_names_the_problem() -> None:
 
 @pytest.mark.parametrize("n", [3, 8, 32, 64])
 def test_numpy_rank_scan_places_as_the_loop(n: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`place_documents` scans ranks in numpy from VECTOR_RANKS on: the same plans as the loop,
-    forced either way, on windows with cuts, heads and ties (equal lengths)."""
+    """`place_documents` scans ranks in numpy from VECTOR_RANKS on, comparing in Python the
+    ranks with room when they are at most FEW_RANKS: the same plans as the loop over ranks,
+    forced each way (loop, numpy only, Python only), on windows with cuts, heads, overflows
+    into spare room and ties (equal lengths)."""
     import flashcp.plan.whole_doc as whole_doc
 
     rng = random.Random(n)
@@ -452,7 +454,50 @@ def test_numpy_rank_scan_places_as_the_loop(n: int, monkeypatch: pytest.MonkeyPa
         lens = [rng.choice([1 + int(rng.lognormvariate(6, 1.5)), 512, 512]) for _ in range(count)]
         lens[-1] += (-sum(lens)) % n
         plans = []
-        for threshold in (1, 10**9):
-            monkeypatch.setattr(whole_doc, "VECTOR_RANKS", threshold)
-            plans.append([make_plan(s, lens, n, 1.02).ranks for s in ("whole_doc", "flashcp")])
-        assert plans[0] == plans[1]
+        for vector, few in ((10**9, 0), (1, -1), (1, 10**9)):
+            monkeypatch.setattr(whole_doc, "VECTOR_RANKS", vector)
+            monkeypatch.setattr(whole_doc, "FEW_RANKS", few)
+            plans.append([make_plan(s, lens, n, t).ranks for s in ("whole_doc", "flashcp") for t in (1.0, 1.02)])
+        assert plans[0] == plans[1] == plans[2]
+
+
+@pytest.mark.parametrize("n", [2, 8, 64])
+def test_per_doc_part_is_the_plain_layout(n: int) -> None:
+    """Attempts take prefixes of one Per-Doc layout, extended on demand, in any order of
+    counts: the shards of `per_doc_shards` on those documents, and their running totals."""
+    from flashcp.plan.hybrid import FLEXIBLE, _Window
+    from flashcp.plan.per_doc import per_doc_shards
+
+    rng = random.Random(n)
+    for _ in range(5):
+        lens = tuple(rng.choice([rng.randint(1, 3 * n), rng.randint(1, 5000)]) for _ in range(rng.randint(5, 60)))
+        lens = lens[:-1] + (lens[-1] + (-sum(lens)) % n,)
+        window = _Window(lens, n, 1.05)
+        top = len(lens) - FLEXIBLE
+        for count in rng.sample(range(top + 1), min(top + 1, 8)) + [0, top, 1]:
+            ranks, tokens, work, sent = window.per_doc_part(count)
+            expected, _ = per_doc_shards(lens, window.order[FLEXIBLE : FLEXIBLE + count], n)
+            assert ranks == expected
+            assert tokens == [sum(s.length for s in r) for r in expected]
+            assert work == [sum(shard_workload(s.start, s.length) for s in r) for r in expected]
+            assert sent == [sum(s.length for s in r if s.start + s.length < lens[s.doc]) for r in expected]
+            ranks[0].append(Shard(0, 0, 1))  # fresh lists: a caller's edits stay its own
+            assert window.per_doc_part(count)[0] == expected
+
+
+def test_normalized_arrays_are_the_plans_shards() -> None:
+    """`plan_shards` validates the arrays `normalized` returns: they are the normalized shards."""
+    from flashcp.plan.hybrid import plan_flashcp
+    from flashcp.plan.per_doc import plan_per_doc
+    from flashcp.plan.plan import normalize, normalized, shard_array
+
+    rng = random.Random(3)
+    for _ in range(20):
+        lens = [rng.randint(1, 300) for _ in range(rng.randint(1, 30))]
+        lens[-1] += (-sum(lens)) % 4
+        for strategy in (plan_per_doc, plan_flashcp):
+            ranks, _ = strategy(tuple(lens), 4)
+            out, rows, rank = normalized(ranks)
+            assert out == normalize(ranks)
+            expected_rows, expected_rank = shard_array(out)
+            assert rows.tolist() == expected_rows.tolist() and rank.tolist() == expected_rank.tolist()

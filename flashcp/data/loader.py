@@ -128,6 +128,7 @@ class WindowLoader:
             raise DataError(f"dp_rank must be in [0, dp_world={dp_world}), got {dp_rank}")
         self._packer, self._planner = packer, planner
         self._dispatcher: Callable[[Any], Any] | None = None
+        self._finish: Callable[[Any], Any] | None = None  # applied to each dispatch in the producer's thread
         self._use_worker = False
         self._worker: PlanWorker | None = None  # started on first use, stopped by close()
         self._balance: StepBalance | None = None
@@ -211,6 +212,8 @@ class WindowLoader:
         else:
             plan = self._planner(window.doc_lens)
             dispatch = self._dispatcher(plan) if self._dispatcher is not None else None
+        if dispatch is not None and self._finish is not None:
+            dispatch = self._finish(dispatch)
         batch = {
             "input": torch.from_numpy(window.input),
             "labels": torch.from_numpy(window.labels),
@@ -289,13 +292,15 @@ class WindowLoader:
         self._state = state
         return batch
 
-    def dispatch_with(self, dispatcher: Callable[[Any], Any] | None, worker: bool = False) -> None:
+    def dispatch_with(self, dispatcher: Callable[[Any], Any] | None, worker: bool = False,
+                      finish: Callable[[Any], Any] | None = None) -> None:  # fmt: skip
         """Build each window's dispatch with `dispatcher(plan)` in the producer (before iterating).
 
         With `worker`, planning and the dispatch run in a worker process (`flashcp.data.plan_worker`:
-        the planner and `dispatcher` must then be picklable), off the GIL of the training thread."""
+        the planner and `dispatcher` must then be picklable), off the GIL of the training thread.
+        `finish(dispatch)` (e.g. pinning its memory) runs in the producer's thread either way."""
         self._stop_producer()
-        self._dispatcher, self._use_worker = dispatcher, worker
+        self._dispatcher, self._use_worker, self._finish = dispatcher, worker, finish
 
     def balance_with(self, micro: int, cost: WindowCost, cut_target: float | None = None,
                      max_delay: int | None = None, target: float = 1.05) -> None:  # fmt: skip

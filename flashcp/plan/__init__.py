@@ -20,7 +20,7 @@ import inspect
 from collections.abc import Sequence
 from typing import Any
 
-from flashcp.plan.plan import Plan, Shard, normalize, shard_workload, validate
+from flashcp.plan.plan import Plan, Shard, normalized, shard_workload, validate
 
 # name -> "module:function"; imported on first use so that e.g. scipy loads only for "ilp".
 STRATEGIES: dict[str, str] = {
@@ -78,8 +78,9 @@ def plan_shards(
     if unknown:
         raise ValueError(f"strategy {strategy!r} takes no option(s) {sorted(unknown)}")
     ranks, info = fn(lens, cp_size, **options)
-    plan = Plan(lens, cp_size, normalize(ranks), strategy, info)
-    validate(plan)
+    ranks, *rows = normalized(ranks)
+    plan = Plan(lens, cp_size, ranks, strategy, info)
+    validate(plan, rows)
     return plan
 
 

@@ -130,6 +130,11 @@ def shard_array(ranks: Sequence[Sequence[Shard]]) -> tuple[np.ndarray, np.ndarra
 
 def normalize(ranks: Sequence[Sequence[Shard]]) -> tuple[tuple[Shard, ...], ...]:
     """Sort each rank's shards by (doc, start), drop empty ones and merge adjacent pieces."""
+    return normalized(ranks)[0]
+
+
+def normalized(ranks: Sequence[Sequence[Shard]]) -> tuple[tuple[tuple[Shard, ...], ...], np.ndarray, np.ndarray]:
+    """`normalize(ranks)` and its `shard_array`, which `validate` takes instead of rebuilding it."""
     rows, rank = shard_array(ranks)
     flat = list(itertools.chain.from_iterable(ranks))
     kept = np.flatnonzero(rows[:, 2] > 0)
@@ -144,13 +149,16 @@ def normalize(ranks: Sequence[Sequence[Shard]]) -> tuple[tuple[Shard, ...], ...]
     shards = [flat[i] for i in kept[heads].tolist()]  # unmerged shards stay the objects given
     for g in np.flatnonzero(sizes > 1).tolist():
         shards[g] = Shard(int(doc[heads[g]]), int(start[heads[g]]), int(length[g]))
-    bounds = np.searchsorted(rank[heads], np.arange(len(ranks) + 1))
-    return tuple(tuple(shards[a:b]) for a, b in zip(bounds[:-1], bounds[1:]))
+    rank = rank[heads]
+    bounds = np.searchsorted(rank, np.arange(len(ranks) + 1))
+    out = tuple(tuple(shards[a:b]) for a, b in zip(bounds[:-1], bounds[1:]))
+    return out, np.stack((doc[heads], start[heads], length), axis=1).reshape(-1, 3), rank
 
 
-def validate(plan: Plan) -> None:
-    """Raise AssertionError unless every token is held exactly once and ranks hold equal tokens."""
-    rows, rank = shard_array(plan.ranks)
+def validate(plan: Plan, rows: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+    """Raise AssertionError unless every token is held exactly once and ranks hold equal tokens.
+    `rows`: the plan's `shard_array` when the caller has it (from `normalized`)."""
+    rows, rank = shard_array(plan.ranks) if rows is None else rows
     doc, start, length = rows.T
     held = np.bincount(rank, weights=length, minlength=plan.cp_size)
     for r in np.flatnonzero(held != plan.tokens_per_rank)[:1]:

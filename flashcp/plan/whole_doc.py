@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from bisect import bisect_left, bisect_right
+from bisect import bisect_left, bisect_right, insort
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -46,6 +46,8 @@ PARTNER_SCAN = 8
 # From this many ranks on, `place_documents` scans the ranks in numpy (below it the loop over
 # ranks is faster than numpy's per-call overhead).
 VECTOR_RANKS = 24
+# Ranks with room for a document up to which `_Mirror` compares them in Python.
+FEW_RANKS = 8
 
 
 class RankFill:
@@ -115,9 +117,11 @@ def place_documents(doc_lens: tuple[int, ...], docs: Iterable[int], fill: RankFi
                         best, best_sent, best_load = r, sent[r], predicted
         if best < 0:
             # No rank wants it whole: overflow the rank with the most room, within its spare...
-            over = [r for r in range(n) if room[r] + spare[r] >= length]
-            if over:
-                best = max(over, key=lambda r: (room[r], -r))
+            if mirror is not None:
+                best = mirror.overflow(length)
+            else:
+                over = [r for r in range(n) if room[r] + spare[r] >= length]
+                best = max(over, key=lambda r: (room[r], -r)) if over else -1
         if best >= 0:  # (RankFill.add, inlined: this loop runs once per document)
             shards[best].append(Shard(d, 0, length))
             room[best] -= length
@@ -128,7 +132,7 @@ def place_documents(doc_lens: tuple[int, ...], docs: Iterable[int], fill: RankFi
                 mirror.update(best)
             continue
         # ... or cut it: the tail fills the rank with the most room, the head is queued again.
-        r = max(range(n), key=lambda r: (room[r] + spare[r], -r))
+        r = mirror.roomiest() if mirror is not None else max(range(n), key=lambda r: (room[r] + spare[r], -r))
         take = room[r] + spare[r]
         if take <= 0:
             raise AssertionError("place_documents: more tokens to place than room on all ranks")
@@ -144,27 +148,74 @@ def place_documents(doc_lens: tuple[int, ...], docs: Iterable[int], fill: RankFi
 class _Mirror:
     """`place_documents`' choice of rank in numpy, for many ranks: the same predicted workloads
     (the same floating-point operations in the same order), the same first-lowest tie-breaking,
-    hence the same placement as the loop over ranks; with 64 ranks about half its time."""
+    hence the same placement as the loop over ranks.
+
+    Most documents of a window fit on only a few ranks (those with room left are mostly full):
+    the ranks sorted by room give those with room for a document, and when they are at most
+    FEW_RANKS they are compared in Python, cheaper than numpy's calls over all ranks. Otherwise
+    a rank without room can take nothing more, its load here is infinite, and the lowest
+    prediction of all ranks, if it has room for the document, needs no masking."""
 
     def __init__(self, fill: RankFill) -> None:
         self.fill = fill
         self.room = np.array(fill.room, dtype=np.int64)
         self.load = np.array([b + w for b, w in zip(fill.bias, fill.work)], dtype=np.float64)
+        self.load[self.room <= 0] = np.inf
         self.sent = np.array(fill.sent, dtype=np.int64)
+        self.spare = np.array(fill.spare, dtype=np.int64)
+        self.by_room = sorted(zip(fill.room, range(len(fill.room))))
+        self.rooms = list(fill.room)  # as in by_room
+        self.stale: set[int] = set()  # ranks whose arrays above are behind `fill`
         n = len(fill.room)  # scratch buffers: a call makes no new arrays
         self.left, self.predicted, self.full = np.empty(n, np.int64), np.empty(n), np.empty(n, bool)
 
     def update(self, r: int) -> None:
+        by_room, room = self.by_room, self.fill.room[r]
+        del by_room[bisect_left(by_room, (self.rooms[r], r))]
+        insort(by_room, (room, r))
+        self.rooms[r] = room
+        self.stale.add(r)
+
+    def _sync(self) -> None:
+        """Bring the arrays up to `fill` (only the numpy scans read them)."""
         fill = self.fill
-        self.room[r], self.load[r], self.sent[r] = fill.room[r], fill.bias[r] + fill.work[r], fill.sent[r]
+        for r in self.stale:
+            room = self.room[r] = fill.room[r]
+            self.load[r], self.sent[r] = fill.bias[r] + fill.work[r] if room > 0 else np.inf, fill.sent[r]
+        self.stale.clear()
+
+    def overflow(self, length: int) -> int:
+        """The rank with the most room (the first) of those with room and spare for `length`; -1 if none."""
+        self._sync()
+        over = np.flatnonzero(self.room + self.spare >= length)
+        return int(over[self.room[over].argmax()]) if len(over) else -1
+
+    def roomiest(self) -> int:
+        """The rank with the most room and spare (the first)."""
+        self._sync()
+        return int((self.room + self.spare).argmax())
 
     def best(self, length: int, last: bool, density: float) -> int:
         """The rank with room for `length` tokens and the lowest predicted workload (a whole
         document), or sending least, then lowest predicted (a head); -1 if none has room."""
+        first = bisect_left(self.by_room, (length, -1))
+        if len(self.by_room) - first <= FEW_RANKS:
+            fill = self.fill
+            room, bias, work, sent = fill.room, fill.bias, fill.work, fill.sent
+            keys = [
+                ((0 if last else sent[r]), bias[r] + work[r] + (room[r] - length) * density, r)
+                for _, r in self.by_room[first:]
+            ]
+            return min(keys)[2] if keys else -1
+        self._sync()
         left, predicted, full = self.left, self.predicted, self.full
         np.subtract(self.room, length, out=left)
         np.multiply(left, density, out=predicted)
         np.add(self.load, predicted, out=predicted)
+        if last:
+            best = int(predicted.argmin())
+            if left[best] >= 0:  # the first lowest of all ranks, so of those with room
+                return best
         np.less(left, 0, out=full)
         if last:
             np.copyto(predicted, np.inf, where=full)

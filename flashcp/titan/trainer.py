@@ -7,6 +7,9 @@ TorchTitan's; this subclass only changes how a batch reaches the model:
    the same on every rank of a CP group, and this rank's `Dispatch`, which the loader's
    background thread builds from the plan (index arithmetic, a few ms per window at 128K) into
    pinned memory on GPUs, so the main thread only starts its asynchronous copy to the device.
+   With `[flashcp] plan_worker` (the default) and CP > 1, planning and the dispatch run in a
+   child process (`flashcp.data.plan_worker`), so they do not hold the training thread's GIL;
+   the loader's thread pins what it receives. The loader's state does not involve the worker.
 2. `post_dataloading_process` keeps this rank's tokens, labels and in-document positions in the
    dispatch's `token_index` order and hands every attention layer the dispatch and CP group
    (`CPStep`, through the decoder's `attention_masks` argument).
@@ -40,6 +43,7 @@ implementations can be compared inside one application.
 
 from __future__ import annotations
 
+import functools
 import math
 import shutil
 import signal
@@ -80,6 +84,7 @@ class FlashCPSettings:
     comm: str = "compact"
     backend: str = "auto"
     overlap: bool = False
+    plan_worker: bool = True
 
 
 def document_positions(doc_lens: list[int]) -> torch.Tensor:
@@ -128,7 +133,8 @@ class FlashCPTrainer(Trainer):
         self._configure_metrics()
         self._flashcp_ropes = flashcp_ropes(self.model_parts[0])  # RoPEs whose rows each step computes
         if self.flashcp.enable:
-            self.dataloader.loader.dispatch_with(self.dispatch_window)
+            worker = self.flashcp.plan_worker and dims.cp > 1
+            self.dataloader.loader.dispatch_with(self.window_dispatcher(), worker=worker, finish=self.pin_dispatch)
         if config.validator.enable:
             self.validator.connect(self, flashcp=self.flashcp.enable)
         self.probe = probe_loop.attach(self) if config.probe.enable else None
@@ -296,11 +302,18 @@ class FlashCPTrainer(Trainer):
             self.metrics_processor.ntokens_since_last_log += labels.numel()
             yield input_dict, labels
 
-    def dispatch_window(self, plan: Any) -> Any:
-        """This rank's dispatch of a window's plan; runs in the loader's thread."""
-        dispatch = build_dispatch(plan, self.cp_rank, self.flashcp.comm, overlap=self.flashcp.overlap)
-        # Pinned, so that post_dataloading_process's copy to the GPU does not block the host.
+    def window_dispatcher(self) -> functools.partial:
+        """`dispatcher(plan)`: this rank's dispatch of a window's plan; picklable, for the plan worker."""
+        return functools.partial(build_dispatch, rank=self.cp_rank, comm=self.flashcp.comm,
+                                 overlap=self.flashcp.overlap)  # fmt: skip
+
+    def pin_dispatch(self, dispatch: Any) -> Any:
+        """Pinned on GPUs, so that post_dataloading_process's copy to the device does not block the host."""
         return dispatch.pin_memory() if self.device.type == "cuda" else dispatch
+
+    def dispatch_window(self, plan: Any) -> Any:
+        """This rank's dispatch of a window's plan, pinned; runs in the (validation) loader's thread."""
+        return self.pin_dispatch(self.window_dispatcher()(plan))
 
     def forward_backward_step(self, **kwargs: Any) -> torch.Tensor:
         """TorchTitan's step, noting on the device (no sync) whether every loss since the last save was finite.

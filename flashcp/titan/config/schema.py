@@ -64,6 +64,8 @@ OWN_SECTIONS: dict[str, dict[str, Key]] = {
         "comm": Key(str, "compact", COMM_MODES, "KV exchange: compact (FlashCP) | full (Llama3 CP) | needed"),
         "backend": Key(str, "auto", BACKENDS, "varlen kernel; auto: flash_attn, torch, then reference"),
         "overlap": Key(bool, False, doc="compute all-local shards while the KV exchange is in flight"),
+        "plan_worker": Key(bool, True, doc="with CP > 1, plan and dispatch each window in a child process, "
+                           "off the training thread's GIL (flashcp.data.plan_worker)"),
     },
 
     # TorchTitan's `validator` section, named as the job files name it.

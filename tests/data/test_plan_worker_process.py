@@ -1,0 +1,100 @@
+"""The planning worker process ends with its loader, with its parent, and says why it failed."""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from flashcp.data.loader import build_loader
+from flashcp.data.plan_worker import WorkerError
+from flashcp.data.sources import DataConfig
+from flashcp.dispatch import build_dispatch
+
+
+def running(pid: int) -> bool:
+    """The process exists and is not a zombie (an exited child nobody reaped yet)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def wait_gone(pid: int, limit: float = 60.0) -> bool:
+    deadline = time.monotonic() + limit  # only catches a hang; a clean exit is far quicker
+    while running(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not running(pid)
+
+
+def worker_loader(prefetch: int):
+    cfg = DataConfig(source="synthetic", synthetic_lengths="pile", prefetch=prefetch)
+    loader = build_loader(cfg, 4096, 0, 1, 2, planner_kwargs={"strategy": "flashcp"})
+    loader.dispatch_with(functools.partial(build_dispatch, rank=1, comm="compact"), worker=True)
+    return loader
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_close_ends_the_worker_and_iteration_continues_with_a_new_one(prefetch: int) -> None:
+    loader = worker_loader(prefetch)
+    with loader:
+        first = next(loader)
+        pid = loader._worker.pid
+        assert running(pid)
+    assert not running(pid)  # close() waited for it
+    with loader:
+        second = next(loader)
+        assert loader._worker.pid != pid
+    assert second["window"] == first["window"] + 1
+
+
+def test_a_killed_worker_is_one_line_naming_its_exit() -> None:
+    loader = worker_loader(0)
+    with loader:
+        next(loader)
+        os.kill(loader._worker.pid, signal.SIGKILL)
+        with pytest.raises(WorkerError) as raised:
+            next(loader)
+    message = str(raised.value)
+    assert "\n" not in message and "planning worker process" in message and "exited with code -9" in message
+
+
+def test_the_worker_ends_when_its_parent_is_killed() -> None:
+    """No orphan: the worker reads its requests from the parent and ends at their end."""
+    script = ("from flashcp.data.plan_worker import PlanWorker\n"
+              "w = PlanWorker(); print(w.pid, flush=True)\n"
+              "assert w.run(len, None, [3, 4]) == (2, None)\n"
+              "print('ready', flush=True); import time; time.sleep(600)\n")  # fmt: skip
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        pid = int(parent.stdout.readline())
+        assert parent.stdout.readline().strip() == "ready"
+        assert running(pid)
+    finally:
+        parent.kill()
+        parent.wait()
+    assert wait_gone(pid)
+
+
+def planner_the_worker_cannot_import(doc_lens: list[int]) -> int:
+    return len(doc_lens)
+
+
+def test_a_request_the_worker_cannot_read_fails_alone() -> None:
+    """This test module is not importable in the worker: that request fails, the next one works."""
+    from flashcp.data.plan_worker import PlanWorker
+
+    worker = PlanWorker()
+    try:
+        with pytest.raises(ModuleNotFoundError, match="test_plan_worker_process"):
+            worker.run(planner_the_worker_cannot_import, None, [1, 2])
+        assert worker.run(len, None, [1, 2, 3]) == (3, None)
+    finally:
+        worker.close()
