@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from distributed_pool import DistributedPool
 from harness import single_rank, tiny_job, tiny_seed_checkpoint, train
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -49,20 +50,60 @@ def job(dump: Path, seed: dict | None = None, probe: dict | None = None, **secti
                     **sections)  # fmt: skip
 
 
-def probe_here(cfg: dict) -> ProbeResult:
-    """The probe once on the job's initial weights, on the current world."""
+def probe_here(cfg: dict, layout: dict | None = None) -> ProbeResult:
+    """The probe once on the job's initial weights, on the current world; `layout`, when given,
+    receives what the trainer actually built (see `built_layout`)."""
     check_layout(cfg, int(os.environ["WORLD_SIZE"]), has_cuda=False)
     trainer = FlashCPTrainer(trainer_config(cfg))
     try:
         trainer.checkpointer.load(step=cfg["checkpoint"]["load_step"])
+        if layout is not None:
+            layout.update(built_layout(trainer))
         return loop.run(trainer, trainer.probe, 1)
     finally:
         trainer.close()
 
 
-def probe_on_pool_rank(rank: int, group: Any, cfg: dict) -> ProbeResult:
+def built_layout(trainer: FlashCPTrainer) -> dict:
+    """The parallel layout this rank really runs the probe on: each parameter's (mesh axis: placement)
+    and local shape, the CP group's size, and the window positions of this rank's probe tokens."""
+    params = {}
+    for name, p in trainer.model_parts[0].named_parameters():
+        axes = dict(zip(p.device_mesh.mesh_dim_names, map(str, p.placements))) if isinstance(p, DTensor) else {}
+        params[name] = (axes, tuple(p.shape), tuple(p.to_local().shape if isinstance(p, DTensor) else p.shape))
+    cp = dist.get_world_size(trainer.cp_group) if trainer.cp_group is not None else 1
+    return {"params": params, "cp": cp, "tokens": [d.token_index.tolist() for _, d in trainer.probe.mine]}
+
+
+def probe_on_pool_rank(rank: int, group: Any, cfg: dict) -> tuple[ProbeResult, dict]:
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(dist.get_world_size())})
-    return probe_here(cfg)
+    layout: dict = {}
+    return probe_here(cfg, layout), layout
+
+
+def assert_sharded(name: str, layouts: list[dict]) -> None:
+    """The layout `name` really is applied on both ranks, so that scoring as CP = 1 is not a run on one
+    unsharded copy: TP 2 splits every projection over the "tp" axis (Q/K/V, w1, w3 by output rows,
+    wo, w2 by input columns) and the vocabulary; FSDP 2 shards every parameter by rows over "fsdp";
+    CP 2 has a group of 2 whose ranks hold disjoint token sets that together are each whole window."""
+    params = layouts[0]["params"]
+    if name == "tp2":
+        for key, split in (("wqkv", "S(0)"), ("w1", "S(0)"), ("w3", "S(0)"), ("wo", "S(1)"), ("w2", "S(1)"),
+                           ("lm_head", "S(0)")):  # fmt: skip
+            found = {n: v for n, v in params.items() if n.split(".")[-2] == key}
+            assert found, key
+            for n, (axes, full, local) in found.items():
+                dim = int(split[2])
+                assert axes.get("tp") == split and local[dim] * 2 == full[dim], (n, axes, full, local)
+    if name in ("fsdp2", "cp2"):  # FSDP shards over dp_shard x cp
+        for n, (axes, full, local) in params.items():
+            assert axes == {"fsdp": "S(0)"} and local[0] * 2 == full[0], (n, axes, full, local)
+    assert all(lay["cp"] == (2 if name == "cp2" else 1) for lay in layouts)
+    if name == "cp2":
+        mine, theirs = layouts[0]["tokens"], layouts[1]["tokens"]
+        assert len(mine) == len(theirs) > 0
+        for a, b in zip(mine, theirs):
+            assert a and b and not set(a) & set(b) and sorted(a + b) == list(range(SEQ_LEN))
 
 
 def settings(cfg: dict) -> ProbeSettings:
@@ -132,7 +173,11 @@ def _worst(a: ProbeResult, b: ProbeResult) -> float:
 
 
 def test_cp2_tp2_and_fsdp2_score_as_cp1(tmp_path, seed):
-    """The same prompts and weights give the same per-cell log-probabilities and accuracies on every layout."""
+    """The same prompts and weights give the same per-cell log-probabilities and accuracies on every layout.
+
+    The layouts are checked to be really built (`assert_sharded`). Measured 0.0 on every cell, also
+    for TP 2, whose row-parallel sums change 2.5% of the float32 logits by one ulp: the log-probs of
+    ~-8.3 round to steps of 9.5e-7, so only ~0.2% of them move, and here no answer token's does."""
     with single_rank():
         reference = probe_here(job(tmp_path / "cp1", seed, loss={"chunk_tokens": 0}))
     assert reference.logprob.shape == (3, 3) and np.isfinite(reference.logprob).all()
@@ -145,7 +190,8 @@ def test_cp2_tp2_and_fsdp2_score_as_cp1(tmp_path, seed):
     }
     with DistributedPool(world_size=2) as pool:
         for name, cfg in cases.items():
-            ours, other_rank = pool.run(probe_on_pool_rank, (cfg,))
+            (ours, layout), (other_rank, other_layout) = pool.run(probe_on_pool_rank, (cfg,))
+            assert_sharded(name, [layout, other_layout])
             assert _worst(ours, other_rank) == 0.0  # summed over the ranks
             worst = _worst(ours, reference)
             print(f"{name}: max |per-cell answer log-prob - CP = 1| = {worst:.2e} (CP = 1: {reference.logprob.min():.6f}"
