@@ -28,10 +28,12 @@ beside `before` when both JSON files are there.
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -72,6 +74,7 @@ def reference_planner(commit: str):
     except (subprocess.CalledProcessError, OSError):
         sys.exit(f"--against {commit}: not a commit of the git repository at {repo} with flashcp/plan")
     root = Path(tempfile.mkdtemp(prefix="planner_ref_"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
     tarfile.open(fileobj=io.BytesIO(tar.stdout)).extractall(root, filter="data")
     package = (root / "flashcp" / "plan").rename(root / "flashcp_ref_plan")
     for f in package.glob("*.py"):
