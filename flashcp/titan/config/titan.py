@@ -72,6 +72,7 @@ NOT_SECTIONS = {
     "validator": "[validation]",
     "override": "TorchTitan's code hooks (modules imported to replace its functions), not settings",
     "flashcp": "[flashcp]",
+    "probe": "[probe] (flashcp.titan.probe: the retrieval probe, not a TorchTitan section)",
 }  # fmt: skip
 
 # Fields of the sections' classes that FlashCP sets itself, and why (not keys of a job file).
