@@ -6,12 +6,15 @@
                                                             # run with PYTHONPATH=that checkout
     python benchmarks/planner_scale.py --against f5e0f2d    # also plan with that commit's
                                                             # flashcp/plan, interleaved
+    python benchmarks/planner_scale.py --collector          # garbage collector running
 
 For wlbllm and pile lengths, C in {128K, 512K, 1M, 2M, 4M} and N in {8, 16, 32, 64}: W windows
 packed by `flashcp.data.pack_windows` (seed 0), each planned by `plan_shards` (flashcp, target
 1.05; normalisation and validation included); a window's plan time is the least of R repeats of
 `time.process_time` (CPU time of this one thread, so other processes on a shared machine count
-little; the least of repeats drops what they still add). Reported: plan ms p50 / p99 / max per
+little; the least of repeats drops what they still add), with the cyclic garbage collector
+paused and the imports frozen, as the planning worker runs it (`--collector`: running, as a
+process that does neither; its collections scan torch's ~170K objects). Reported: plan ms p50 / p99 / max per
 (dataset, C, N), the plans' mean imbalance and compact/needed comm ratios, and `build_dispatch`
 ms for one rank (rank 0, torch on one thread) in each comm mode on the first D windows (p50).
 Everything is measured; nothing is modelled.
@@ -29,6 +32,8 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
+import gc
 import importlib
 import io
 import json
@@ -46,6 +51,7 @@ import torch
 
 from flashcp import plan_shards
 from flashcp.data import length_sampler, pack_windows
+from flashcp.data.balance import gc_paused
 from flashcp.dispatch import build_dispatch
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
@@ -56,13 +62,15 @@ COMMS = ("compact", "full", "needed")
 TARGET = 1.05
 
 
-def cpu_ms(fn, repeats: int) -> tuple[float, object]:
-    """The least CPU milliseconds of `repeats` calls of fn, and its result."""
+def cpu_ms(fn, repeats: int, collector: bool = False) -> tuple[float, object]:
+    """The least CPU milliseconds of `repeats` calls of fn, and its result; the cyclic garbage
+    collector paused during each call as in the planning worker, unless `collector`."""
     best, out = float("inf"), None
     for _ in range(repeats):
-        t0 = time.process_time()
-        out = fn()
-        best = min(best, (time.process_time() - t0) * 1e3)
+        with contextlib.nullcontext() if collector else gc_paused():
+            t0 = time.process_time()
+            out = fn()
+            best = min(best, (time.process_time() - t0) * 1e3)
     return best, out
 
 
@@ -88,18 +96,20 @@ def percentiles(times: list[float]) -> dict:
     return {"p50": float(np.percentile(t, 50)), "p99": float(np.percentile(t, 99)), "max": float(t.max())}
 
 
-def run_config(windows: list[list[int]], n: int, repeats: int, dispatch_windows: int, reference=None) -> dict:
+def run_config(
+    windows: list[list[int]], n: int, repeats: int, dispatch_windows: int, reference=None, collector: bool = False
+) -> dict:
     times, ref_times, same, imbalance, compact, needed = [], [], 0, [], [], []
     disp: dict[str, list[float]] = {c: [] for c in COMMS}
     for i, lens in enumerate(windows):
         if reference is None:
-            ms, plan = cpu_ms(lambda: plan_shards(lens, n, "flashcp", TARGET), repeats)
+            ms, plan = cpu_ms(lambda: plan_shards(lens, n, "flashcp", TARGET), repeats, collector)
         else:  # alternate the two planners repeat by repeat
             ms = ref_ms = float("inf")
             for _ in range(repeats):
-                t, ref = cpu_ms(lambda: reference(lens, n, "flashcp", TARGET), 1)
+                t, ref = cpu_ms(lambda: reference(lens, n, "flashcp", TARGET), 1, collector)
                 ref_ms = min(ref_ms, t)
-                t, plan = cpu_ms(lambda: plan_shards(lens, n, "flashcp", TARGET), 1)
+                t, plan = cpu_ms(lambda: plan_shards(lens, n, "flashcp", TARGET), 1, collector)
                 ms = min(ms, t)
             ref_times.append(ref_ms)
             same += ref.ranks == plan.ranks
@@ -110,7 +120,7 @@ def run_config(windows: list[list[int]], n: int, repeats: int, dispatch_windows:
         needed.append(m["comm_needed_ratio"])
         if i < dispatch_windows:
             for comm in COMMS:
-                disp[comm].append(cpu_ms(lambda: build_dispatch(plan, 0, comm), 1)[0])
+                disp[comm].append(cpu_ms(lambda: build_dispatch(plan, 0, comm), 1, collector)[0])
     reference_figures = {"ref_plan_ms": percentiles(ref_times), "same_plans": same} if ref_times else {}
     return {
         "windows": len(windows), "docs_per_window": float(np.mean([len(w) for w in windows])),
@@ -187,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--commit", default="working tree", help="what was measured, for the table's header")
     p.add_argument("--against", metavar="COMMIT", help="also plan with this commit's flashcp/plan, interleaved")
     p.add_argument("--out", type=Path, help="results directory (default benchmarks/results; a temp dir with --quick)")
+    p.add_argument("--collector", action="store_true",
+                   help="time with the cyclic garbage collector running (the worker pauses it)")  # fmt: skip
     args = p.parse_args(argv)
     contexts = CONTEXTS
     if args.quick:
@@ -195,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
     reference = reference_planner(args.against) if args.against else None
+    if not args.collector:
+        gc.freeze()  # as the planning worker after its imports
     load_start = os.getloadavg()[0]
     rows = []
     for dataset in DATASETS:
@@ -202,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
             windows = pack_windows(length_sampler(dataset, 0), context, args.windows)
             for n in CP_SIZES:
                 row = {"dataset": dataset, "context": context, "cp": n,
-                       **run_config(windows, n, args.repeats, args.dispatch_windows, reference)}  # fmt: skip
+                       **run_config(windows, n, args.repeats, args.dispatch_windows, reference, args.collector)}  # fmt: skip
                 rows.append(row)
                 pm, d = row["plan_ms"], row["dispatch_ms_p50"]
                 ref = f" ({args.against}: p50 {row['ref_plan_ms']['p50']:.1f} p99 {row['ref_plan_ms']['p99']:.1f}, " \
@@ -210,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{dataset} C={context} N={n}: plan ms p50 {pm['p50']:.1f} p99 {pm['p99']:.1f} max "
                       f"{pm['max']:.1f}{ref}; dispatch ms " + " ".join(f"{c} {d[c]:.1f}" for c in COMMS), flush=True)
     config = {"windows": args.windows, "repeats": args.repeats, "dispatch_windows": args.dispatch_windows,
+              "collector": "running" if args.collector else "paused, imports frozen",
               "contexts": list(contexts), "cp": list(CP_SIZES), "target": TARGET,
               "load_average": [load_start, os.getloadavg()[0]]}  # fmt: skip
     if args.against:

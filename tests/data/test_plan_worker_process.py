@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from flashcp.data.loader import build_loader
-from flashcp.data.plan_worker import WorkerError
+from flashcp.data.plan_worker import PlanWorker, WorkerError
 from flashcp.data.sources import DataConfig
 from flashcp.dispatch import build_dispatch
 
@@ -64,6 +64,20 @@ def test_a_killed_worker_is_one_line_naming_its_exit() -> None:
             next(loader)
     message = str(raised.value)
     assert "\n" not in message and "planning worker process" in message and "exited with code -9" in message
+
+
+def test_the_worker_plans_with_the_collector_paused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Planning allocates tens of thousands of tuples without cycles: the worker pauses the cyclic
+    collector for a request, and what its imports made (torch's objects) is never scanned."""
+    from collector_probe import collector_state
+
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))  # the worker imports the probe too
+    worker = PlanWorker()
+    try:
+        enabled, frozen = worker.run(collector_state, None, [1])[0]
+    finally:
+        worker.close()
+    assert not enabled and frozen > 10_000
 
 
 def test_the_worker_ends_when_its_parent_is_killed() -> None:
