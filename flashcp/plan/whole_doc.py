@@ -10,7 +10,8 @@ before the last. The plan is built in two steps that both keep those pieces shor
    pile short documents onto the rank that took a dense long one until its tokens ran out; the
    prediction charges that rank for the room it must still fill. A document that fits on no
    rank is cut: its tail fills the rank with the most room (the last piece is free) and its head
-   is queued again as a piece that will be sent, placed on the rank that sends least.
+   is queued again as a piece that will be sent, placed on the rank that sends least. With many
+   ranks the short documents, most of a window's, are placed in rounds of one per rank.
 2. `rebalance`: while the busiest rank exceeds the goal it trades part of one of its documents
    for the end of a shorter whole document y of a rank with room, token for token, so token
    counts never change. Giving the last t tokens of a whole document x and keeping its head
@@ -46,6 +47,11 @@ PARTNER_SCAN = 8
 # From this many ranks on, `place_documents` scans the ranks in numpy (below it the loop over
 # ranks is faster than numpy's per-call overhead).
 VECTOR_RANKS = 24
+# Whole documents of at most this share of the mean room per rank are placed in rounds
+# (`_Rounds`) in plans of at least ROUND_FROM ranks, while ROUND_RANKS ranks have room for them.
+ROUND_SHARE = 1 / 16
+ROUND_FROM = 32
+ROUND_RANKS = 4
 # Ranks with room for a document up to which `_Mirror` compares them in Python.
 FEW_RANKS = 8
 
@@ -95,7 +101,17 @@ def place_documents(doc_lens: tuple[int, ...], docs: Iterable[int], fill: RankFi
     rest_work = sum(shard_workload(0, doc_lens[d]) for d in docs)
     shards = fill.shards
     mirror = _Mirror(fill) if n >= VECTOR_RANKS else None
+    short = ROUND_SHARE * sum(room) / n if n >= ROUND_FROM else 0
     while queue:
+        if queue[0][2] and -queue[0][0] <= short:
+            rounds = _Rounds(fill)
+            while queue and queue[0][2] and rounds.place(queue, rest_tokens, rest_work):
+                rest_tokens, rest_work = rounds.rest
+            rounds.write_back()
+            if mirror is not None:
+                mirror.reset()
+            short = 0  # too few ranks with room for rounds: one document at a time from here on
+            continue
         neg, d, last = heapq.heappop(queue)
         length = -neg
         cost = shard_workload(0, length)
@@ -145,6 +161,56 @@ def place_documents(doc_lens: tuple[int, ...], docs: Iterable[int], fill: RankFi
         rest_work += shard_workload(0, head)
 
 
+class _Rounds:
+    """Short whole documents placed in rounds, one per rank a round: the i-th longest of a round
+    goes to the rank with the i-th lowest predicted workload among those with room for the
+    round's longest (the prediction of `place_documents`, at the density left after the round).
+
+    With many documents per rank most of a window's documents are short, and one at a time each
+    cost a scan over the ranks; a round costs a few numpy calls for up to half the ranks with
+    room. Ranks and documents are paired by the same prediction, longest first, so balance and
+    communication come out as placing them one by one (benchmarks/planner_scale.py reports both).
+    Rounds run while at least ROUND_RANKS ranks have room; state lives in arrays until
+    `write_back`."""
+
+    def __init__(self, fill: RankFill) -> None:
+        self.fill = fill
+        self.room = np.array(fill.room, dtype=np.int64)
+        self.load = np.add(fill.bias, fill.work, dtype=np.float64)
+        self.work = np.zeros(len(fill.room), dtype=np.int64)
+        self.rest = (0, 0)
+        self.placed: list[tuple[int, int, int]] = []  # (rank, doc, length)
+
+    def place(self, queue: list, rest_tokens: int, rest_work: int) -> bool:
+        """Place one round from the front of `queue` (whole documents only); False if too few
+        ranks have room for its first document (nothing placed)."""
+        fits = np.flatnonzero(self.room >= -queue[0][0])
+        if len(fits) < ROUND_RANKS:
+            return False
+        items = []
+        while queue and len(items) < len(fits) and queue[0][2]:
+            items.append(heapq.heappop(queue))
+        lens = np.array([-x[0] for x in items], dtype=np.int64)
+        costs = lens * (lens + 1) // 2
+        rest_tokens -= int(lens.sum())
+        rest_work -= int(costs.sum())
+        density = rest_work / rest_tokens if rest_tokens else 0.0
+        ranks = fits[np.argsort(self.load[fits] + self.room[fits] * density, kind="stable")[: len(items)]]
+        self.room[ranks] -= lens
+        self.load[ranks] += costs
+        self.work[ranks] += costs
+        self.placed += zip(ranks.tolist(), (x[1] for x in items), lens.tolist())
+        self.rest = (rest_tokens, rest_work)
+        return True
+
+    def write_back(self) -> None:
+        fill = self.fill
+        fill.room[:] = self.room.tolist()
+        fill.work[:] = [w + x for w, x in zip(fill.work, self.work.tolist())]
+        for r, d, length in self.placed:
+            fill.shards[r].append(Shard(d, 0, length))
+
+
 class _Mirror:
     """`place_documents`' choice of rank in numpy, for many ranks: the same predicted workloads
     (the same floating-point operations in the same order), the same first-lowest tie-breaking,
@@ -175,6 +241,12 @@ class _Mirror:
         insort(by_room, (room, r))
         self.rooms[r] = room
         self.stale.add(r)
+
+    def reset(self) -> None:
+        """After changes to many ranks."""
+        self.by_room = sorted(zip(self.fill.room, range(len(self.fill.room))))
+        self.rooms = list(self.fill.room)
+        self.stale.update(range(len(self.rooms)))
 
     def _sync(self) -> None:
         """Bring the arrays up to `fill` (only the numpy scans read them)."""
