@@ -4,12 +4,13 @@
 
 The job file is read and checked against the launch's world size before any process group
 exists; then TorchTitan's trainer (with FlashCP's context-parallel dimension) runs it. Errors
-of the job itself (config, data, tokenizer, checkpoint, attention backend) end the rank with
-exit code 2 and one line naming the problem, also recorded for the launcher to print once; any
-other failure (DCP's CheckpointException, a BaseException, included) is recorded as its root cause
-and exits 1, its traceback kept in the rank's log; a rank holds 1 MiB next to its log so that both
-still fit when the disk fills up (`flashcp.run.rank`). Started by the launcher, a rank dies with
-it; started by plain torchrun, rank 0 takes the dump folder's lock itself.
+of the job itself (config, data, tokenizer, checkpoint, attention backend, the nodes of a CP group
+the two-level exchange cannot route) end the rank with exit code 2 and one line naming the
+problem, also recorded for the launcher to print once; any other failure (DCP's
+CheckpointException, a BaseException, included) is recorded as its root cause and exits 1, its
+traceback kept in the rank's log; a rank holds 1 MiB next to its log so that both still fit when
+the disk fills up (`flashcp.run.rank`). Started by the launcher, a rank dies with it; started by
+plain torchrun, rank 0 takes the dump folder's lock itself.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     args, overrides = parser.parse_known_args(argv)
     die_with_launcher()
 
-    from flashcp.attention import BackendUnavailable
+    from flashcp.attention import BackendUnavailable, NodeLayoutError
     from flashcp.data.errors import DataError
     from flashcp.data.tokenizer import TokenizerError
     from flashcp.run.ownership import FolderInUse, LockUnavailable, NotWritable
@@ -89,8 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     from flashcp.titan.components.checkpoint import CheckpointError
     from flashcp.titan.config import ConfigError
 
-    job_errors = (ConfigError, DataError, TokenizerError, CheckpointError, BackendUnavailable, FolderInUse,
-                  NotWritable, LockUnavailable)  # fmt: skip
+    job_errors = (ConfigError, DataError, TokenizerError, CheckpointError, BackendUnavailable, NodeLayoutError,
+                  FolderInUse, NotWritable, LockUnavailable)  # fmt: skip
     rank = os.environ.get("RANK", "0")
     reserved = reserve_room_to_report()
     try:

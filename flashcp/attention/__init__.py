@@ -6,7 +6,8 @@ May import: torch, `flashcp.plan` and `flashcp.dispatch` (the engine: plan -> di
 from flashcp.attention.collectives import CommRecord, record_comm
 from flashcp.attention.cp import cp_varlen_attention
 from flashcp.attention.kernels import BACKENDS, BackendUnavailable, varlen_attention
-from flashcp.attention.two_level import build_two_level_dispatch
+from flashcp.attention.two_level import (build_two_level_dispatch, EXCHANGES, group_ranks_per_node,
+                                         NodeLayoutError)
 
 __all__ = [
     "BACKENDS",
@@ -14,6 +15,9 @@ __all__ = [
     "build_two_level_dispatch",
     "CommRecord",
     "cp_varlen_attention",
+    "EXCHANGES",
+    "group_ranks_per_node",
+    "NodeLayoutError",
     "record_comm",
     "varlen_attention",
 ]

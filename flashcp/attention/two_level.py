@@ -21,19 +21,50 @@ before they cross the fabric once.
 
 This module builds the routes on the host from the plan (O(pieces x ranks)) and runs the two
 stages; `flashcp.attention.collectives` calls it for dispatches whose comm is "two_level".
+`EXCHANGES` names every exchange the op runs (a job's `[flashcp] comm`), and
+`group_ranks_per_node` reads `ranks_per_node` off where a CP group's ranks sit, refusing a layout
+the routes cannot describe.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import itertools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
 
-from flashcp.dispatch import Dispatch, build_dispatch, expand_ranges
+from flashcp.dispatch import build_dispatch, COMM_MODES, Dispatch, expand_ranges
 from flashcp.plan.nodes import doc_pieces
 from flashcp.plan.plan import Plan
+
+# Every KV exchange `cp_varlen_attention` runs: `build_dispatch`'s modes, then this module's.
+EXCHANGES = (*COMM_MODES, "two_level")
+
+
+class NodeLayoutError(ValueError):
+    """A CP group whose ranks do not sit in equal contiguous blocks per node (the message names them)."""
+
+
+def group_ranks_per_node(nodes: Sequence[int]) -> int:
+    """The `ranks_per_node` of a CP group whose rank r runs on node `nodes[r]`.
+
+    The routes put CP ranks r // ranks_per_node on one node, so the group's ranks must form equal
+    contiguous blocks per node in CP-rank order; any other layout raises `NodeLayoutError`."""
+    blocks = [(node, len(list(run))) for node, run in itertools.groupby(nodes)]
+    sizes = {size for _, size in blocks}
+    if len(blocks) == len({node for node, _ in blocks}) and len(sizes) == 1:
+        return sizes.pop()
+    where, first = [], 0
+    for node, size in blocks:
+        ranks = f"{first}-{first + size - 1}" if size > 1 else f"{first}"
+        where.append(f"{ranks} on node {node}")
+        first += size
+    raise NodeLayoutError(
+        f"the two-level exchange needs a CP group's ranks in equal contiguous blocks per node, in CP-rank "
+        f"order; CP ranks {', '.join(where)}"
+    )
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,8 @@ TorchTitan's; this subclass only changes how a batch reaches the model:
    With `[flashcp] plan_worker` (the default) and CP > 1, planning and the dispatch run in a
    child process (`flashcp.data.plan_worker`), so they do not hold the training thread's GIL;
    the loader's thread pins what it receives. The loader's state does not involve the worker.
+   With `[flashcp] comm = "two_level"` the dispatch is `build_two_level_dispatch`'s for the CP
+   group's ranks per node, read off the launch at start (`_cp_ranks_per_node`).
 2. `post_dataloading_process` keeps this rank's tokens, labels and in-document positions in the
    dispatch's `token_index` order and hands every attention layer the dispatch and CP group
    (`CPStep`, through the decoder's `attention_masks` argument).
@@ -45,6 +47,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import shutil
 import signal
 import time
@@ -59,6 +62,7 @@ from torchtitan.distributed.activation_checkpoint import FullAC
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
+from flashcp.attention import build_two_level_dispatch, group_ranks_per_node, NodeLayoutError
 from flashcp.costmodel.proxy import window_cost
 from flashcp.data.balance import WindowCost
 from flashcp.data.errors import DataError
@@ -85,6 +89,7 @@ class FlashCPSettings:
     backend: str = "auto"
     overlap: bool = False
     plan_worker: bool = True
+    ranks_per_node: int = 0  # comm = "two_level": the CP group's ranks per node; 0: from the launch
 
 
 def document_positions(doc_lens: list[int]) -> torch.Tensor:
@@ -130,6 +135,12 @@ class FlashCPTrainer(Trainer):
             self.cp_rank, self.cp_group = cp_mesh.get_local_rank(), cp_mesh.get_group()
         else:
             self.cp_rank, self.cp_group = 0, None
+        self.cp_ranks_per_node = self._cp_ranks_per_node() if self.flashcp.comm == "two_level" else 0
+        if self.cp_ranks_per_node:
+            g, nodes = self.cp_ranks_per_node, dims.cp // self.cp_ranks_per_node
+            logger.info(f"two-level KV exchange: the CP group spans {nodes} node(s) of {g} CP rank(s)"
+                        + (" (set by [flashcp] ranks_per_node)" if self.flashcp.ranks_per_node else "")
+                        + ("; on one node it is the needed exchange" if nodes == 1 else ""))  # fmt: skip
         self._configure_metrics()
         self._flashcp_ropes = flashcp_ropes(self.model_parts[0])  # RoPEs whose rows each step computes
         if self.flashcp.enable:
@@ -147,6 +158,43 @@ class FlashCPTrainer(Trainer):
         self.checkpointer.loss_problem = self._loss_problem
         self._load_schedule = self.lr_schedulers.load_state_dict
         self.lr_schedulers.load_state_dict = self._load_schedule_before_the_end
+
+    def _cp_ranks_per_node(self) -> int:
+        """The two-level exchange's ranks per node for this rank's CP group: `[flashcp] ranks_per_node`, else
+        where the launch put every CP group's ranks (torchrun numbers ranks node by node, LOCAL_WORLD_SIZE
+        per node; without it, one node). A layout the routes cannot describe stops every rank here, before
+        training, with one line (NodeLayoutError, a job error)."""
+        cp = self.parallel_dims.cp
+        if self.flashcp.ranks_per_node:  # simulated nodes (the config check: it divides cp)
+            return self.flashcp.ranks_per_node
+        if cp == 1:
+            return 1
+        local = int(os.environ.get("LOCAL_WORLD_SIZE") or torch.distributed.get_world_size())
+        # Every CP group, so that all ranks agree: TorchTitan's CP mesh is the cp axis of pp x batch x cp x tp
+        # over the ranks in row-major order (ParallelDims.build_mesh); this rank's group is checked against it.
+        dims = self.parallel_dims
+        outer, tp = dims.pp * dims.dp_replicate * dims.dp_shard, dims.tp
+        groups = [[(b * cp + c) * tp + t for c in range(cp)] for b in range(outer) for t in range(tp)]
+        mine = torch.distributed.get_process_group_ranks(self.cp_group)
+        if mine not in groups:
+            raise RuntimeError(f"this rank's CP group (global ranks {mine}) is not one of the pp x batch x cp x tp "
+                               f"mesh's: TorchTitan's mesh order changed")  # fmt: skip
+
+        def ranks_per_node(ranks: list[int]) -> int:
+            try:
+                return group_ranks_per_node([r // local for r in ranks])
+            except NodeLayoutError as e:
+                named = [str(r) for r in ranks] if len(ranks) <= 8 else [*map(str, ranks[:3]), "...", str(ranks[-1])]
+                raise NodeLayoutError(
+                    f"[flashcp] comm = 'two_level': {e} (global ranks {', '.join(named)}; "
+                    f"{local} ranks per node, LOCAL_WORLD_SIZE); use comm = 'needed' or 'compact', or a CP "
+                    "degree whose groups fill whole nodes or split them evenly"
+                ) from None
+
+        g = ranks_per_node(mine)  # a bad layout anywhere stops every rank, naming its own group if it is bad
+        for ranks in groups:
+            ranks_per_node(ranks)
+        return g
 
     def _load_schedule_before_the_end(self, state: dict[str, Any]) -> None:
         """Restore the lr scheduler's step unless it is past `training.steps` (refused in _after_restore).
@@ -274,6 +322,7 @@ class FlashCPTrainer(Trainer):
         metrics.dense_flops_per_token = metrics.num_flops_per_token - per_pair * self.config.training.seq_len
         dtype_bytes = torch.finfo(getattr(torch, self.config.training.mixed_precision_param)).bits // 8
         metrics.kv_row_bytes = 2 * (n_kv // self.parallel_dims.tp) * head_dim * dtype_bytes
+        metrics.ranks_per_node = self.cp_ranks_per_node
 
     def batch_generator(
         self, data_iterable: Iterable[dict[str, Any]]
@@ -304,6 +353,9 @@ class FlashCPTrainer(Trainer):
 
     def window_dispatcher(self) -> functools.partial:
         """`dispatcher(plan)`: this rank's dispatch of a window's plan; picklable, for the plan worker."""
+        if self.flashcp.comm == "two_level":
+            return functools.partial(build_two_level_dispatch, rank=self.cp_rank,
+                                     ranks_per_node=self.cp_ranks_per_node, overlap=self.flashcp.overlap)  # fmt: skip
         return functools.partial(build_dispatch, rank=self.cp_rank, comm=self.flashcp.comm,
                                  overlap=self.flashcp.overlap)  # fmt: skip
 

@@ -4,8 +4,10 @@ TorchTitan counts attention FLOPs as if every token attended to the whole sequen
 documents under a document mask a token only sees its own document's prefix, so the MFU here
 counts exactly the (query, key) pairs the mask keeps: sum over documents of d (d + 1) / 2.
 Each logged step also reports the sharding plans of the windows this rank trained on since the
-last log (workload imbalance, KV bytes received per layer under the compact and the full
-exchange, documents split across ranks, planning time), a data mixture's tokens per source in the
+last log (workload imbalance, KV bytes received per layer under the full, compact and needed
+exchanges, documents split across ranks, planning time; with `comm = "two_level"` across nodes
+also the busiest NIC's bytes per layer of the flat needed and the two-level exchange, and the
+latter's NVLink stage, `flashcp.plan.nodes`), a data mixture's tokens per source in the
 windows all ranks trained (`data/step_token_share/<name>`: of the steps since the last log, the
 `mix:` of the log line; `data/tokens/<name>` and `data/token_share/<name>`: since the run's first
 step, `so far`), counted by the loader from the first step on, and a progress line with an ETA.
@@ -31,6 +33,7 @@ from torchtitan.tools.logging import logger
 from torchtitan.tools.utils import device_type
 
 from flashcp.plan import Plan
+from flashcp.plan.nodes import node_metrics
 
 
 @dataclass
@@ -42,6 +45,8 @@ class WindowStats:
     plan_ms: float = 0.0
     imbalance: list[float] = field(default_factory=list)
     recv_bytes: dict[str, float] = field(default_factory=dict)  # comm mode -> bytes per layer
+    fabric_bytes: dict[str, float] = field(default_factory=dict)  # needed / two_level -> busiest NIC's bytes per layer
+    nvlink_bytes: float = 0.0  # two_level's second stage: the busiest rank's bytes per layer
     split_docs: int = 0
     docs: int = 0
     deferral: dict[str, float] = field(default_factory=dict)  # sums of the loader's per-step figures (max: max)
@@ -109,6 +114,7 @@ class FlashCPMetrics(MetricsProcessor):
         self.dense_flops_per_token = 0
         self.attention_flops_per_pair = 0
         self.kv_row_bytes = 0  # bytes of one token's K and V on one rank (heads / tp)
+        self.ranks_per_node = 0  # comm = "two_level": the CP group's ranks per node (fabric figures); 0: none
         self.stats = WindowStats()
         self._start: tuple[int, float] | None = None  # (step, time) of the first logged step
 
@@ -157,6 +163,11 @@ class FlashCPMetrics(MetricsProcessor):
             for mode in ("full", "compact", "needed"):
                 rows = m[f"comm_{mode}_tokens"]
                 s.recv_bytes[mode] = s.recv_bytes.get(mode, 0.0) + rows * self.kv_row_bytes
+            if 0 < self.ranks_per_node < plan.cp_size:  # a CP group across nodes: what crosses the fabric
+                nodes = node_metrics(plan, self.ranks_per_node, self.kv_row_bytes)
+                for mode, key in (("needed", "flat_inter_bytes"), ("two_level", "two_level_inter_bytes")):
+                    s.fabric_bytes[mode] = s.fabric_bytes.get(mode, 0.0) + nodes[key]
+                s.nvlink_bytes += nodes["two_level_intra_bytes"]
 
     def _flashcp_metrics(self) -> dict[str, float]:
         s = self.stats
@@ -181,6 +192,10 @@ class FlashCPMetrics(MetricsProcessor):
                 out[f"flashcp/kv_recv_bytes_per_layer_{mode}"] = total / s.windows
             if s.recv_bytes["full"]:
                 out["flashcp/comm_compact_over_full"] = s.recv_bytes["compact"] / s.recv_bytes["full"]
+            for mode, total in s.fabric_bytes.items():
+                out[f"flashcp/kv_fabric_bytes_per_layer_{mode}"] = total / s.windows
+            if s.fabric_bytes:
+                out["flashcp/kv_nvlink_bytes_per_layer_two_level"] = s.nvlink_bytes / s.windows
         return out
 
     def log(

@@ -115,7 +115,22 @@ def _check_semantics(cfg: dict) -> None:
     check_model(cfg)
     check_converters(cfg, cfg["_given"])
     _check_attention(cfg)
+    _check_ranks_per_node(cfg)  # after [flashcp] is reset for TorchTitan's attention
     _check_unsupported(cfg)
+
+
+def _check_ranks_per_node(cfg: dict) -> None:
+    """`[flashcp] ranks_per_node` (the two-level exchange's simulated nodes) divides the CP degree."""
+    fcp, cp = cfg["flashcp"], cfg["parallelism"]["context_parallel_degree"]
+    g = fcp["ranks_per_node"]
+    if g < 0 or (g and cp % g):
+        raise ConfigError(
+            f"[flashcp] ranks_per_node must be 0 (from the launch) or a divisor of context_parallel_degree "
+            f"({cp}): the CP group's ranks per node, got {g}"
+        )
+    if g and fcp["comm"] != "two_level":
+        cfg["_warnings"].append(f"[flashcp] ranks_per_node = {g} is ignored: only comm = 'two_level' uses it, "
+                                f"not {fcp['comm']!r}")  # fmt: skip
 
 
 def _check_attention(cfg: dict) -> None:

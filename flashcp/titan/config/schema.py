@@ -13,8 +13,8 @@ import dataclasses
 import typing
 
 from flashcp.attention.kernels import BACKENDS as KERNELS
+from flashcp.attention.two_level import EXCHANGES
 from flashcp.data.sources import DataConfig
-from flashcp.dispatch import COMM_MODES
 from flashcp.plan import STRATEGIES
 from flashcp.titan.config.converters import CONVERTER_KEYS
 from flashcp.titan.config.keys import field_default, Key, key_from_hint
@@ -61,7 +61,12 @@ OWN_SECTIONS: dict[str, dict[str, Key]] = {
     "flashcp": {
         "strategy": Key(str, "flashcp", tuple(STRATEGIES), "how each window is sharded over the CP ranks"),
         "target_imbalance": Key(float, 1.05, doc="max / mean attention workload the planner aims for"),
-        "comm": Key(str, "compact", COMM_MODES, "KV exchange: compact (FlashCP) | full (Llama3 CP) | needed"),
+        "comm": Key(str, "compact", EXCHANGES, "KV exchange: compact (FlashCP) | full (Llama3 CP) | needed "
+                    "(each rank exactly the rows it attends to) | two_level (the needed rows of a CP group that "
+                    "spans nodes: over the fabric once per node, then NVLink; on one node the same as needed)"),
+        "ranks_per_node": Key(int, 0, doc="two_level only: the CP group's ranks per node; 0: from the launch "
+                              "(LOCAL_WORLD_SIZE and the CP mesh). Set, it simulates nodes (tests) and must "
+                              "divide context_parallel_degree"),
         "backend": Key(str, "auto", BACKENDS, "varlen kernel; auto: flash_attn, torch, then reference"),
         "overlap": Key(bool, False, doc="compute all-local shards while the KV exchange is in flight"),
         "plan_worker": Key(bool, True, doc="with CP > 1, plan and dispatch each window in a child process, "

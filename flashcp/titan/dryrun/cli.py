@@ -14,6 +14,7 @@ import math
 import sys
 from typing import Any
 
+from flashcp.attention import NodeLayoutError
 from flashcp.data.errors import DataError
 from flashcp.data.tokenizer import TokenizerError
 from flashcp.titan.config import ConfigError, load_job, resolve_config_path, world_size_hint
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         if world is None:
             raise ConfigError("data_parallel_shard_degree = -1 leaves the world open: pass --world-size")
         report = dry_run(cfg, world, args.gpu_gib, args.reserve_gib, args.host_gib)
-    except ConfigError as e:
+    except (ConfigError, NodeLayoutError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except (DataError, TokenizerError) as e:  # e.g. a recipe's stores, not prepared yet

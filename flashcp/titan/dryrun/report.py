@@ -119,6 +119,14 @@ def format_report(r: Report) -> str:
             f"{r.plan['split_docs']:.0f} split; KV received per layer: compact {mib['compact']:.1f} MiB, "
             f"full {mib['full']:.1f} MiB, needed {mib['needed']:.1f} MiB"
         )
+    if "kv_fabric_bytes_per_layer_two_level" in r.plan:  # comm = "two_level" across nodes
+        mib = {k.removeprefix("kv_").removesuffix("_bytes_per_layer_two_level"): v / 2**20
+               for k, v in r.plan.items() if k.startswith("kv_") and k.endswith("two_level")}  # fmt: skip
+        needed = r.plan["kv_fabric_bytes_per_layer_needed"] / 2**20
+        lines.append(
+            f"two-level exchange: the busiest NIC's KV per layer {mib['fabric']:.1f} MiB (the flat needed "
+            f"exchange's {needed:.1f} MiB), then {mib['nvlink']:.1f} MiB over NVLink"
+        )
     if r.offload is not None:
         o = r.offload
         lines.append(

@@ -99,11 +99,17 @@ def _dry_job(cfg: dict[str, Any], folder: str) -> dict[str, Any]:
     return out
 
 
+GPUS_PER_NODE = 8  # the nodes the dry run lays the ranks on (DGX / HGX), fewer where 8 does not divide the world
+
+
 @contextlib.contextmanager
 def _fake_world(world_size: int) -> Iterator[None]:
-    """TorchTitan's fake mode reads the world from NGPU / RANK; the process group ends with the run."""
-    saved = {name: os.environ.get(name) for name in ("NGPU", "RANK", "LOCAL_RANK", "WORLD_SIZE")}
-    os.environ.update(NGPU=str(world_size), RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(world_size))
+    """TorchTitan's fake mode reads the world from NGPU / RANK; the process group ends with the run.
+    LOCAL_WORLD_SIZE places the ranks on nodes, as torchrun would (`[flashcp] comm = "two_level"`)."""
+    names = ("NGPU", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+    saved = {name: os.environ.get(name) for name in names}
+    os.environ.update(NGPU=str(world_size), RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(math.gcd(world_size, GPUS_PER_NODE)))  # fmt: skip
     try:
         yield
     finally:
@@ -277,11 +283,23 @@ def _shape_and_layout(trainer, dispatch, job: dict[str, Any]) -> tuple[ModelShap
     chunks = getattr(trainer.loss_fn, "num_chunks", 1)
     layout = Layout(
         fsdp=dims.dp_shard * dims.cp, tp=dims.tp, sequence_parallel=cfg.parallelism.enable_sequence_parallel,
-        tokens=tokens, kv_rows=dispatch.kv_index.numel() + dispatch.recv_size, loss_tokens=tokens // chunks,
+        tokens=tokens, kv_rows=_kv_rows(dispatch), loss_tokens=tokens // chunks,
         full_ac=isinstance(cfg.activation_checkpoint, FullAC.Config),
         mlp_tiles=max(1, tile_count(ac["mlp_tiles"], tokens, shape.ffn // dims.tp, 2)), offload=ac["offload"],
     )  # fmt: skip
     return shape, dataclasses.replace(layout, low_precision=_low_precision(job, model, layout, dims.tp))
+
+
+def _kv_rows(dispatch) -> int:
+    """K/V rows of one layer's exchange at its peak: the receive buffer with the gathered keys or, in the
+    two-level exchange's second stage, with the first stage's output, its copy joined to the local rows
+    and the rows sent on (`flashcp.attention.two_level.launch`)."""
+    route = getattr(dispatch, "route", None)
+    staged = 0
+    if route is not None:
+        first = sum(route.stage1_recv_splits)
+        staged = 2 * first + dispatch.token_index.numel() + route.stage2_index.numel()
+    return dispatch.recv_size + max(dispatch.kv_index.numel(), staged)
 
 
 def _low_precision(job: dict[str, Any], model_config: Any, lay: Layout, tp: int) -> LowPrecision | None:

@@ -22,6 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from flashcp.attention import NodeLayoutError
 from flashcp.data.errors import DataError
 from flashcp.data.tokenizer import TokenizerError
 from flashcp.run import launch as ranks
@@ -93,7 +94,7 @@ def _rank(cfg: dict) -> int:
     try:
         check_layout(cfg, int(os.environ["WORLD_SIZE"]), has_cuda=torch.cuda.is_available())
         trainer = FlashCPTrainer(trainer_config(cfg))
-    except (ConfigError, DataError, TokenizerError, CheckpointError) as e:
+    except (ConfigError, DataError, TokenizerError, CheckpointError, NodeLayoutError) as e:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr)
         return 2
