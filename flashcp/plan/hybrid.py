@@ -242,7 +242,6 @@ class _Window:
             ranks[r] += fill.shards[r]
             work[r] += fill.work[r]
         sent = fill.sent
-        wanted = [mean - w for w in work]
         bonus = min(int(last), taken[holder])
         taken[holder] -= bonus
         for j, d in enumerate(flexible):
@@ -252,16 +251,14 @@ class _Window:
             taken = [t - p for t, p in zip(taken, part)]
             if j == 0:
                 part[holder] += bonus
-            wants = [w * shard_workload(0, size) / flex_work for w in wanted]
-            flex_work -= shard_workload(0, size)
-            for r, shards in enumerate(balanced_head_tail(d, size, part, wants, holder)):
-                ranks[r] += shards
-                for s in shards:
-                    got = shard_workload(s.start, s.length)
-                    work[r] += got
-                    wanted[r] -= got
-                    if s.start + s.length < size:
-                        sent[r] += s.length
+            whole = shard_workload(0, size)
+            wants = [(mean - w) * whole / flex_work for w in work]  # the missing workload's share
+            flex_work -= whole
+            shards, got, sends = balanced_head_tail(d, size, part, wants, holder)
+            for rank, pieces in zip(ranks, shards):
+                rank += pieces
+            work = [w + g for w, g in zip(work, got)]
+            sent = [s + x for s, x in zip(sent, sends)]
         return ranks, work, sent
 
 
@@ -278,7 +275,7 @@ def _apportion(total: list[int], size: int) -> list[int]:
 
 def balanced_head_tail(
     doc: int, length: int, tokens: list[int], work: list[float], outermost: int
-) -> list[list[Shard]]:
+) -> tuple[list[list[Shard]], list[int], list[int]]:
     """Head-tail chunks of one document sized so rank r gets `tokens[r]` tokens and ~`work[r]` workload.
 
     Ranks nest from the outside in: the first takes a head chunk at the document's start and a
@@ -291,27 +288,33 @@ def balanced_head_tail(
     wanted density (workload per token) is furthest from the document's mean go outermost, where
     head and tail lie furthest apart and the reachable workloads span the widest range. Equal
     tokens and workloads give Per-Doc's head-tail layout.
+
+    Returns per rank the two chunks, their exact workload and their sent tokens (those of
+    chunks ending before the document's end), which the caller adds to its running totals:
+    the loop knows them already, cheaper than summing the shards again once per attempt.
     """
     n = len(tokens)
     assert sum(tokens) == length and min(tokens) >= 0, (tokens, length)
     middle = length / 2
-    inner = sorted(
-        (r for r in range(n) if r != outermost and tokens[r]),
-        key=lambda r: (-abs(work[r] / tokens[r] - middle), r),
-    )
-    nest = ([outermost] if tokens[outermost] else []) + inner
+    inner = sorted([(-abs(work[r] / tokens[r] - middle), r) for r in range(n) if r != outermost and tokens[r]])
+    nest = ([outermost] if tokens[outermost] else []) + [r for _, r in inner]
     out: list[list[Shard]] = [[] for _ in range(n)]
+    got, sent = [0] * n, [0] * n
     lo, hi = 0, length
     excess = 0.0  # workload placed so far beyond what those ranks wanted
-    for i, r in enumerate(nest):
+    # This loop runs for every rank, flexible document and attempt: Shard(...) and the
+    # workloads are spelled out (tuple.__new__ skips the named tuple's Python-level __new__).
+    for left, r in zip(range(len(nest), 0, -1), nest):  # left: ranks from r inwards
         size, slack = tokens[r], hi - lo - tokens[r]
         head = size
-        if i < len(nest) - 1 and slack:
-            target = work[r] - excess / (len(nest) - i)
+        if left > 1 and slack:
+            target = work[r] - excess / left
             head = round((size * (2 * hi + 1 - size) - 2 * target) / (2 * slack))
-            head = min(size, max(0, head))
+            head = size if head > size else max(head, 0)
         tail = size - head
-        out[r] = [Shard(doc, lo, head), Shard(doc, hi - tail, tail)]
-        excess += shard_workload(lo, head) + shard_workload(hi - tail, tail) - work[r]
+        out[r] = [tuple.__new__(Shard, (doc, lo, head)), tuple.__new__(Shard, (doc, hi - tail, tail))]
+        got[r] = (head * (2 * lo + head + 1) + tail * (2 * hi - tail + 1)) // 2  # W, as above
+        sent[r] = (head if lo + head < length else 0) + (tail if hi < length else 0)
+        excess += got[r] - work[r]
         lo, hi = lo + head, hi - tail
-    return out
+    return out, got, sent
