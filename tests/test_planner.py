@@ -499,7 +499,8 @@ def test_rounds_of_short_documents_balance_as_one_at_a_time(n: int, monkeypatch:
 @pytest.mark.parametrize("n", [2, 8, 64])
 def test_per_doc_part_is_the_plain_layout(n: int) -> None:
     """Attempts take prefixes of one Per-Doc layout, extended on demand, in any order of
-    counts: the shards of `per_doc_shards` on those documents, and their running totals."""
+    counts: the shards of `per_doc_shards` on those documents, and their running totals,
+    whether the shards are asked for before or after the totals of a longer prefix."""
     from flashcp.plan.hybrid import FLEXIBLE, _Window
     from flashcp.plan.per_doc import per_doc_shards
 
@@ -510,14 +511,16 @@ def test_per_doc_part_is_the_plain_layout(n: int) -> None:
         window = _Window(lens, n, 1.05)
         top = len(lens) - FLEXIBLE
         for count in rng.sample(range(top + 1), min(top + 1, 8)) + [0, top, 1]:
-            ranks, tokens, work, sent = window.per_doc_part(count)
+            window.per_doc_part(rng.randint(0, top))
+            tokens, work, sent = window.per_doc_part(count)
+            ranks = window.per_doc_shards(count)
             expected, _ = per_doc_shards(lens, window.order[FLEXIBLE : FLEXIBLE + count], n)
             assert ranks == expected
             assert tokens == [sum(s.length for s in r) for r in expected]
             assert work == [sum(shard_workload(s.start, s.length) for s in r) for r in expected]
             assert sent == [sum(s.length for s in r if s.start + s.length < lens[s.doc]) for r in expected]
             ranks[0].append(Shard(0, 0, 1))  # fresh lists: a caller's edits stay its own
-            assert window.per_doc_part(count)[0] == expected
+            assert window.per_doc_shards(count) == expected
 
 
 def test_normalized_arrays_are_the_plans_shards() -> None:

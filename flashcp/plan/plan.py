@@ -153,7 +153,8 @@ def normalize(ranks: Sequence[Sequence[Shard]]) -> tuple[tuple[Shard, ...], ...]
 def normalized(ranks: Sequence[Sequence[Shard]]) -> tuple[tuple[tuple[Shard, ...], ...], np.ndarray, np.ndarray]:
     """`normalize(ranks)` and its `shard_array`, which `validate` takes instead of rebuilding it."""
     rows, rank = shard_array(ranks)
-    flat = list(itertools.chain.from_iterable(ranks))
+    # The shard objects too, in numpy: gathering the kept ones is then one indexing.
+    objects = np.fromiter(itertools.chain.from_iterable(ranks), dtype=object, count=len(rows))
     kept = np.flatnonzero(rows[:, 2] > 0)
     doc, start, length = rows[kept].T
     # By rank, document and start: shards of a valid plan never tie (they would overlap).
@@ -164,7 +165,7 @@ def normalized(ranks: Sequence[Sequence[Shard]]) -> tuple[tuple[tuple[Shard, ...
     heads = np.flatnonzero(np.concatenate(([True], ~joins)))
     sizes = np.diff(np.append(heads, len(kept)))
     length = np.add.reduceat(length, heads) if len(heads) else length
-    shards = list(map(flat.__getitem__, kept[heads].tolist()))  # unmerged shards stay the objects given
+    shards = objects[kept[heads]].tolist()  # unmerged shards stay the objects given
     for g in np.flatnonzero(sizes > 1).tolist():
         shards[g] = Shard(int(doc[heads[g]]), int(start[heads[g]]), int(length[g]))
     rank = rank[heads]
