@@ -304,13 +304,16 @@ def test_whole_doc_bookkeeping(window: tuple[list[int], int], target: float) -> 
 
 
 def test_balanced_head_tail_meets_token_and_workload_targets() -> None:
-    """The flexible Per-Doc layout hits the wanted tokens exactly and workloads to a token's worth."""
+    """The flexible Per-Doc layout hits the wanted tokens exactly and workloads to a token's worth,
+    and returns the exact workload and sent tokens of every rank's chunks."""
     length, n = 10000, 4
     tokens = [2000, 3000, 2500, 2500]
     # Workloads some nested layout reaches: build one, then ask for exactly those.
-    reference = balanced_head_tail(7, length, tokens, [shard_workload(0, length) / n] * n, 0)
+    reference, _, _ = balanced_head_tail(7, length, tokens, [shard_workload(0, length) / n] * n, 0)
     work = [sum(shard_workload(s.start, s.length) for s in shards) for shards in reference]
-    out = balanced_head_tail(7, length, tokens, work, 0)
+    out, got, sent = balanced_head_tail(7, length, tokens, work, 0)
+    assert got == [sum(shard_workload(s.start, s.length) for s in shards) for shards in out]
+    assert sent == [sum(s.length for s in shards if s.start + s.length < length) for shards in out]
     covered = sorted((s.start, s.length) for shards in out for s in shards if s.length)
     assert covered[0][0] == 0 and sum(x for _, x in covered) == length
     assert all(a + b == c for (a, b), (c, _) in zip(covered, covered[1:])), "chunks overlap or leave gaps"
@@ -323,7 +326,7 @@ def test_balanced_head_tail_meets_token_and_workload_targets() -> None:
 
 def test_balanced_head_tail_with_equal_targets_is_per_doc() -> None:
     length, n = 8 * 100, 4
-    out = balanced_head_tail(0, length, [200] * n, [shard_workload(0, length) / n] * n, 0)
+    out, _, _ = balanced_head_tail(0, length, [200] * n, [shard_workload(0, length) / n] * n, 0)
     heads = sorted(shards[0].start for shards in out)
     assert heads == [0, 100, 200, 300]
     work = {sum(shard_workload(s.start, s.length) for s in shards) for shards in out}
@@ -496,7 +499,8 @@ def test_rounds_of_short_documents_balance_as_one_at_a_time(n: int, monkeypatch:
 @pytest.mark.parametrize("n", [2, 8, 64])
 def test_per_doc_part_is_the_plain_layout(n: int) -> None:
     """Attempts take prefixes of one Per-Doc layout, extended on demand, in any order of
-    counts: the shards of `per_doc_shards` on those documents, and their running totals."""
+    counts: the shards of `per_doc_shards` on those documents, and their running totals,
+    whether the shards are asked for before or after the totals of a longer prefix."""
     from flashcp.plan.hybrid import FLEXIBLE, _Window
     from flashcp.plan.per_doc import per_doc_shards
 
@@ -507,14 +511,16 @@ def test_per_doc_part_is_the_plain_layout(n: int) -> None:
         window = _Window(lens, n, 1.05)
         top = len(lens) - FLEXIBLE
         for count in rng.sample(range(top + 1), min(top + 1, 8)) + [0, top, 1]:
-            ranks, tokens, work, sent = window.per_doc_part(count)
+            window.per_doc_part(rng.randint(0, top))
+            tokens, work, sent = window.per_doc_part(count)
+            ranks = window.per_doc_shards(count)
             expected, _ = per_doc_shards(lens, window.order[FLEXIBLE : FLEXIBLE + count], n)
             assert ranks == expected
             assert tokens == [sum(s.length for s in r) for r in expected]
             assert work == [sum(shard_workload(s.start, s.length) for s in r) for r in expected]
             assert sent == [sum(s.length for s in r if s.start + s.length < lens[s.doc]) for r in expected]
             ranks[0].append(Shard(0, 0, 1))  # fresh lists: a caller's edits stay its own
-            assert window.per_doc_part(count)[0] == expected
+            assert window.per_doc_shards(count) == expected
 
 
 def test_normalized_arrays_are_the_plans_shards() -> None:
@@ -533,3 +539,17 @@ def test_normalized_arrays_are_the_plans_shards() -> None:
             assert out == normalize(ranks)
             expected_rows, expected_rank = shard_array(out)
             assert rows.tolist() == expected_rows.tolist() and rank.tolist() == expected_rank.tolist()
+
+
+def test_sorting_is_lexsort() -> None:
+    """`normalized` and `validate` sort shards by one packed int64 key: the order of
+    np.lexsort on the same columns, ties included, and lexsort itself where the key overflows."""
+    import numpy as np
+
+    from flashcp.plan.plan import _sorting
+
+    rng = np.random.default_rng(0)
+    for high in (3, 1000, 2**40):
+        columns = [rng.integers(-high, high, 500) for _ in range(3)]
+        assert _sorting(*columns).tolist() == np.lexsort(columns[::-1]).tolist()
+    assert _sorting(np.zeros(0, dtype=np.int64)).tolist() == []

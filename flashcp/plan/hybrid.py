@@ -27,7 +27,7 @@ growing batches (1, 1, 1, 1, 2, 3, 4, 6, ...) so thousands of documents need few
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import repeat
 
 import numpy as np
@@ -91,16 +91,16 @@ class _Search:
             self.sequence.append(min(len(order), k + max(1, k // 2)))
         heavy = window.heavy() if bounded else 0
         self.start = next(i for i, k in enumerate(self.sequence) if k >= heavy)
-        self.tried: dict[int, tuple[tuple, list[list[Shard]]]] = {}
+        self.tried: dict[int, tuple[tuple, Callable[[], list[list[Shard]]]]] = {}
 
     def key(self, i: int) -> tuple:
         """(not met, largest send buffer if met else imbalance) of attempt i, planned once."""
         if i not in self.tried:
             window = self.window
-            ranks, work, sent = window.attempt(self.sequence[i])
+            shards, work, sent = window.attempt(self.sequence[i])
             imbalance = max(work) / window.mean
             met = imbalance <= window.target
-            self.tried[i] = ((not met, max(sent) if met else imbalance), ranks)
+            self.tried[i] = ((not met, max(sent) if met else imbalance), shards)
         return self.tried[i][0]
 
     def met(self, i: int) -> bool:
@@ -133,7 +133,7 @@ class _Search:
             if first < last and sent > max(floor, NEGLIGIBLE * self.window.per_rank):
                 candidates.append(first + 1)
         best = min(candidates, key=lambda i: (self.key(i), i))
-        return self.tried[best][1], self.sequence[best], not self.key(best)[0], len(self.tried)
+        return self.tried[best][1](), self.sequence[best], not self.key(best)[0], len(self.tried)
 
 
 class _Window:
@@ -149,12 +149,15 @@ class _Window:
         self.goal = self.mean * (1 + GOAL_SHARE * (target_imbalance - 1))
         self.order = sorted(range(len(doc_lens)), key=lambda d: (-doc_lens[d], d))
         # Plain Per-Doc layout of order[FLEXIBLE:], extended as k grows: every attempt takes a
-        # prefix of it (a document's chunks do not depend on the documents after it). Shards per
-        # rank, in document order, and per rank the running tokens, workload and sent tokens
-        # after each document (column j: the first j documents).
-        self.per_doc_ranks: list[list[Shard]] = [[] for _ in range(cp_size)]
+        # prefix of it (a document's chunks do not depend on the documents after it). The
+        # layout's arrays (`per_doc_layout`), per rank the running tokens, workload and sent
+        # tokens after each document (column j: the first j documents), and the shards per rank
+        # made so far, in document order.
+        self.per_doc_docs = np.zeros(0, dtype=np.int64)
+        self.per_doc_starts = self.per_doc_lengths = np.zeros((cp_size, 0), dtype=np.int64)
         self.per_doc_totals = np.zeros((3, cp_size, 1), dtype=np.int64)
         self.per_doc_pointer = 0
+        self.per_doc_ranks: list[list[Shard]] = [[] for _ in range(cp_size)]
 
     def heavy(self) -> int:
         """Documents that cannot stay whole on any rank: longer than C/N tokens or alone heavier
@@ -164,11 +167,10 @@ class _Window:
         fits = (i for i, ok in enumerate(whole) if ok)
         return next(fits, len(self.order))
 
-    def per_doc_part(self, count: int) -> tuple[list[list[Shard]], list[int], list[int], list[int]]:
-        """Shards, tokens, workload and sent tokens per rank of `order[FLEXIBLE:FLEXIBLE + count]`
-        laid out by `per_doc_shards` (fresh lists): a prefix of the layout, which is extended when
-        `count` goes beyond it. Each shard object is made once per window, however many attempts
-        use it (with many ranks and Per-Doc documents they are tens of thousands)."""
+    def per_doc_part(self, count: int) -> tuple[list[int], list[int], list[int]]:
+        """Tokens, workload and sent tokens per rank of `order[FLEXIBLE:FLEXIBLE + count]` laid
+        out by `per_doc_shards`: a prefix of the layout, which is extended when `count` goes
+        beyond it."""
         done = self.per_doc_totals.shape[2] - 1
         if count > done:
             docs = self.order[FLEXIBLE + done : FLEXIBLE + count]
@@ -180,11 +182,26 @@ class _Window:
             adds = np.stack((lengths, (ends + starts + 1) * lengths // 2, sent))  # 3 x n x 2 docs
             adds = adds.reshape(3, self.n, len(docs), 2).sum(3).cumsum(2) + self.per_doc_totals[:, :, -1:]
             self.per_doc_totals = np.concatenate((self.per_doc_totals, adds), axis=2)
-            doc = doc.tolist()
+            self.per_doc_docs = np.concatenate((self.per_doc_docs, doc))
+            self.per_doc_starts = np.concatenate((self.per_doc_starts, starts), axis=1)
+            self.per_doc_lengths = np.concatenate((self.per_doc_lengths, lengths), axis=1)
+        tokens, work, sent = self.per_doc_totals[:, :, count].tolist()
+        return tokens, work, sent
+
+    def per_doc_shards(self, count: int) -> list[list[Shard]]:
+        """The shards of `per_doc_part(count)` per rank (fresh lists). Each shard object is made
+        once per window, however many attempts use it, and only once an attempt that holds it is
+        kept or traded (see `attempt`): with many ranks and Per-Doc documents they are tens of
+        thousands, and up to a third of them would belong to attempts planned only to be compared."""
+        self.per_doc_part(count)
+        made = len(self.per_doc_ranks[0]) // 2
+        if count > made:
+            columns = slice(2 * made, 2 * count)
+            doc = self.per_doc_docs[columns].tolist()
+            starts, lengths = self.per_doc_starts[:, columns], self.per_doc_lengths[:, columns]
             for shards, s, x in zip(self.per_doc_ranks, starts.tolist(), lengths.tolist()):
                 shards += map(tuple.__new__, repeat(Shard), zip(doc, s, x))  # Shard(...), 2x faster
-        tokens, work, sent = self.per_doc_totals[:, :, count].tolist()
-        return [shards[: 2 * count] for shards in self.per_doc_ranks], tokens, work, sent
+        return [shards[: 2 * count] for shards in self.per_doc_ranks]
 
     def last_chunk(self) -> float:
         """Tokens of the longest document's last chunk: about LAST_CHUNK_SHARE of a rank's work."""
@@ -199,28 +216,40 @@ class _Window:
         """Most sends a Whole-Doc trade may leave: more would cost more than moving document k."""
         return max(sent) + (self.doc_lens[self.order[k]] / self.n if k < len(self.order) else 0)
 
-    def attempt(self, k: int) -> tuple[list[list[Shard]], list[int], list[int]]:
-        """Shards, workloads and sent tokens per rank with the k longest documents Per-Doc."""
+    def attempt(self, k: int) -> tuple[Callable[[], list[list[Shard]]], list[int], list[int]]:
+        """Shards (a call returns them), workloads and sent tokens per rank with the k longest
+        documents Per-Doc. The search compares attempts by workloads and sent tokens alone, so
+        the Per-Doc shards are added only when the attempt is kept, or needs trades."""
         if k == 0:
             fill = RankFill([self.per_rank] * self.n)
             place_documents(self.doc_lens, self.order, fill)
             rebalance(self.doc_lens, fill, self.goal, self.trade_cap(fill.sent, 0))
-            return fill.shards, fill.work, fill.sent
-        ranks, work, sent = self._hybrid(k)
-        if max(work) > self.goal:
-            fill = RankFill([0] * self.n)
-            fill.shards, fill.work, fill.sent = ranks, work, sent  # traded in place
-            rebalance(self.doc_lens, fill, self.goal, self.trade_cap(sent, k))
-        return ranks, work, sent
+            return lambda: fill.shards, fill.work, fill.sent
+        count = k - min(k, FLEXIBLE)
+        others, work, sent = self._hybrid(k)
+        if max(work) <= self.goal:
+            return lambda: self._with_per_doc(count, others), work, sent
+        fill = RankFill([0] * self.n)
+        fill.shards, fill.work, fill.sent = self._with_per_doc(count, others), work, sent  # traded in place
+        rebalance(self.doc_lens, fill, self.goal, self.trade_cap(sent, k))
+        return lambda: fill.shards, work, sent
+
+    def _with_per_doc(self, count: int, others: list[list[Shard]]) -> list[list[Shard]]:
+        """Per rank, the plain Per-Doc shards of the first `count` documents, then `others`."""
+        ranks = self.per_doc_shards(count)
+        for shards, more in zip(ranks, others):
+            shards += more
+        return ranks
 
     def _hybrid(self, k: int) -> tuple[list[list[Shard]], list[int], list[int]]:
+        """Shards but the plain Per-Doc ones, workloads and sent tokens (all shards) per rank."""
         doc_lens, n, mean = self.doc_lens, self.n, self.mean
         flexible = self.order[: min(k, FLEXIBLE)]
-        ranks, tokens, work, sent = self.per_doc_part(k - len(flexible))
+        tokens, work, sent = self.per_doc_part(k - len(flexible))
 
         # Flexible Per-Doc tokens each rank should take so that all ranks send about the same,
         # the longest document's last chunk going to the rank that sends most so far.
-        holder = max(range(n), key=lambda r: (sent[r], -r))
+        holder = sent.index(max(sent))
         last = self.last_chunk()
         length = sum(doc_lens[d] for d in flexible)
         flex_work = sum(shard_workload(0, doc_lens[d]) for d in flexible)
@@ -238,11 +267,9 @@ class _Window:
 
         # The flexible documents take exactly the tokens left and the workload missing.
         taken = [capacity[r] - room[r] + fill.room[r] for r in range(n)]
-        for r in range(n):
-            ranks[r] += fill.shards[r]
-            work[r] += fill.work[r]
+        ranks = fill.shards
+        work = [w + x for w, x in zip(work, fill.work)]
         sent = fill.sent
-        wanted = [mean - w for w in work]
         bonus = min(int(last), taken[holder])
         taken[holder] -= bonus
         for j, d in enumerate(flexible):
@@ -252,16 +279,14 @@ class _Window:
             taken = [t - p for t, p in zip(taken, part)]
             if j == 0:
                 part[holder] += bonus
-            wants = [w * shard_workload(0, size) / flex_work for w in wanted]
-            flex_work -= shard_workload(0, size)
-            for r, shards in enumerate(balanced_head_tail(d, size, part, wants, holder)):
-                ranks[r] += shards
-                for s in shards:
-                    got = shard_workload(s.start, s.length)
-                    work[r] += got
-                    wanted[r] -= got
-                    if s.start + s.length < size:
-                        sent[r] += s.length
+            whole = shard_workload(0, size)
+            wants = [(mean - w) * whole / flex_work for w in work]  # the missing workload's share
+            flex_work -= whole
+            shards, got, sends = balanced_head_tail(d, size, part, wants, holder)
+            for rank, pieces in zip(ranks, shards):
+                rank += pieces
+            work = [w + g for w, g in zip(work, got)]
+            sent = [s + x for s, x in zip(sent, sends)]
         return ranks, work, sent
 
 
@@ -271,14 +296,14 @@ def _apportion(total: list[int], size: int) -> list[int]:
     whole = sum(total)
     exact = [t * size / whole for t in total]
     part = [int(x) for x in exact]
-    for r in sorted(range(len(total)), key=lambda r: (part[r] - exact[r], r))[: size - sum(part)]:
+    for _, r in sorted(zip([p - x for p, x in zip(part, exact)], range(len(total))))[: size - sum(part)]:
         part[r] += 1
     return part
 
 
 def balanced_head_tail(
     doc: int, length: int, tokens: list[int], work: list[float], outermost: int
-) -> list[list[Shard]]:
+) -> tuple[list[list[Shard]], list[int], list[int]]:
     """Head-tail chunks of one document sized so rank r gets `tokens[r]` tokens and ~`work[r]` workload.
 
     Ranks nest from the outside in: the first takes a head chunk at the document's start and a
@@ -291,27 +316,35 @@ def balanced_head_tail(
     wanted density (workload per token) is furthest from the document's mean go outermost, where
     head and tail lie furthest apart and the reachable workloads span the widest range. Equal
     tokens and workloads give Per-Doc's head-tail layout.
+
+    Returns per rank the two chunks, their exact workload and their sent tokens (those of
+    chunks ending before the document's end), which the caller adds to its running totals:
+    the loop knows them already, cheaper than summing the shards again once per attempt.
     """
     n = len(tokens)
     assert sum(tokens) == length and min(tokens) >= 0, (tokens, length)
     middle = length / 2
     inner = sorted(
-        (r for r in range(n) if r != outermost and tokens[r]),
-        key=lambda r: (-abs(work[r] / tokens[r] - middle), r),
+        [(-abs(work[r] / tokens[r] - middle), r) for r in range(n) if r != outermost and tokens[r]]
     )
-    nest = ([outermost] if tokens[outermost] else []) + inner
+    nest = ([outermost] if tokens[outermost] else []) + [r for _, r in inner]
     out: list[list[Shard]] = [[] for _ in range(n)]
+    got, sent = [0] * n, [0] * n
     lo, hi = 0, length
     excess = 0.0  # workload placed so far beyond what those ranks wanted
-    for i, r in enumerate(nest):
+    # This loop runs for every rank, flexible document and attempt: Shard(...) and the
+    # workloads are spelled out (tuple.__new__ skips the named tuple's Python-level __new__).
+    for left, r in zip(range(len(nest), 0, -1), nest):  # left: ranks from r inwards
         size, slack = tokens[r], hi - lo - tokens[r]
         head = size
-        if i < len(nest) - 1 and slack:
-            target = work[r] - excess / (len(nest) - i)
+        if left > 1 and slack:
+            target = work[r] - excess / left
             head = round((size * (2 * hi + 1 - size) - 2 * target) / (2 * slack))
-            head = min(size, max(0, head))
+            head = size if head > size else max(head, 0)
         tail = size - head
-        out[r] = [Shard(doc, lo, head), Shard(doc, hi - tail, tail)]
-        excess += shard_workload(lo, head) + shard_workload(hi - tail, tail) - work[r]
+        out[r] = [tuple.__new__(Shard, (doc, lo, head)), tuple.__new__(Shard, (doc, hi - tail, tail))]
+        got[r] = (head * (2 * lo + head + 1) + tail * (2 * hi - tail + 1)) // 2  # W, as above
+        sent[r] = (head if lo + head < length else 0) + (tail if hi < length else 0)
+        excess += got[r] - work[r]
         lo, hi = lo + head, hi - tail
-    return out
+    return out, got, sent

@@ -128,6 +128,23 @@ def shard_array(ranks: Sequence[Sequence[Shard]]) -> tuple[np.ndarray, np.ndarra
     return rows, np.repeat(np.arange(len(ranks)), counts)
 
 
+def _sorting(*columns: np.ndarray) -> np.ndarray:
+    """Indices sorting rows by `columns`, most significant first: `np.lexsort(columns[::-1])`,
+    but as one stable argsort of the columns packed into an int64 key, several times faster on
+    the tens of thousands of shards of a plan (lexsort when the key would overflow)."""
+    if not len(columns[0]):
+        return np.arange(0)
+    key, span = 0, 1
+    for column in columns:
+        low = int(column.min())
+        width = int(column.max()) - low + 1
+        span *= width
+        if span >= 2**63:
+            return np.lexsort(columns[::-1])
+        key = key * width + (column - low)
+    return np.argsort(key, kind="stable")
+
+
 def normalize(ranks: Sequence[Sequence[Shard]]) -> tuple[tuple[Shard, ...], ...]:
     """Sort each rank's shards by (doc, start), drop empty ones and merge adjacent pieces."""
     return normalized(ranks)[0]
@@ -136,17 +153,19 @@ def normalize(ranks: Sequence[Sequence[Shard]]) -> tuple[tuple[Shard, ...], ...]
 def normalized(ranks: Sequence[Sequence[Shard]]) -> tuple[tuple[tuple[Shard, ...], ...], np.ndarray, np.ndarray]:
     """`normalize(ranks)` and its `shard_array`, which `validate` takes instead of rebuilding it."""
     rows, rank = shard_array(ranks)
-    flat = list(itertools.chain.from_iterable(ranks))
+    # The shard objects too, in numpy: gathering the kept ones is then one indexing.
+    objects = np.fromiter(itertools.chain.from_iterable(ranks), dtype=object, count=len(rows))
     kept = np.flatnonzero(rows[:, 2] > 0)
     doc, start, length = rows[kept].T
-    order = np.lexsort((length, start, doc, rank[kept]))
+    # By rank, document and start: shards of a valid plan never tie (they would overlap).
+    order = _sorting(rank[kept], doc, start)
     kept, doc, start, length, rank = kept[order], doc[order], start[order], length[order], rank[kept][order]
     # A piece continues the previous one (same rank and document, starting where it ends).
     joins = (rank[1:] == rank[:-1]) & (doc[1:] == doc[:-1]) & (start[1:] == start[:-1] + length[:-1])
     heads = np.flatnonzero(np.concatenate(([True], ~joins)))
     sizes = np.diff(np.append(heads, len(kept)))
     length = np.add.reduceat(length, heads) if len(heads) else length
-    shards = [flat[i] for i in kept[heads].tolist()]  # unmerged shards stay the objects given
+    shards = objects[kept[heads]].tolist()  # unmerged shards stay the objects given
     for g in np.flatnonzero(sizes > 1).tolist():
         shards[g] = Shard(int(doc[heads[g]]), int(start[heads[g]]), int(length[g]))
     rank = rank[heads]
@@ -169,7 +188,7 @@ def validate(plan: Plan, rows: tuple[np.ndarray, np.ndarray] | None = None) -> N
     for i in np.flatnonzero(bad)[:1]:
         raise AssertionError(Shard(*rows[i].tolist()))
     lens = np.asarray(plan.doc_lens, dtype=np.int64)
-    order = np.lexsort((start + length, start, doc))
+    order = _sorting(doc, start)  # ties overlap, and fail below in any order
     doc, start, end = doc[order], start[order], (start + length)[order]
     # Per document, pieces sorted by start must tile [0, length): each starts where the last ended.
     first = np.ones(len(doc), dtype=bool)
