@@ -31,6 +31,7 @@ import heapq
 import math
 from bisect import bisect_left, bisect_right, insort
 from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -54,6 +55,22 @@ ROUND_FROM = 32
 ROUND_RANKS = 4
 # Ranks with room for a document up to which `_Mirror` compares them in Python.
 FEW_RANKS = 8
+
+
+class Queued(NamedTuple):
+    """Documents waiting for `place_documents`: a heap of (-length, doc, last) items, each
+    [0, length) of a document (`last`: a whole document; otherwise a head whose tail is placed,
+    so all of it will be sent), and the tokens and workload they hold."""
+
+    heap: list[tuple[int, int, bool]]
+    tokens: int
+    work: int
+
+    @staticmethod
+    def of(doc_lens: tuple[int, ...], docs: Iterable[int]) -> "Queued":
+        heap = [(-doc_lens[d], d, True) for d in docs]
+        heapq.heapify(heap)
+        return Queued(heap, sum(-x[0] for x in heap), sum(shard_workload(0, -x[0]) for x in heap))
 
 
 class RankFill:
@@ -89,16 +106,12 @@ class RankFill:
             self.sent[rank] += length
 
 
-def place_documents(doc_lens: tuple[int, ...], docs: Iterable[int], fill: RankFill) -> None:
-    """Place `docs` whole where possible (step 1 of the module docstring), cutting only to fit."""
+def place_documents(doc_lens: tuple[int, ...], docs: "Iterable[int] | Queued", fill: RankFill) -> None:
+    """Place `docs` whole where possible (step 1 of the module docstring), cutting only to fit.
+    `docs` may come queued already (the hybrid's attempts place suffixes of one order)."""
     n = len(fill.room)
     room, spare, work, bias, sent = fill.room, fill.spare, fill.work, fill.bias, fill.sent
-    # Queue items are [0, length) of a document. `last` marks a whole document; otherwise the
-    # item is a head whose tail is placed already, so all of it will be sent.
-    queue = [(-doc_lens[d], d, True) for d in docs]
-    heapq.heapify(queue)
-    rest_tokens = sum(doc_lens[d] for d in docs)
-    rest_work = sum(shard_workload(0, doc_lens[d]) for d in docs)
+    queue, rest_tokens, rest_work = docs if isinstance(docs, Queued) else Queued.of(doc_lens, docs)
     shards = fill.shards
     mirror = _Mirror(fill) if n >= VECTOR_RANKS else None
     short = ROUND_SHARE * sum(room) / n if n >= ROUND_FROM else 0
