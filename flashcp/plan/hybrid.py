@@ -76,7 +76,7 @@ class _Search:
     attempt when the previous one meets too, and if not it gallops forward (1, 2, 4, ...
     steps) to an attempt that meets and bisects back, so the first k meeting the target, and the
     plan, are those of the full loop whenever meeting the target is monotone in k and the start
-    is at most one attempt past it (on random windows with few documents per rank, 98.6 % of
+    is at most one attempt past it (on random windows with few documents per rank, 99.2 % of
     plans are the same; where meeting is not monotone it settles on a later k, which sent less
     on average). It does not walk back further: with many documents per rank each attempt places
     them all, and the attempts further back, where they met, sent no less (pile lengths at
