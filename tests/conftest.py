@@ -6,6 +6,7 @@ both are off for every property test.
 """
 
 import pytest
+from distributed_pool import close_shared, shared
 from hypothesis import HealthCheck, settings
 
 from flashcp.data import store_source
@@ -27,3 +28,11 @@ def store_reads(monkeypatch) -> list[int]:
 
     monkeypatch.setattr(store_source.StoreDoc, "__getitem__", counting)
     return read
+
+
+@pytest.fixture(scope="session")
+def gloo_pool():
+    """`gloo_pool(world_size, sizes=None)`: this test process's DistributedPool of that many gloo
+    ranks, shared with the other tests (distributed_pool.shared); all are closed at the session's end."""
+    yield shared
+    close_shared()

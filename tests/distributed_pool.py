@@ -1,18 +1,27 @@
 """A pool of gloo processes started once and reused by many multi-process test cases.
 
-Spawning processes and importing torch costs seconds, a collective on loopback gloo well under a
-millisecond, so tests start one pool per module and send it batches of cases:
+Spawning processes and importing torch costs seconds, and the first trainer built in a worker
+imports TorchTitan (~10 s of CPU per rank); a collective on loopback gloo takes well under a
+millisecond. So tests take a shared pool from the `gloo_pool` fixture (conftest.py) and send it
+batches of cases:
 
-    with DistributedPool(world_size=4) as pool:
+    def test_something(gloo_pool):
+        pool = gloo_pool(4, sizes=(2, 4))
         results = pool.run(fn, args, size=2)   # fn(rank, group, *args) on ranks 0..size-1
 
 `fn` must be importable by the workers (a module-level function of a test module). Ranks outside
 `size` sit the call out; the process group of the first `size` ranks is created at start-up for
 every size in `sizes`, since creating groups is itself a collective over all ranks.
+
+`gloo_pool` (`shared` below) keeps one pool per world size in each test process, from one test
+file to the next. A worker restores its environment variables and the garbage collector's state
+after every call; a pool whose call failed (which may have left a rank waiting in a collective)
+is never handed out again. A pool of one's own: `with DistributedPool(world_size=2) as pool: ...`.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import queue
 import socket
@@ -50,11 +59,16 @@ def _worker(rank: int, world_size: int, port: int, sizes: Sequence[int], tasks, 
         if task is None:
             break
         fn, args, size = task
+        environ, collecting = dict(os.environ), gc.isenabled()
         try:
             out = fn(rank, groups[size], *args) if rank < size else None
             results.put((rank, "ok", out))
         except Exception:  # the parent re-raises it with the worker's traceback
             results.put((rank, "error", traceback.format_exc()))
+        finally:  # what one call set (RANK, WORLD_SIZE, ...; a trainer turns off gc) is not seen by the next
+            os.environ.clear()
+            os.environ.update(environ)
+            gc.enable() if collecting else gc.disable()
     dist.destroy_process_group()
 
 
@@ -63,6 +77,7 @@ class DistributedPool:
 
     def __init__(self, world_size: int, sizes: Sequence[int] | None = None, timeout: float = 300.0):
         self.world_size, self.timeout = world_size, timeout
+        self.failed = False  # a call raised: some rank may still be inside a collective
         self.sizes = tuple(sorted(set(sizes or (world_size,))))
         if max(self.sizes) > world_size:
             raise ValueError(f"group sizes {self.sizes} exceed world size {world_size}")
@@ -91,8 +106,10 @@ class DistributedPool:
             except queue.Empty:
                 dead = [(r, p.exitcode) for r, p in enumerate(self._procs) if not p.is_alive()]
                 if dead:
+                    self.failed = True
                     raise RuntimeError(f"{what}: worker(s) exited (rank, exit code): {dead}") from None
                 if time.monotonic() > deadline:
+                    self.failed = True
                     raise TimeoutError(f"{what}: no reply within {self.timeout} s") from None
 
     def _collect(self, what: str) -> list[Any]:
@@ -104,6 +121,7 @@ class DistributedPool:
                 errors.append(f"rank {rank}:\n{value}")
             out[rank] = value
         if errors:
+            self.failed = True
             raise RuntimeError(f"{what} failed on {len(errors)} worker(s):\n" + "\n".join(errors))
         return out
 
@@ -120,12 +138,39 @@ class DistributedPool:
         for q in self._tasks:
             q.put(None)
         for p in self._procs:
-            p.join(timeout=30)
+            p.join(timeout=5 if self.failed else 30)  # a failed pool's ranks may wait in a collective
             if p.is_alive():
                 p.kill()
+                p.join()
 
     def __enter__(self) -> DistributedPool:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+_SHARED: dict[int, DistributedPool] = {}  # world size -> the pool this test process shares
+
+
+def shared(world_size: int, sizes: Sequence[int] | None = None) -> DistributedPool:
+    """This process's pool of `world_size` ranks with a group for each of `sizes`, started on first
+    use and reused by later tests (of any file); a failed pool, or one lacking a group size, is
+    replaced. At most two pools are kept (the least recently used other one is closed)."""
+    wanted = set(sizes or (world_size,)) | {world_size}
+    pool = _SHARED.pop(world_size, None)
+    if pool is not None and (pool.failed or not wanted <= set(pool.sizes)):
+        wanted |= set(pool.sizes) if not pool.failed else set()
+        pool.close()
+        pool = None
+    if pool is None:
+        while len(_SHARED) >= 2:
+            _SHARED.pop(next(iter(_SHARED))).close()
+        pool = DistributedPool(world_size, sizes=sorted(wanted))
+    _SHARED[world_size] = pool  # most recently used last
+    return pool
+
+
+def close_shared() -> None:
+    while _SHARED:
+        _SHARED.popitem()[1].close()

@@ -111,9 +111,8 @@ def all_cases(doc_lens, cp_size: int, strategies=tuple(STRATEGIES), **kw) -> lis
 
 
 @pytest.fixture(scope="module")
-def pool():
-    with DistributedPool(world_size=4, sizes=(2, 4)) as p:
-        yield p
+def pool(gloo_pool):
+    return gloo_pool(4, sizes=(2, 4))
 
 
 EDGE_WINDOWS = {

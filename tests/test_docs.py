@@ -60,13 +60,15 @@ ELSEWHERE = {  # command -> (the test that runs it, what that test changes)
     "./run_train.sh --config debug_cpu --training.steps 20": (
         "tests/titan/test_e2e.py::test_fsdp2_x_flashcp2_on_4_ranks", "3 steps, its own dump folder"),
     "./run_train.sh --config tiny_extend_cpu": (
-        "tests/titan/test_tiny_extend.py::test_tiny_extend_example_end_to_end", "4 steps, its own folders"),
+        "tests/titan/test_tiny_extend.py::test_tiny_extend_example_end_to_end",
+        "4 steps, the probe on (--probe.freq 4), its own folders"),
     ".venv/bin/python -m flashcp.titan.export --checkpoint outputs/tiny_extend_cpu/checkpoint/step-20 "
     "--out outputs/tiny_bf16 --dtype bfloat16": (
         "tests/titan/test_hf_checkpoint.py::test_export_shards_above_the_size_limit_and_casts",
         "in process, a checkpoint of the same tiny Llama"),
     "./run_train.sh --config tiny_extend_cpu --probe.enable true": (
-        "tests/titan/test_probe_e2e.py::test_tiny_extend_with_the_probe_end_to_end", "2 steps, its own folders"),
+        "tests/titan/test_tiny_extend.py::test_tiny_extend_example_end_to_end",
+        "4 steps, --probe.freq 4, its own folders"),
     ".venv/bin/python -m flashcp.titan.probe --checkpoint outputs/tiny_extend_cpu/checkpoint/step-20 --config "
     "tiny_extend_cpu": (
         "tests/titan/test_probe.py::test_cli_probes_a_checkpoint_on_the_jobs_layout_as_training_does",

@@ -8,6 +8,13 @@
 
 In the pytest process `single_rank()` provides a world of one gloo rank; in a DistributedPool
 worker the pool's process group is reused (TorchTitan skips its own init when one exists).
+
+Two things a launched job does are left out of these in-process runs, each tested where it
+matters: TorchTitan's rank 0 sleeps 2 s after the last step "for other ranks to complete" (here
+every rank returns to the test, which waits for all of them), and the tiny job plans its windows
+in the loader's thread (`[flashcp] plan_worker = false`): a worker process per rank and run costs
+a Python start-up with torch, and test_plan_worker_train.py checks that the worker trains the
+thread's losses bit for bit. The launched jobs (test_e2e.py, test_nodes.py, ...) keep both.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import copy
 import gc
 import os
 import socket
+import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +33,7 @@ from typing import Any
 import flashcp.titan  # noqa: F401  (TorchTitan shims before TorchTitan is imported)
 import torch
 import torch.distributed as dist
+import torchtitan.trainer
 
 from flashcp.attention import record_comm
 from flashcp.titan.config import check_layout, validate
@@ -36,10 +45,24 @@ TINY: dict[str, dict[str, Any]] = {
     "optimizer": {"lr": 3e-3, "implementation": "foreach"},
     "lr_scheduler": {"warmup_steps": 1},
     "parallelism": {"data_parallel_shard_degree": 1},
-    "flashcp": {"backend": "reference"},
+    "flashcp": {"backend": "reference", "plan_worker": False},
     "metrics": {"log_freq": 1},
     "activation_checkpoint": {"mode": "none"},
 }
+
+
+class _NoFinalSleep:
+    """`time` for torchtitan.trainer without the 2 s sleep after the last step (see above)."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+    @staticmethod
+    def sleep(seconds: float) -> None:
+        pass
+
+
+torchtitan.trainer.time = _NoFinalSleep()
 
 
 def tiny_job(dump: Path, **sections: dict[str, Any] | None) -> dict:

@@ -1,6 +1,10 @@
 """`python -m flashcp.titan.dryrun`: a tiny job as rank 0 of 8 on fake tensors prints one JSON object
 with the peak by category, a GPU too small for it exits 1 with one line naming the biggest term, and
-with full activation checkpointing each layer adds only its checkpointed input to the activations."""
+with full activation checkpointing each layer adds only its checkpointed input to the activations.
+
+The first test runs the command as a user does, in a process of its own; the others call its
+`main` in this one (`dry_run` cleans up after itself): a process start, importing TorchTitan, costs
+seconds of CPU."""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -39,12 +44,27 @@ chunk_tokens = 256
 """
 
 
-def _dry_run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    """The CLI on JOB with `args` (options, then `--section.key value` overrides)."""
+def _args(tmp_path: Path, *args: str) -> list[str]:
+    """The CLI's arguments for JOB with `args` (options, then `--section.key value` overrides)."""
     job = tmp_path / "tiny.toml"
     job.write_text(JOB)
-    cmd = [sys.executable, "-m", "flashcp.titan.dryrun", "--config", str(job), "--world-size", "8", "--json", *args]
+    return ["--config", str(job), "--world-size", "8", "--json", *args]
+
+
+def _dry_run_process(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    """`python -m flashcp.titan.dryrun` on JOB with `args`, in a process of its own."""
+    cmd = [sys.executable, "-m", "flashcp.titan.dryrun", *_args(tmp_path, *args)]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+
+
+def _dry_run(tmp_path: Path, capsys, *args: str) -> SimpleNamespace:
+    """The same CLI called in this process: its exit code, stdout and stderr."""
+    from flashcp.titan.dryrun import cli
+
+    capsys.readouterr()
+    code = cli.main(_args(tmp_path, *args))
+    out = capsys.readouterr()
+    return SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
 
 
 def test_dry_run_prints_the_peak_by_category_as_one_json_object(tmp_path):
@@ -52,7 +72,7 @@ def test_dry_run_prints_the_peak_by_category_as_one_json_object(tmp_path):
     named (here custom sizes; the shipped recipes name a flavor) the dry run loads nothing."""
     hf_import = ["--checkpoint.enable", "true", "--checkpoint.initial_load_in_hf", "true",
                  "--checkpoint.initial_load_path", str(tmp_path / "no-hf-folder")]  # fmt: skip
-    proc = _dry_run(tmp_path, *hf_import)
+    proc = _dry_run_process(tmp_path, *hf_import)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (line,) = proc.stdout.strip().splitlines()
     report = json.loads(line)
@@ -64,8 +84,8 @@ def test_dry_run_prints_the_peak_by_category_as_one_json_object(tmp_path):
     assert report["loss_chunks"] == 4 and 0 < report["plan"]["imbalance"]
 
 
-def test_a_gpu_too_small_exits_1_naming_the_biggest_term(tmp_path):
-    proc = _dry_run(tmp_path, "--gpu-gib", "1e-6", "--reserve-gib", "0")
+def test_a_gpu_too_small_exits_1_naming_the_biggest_term(tmp_path, capsys):
+    proc = _dry_run(tmp_path, capsys, "--gpu-gib", "1e-6", "--reserve-gib", "0")
     assert proc.returncode == 1
     assert json.loads(proc.stdout)["fits"] is False
     last = proc.stderr.strip().splitlines()[-1]
@@ -93,7 +113,7 @@ def test_a_recipe_without_its_data_says_how_to_dry_run_it(capsys):
     assert "--data.mix.NAME.source synthetic" in line
 
 
-def test_full_checkpointing_keeps_one_input_per_layer(tmp_path):
+def test_full_checkpointing_keeps_one_input_per_layer(tmp_path, capsys):
     """A wide, short job whose parameters outweigh its activations: the step's DTensor ops on the
     (fake) parameters must not count as activations, and an added layer adds its bf16 input only
     (without checkpointing it would add its whole working set)."""
@@ -102,14 +122,14 @@ def test_full_checkpointing_keeps_one_input_per_layer(tmp_path):
             "--loss.chunk_tokens", "0"]  # fmt: skip
     activations = {}
     for layers in (2, 4):
-        proc = _dry_run(tmp_path, *wide, "--model.n_layers", str(layers))
+        proc = _dry_run(tmp_path, capsys, *wide, "--model.n_layers", str(layers))
         assert proc.returncode == 0, proc.stderr[-3000:]
         activations[layers] = json.loads(proc.stdout)["by_category"]["activations"] * 2**30
     checkpoint_per_layer = seq_len // cp * dim * 2
     assert 0 <= (activations[4] - activations[2]) / 2 <= 1.5 * checkpoint_per_layer, activations
 
 
-def test_offload_moves_the_layer_inputs_to_host_memory(tmp_path):
+def test_offload_moves_the_layer_inputs_to_host_memory(tmp_path, capsys):
     """With offload the layer inputs full AC keeps are tracked as host memory (every layer's but the
     last), the GPU's activations at the peak shrink by at most that (where the peak falls decides how
     many of them it held), and the copies' time is modelled."""
@@ -118,7 +138,7 @@ def test_offload_moves_the_layer_inputs_to_host_memory(tmp_path):
             "--loss.chunk_tokens", "0", "--model.n_layers", str(layers)]  # fmt: skip
     reports = {}
     for offload in ("false", "true"):
-        proc = _dry_run(tmp_path, *wide, "--activation_checkpoint.offload", offload)
+        proc = _dry_run(tmp_path, capsys, *wide, "--activation_checkpoint.offload", offload)
         assert proc.returncode == 0, proc.stderr[-3000:]
         reports[offload] = json.loads(proc.stdout)
     layer_input = seq_len // cp * dim * 2

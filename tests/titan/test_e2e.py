@@ -1,6 +1,7 @@
 """run_train.sh end to end on gloo ranks: FSDP2 x FlashCP on 4 ranks, FlashCP CP=2 on 2 ranks,
 and job errors that end with one line instead of a traceback. Each launch costs ~10-20 s of
-process start-up, so the many other cases live in the in-process tests."""
+process start-up, so the many other cases live in the in-process tests (the job errors, found
+before any rank starts, once through run_train.sh and each through the launcher's `main`)."""
 
 from __future__ import annotations
 
@@ -66,23 +67,41 @@ def test_flashcp_cp2_on_2_ranks(tmp_path):
     assert len(tb["loss_metrics/global_avg_loss"]) == 3 and all(len(tb[n]) == 3 for n in FLASHCP_SCALARS)
 
 
-@pytest.mark.parametrize(
-    "case, args, message",
-    [
-        ("bad config", ["--flashcp.backend", "cuda"], "error: [flashcp] backend must be one of auto, "),
-        ("impossible layout", [], "error: [parallelism] degrees multiply to 4 (replicate 1 x shard 2 x cp 2"),
-        ("empty dataset",
-         ["--data.source", "{tmp}/empty.jsonl", "--parallelism.data_parallel_shard_degree", "1",
-          "--parallelism.context_parallel_degree", "1"],
-         "error: empty dataset"),
-    ],
-)  # fmt: skip
-def test_job_errors_end_with_one_line(tmp_path, case, args, message):
-    (tmp_path / "empty.jsonl").write_text("")
-    args = [a.format(tmp=tmp_path) for a in args]
-    ngpu = {"empty dataset": 1, "impossible layout": 3}.get(case)
-    result = run_train("--config", "debug_cpu", "--job.dump_folder", str(tmp_path / "out"), *args, ngpu=ngpu)
+ERRORS = [
+    ("bad config", ["--flashcp.backend", "cuda"], "error: [flashcp] backend must be one of auto, "),
+    ("impossible layout", [], "error: [parallelism] degrees multiply to 4 (replicate 1 x shard 2 x cp 2"),
+    ("empty dataset",
+     ["--data.source", "{tmp}/empty.jsonl", "--parallelism.data_parallel_shard_degree", "1",
+      "--parallelism.context_parallel_degree", "1"],
+     "error: empty dataset"),
+]  # fmt: skip
+NGPU = {"empty dataset": 1, "impossible layout": 3}
+
+
+def test_a_job_error_through_run_train_sh_ends_with_one_line(tmp_path):
+    case, args, message = ERRORS[0]
+    result = run_train("--config", "debug_cpu", "--job.dump_folder", str(tmp_path / "out"), *args)
     assert result.returncode == 2, case
     assert "Traceback" not in result.stdout + result.stderr
     assert result.stderr.strip().splitlines()[-1].startswith(message), result.stderr[-2000:]
     assert "rank(s)" not in result.stdout  # found before any rank was started
+
+
+@pytest.mark.parametrize("case, args, message", ERRORS)
+def test_job_errors_end_with_one_line(tmp_path, capsys, monkeypatch, case, args, message):
+    """The launcher's checks (its `main`, here in this process; run_train.sh execs it, see above)."""
+    from flashcp.titan.launch import node
+
+    (tmp_path / "empty.jsonl").write_text("")
+    args = [a.format(tmp=tmp_path) for a in args]
+    monkeypatch.delenv("LOG_RANK", raising=False)
+    if case in NGPU:
+        monkeypatch.setenv("NGPU", str(NGPU[case]))
+    else:
+        monkeypatch.delenv("NGPU", raising=False)
+    capsys.readouterr()
+    assert node.main(["--config", "debug_cpu", "--job.dump_folder", str(tmp_path / "out"), *args]) == 2, case
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    assert err.strip().splitlines()[-1].startswith(message), err[-2000:]
+    assert "rank(s)" not in out  # found before any rank was started

@@ -26,7 +26,6 @@ from safetensors import safe_open  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from scripts.make_tiny_hf import make_tiny_hf  # noqa: E402
-from distributed_pool import DistributedPool  # noqa: E402
 from titan.harness import single_rank, tiny_job, train, train_on_pool_rank  # noqa: E402
 
 from flashcp.run.manifest import checksum  # noqa: E402
@@ -93,15 +92,15 @@ def test_round_trip_at_negligible_lr_gives_the_original_logits(negligible_step, 
     assert not list(tmp_path.glob(".export.partial-*"))
 
 
-def test_round_trip_on_two_ranks(tiny_llama, tmp_path):
+def test_round_trip_on_two_ranks(tiny_llama, tmp_path, gloo_pool):
     """The HF weights go through the adapter as FSDP (dp_shard x cp) or TP shards, in and out."""
-    with DistributedPool(world_size=2) as pool:
-        for name, layout in (("cp2", {"context_parallel_degree": 2}), ("tp2", {"tensor_parallel_degree": 2})):
-            cfg = hf_job(tmp_path / name, tiny_llama, training={"steps": 1}, optimizer={"lr": 1e-12},
-                         parallelism=layout)  # fmt: skip
-            pool.run(train_on_pool_rank, (cfg,))
-            export(tmp_path / name / "checkpoint" / "step-1", tmp_path / f"{name}-hf")
-            assert (logits(tmp_path / f"{name}-hf", IDS) - logits(tiny_llama, IDS)).abs().max() <= 1e-5, name
+    pool = gloo_pool(2)
+    for name, layout in (("cp2", {"context_parallel_degree": 2}), ("tp2", {"tensor_parallel_degree": 2})):
+        cfg = hf_job(tmp_path / name, tiny_llama, training={"steps": 1}, optimizer={"lr": 1e-12},
+                     parallelism=layout)  # fmt: skip
+        pool.run(train_on_pool_rank, (cfg,))
+        export(tmp_path / name / "checkpoint" / "step-1", tmp_path / f"{name}-hf")
+        assert (logits(tmp_path / f"{name}-hf", IDS) - logits(tiny_llama, IDS)).abs().max() <= 1e-5, name
 
 
 def test_qwen3_round_trip_with_tied_embeddings(tmp_path):

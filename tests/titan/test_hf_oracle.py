@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed_pool import DistributedPool
 
 import flashcp.titan  # noqa: F401  (TorchTitan shims before transformers / torchtitan)
 from flashcp.dispatch import build_dispatch
@@ -175,9 +174,8 @@ def test_transformers_sees_scaling(hf_models):
 
 
 @pytest.fixture(scope="module")
-def pool():
-    with DistributedPool(world_size=2) as p:
-        yield p
+def pool(gloo_pool):
+    return gloo_pool(2)
 
 
 # Every strategy with FlashCP's compact exchange; the other exchanges once.

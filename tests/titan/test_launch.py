@@ -157,22 +157,25 @@ def test_too_little_free_space_for_a_checkpoint_fails_before_launch(tmp_path):
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tiny tmpfs needs root")
 def test_a_disk_filled_by_a_save_is_named_in_the_last_line(tmp_path):
     """Room for one checkpoint and not two: the second save fills the disk mid-run. The failing rank's
-    traceback and reason still fit (it held a reservation), so the run ends naming ENOSPC and the rank."""
+    traceback and reason still fit (it held a reservation), so the run ends naming ENOSPC and the rank.
+    FlashCP CP = 2 on 2 ranks: a checkpoint takes 7.7 MB of the 10 MB (on 4 ranks, FSDP 2 x CP 2, the
+    ranks' reservations leave room for none)."""
     disk = tmp_path / "disk"
     disk.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=10m", "tmpfs", str(disk)], check=True)
     try:
         result = subprocess.run(
-            [str(ROOT / "run_train.sh"), "--config", "debug_cpu", "--training.steps", "30",
-             "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0",
+            [str(ROOT / "run_train.sh"), "--config", "debug_cpu", "--parallelism.data_parallel_shard_degree", "1",
+             "--training.steps", "30", "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0",
              "--metrics.enable_tensorboard", "false", "--job.dump_folder", str(disk / "run")],
-            cwd=ROOT, capture_output=True, text=True, timeout=600,
+            cwd=ROOT, env={**os.environ, "NGPU": "2"}, capture_output=True, text=True, timeout=600,
         )  # fmt: skip
         last = result.stderr.strip().splitlines()[-1]
         assert result.returncode == 1, result.stderr[-2000:]
         assert re.fullmatch(r"error: rank \d+ failed \(exit code 1\): OSError: \[Errno 28\] No space left on device(: '.*')?", last), last
         logs = "".join(p.read_text() for p in (disk / "run" / "logs").rglob("stderr.log"))
         assert "Traceback" in logs and "No space left on device" in logs
+        assert (disk / "run" / "checkpoint" / "step-2" / "manifest.json").is_file()  # the first save fit
     finally:
         subprocess.run(["umount", str(disk)], check=True)
 

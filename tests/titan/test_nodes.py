@@ -56,27 +56,37 @@ def losses(out: str) -> dict[int, str]:
     return {int(m.group(1)): m.group(2) for m in STEP_LINE.finditer(plain)}
 
 
-def test_rdzv_endpoint_nodes_train_and_refuse_another_job_or_other_settings(tmp_path):
+def test_rdzv_endpoint_nodes_train_and_refuse_another_job_or_other_settings(tmp_path, capsys, monkeypatch):
     env = {"RDZV_ENDPOINT": f"127.0.0.1:{free_port()}"}
     dump, other = tmp_path / "job", tmp_path / "other"
     # The job trains far longer than the checks take, so its coordinator is surely still there for
     # the two refused nodes (a finished coordinator leaves a late node waiting for one); it is
-    # stopped by SIGTERM, which saves and exits 0 on both nodes.
+    # stopped by SIGTERM once it trains, which saves and exits 0 on both nodes. The refused nodes'
+    # launchers run in this process (they end at the meeting, before starting any rank).
     long_job = ("--training.steps", "2000", "--checkpoint.interval", "1000")
     nodes = [node(dump, env, *long_job) for _ in range(2)]
     try:
         line = nodes[0].stdout.readline() + nodes[1].stdout.readline()  # both past the meeting
         assert line.count("flashcp: ") == 2, line
-        code, _, err = finish(node(other, env, *long_job), 120)
-        assert code == 2 and err.strip().splitlines()[-1].startswith(
+        for name, value in {"NGPU": "1", "NNODES": "2", **env}.items():
+            monkeypatch.setenv(name, value)
+        capsys.readouterr()
+        assert launch.main([*TWO_RANKS, f"--job.dump_folder={other}", *long_job]) == 2
+        err = capsys.readouterr().err
+        assert err.strip().splitlines()[-1].startswith(
             f"error: the rendezvous at {env['RDZV_ENDPOINT']} belongs to job {rendezvous.run_id(str(dump))} "
             f"(dump folder {dump}), not to this node's job"
         ), err
-        code, _, err = finish(node(dump, env, *long_job, "--optimizer.lr", "0.2"), 120)
-        assert code == 2 and err.strip().splitlines()[-1] == (
+        assert launch.main([*TWO_RANKS, f"--job.dump_folder={dump}", *long_job, "--optimizer.lr", "0.2"]) == 2
+        err = capsys.readouterr().err
+        assert err.strip().splitlines()[-1] == (
             "error: this node's settings differ from the coordinator's: optimizer.lr = 0.2 here, 0.002 on the "
             "coordinator"
         ), err
+        deadline = time.monotonic() + 600  # only catches a hang
+        while not any(losses(p.read_text()) for p in (dump / "logs").rglob("stdout.log")):
+            assert time.monotonic() < deadline and all(n.poll() is None for n in nodes), "no step trained"
+            time.sleep(0.5)  # the ranks catch SIGTERM from their first step on
     finally:
         for n in nodes:
             n.send_signal(signal.SIGTERM)
@@ -109,7 +119,9 @@ def test_a_node_slot_taken_and_a_folder_not_shared_are_refused(tmp_path, monkeyp
     assert released == [1]
 
 
-def test_a_node_waiting_for_its_coordinator_stops_on_sigterm_and_gives_up_in_time(tmp_path):
+def test_a_node_waiting_for_its_coordinator_stops_on_sigterm_and_gives_up_in_time(
+    tmp_path, capsys, monkeypatch
+):
     env = {"NODE_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     waiting = node(tmp_path / "job", env)
     assert waiting.stdout.readline().startswith("flashcp: waiting for the coordinator at 127.0.0.1:")
@@ -117,7 +129,13 @@ def test_a_node_waiting_for_its_coordinator_stops_on_sigterm_and_gives_up_in_tim
     code, _, err = finish(waiting, 60)
     assert code == 2 and err.strip().splitlines()[-1].startswith(
         "error: SIGTERM while waiting for the coordinator at 127.0.0.1:"), err  # fmt: skip
-    code, _, err = finish(node(tmp_path / "job", env, "--comm.init_timeout_seconds", "3"), 120)
+    # The same node's launcher, in this process: no coordinator ever answers.
+    for name, value in {"NGPU": "1", "NNODES": "2", **env}.items():
+        monkeypatch.setenv(name, value)
+    capsys.readouterr()
+    code = launch.main([*TWO_RANKS, f"--job.dump_folder={tmp_path / 'job'}",
+                        "--comm.init_timeout_seconds", "3"])  # fmt: skip
+    err = capsys.readouterr().err
     port = int(env["MASTER_PORT"]) + 1
     assert code == 2 and err.strip().splitlines()[-1].startswith(
         f"error: no coordinator answered at 127.0.0.1:{port} within 3 s (comm.init_timeout_seconds)"), err

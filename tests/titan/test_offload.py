@@ -15,7 +15,6 @@ from unittest.mock import patch
 
 import pytest
 import torch
-from distributed_pool import DistributedPool
 from harness import TINY, tiny_job, train
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
@@ -131,7 +130,7 @@ def train_offloaded(rank: int, group, cfg: dict, stop_after: int | None = None):
     return losses, norms, len(copies)
 
 
-def test_offload_trains_what_full_ac_trains_and_resumes_exactly(tmp_path):
+def test_offload_trains_what_full_ac_trains_and_resumes_exactly(tmp_path, gloo_pool):
     """Offload only moves bytes: the same losses and gradient norms as full AC without it, bit for bit."""
     def job(name: str, model: dict, layout: dict, offload: bool, **sections) -> dict:
         return tiny_job(tmp_path / name, model=model, parallelism=layout, training={"steps": STEPS},
@@ -139,20 +138,20 @@ def test_offload_trains_what_full_ac_trains_and_resumes_exactly(tmp_path):
 
     offloaded_layers = TINY["model"]["n_layers"] - 1
     runs = {}
-    with DistributedPool(world_size=4) as pool:
-        for name, (model, layout) in LAYOUTS.items():
-            kept, kept_norms, none = pool.run(train_offloaded, (job(f"{name}/kept", model, layout, False),))[0]
-            moved, moved_norms, copies = pool.run(train_offloaded, (job(f"{name}/moved", model, layout, True),))[0]
-            print(f"{name}: offload {copies} layer inputs to host, losses {moved}, vs none {kept}")
-            assert none == 0 and copies == STEPS * offloaded_layers
-            assert sorted(moved) == list(range(1, STEPS + 1)) and moved[STEPS] < moved[1]  # it trains
-            assert moved == kept and moved_norms == kept_norms
-            runs[name] = moved
-        # Stopped after step 3 and resumed: the last steps of the run straight through.
-        model, layout = LAYOUTS["llama3 CP 2 x FSDP 2"]
-        resumed = job("resumed", model, layout, True, checkpoint={"enable": True, "interval": 3})
-        first = pool.run(train_offloaded, (resumed, 3))[0][0]
-        rest = pool.run(train_offloaded, (resumed,))[0][0]
+    pool = gloo_pool(4)
+    for name, (model, layout) in LAYOUTS.items():
+        kept, kept_norms, none = pool.run(train_offloaded, (job(f"{name}/kept", model, layout, False),))[0]
+        moved, moved_norms, copies = pool.run(train_offloaded, (job(f"{name}/moved", model, layout, True),))[0]
+        print(f"{name}: offload {copies} layer inputs to host, losses {moved}, vs none {kept}")
+        assert none == 0 and copies == STEPS * offloaded_layers
+        assert sorted(moved) == list(range(1, STEPS + 1)) and moved[STEPS] < moved[1]  # it trains
+        assert moved == kept and moved_norms == kept_norms
+        runs[name] = moved
+    # Stopped after step 3 and resumed: the last steps of the run straight through.
+    model, layout = LAYOUTS["llama3 CP 2 x FSDP 2"]
+    resumed = job("resumed", model, layout, True, checkpoint={"enable": True, "interval": 3})
+    first = pool.run(train_offloaded, (resumed, 3))[0][0]
+    rest = pool.run(train_offloaded, (resumed,))[0][0]
     straight = runs["llama3 CP 2 x FSDP 2"]
     assert first == {s: straight[s] for s in (1, 2, 3)} and rest == {s: straight[s] for s in (4, 5)}
 

@@ -16,7 +16,6 @@ the KV buffers, and its losses and gradient norms must match the same job withou
 from __future__ import annotations
 
 import pytest
-from distributed_pool import DistributedPool
 from harness import (TINY, single_rank, tiny_job, tiny_seed_checkpoint, train, train_counting_exchanges,
                      train_on_pool_rank)
 
@@ -53,7 +52,7 @@ def seed(tmp_path_factory):
     return tiny_seed_checkpoint(tmp_path_factory.mktemp("seed"))
 
 
-def test_cp2_reproduces_cp1_losses(tmp_path, seed):
+def test_cp2_reproduces_cp1_losses(tmp_path, seed, gloo_pool):
     reference_norms: dict[int, float] = {}
     with single_rank():
         reference = train(
@@ -64,36 +63,39 @@ def test_cp2_reproduces_cp1_losses(tmp_path, seed):
 
     layers = TINY["model"]["n_layers"]
     runs = {}
-    with DistributedPool(world_size=2) as pool:
-        for strategy, comm, cp, tp, ac in CASES:
-            cfg = tiny_job(
-                tmp_path / f"{strategy}_{comm}_cp{cp}_tp{tp}" / ac,
-                checkpoint=seed,
-                training={"steps": STEPS},
-                parallelism={"context_parallel_degree": cp, "tensor_parallel_degree": tp},
-                flashcp={"strategy": strategy, "comm": comm},
-                activation_checkpoint={"mode": ac},
-            )
-            losses, norms, exchanges = pool.run(train_counting_exchanges, (cfg,))[0]
-            runs[strategy, comm, cp, tp, ac] = losses, norms
-            worst, worst_norm = _worst(losses, reference), _worst(norms, reference_norms, relative=True)
-            line = (f"CP={cp} TP={tp} {strategy}/{comm} AC {ac}: max |loss - CP=1 loss| = {worst:.1e}, "
-                    f"grad norm rel. diff {worst_norm:.1e}, KV collectives run {exchanges}")  # fmt: skip
-            if ac != "none":  # the same job without activation checkpointing
-                no_ac_losses, no_ac_norms = runs[strategy, comm, cp, tp, "none"]
-                ac_worst = _worst(losses, no_ac_losses)
-                ac_worst_norm = _worst(norms, no_ac_norms, relative=True)
-                line += f"; vs AC none: loss {ac_worst:.1e}, grad norm {ac_worst_norm:.1e}"
-            print(line)
-            if ac != "none":
-                assert ac_worst <= TOLERANCE, (ac, losses, no_ac_losses)
-                assert ac_worst_norm <= GRAD_TOLERANCE, (ac, norms, no_ac_norms)
-            assert worst <= TOLERANCE, (strategy, comm, cp, tp, ac, losses, reference)
-            assert worst_norm <= GRAD_TOLERANCE, (strategy, comm, cp, tp, ac, norms, reference_norms)
-            # Per layer and step: one forward collective, or two when backward recomputes the
-            # layer, and one transposed collective in backward. None without CP.
-            expected = {"forward": STEPS * layers * (1 if ac == "none" else 2), "backward": STEPS * layers}
-            assert exchanges == (expected if cp > 1 else {}), (strategy, comm, ac, exchanges)
+    pool = gloo_pool(2)
+    for strategy, comm, cp, tp, ac in CASES:
+        # FlashCP's own case plans in the plan worker, as a launched job does; the others in the
+        # loader's thread (the harness's tiny job), which test_plan_worker_train.py shows is the same.
+        worker = (strategy, comm, cp, tp, ac) == CASES[0]
+        cfg = tiny_job(
+            tmp_path / f"{strategy}_{comm}_cp{cp}_tp{tp}" / ac,
+            checkpoint=seed,
+            training={"steps": STEPS},
+            parallelism={"context_parallel_degree": cp, "tensor_parallel_degree": tp},
+            flashcp={"strategy": strategy, "comm": comm, "plan_worker": worker},
+            activation_checkpoint={"mode": ac},
+        )
+        losses, norms, exchanges = pool.run(train_counting_exchanges, (cfg,))[0]
+        runs[strategy, comm, cp, tp, ac] = losses, norms
+        worst, worst_norm = _worst(losses, reference), _worst(norms, reference_norms, relative=True)
+        line = (f"CP={cp} TP={tp} {strategy}/{comm} AC {ac}: max |loss - CP=1 loss| = {worst:.1e}, "
+                f"grad norm rel. diff {worst_norm:.1e}, KV collectives run {exchanges}")  # fmt: skip
+        if ac != "none":  # the same job without activation checkpointing
+            no_ac_losses, no_ac_norms = runs[strategy, comm, cp, tp, "none"]
+            ac_worst = _worst(losses, no_ac_losses)
+            ac_worst_norm = _worst(norms, no_ac_norms, relative=True)
+            line += f"; vs AC none: loss {ac_worst:.1e}, grad norm {ac_worst_norm:.1e}"
+        print(line)
+        if ac != "none":
+            assert ac_worst <= TOLERANCE, (ac, losses, no_ac_losses)
+            assert ac_worst_norm <= GRAD_TOLERANCE, (ac, norms, no_ac_norms)
+        assert worst <= TOLERANCE, (strategy, comm, cp, tp, ac, losses, reference)
+        assert worst_norm <= GRAD_TOLERANCE, (strategy, comm, cp, tp, ac, norms, reference_norms)
+        # Per layer and step: one forward collective, or two when backward recomputes the
+        # layer, and one transposed collective in backward. None without CP.
+        expected = {"forward": STEPS * layers * (1 if ac == "none" else 2), "backward": STEPS * layers}
+        assert exchanges == (expected if cp > 1 else {}), (strategy, comm, ac, exchanges)
 
     # The CP=2 run's last checkpoint resumes on one rank: weights, optimizer and the data cursor
     # carry over to a different layout, so both continue with the same next windows.
@@ -106,7 +108,7 @@ def test_cp2_reproduces_cp1_losses(tmp_path, seed):
     assert max(abs(after_cp2[s] - after_cp1[s]) for s in after_cp1) <= TOLERANCE
 
 
-def test_a_balanced_dp2_step_reproduces_dp1_with_two_micro_steps(tmp_path, seed):
+def test_a_balanced_dp2_step_reproduces_dp1_with_two_micro_steps(tmp_path, seed, gloo_pool):
     """`[data] balance = "mesh"` packs each step's documents over DP ranks x micro steps from their
     lengths alone: DP = 2 with one micro step trains the same two windows as DP = 1 with two, so the
     losses and gradient norms agree; balancing off (stream order) trains other windows."""
@@ -121,8 +123,8 @@ def test_a_balanced_dp2_step_reproduces_dp1_with_two_micro_steps(tmp_path, seed)
         one = train(job("dp1", 1, "mesh"), grad_norms=one_norms)
     with single_rank():
         stream = train(job("dp1_off", 1, "off"))
-    with DistributedPool(world_size=2) as pool:
-        two, two_norms, _ = pool.run(train_counting_exchanges, (job("dp2", 2, "mesh"),))[0]
+    pool = gloo_pool(2)
+    two, two_norms, _ = pool.run(train_counting_exchanges, (job("dp2", 2, "mesh"),))[0]
     print(f"balanced DP=2 vs DP=1 x 2 micro steps: loss {_worst(two, one):.1e}, grad norm rel. diff "
           f"{_worst(two_norms, one_norms, relative=True):.1e}; vs stream order {_worst(stream, one):.1e}")  # fmt: skip
     assert _worst(two, one) <= TOLERANCE
@@ -144,7 +146,7 @@ def _train_rank(rank: int, group, cfg: dict, stop_after: int | None = None) -> t
 
 
 @pytest.mark.parametrize("name,cp,dp,tp,ac", TILED_CASES)
-def test_mlp_tiles_change_no_loss_gradient_or_resume(tmp_path, name, cp, dp, tp, ac):
+def test_mlp_tiles_change_no_loss_gradient_or_resume(tmp_path, gloo_pool, name, cp, dp, tp, ac):
     """`[activation_checkpoint] mlp_tiles = 3` (not dividing a rank's tokens) trains the untiled job's
     losses and gradient norms, and its run stopped at step 3 resumes to the same steps 4 and 5."""
     def job(dump: str, tiles: int) -> dict:
@@ -154,11 +156,11 @@ def test_mlp_tiles_change_no_loss_gradient_or_resume(tmp_path, name, cp, dp, tp,
                         checkpoint={"enable": True, "interval": 3},
                         activation_checkpoint={"mode": ac, "mlp_tiles": tiles})  # fmt: skip
 
-    with DistributedPool(world_size=cp * dp * tp) as pool:
-        plain, plain_norms = pool.run(_train_rank, (job("plain", 0),))[0]
-        tiled, tiled_norms = pool.run(_train_rank, (job("tiled", 3),))[0]
-        pool.run(_train_rank, (job("resumed", 3), 3))
-        resumed, _ = pool.run(_train_rank, (job("resumed", 3),))[0]
+    pool = gloo_pool(cp * dp * tp)
+    plain, plain_norms = pool.run(_train_rank, (job("plain", 0),))[0]
+    tiled, tiled_norms = pool.run(_train_rank, (job("tiled", 3),))[0]
+    pool.run(_train_rank, (job("resumed", 3), 3))
+    resumed, _ = pool.run(_train_rank, (job("resumed", 3),))[0]
     loss_diff, norm_diff = _worst(tiled, plain, relative=True), _worst(tiled_norms, plain_norms, relative=True)
     resume_diff = max(abs(resumed[s] - tiled[s]) for s in resumed)
     print(f"{name} CP={cp} x FSDP={dp} TP={tp} AC {ac}, 3 MLP tiles vs none: loss {loss_diff:.1e}, grad norm "
@@ -193,7 +195,7 @@ def _train_counting_graphs(rank: int, group, cfg: dict) -> tuple[dict, dict, dic
 
 
 @pytest.mark.parametrize("cp,dp,tp,ac", COMPILE_CASES)
-def test_compiled_blocks_train_the_eager_losses(tmp_path, seed, cp, dp, tp, ac):
+def test_compiled_blocks_train_the_eager_losses(tmp_path, seed, gloo_pool, cp, dp, tp, ac):
     """`[compile] enable` (inductor, each block one graph with FlashCP's op inside) trains the eager
     job's losses and gradient norms over 20 windows, runs the same KV collectives, and compiles one
     graph for the blocks (two under TP, see below) with no break: no window recompiles them."""
@@ -203,9 +205,9 @@ def test_compiled_blocks_train_the_eager_losses(tmp_path, seed, cp, dp, tp, ac):
                                      "tensor_parallel_degree": tp},
                         activation_checkpoint={"mode": ac}, compile={"enable": compiled, "components": ["model"]})  # fmt: skip
 
-    with DistributedPool(world_size=cp * dp * tp) as pool:
-        eager, eager_norms, eager_exchanges, _ = pool.run(_train_counting_graphs, (job("eager", False),))[0]
-        compiled, norms, exchanges, (graphs, breaks) = pool.run(_train_counting_graphs, (job("compiled", True),))[0]
+    pool = gloo_pool(cp * dp * tp)
+    eager, eager_norms, eager_exchanges, _ = pool.run(_train_counting_graphs, (job("eager", False),))[0]
+    compiled, norms, exchanges, (graphs, breaks) = pool.run(_train_counting_graphs, (job("compiled", True),))[0]
     loss_diff, norm_diff = _worst(compiled, eager, relative=True), _worst(norms, eager_norms, relative=True)
     print(f"CP={cp} x FSDP={dp} x TP={tp} AC {ac}, compiled vs eager over {COMPILE_STEPS} steps: loss {loss_diff:.1e}, "
           f"grad norm {norm_diff:.1e} (relative); graphs compiled {graphs}, breaks {breaks}; "

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from distributed_pool import DistributedPool
 from harness import tiny_job, train_on_pool_rank
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "data"))
@@ -57,23 +56,23 @@ def job(dump: Path, worker: bool, **sections: Any) -> dict:
                     flashcp={"plan_worker": worker}, **sections)  # fmt: skip
 
 
-def test_cp2_with_the_plan_worker_trains_resumes_and_ends_like_without(tmp_path) -> None:
+def test_cp2_with_the_plan_worker_trains_resumes_and_ends_like_without(tmp_path, gloo_pool) -> None:
     saving = {"checkpoint": {"enable": True, "interval": 3}}
-    with DistributedPool(world_size=2) as pool:
-        (thread, pids, _, error), _ = pool.run(train_watching_workers, (job(tmp_path / "thread", False),))
-        assert error is None and pids == [] and sorted(thread) == [1, 2, 3, 4, 5, 6]
+    pool = gloo_pool(2)
+    (thread, pids, _, error), _ = pool.run(train_watching_workers, (job(tmp_path / "thread", False),))
+    assert error is None and pids == [] and sorted(thread) == [1, 2, 3, 4, 5, 6]
 
-        first = pool.run(train_watching_workers, (job(tmp_path / "worker", True, **saving), 3))
-        rest = pool.run(train_watching_workers, (job(tmp_path / "worker", True, **saving),))
-        for losses, pids, alive, error in first + rest:
-            assert error is None and len(pids) == 1 and alive == []  # one worker per rank and run, ended
-        # The same windows, plans and dispatches: bit for bit the same losses, across the resume too.
-        assert first[0][0] == {s: thread[s] for s in (1, 2, 3)}
-        assert rest[0][0] == {s: thread[s] for s in (4, 5, 6)}
-        print(f"CP 2 losses, loader thread: {thread}\nCP 2 losses, plan worker (3 + resumed 3): "
-              f"{first[0][0] | rest[0][0]}")  # fmt: skip
+    first = pool.run(train_watching_workers, (job(tmp_path / "worker", True, **saving), 3))
+    rest = pool.run(train_watching_workers, (job(tmp_path / "worker", True, **saving),))
+    for losses, pids, alive, error in first + rest:
+        assert error is None and len(pids) == 1 and alive == []  # one worker per rank and run, ended
+    # The same windows, plans and dispatches: bit for bit the same losses, across the resume too.
+    assert first[0][0] == {s: thread[s] for s in (1, 2, 3)}
+    assert rest[0][0] == {s: thread[s] for s in (4, 5, 6)}
+    print(f"CP 2 losses, loader thread: {thread}\nCP 2 losses, plan worker (3 + resumed 3): "
+          f"{first[0][0] | rest[0][0]}")  # fmt: skip
 
-        failed = pool.run(train_watching_workers, (job(tmp_path / "killed", True), None, 3))
+    failed = pool.run(train_watching_workers, (job(tmp_path / "killed", True), None, 3))
     for losses, pids, alive, error in failed:
         assert losses is None and alive == []
         assert error is not None and "\n" not in error

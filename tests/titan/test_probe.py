@@ -21,7 +21,6 @@ import numpy as np
 import pytest
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from distributed_pool import DistributedPool
 from harness import single_rank, tiny_job, tiny_seed_checkpoint, train
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -172,7 +171,7 @@ def _worst(a: ProbeResult, b: ProbeResult) -> float:
     return float(np.abs(a.logprob - b.logprob).max())
 
 
-def test_cp2_tp2_and_fsdp2_score_as_cp1(tmp_path, seed):
+def test_cp2_tp2_and_fsdp2_score_as_cp1(tmp_path, seed, gloo_pool):
     """The same prompts and weights give the same per-cell log-probabilities and accuracies on every layout.
 
     The layouts are checked to be really built (`assert_sharded`). Measured 0.0 on every cell, also
@@ -188,16 +187,16 @@ def test_cp2_tp2_and_fsdp2_score_as_cp1(tmp_path, seed):
         "tp2": job(tmp_path / "tp2", seed, parallelism={"tensor_parallel_degree": 2}, loss={"chunk_tokens": 64}),
         "fsdp2": job(tmp_path / "fsdp2", seed, parallelism={"data_parallel_shard_degree": 2}),
     }
-    with DistributedPool(world_size=2) as pool:
-        for name, cfg in cases.items():
-            (ours, layout), (other_rank, other_layout) = pool.run(probe_on_pool_rank, (cfg,))
-            assert_sharded(name, [layout, other_layout])
-            assert _worst(ours, other_rank) == 0.0  # summed over the ranks
-            worst = _worst(ours, reference)
-            print(f"{name}: max |per-cell answer log-prob - CP = 1| = {worst:.2e} (CP = 1: {reference.logprob.min():.6f}"
-                  f" .. {reference.logprob.max():.6f})")
-            assert worst <= TOLERANCE, (name, ours, reference)
-            assert ours.tokens == (12 if name == "fsdp2" else 11) * SEQ_LEN  # FSDP: windows even over 2 ranks
+    pool = gloo_pool(2)
+    for name, cfg in cases.items():
+        (ours, layout), (other_rank, other_layout) = pool.run(probe_on_pool_rank, (cfg,))
+        assert_sharded(name, [layout, other_layout])
+        assert _worst(ours, other_rank) == 0.0  # summed over the ranks
+        worst = _worst(ours, reference)
+        print(f"{name}: max |per-cell answer log-prob - CP = 1| = {worst:.2e} (CP = 1: {reference.logprob.min():.6f}"
+              f" .. {reference.logprob.max():.6f})")
+        assert worst <= TOLERANCE, (name, ours, reference)
+        assert ours.tokens == (12 if name == "fsdp2" else 11) * SEQ_LEN  # FSDP: windows even over 2 ranks
 
 
 def test_training_logs_the_heatmap_and_trains_as_without_the_probe(tmp_path, seed):
@@ -295,7 +294,7 @@ def cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=600)  # fmt: skip
 
 
-def test_cli_probes_a_checkpoint_on_the_jobs_layout_as_training_does(tmp_path, seed):
+def test_cli_probes_a_checkpoint_on_the_jobs_layout_as_training_does(tmp_path, seed, capsys, monkeypatch):
     """`python -m flashcp.titan.probe --checkpoint` on the seed checkpoint, CP = 2 through torchrun, gives
     the probe of training at CP = 1 on the same weights; bad folders are one line, exit 2."""
     with single_rank():
@@ -313,8 +312,14 @@ def test_cli_probes_a_checkpoint_on_the_jobs_layout_as_training_does(tmp_path, s
     assert (np.array(record["accuracy"]) == reference.accuracy).all()
     assert (out / "probe" / f"step-{record['step']}.png").is_file()
 
-    missing = cli(tmp_path, "--checkpoint", str(tmp_path / "nowhere"), "--config", "job.toml")
-    assert missing.returncode == 2 and missing.stderr == f"error: --checkpoint {tmp_path / 'nowhere'}: no such folder\n"
-    not_hf = cli(tmp_path, "--hf", seed["initial_load_path"], "--config", "job.toml")
-    assert not_hf.returncode == 2
-    assert not_hf.stderr == f"error: --hf {seed['initial_load_path']}: no config.json, not a Hugging Face model folder\n"
+    # Refused before any rank starts: the same `main`, called here.
+    from flashcp.titan.probe.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    capsys.readouterr()
+    assert main(["--checkpoint", str(tmp_path / "nowhere"), "--config", "job.toml"]) == 2
+    assert capsys.readouterr().err == f"error: --checkpoint {tmp_path / 'nowhere'}: no such folder\n"
+    assert main(["--hf", seed["initial_load_path"], "--config", "job.toml"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: --hf {seed['initial_load_path']}: no config.json, not a Hugging Face model folder\n")

@@ -22,7 +22,6 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from distributed_pool import DistributedPool
 from harness import TINY
 
 import flashcp.titan  # noqa: F401  (TorchTitan shims before transformers / torchtitan)
@@ -97,10 +96,10 @@ def transformers_cells(folder: Path, cfg: dict) -> tuple[np.ndarray, np.ndarray]
     return sums / counts, right / prompts
 
 
-def test_probe_matches_transformers_on_each_prompt_alone(tmp_path, hf_folder):
+def test_probe_matches_transformers_on_each_prompt_alone(tmp_path, hf_folder, gloo_pool):
     cfg = hf_job(tmp_path / "cp2", hf_folder)
-    with DistributedPool(world_size=2) as pool:
-        ours, _ = pool.run(probe_on_pool_rank, (cfg,))
+    pool = gloo_pool(2)
+    ours, _ = pool.run(probe_on_pool_rank, (cfg,))
     logprob, accuracy = transformers_cells(hf_folder, cfg)
     assert len(set(np.round(logprob, 4).flatten().tolist())) > 1  # a model whose answers differ by cell
     relative = float(np.abs(ours.logprob - logprob).max() / np.abs(logprob).max())

@@ -19,7 +19,6 @@ import pytest
 import torch.distributed as dist
 from torch.distributed.tensor import distribute_tensor, DTensor
 from copying_model import copying_state_dict, MODEL
-from distributed_pool import DistributedPool
 from harness import tiny_job
 
 from flashcp.titan.config import check_layout
@@ -52,9 +51,8 @@ def probe_copying_model(rank: int, group: Any, dump: Path, retrieve: bool) -> Pr
 
 
 @pytest.fixture(scope="module")
-def pool():
-    with DistributedPool(world_size=2) as p:
-        yield p
+def pool(gloo_pool):
+    return gloo_pool(2)
 
 
 def test_the_probe_separates_a_retrieving_model_from_one_that_cannot(tmp_path, pool):

@@ -13,7 +13,6 @@ import copy
 import json
 
 import pytest
-from distributed_pool import DistributedPool
 from harness import single_rank, TINY, train, train_counting_exchanges
 from test_parity import _worst, GRAD_TOLERANCE, TOLERANCE
 
@@ -50,21 +49,21 @@ def setup(tmp_path_factory):
     return folder, seed
 
 
-def test_qwen3_cp2_and_tp2_reproduce_one_rank(tmp_path, setup):
+def test_qwen3_cp2_and_tp2_reproduce_one_rank(tmp_path, setup, gloo_pool):
     folder, seed = setup
     norms: dict[int, float] = {}
     with single_rank():
         reference = train(qwen3_job(tmp_path / "one", folder, checkpoint=seed), grad_norms=norms)
     assert reference[STEPS] < reference[1]  # it trains
-    with DistributedPool(world_size=2) as pool:
-        for cp, tp in [(2, 1), (1, 2)]:
-            layout = {"context_parallel_degree": cp, "tensor_parallel_degree": tp}
-            cfg = qwen3_job(tmp_path / f"cp{cp}_tp{tp}", folder, checkpoint=seed, parallelism=layout)
-            losses, run_norms, _ = pool.run(train_counting_exchanges, (cfg,))[0]
-            worst, worst_norm = _worst(losses, reference), _worst(run_norms, norms, relative=True)
-            print(
-                f"Qwen3 CP={cp} TP={tp}: max |loss - one rank| = {worst:.1e}, "
-                f"grad norm rel. diff {worst_norm:.1e}"
-            )
-            assert worst <= TOLERANCE, (cp, tp, losses, reference)
-            assert worst_norm <= GRAD_TOLERANCE, (cp, tp, run_norms, norms)
+    pool = gloo_pool(2)
+    for cp, tp in [(2, 1), (1, 2)]:
+        layout = {"context_parallel_degree": cp, "tensor_parallel_degree": tp}
+        cfg = qwen3_job(tmp_path / f"cp{cp}_tp{tp}", folder, checkpoint=seed, parallelism=layout)
+        losses, run_norms, _ = pool.run(train_counting_exchanges, (cfg,))[0]
+        worst, worst_norm = _worst(losses, reference), _worst(run_norms, norms, relative=True)
+        print(
+            f"Qwen3 CP={cp} TP={tp}: max |loss - one rank| = {worst:.1e}, "
+            f"grad norm rel. diff {worst_norm:.1e}"
+        )
+        assert worst <= TOLERANCE, (cp, tp, losses, reference)
+        assert worst_norm <= GRAD_TOLERANCE, (cp, tp, run_norms, norms)

@@ -17,7 +17,6 @@ from unittest.mock import patch
 
 import pytest
 import torch
-from distributed_pool import DistributedPool
 from harness import single_rank, tiny_job, train
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -200,9 +199,9 @@ def stop_where_rank_1_is_signalled(rank: int, group, at: int) -> list[int]:
         stop.close()
 
 
-def test_all_ranks_agree_on_the_step_when_one_rank_is_signalled():
-    with DistributedPool(world_size=2) as pool:
-        assert pool.run(stop_where_rank_1_is_signalled, (3,)) == [[0, 0, signal.SIGTERM, signal.SIGTERM]] * 2
+def test_all_ranks_agree_on_the_step_when_one_rank_is_signalled(gloo_pool):
+    pool = gloo_pool(2)
+    assert pool.run(stop_where_rank_1_is_signalled, (3,)) == [[0, 0, signal.SIGTERM, signal.SIGTERM]] * 2
 
 
 # ---------------------------------------------------------------- stopping on a signal, the launcher

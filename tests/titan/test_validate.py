@@ -18,7 +18,6 @@ from typing import Any
 
 import pytest
 import torch
-from distributed_pool import DistributedPool
 from harness import single_rank, tiny_job, tiny_seed_checkpoint, train, train_on_pool_rank
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -87,7 +86,7 @@ def test_bucket_edges_double_from_bucket_min_up_to_the_context():
     assert bucket_name(2048, 3000) == "2K-3000"
 
 
-def test_cp2_tp2_and_fsdp2_validate_as_cp1(tmp_path, seed):
+def test_cp2_tp2_and_fsdp2_validate_as_cp1(tmp_path, seed, gloo_pool):
     """The same held-out windows and weights give the same loss and buckets on every layout.
 
     Each job trains one step of two windows (two micro steps, or one on each of FSDP's two data-
@@ -109,13 +108,13 @@ def test_cp2_tp2_and_fsdp2_validate_as_cp1(tmp_path, seed):
             "fsdp2", 2, parallelism={"data_parallel_shard_degree": 2}, activation_checkpoint={"mode": "full"}
         ),
     }
-    with DistributedPool(world_size=2) as pool:
-        for name, cfg in cases.items():
-            (_, results), (_, other_rank) = pool.run(validate_on_pool_rank, (cfg,))
-            assert [r.loss for r in results] == [r.loss for r in other_rank]  # summed over the ranks
-            worst = _worst(results, reference)
-            print(f"{name}: max |validation loss - CP = 1| over the loss and its buckets = {worst:.1e}")
-            assert worst <= TOLERANCE, (name, results, reference)
+    pool = gloo_pool(2)
+    for name, cfg in cases.items():
+        (_, results), (_, other_rank) = pool.run(validate_on_pool_rank, (cfg,))
+        assert [r.loss for r in results] == [r.loss for r in other_rank]  # summed over the ranks
+        worst = _worst(results, reference)
+        print(f"{name}: max |validation loss - CP = 1| over the loss and its buckets = {worst:.1e}")
+        assert worst <= TOLERANCE, (name, results, reference)
 
 
 def test_buckets_partition_the_labelled_tokens_by_position_and_training_is_unchanged(tmp_path, seed):
