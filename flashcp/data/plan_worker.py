@@ -21,6 +21,8 @@ importable from `flashcp`'s directory and PYTHONPATH (not from a script's `__mai
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import gc
 import io
 import os
@@ -40,6 +42,9 @@ from flashcp.data.balance import gc_paused
 _ROOT = str(Path(__file__).resolve().parents[2])  # the directory holding the flashcp package
 
 
+PIPE_BYTES = 1 << 20
+
+
 class WorkerError(RuntimeError):
     """The worker process ended or could not be reached; the message names the cause."""
 
@@ -49,10 +54,17 @@ class PlanWorker:
 
     def __init__(self) -> None:
         path = os.pathsep.join(filter(None, [_ROOT, os.environ.get("PYTHONPATH")]))
+        # Started in flashcp's directory: `-m` puts the working directory first on the path, and
+        # another checkout there would answer with other code.
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "flashcp.data.plan_worker"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            env=dict(os.environ, PYTHONPATH=path), start_new_session=True,
+            env=dict(os.environ, PYTHONPATH=path), cwd=_ROOT, start_new_session=True,
         )  # fmt: skip
+        # A reply (a few MiB at 1M tokens) crosses a 64 KiB pipe in ~50 reads, and the loader's thread
+        # takes the GIL back from the training thread after each one; 1 MiB (Linux's default limit for
+        # an unprivileged process) makes it a few.
+        with contextlib.suppress(OSError, AttributeError):  # not Linux, or a lower limit: keep the default
+            fcntl.fcntl(self._proc.stdout.fileno(), fcntl.F_SETPIPE_SZ, PIPE_BYTES)
 
     @property
     def pid(self) -> int:
@@ -62,7 +74,8 @@ class PlanWorker:
         """(planner(doc_lens), dispatcher(plan)), computed in the worker; its exception is raised here."""
         try:
             _send(self._proc.stdin, pickle.dumps((planner, dispatcher, [int(n) for n in doc_lens])))
-            ok, value = pickle.loads(_receive(self._proc.stdout))
+            data, buffers = _receive(self._proc.stdout)
+            ok, value = pickle.loads(data, buffers=buffers)
         except (OSError, EOFError) as e:
             raise WorkerError(f"the planning worker process (pid {self.pid}) {self._ended()} "
                               f"({type(e).__name__}: {e})") from None  # fmt: skip
@@ -93,9 +106,10 @@ class PlanWorker:
 
 
 class _ReplyPickler(pickle.Pickler):
-    """Tensors as numpy arrays: unpickling them is one copy of their bytes, about a fifth of the time
-    torch's own pickling takes on the loader's thread, which holds the GIL meanwhile (~0.3 vs 1.3 ms per
-    1M-token CP 16 dispatch)."""
+    """Tensors as numpy arrays, whose bytes pickle out of band (protocol 5): the receiver reads them
+    straight into their arrays' memory, a copy the pipe's read makes without the GIL. Unpickled in
+    band, their copy held the loader thread's GIL for ~0.5 ms per 1M-token CP 16 dispatch (3.4 MB),
+    and torch's own pickling ~1.3 ms."""
 
     def reducer_override(self, obj: Any) -> Any:
         if type(obj) is torch.Tensor and obj.device.type == "cpu" and not obj.requires_grad:
@@ -106,25 +120,51 @@ class _ReplyPickler(pickle.Pickler):
         return NotImplemented
 
 
-def _dumps_reply(reply: Any) -> bytes:
-    out = io.BytesIO()
-    _ReplyPickler(out, protocol=5).dump(reply)
-    return out.getvalue()
+def _dumps_reply(reply: Any) -> tuple[bytes, list[pickle.PickleBuffer]]:
+    out, buffers = io.BytesIO(), []
+    _ReplyPickler(out, protocol=5, buffer_callback=buffers.append).dump(reply)
+    return out.getvalue(), buffers
 
 
-def _send(pipe: BinaryIO, data: bytes) -> None:
-    """One message: its length, then its bytes (a message that fails to unpickle leaves the next intact)."""
-    pipe.write(len(data).to_bytes(8, "little") + data)
+def _starts(sizes: Sequence[int]) -> list[int]:
+    """Where each part of a message's body begins: parts follow each other, each at a multiple of
+    64 bytes, so that arrays read into the body are as aligned as the body (at least 16 bytes)."""
+    starts = [0]
+    for n in sizes[:-1]:
+        starts.append(-(-(starts[-1] + n) // 64) * 64)
+    return starts
+
+
+def _send(pipe: BinaryIO, data: bytes, buffers: Sequence[pickle.PickleBuffer] = ()) -> None:
+    """One message: how many parts, their sizes, then the body: the pickle and its out-of-band buffers
+    (a message that fails to unpickle leaves the next intact)."""
+    parts = [memoryview(data), *(b.raw() for b in buffers)]
+    sizes = [len(part) for part in parts]
+    pipe.write(b"".join(n.to_bytes(8, "little") for n in [len(parts), *sizes]))
+    end = 0
+    for start, part in zip(_starts(sizes), parts):
+        pipe.write(bytes(start - end))
+        pipe.write(part)
+        end = start + len(part)
     pipe.flush()
 
 
-def _receive(pipe: BinaryIO) -> bytes:
-    """The next message's bytes; EOFError at the end of the stream."""
+def _receive(pipe: BinaryIO) -> tuple[memoryview, list[memoryview]]:
+    """The next message's pickle and buffers, views of one body read at once: every read returns
+    the GIL to the training thread and takes it back, so they are as few as the pipe allows. EOFError
+    at the end of the stream."""
     head = pipe.read(8)
-    data = pipe.read(int.from_bytes(head, "little")) if len(head) == 8 else b""
-    if len(head) < 8 or len(data) < int.from_bytes(head, "little"):
+    count = int.from_bytes(head, "little")
+    raw = pipe.read(8 * count) if len(head) == 8 else b""
+    if len(head) < 8 or len(raw) < 8 * count or count < 1:
         raise EOFError("the pipe closed" + (" inside a message" if head else ""))
-    return data
+    sizes = [int.from_bytes(raw[i : i + 8], "little") for i in range(0, 8 * count, 8)]
+    starts = _starts(sizes)
+    body = bytearray(starts[-1] + sizes[-1])
+    if pipe.readinto(body) < len(body):
+        raise EOFError("the pipe closed inside a message")
+    data, *buffers = (memoryview(body)[start : start + n] for start, n in zip(starts, sizes))
+    return data, buffers
 
 
 def _serve(requests: BinaryIO, replies: BinaryIO) -> None:
@@ -135,7 +175,7 @@ def _serve(requests: BinaryIO, replies: BinaryIO) -> None:
     made the p99 of planning 3-4x its median), and collects between requests."""
     while True:
         try:
-            request = _receive(requests)
+            request, _ = _receive(requests)
         except EOFError:
             return
         try:
@@ -148,10 +188,11 @@ def _serve(requests: BinaryIO, replies: BinaryIO) -> None:
             e.add_note(f"in the planning worker process:\n{traceback.format_exc()}")
             reply = (False, e)
         try:
-            data = _dumps_reply(reply)
+            data, buffers = _dumps_reply(reply)
         except Exception as e:  # an exception that does not pickle: its type and message
-            data = pickle.dumps((False, RuntimeError(f"{type(reply[1]).__name__}: {reply[1]} ({e})")))
-        _send(replies, data)
+            error = RuntimeError(f"{type(reply[1]).__name__}: {reply[1]} ({e})")
+            data, buffers = pickle.dumps((False, error)), []
+        _send(replies, data, buffers)
 
 
 def main() -> None:

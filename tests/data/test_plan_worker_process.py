@@ -112,3 +112,45 @@ def test_a_request_the_worker_cannot_read_fails_alone() -> None:
         assert worker.run(len, None, [1, 2, 3]) == (3, None)
     finally:
         worker.close()
+
+
+def test_a_reply_carries_its_arrays_out_of_band_intact_and_aligned() -> None:
+    """A reply's tensors travel as out-of-band buffers read straight into one message body (the
+    copy happens in the pipe's read, without the GIL); every dtype comes back equal, a bfloat16 or
+    non-contiguous tensor through ordinary pickling, and each array is aligned for its dtype."""
+    import pickle
+    import threading
+
+    import torch
+
+    from flashcp.data.plan_worker import _dumps_reply, _receive, _send
+
+    tensors = [torch.arange(n).to(dtype) for n, dtype in
+               [(0, torch.int64), (3, torch.int32), (5, torch.bool), (100_003, torch.int64),
+                (7, torch.float64), (9, torch.bfloat16)]] + [torch.arange(40).view(8, 5).t()]  # fmt: skip
+    data, buffers = _dumps_reply((True, ({"plan": "x"}, tensors)))
+    assert len(buffers) >= 5  # the numpy-representable contiguous ones
+    read_fd, write_fd = os.pipe()  # 64 KiB: the writer runs beside the reader, as the worker does
+    with os.fdopen(read_fd, "rb") as reader, os.fdopen(write_fd, "wb") as writer:
+        sender = threading.Thread(target=_send, args=(writer, data, buffers))
+        sender.start()
+        body, received = _receive(reader)
+        sender.join()
+    ok, (plan, got) = pickle.loads(body, buffers=received)
+    assert ok and plan == {"plan": "x"}
+    for want, have in zip(tensors, got, strict=True):
+        assert have.dtype == want.dtype and torch.equal(have, want)
+        assert have.numel() == 0 or have.data_ptr() % have.element_size() == 0
+
+
+def test_the_worker_runs_this_flashcp_whatever_the_working_directory(tmp_path, monkeypatch) -> None:
+    """Started from a directory holding another `flashcp`, the worker still imports the parent's:
+    `python -m` puts the working directory first on its path."""
+    (tmp_path / "flashcp").mkdir()
+    (tmp_path / "flashcp" / "__init__.py").write_text("raise ImportError('another flashcp')\n")
+    monkeypatch.chdir(tmp_path)
+    worker = PlanWorker()
+    try:
+        assert worker.run(len, None, [1, 2, 3]) == (3, None)
+    finally:
+        worker.close()
