@@ -14,7 +14,10 @@ ranks of a plan to 0.4 %; 512 x 512 tiles waste up to 1.40x and 6.6 %). The forw
 running maximum and sum per query row (the online softmax) and saves only the output and each
 row's log-sum-exp; the backward recomputes every tile's probabilities from them. Memory is
 therefore the inputs plus O(BLOCK_Q x BLOCK_K x heads) per step, whatever the sequence lengths,
-instead of a saved probability per attended pair.
+instead of a saved probability per attended pair. Those per-tile arrays are written into buffers
+allocated once per call (`_Workspace`): allocated afresh, each multi-MiB array is mapped and faulted
+in again by the C allocator, which cost a rank 10-50 % of its time, varying with its tiles' sizes
+and order rather than its attended pairs (measured at 16K / CP 4, see docs/results.md).
 
 Scores and probabilities are computed in `compute_dtype` (float64 for float64 inputs, float32
 otherwise); running statistics and accumulators in at least float32, as flash kernels keep them.
@@ -99,16 +102,35 @@ def _tokens_first(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return y.to(like.dtype, copy=True, memory_format=torch.contiguous_format).view(t, h, d)
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, tile: Tile, group: int) -> torch.Tensor:
-    """The tile's scores [Hkv, Bq * G, Bk] (q comes scaled), -inf where the causal mask hides a key."""
-    scores = q @ k.transpose(-1, -2)
+class _Workspace:
+    """Flat buffers sized for the plan's largest tile, reused by every tile of one call: `take(i, ...)`
+    views buffer i as a contiguous array (0: scores or probabilities, 1: their gradient, 2: a tile's
+    product with V, dO, K or Q), and `hidden` writes a tile's causal mask from one precomputed band."""
+
+    def __init__(self, like: torch.Tensor, plan: list[list[Tile]], kv_heads: int, group: int, width: int):
+        rows = max((t.q1 - t.q0 for row in plan for t in row), default=0)
+        cols = max((t.k1 - t.k0 for row in plan for t in row), default=0)
+        sizes = (rows * group * cols, rows * group * cols, max(rows * group, cols) * width)
+        self.buffers = [like.new_empty(kv_heads * n) for n in sizes]
+        # band[i, j] = j - i: a tile hides key j from its query row i where j - i > diagonal.
+        self.band = torch.arange(cols, device=like.device) - torch.arange(rows, device=like.device)[:, None]
+        self.mask = torch.empty(rows * cols, dtype=torch.bool, device=like.device)
+
+    def take(self, i: int, *shape: int) -> torch.Tensor:
+        return self.buffers[i][: math.prod(shape)].view(shape)
+
+    def hidden(self, tile: Tile) -> torch.Tensor:
+        rows, cols = tile.q1 - tile.q0, tile.k1 - tile.k0
+        return torch.gt(self.band[:rows, :cols], tile.diagonal, out=self.mask[: rows * cols].view(rows, cols))
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, tile: Tile, group: int, ws: _Workspace) -> torch.Tensor:
+    """The tile's scores [Hkv, Bq * G, Bk] (q comes scaled) in workspace buffer 0, -inf where the
+    causal mask hides a key."""
+    hkv, rows, cols = q.shape[0], q.shape[1], k.shape[1]
+    scores = torch.matmul(q, k.transpose(-1, -2), out=ws.take(0, hkv, rows, cols))
     if tile.diagonal is not None:
-        rows = torch.arange(tile.q1 - tile.q0, device=q.device).unsqueeze(1) + tile.diagonal
-        hidden = torch.arange(tile.k1 - tile.k0, device=q.device).unsqueeze(0) > rows
-        hkv, _, bk = scores.shape
-        # Out of place: selective activation checkpointing may hand back a saved matmul output.
-        masked = scores.view(hkv, -1, group, bk).masked_fill(hidden.unsqueeze(1), float("-inf"))
-        scores = masked.view(hkv, -1, bk)
+        scores.view(hkv, -1, group, cols).masked_fill_(ws.hidden(tile).unsqueeze(1), float("-inf"))
     return scores
 
 
@@ -124,6 +146,7 @@ class _BlockedAttention(torch.autograd.Function):
         out = qs.new_zeros(qs.shape, dtype=stat)
         # Log-sum-exp per query row; +inf where a row sees no key, so its recomputed probabilities are 0.
         lse = qs.new_full(qs.shape[:2], math.inf, dtype=stat)
+        ws = _Workspace(qs, plan, hkv, group, qs.shape[-1])
         for row in plan:
             if not row:
                 continue
@@ -133,14 +156,15 @@ class _BlockedAttention(torch.autograd.Function):
             total = qs.new_zeros((hkv, r1 - r0, 1), dtype=stat)
             acc = out[:, r0:r1]
             for tile in row:
-                scores = _scores(qb, ks[:, tile.k0 : tile.k1], tile, group)
+                scores = _scores(qb, ks[:, tile.k0 : tile.k1], tile, group, ws)
                 new_peak = torch.maximum(peak, scores.amax(-1, keepdim=True).to(stat))
                 # A row with no visible key so far keeps peak -inf: subtract 0 instead (its exps are 0).
                 base = new_peak.masked_fill(new_peak == -math.inf, 0.0)
-                probs = torch.exp(scores.to(stat) - base).to(compute)
+                probs = scores.to(stat).sub_(base).exp_().to(compute)
                 decay = torch.exp(peak - base)
                 total.mul_(decay).add_(probs.sum(-1, keepdim=True, dtype=stat))
-                acc.mul_(decay).add_(probs @ vs[:, tile.k0 : tile.k1])
+                pv = ws.take(2, hkv, r1 - r0, vs.shape[-1])
+                acc.mul_(decay).add_(torch.matmul(probs, vs[:, tile.k0 : tile.k1], out=pv))
                 peak = new_peak
             seen = total > 0
             acc.div_(total.masked_fill(~seen, 1.0))
@@ -161,6 +185,7 @@ class _BlockedAttention(torch.autograd.Function):
         # softmax backward: dS = P * (dP - rowsum(dO * O)), one sum per query row.
         delta = (dos.to(stat) * out).sum(-1, keepdim=True)
         dq, dk, dv = (qs.new_zeros(t.shape, dtype=stat) for t in (qs, ks, vs))
+        ws = _Workspace(qs, ctx.plan, hkv, group, qs.shape[-1])
         for row in ctx.plan:
             if not row:
                 continue
@@ -168,11 +193,14 @@ class _BlockedAttention(torch.autograd.Function):
             qb, dob, lse_b, delta_b = qs[:, r0:r1], dos[:, r0:r1], lse[:, r0:r1, None], delta[:, r0:r1]
             for tile in row:
                 kt, vt = ks[:, tile.k0 : tile.k1], vs[:, tile.k0 : tile.k1]
-                probs = _scores(qb, kt, tile, group).to(stat).sub_(lse_b).exp_().to(compute)
-                dv[:, tile.k0 : tile.k1] += probs.transpose(-1, -2) @ dob
-                dscores = (dob @ vt.transpose(-1, -2)).sub_(delta_b).mul_(probs)
-                dq[:, r0:r1] += dscores @ kt
-                dk[:, tile.k0 : tile.k1] += dscores.transpose(-1, -2) @ qb
+                rows, cols, width = r1 - r0, tile.k1 - tile.k0, qs.shape[-1]
+                by_key, by_query = ws.take(2, hkv, cols, width), ws.take(2, hkv, rows, width)
+                probs = _scores(qb, kt, tile, group, ws).to(stat).sub_(lse_b).exp_().to(compute)
+                dv[:, tile.k0 : tile.k1] += torch.matmul(probs.transpose(-1, -2), dob, out=by_key)
+                dscores = torch.matmul(dob, vt.transpose(-1, -2), out=ws.take(1, hkv, rows, cols))
+                dscores.sub_(delta_b).mul_(probs)
+                dq[:, r0:r1] += torch.matmul(dscores, kt, out=by_query)
+                dk[:, tile.k0 : tile.k1] += torch.matmul(dscores.transpose(-1, -2), qb, out=by_key)
         dq.mul_(scale)  # the tiles used q * scale
         grads = (_tokens_first(g, t) for g, t in ((dq, q), (dk, k), (dv, v)))
         return (*grads, None, None, None)
