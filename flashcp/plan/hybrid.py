@@ -35,7 +35,7 @@ import numpy as np
 
 from flashcp.plan.per_doc import per_doc_layout
 from flashcp.plan.plan import Shard, shard_workload
-from flashcp.plan.whole_doc import GOAL_SHARE, Queued, RankFill, place_documents, rebalance
+from flashcp.plan.whole_doc import GOAL_SHARE, RankFill, Sorted, place_documents, rebalance
 
 # Workload the last chunk of the longest Per-Doc document is sized to carry, as a share of the
 # mean per rank: large enough to spare its holder many sends, small enough to leave room for
@@ -150,17 +150,12 @@ class _Window:
         self.doc_lens = doc_lens
         self.n = cp_size
         self.per_rank = sum(doc_lens) // cp_size
-        self.mean = sum(shard_workload(0, x) for x in doc_lens) / cp_size
+        self.docs = Sorted.of(doc_lens, range(len(doc_lens)))  # placement's, shared by the attempts
+        self.order = [d for _, d, _ in self.docs.items]
+        self.mean = self.docs.work[0] / cp_size
         self.target = target_imbalance
         self.cap = target_imbalance * self.mean
         self.goal = self.mean * (1 + GOAL_SHARE * (target_imbalance - 1))
-        self.order = sorted(range(len(doc_lens)), key=lambda d: (-doc_lens[d], d))
-        # Placement's queue of order[k:] for every k: a sorted list is a heap, and so is its
-        # suffix; and the tokens and workload of each suffix.
-        self.queue = [(-doc_lens[d], d, True) for d in self.order]
-        lens = np.array([doc_lens[d] for d in self.order] + [0], dtype=np.int64)
-        self.rest_tokens = np.cumsum(lens[::-1])[::-1].tolist()
-        self.rest_work = np.cumsum((lens * (lens + 1) // 2)[::-1])[::-1].tolist()
         # Plain Per-Doc layout of order[FLEXIBLE:], extended as k grows: every attempt takes a
         # prefix of it (a document's chunks do not depend on the documents after it). The
         # layout's arrays (`per_doc_layout`), per rank the running tokens, workload and sent
@@ -171,10 +166,6 @@ class _Window:
         self.per_doc_totals = np.zeros((3, cp_size, 1), dtype=np.int64)
         self.per_doc_pointer = 0
         self.per_doc_ranks: list[list[Shard]] = [[] for _ in range(cp_size)]
-
-    def queued(self, k: int) -> Queued:
-        """Placement's queue of order[k:] (a fresh list: placement consumes it)."""
-        return Queued(self.queue[k:], self.rest_tokens[k], self.rest_work[k])
 
     def longest_whole_fits(self, k: int) -> bool:
         """Whether the longest document left out of Per-Doc with the k longest in it, order[k],
@@ -241,7 +232,7 @@ class _Window:
         the Per-Doc shards are added only when the attempt is kept, or needs trades."""
         if k == 0:
             fill = RankFill([self.per_rank] * self.n)
-            place_documents(self.doc_lens, self.queued(0), fill)
+            place_documents(self.doc_lens, self.docs, fill)
             rebalance(self.doc_lens, fill, self.goal, self.trade_cap(fill.sent, 0))
             return lambda: fill.shards, fill.work, fill.sent
         count = k - min(k, FLEXIBLE)
@@ -282,7 +273,7 @@ class _Window:
             bias=[work[r] + share[r] * flex_work / length for r in range(n)],
             sent=sent,
         )
-        place_documents(doc_lens, self.queued(k), fill)
+        place_documents(doc_lens, self.docs, fill, k)
 
         # The flexible documents take exactly the tokens left and the workload missing.
         taken = [capacity[r] - room[r] + fill.room[r] for r in range(n)]
