@@ -150,8 +150,9 @@ def place_documents(
             load = [b + w for b, w in zip(bias, work)]
             if mirror is not None:
                 mirror.reset()
-            short = 0  # too few ranks with room for rounds: one document at a time from here on
-            continue
+            if i < end:
+                short = 0  # too few ranks with room for rounds: one document at a time from here on
+            continue  # (else a head comes first, placed alone; rounds go on after it)
         else:
             (neg, d, last), shard = items[i], whole.shards[i]
             i += 1
