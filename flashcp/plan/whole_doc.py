@@ -50,7 +50,8 @@ PARTNER_SCAN = 8
 # ranks is faster than numpy's per-call overhead).
 VECTOR_RANKS = 24
 # Whole documents of at most this share of the mean room per rank are placed in rounds
-# (`_place_rounds`) in plans of at least ROUND_FROM ranks, while ROUND_RANKS ranks have room for them.
+# (`_place_rounds`) in plans of at least ROUND_FROM ranks, while ROUND_RANKS ranks have room
+# for them.
 ROUND_SHARE = 1 / 16
 ROUND_FROM = 32
 ROUND_RANKS = 4
@@ -76,17 +77,13 @@ class Sorted(NamedTuple):
         docs = np.sort(np.fromiter(docs, dtype=np.int64))
         lens = np.asarray(doc_lens, dtype=np.int64)[docs]
         by_length = np.argsort(-lens, kind="stable")  # ties by document
-        order, lens = docs[by_length].tolist(), np.append(lens[by_length], 0)
-        costs = lens * (lens + 1) // 2
-        length = lens[:-1].tolist()
-        return Sorted(
-            list(zip([-x for x in length], order, repeat(True))),
-            list(map(tuple.__new__, repeat(Shard), zip(order, repeat(0), length))),  # Shard(...), 2x faster
-            lens[:-1],
-            costs[:-1],
-            np.cumsum(lens[::-1])[::-1].tolist(),
-            np.cumsum(costs[::-1])[::-1].tolist(),
-        )
+        order, lens = docs[by_length].tolist(), lens[by_length]
+        costs, length = lens * (lens + 1) // 2, lens.tolist()
+        tokens, work = (np.append(np.cumsum(x[::-1])[::-1], 0).tolist() for x in (lens, costs))
+        items = list(zip([-x for x in length], order, repeat(True)))
+        # Shard(...), 2x faster:
+        shards = list(map(tuple.__new__, repeat(Shard), zip(order, repeat(0), length)))
+        return Sorted(items, shards, lens, costs, tokens, work)
 
 
 class RankFill:
@@ -149,7 +146,7 @@ def place_documents(
             i, rest_tokens, rest_work = _place_rounds(fill, whole, i, end, rest_tokens, rest_work)
             load = [b + w for b, w in zip(bias, work)]
             if mirror is not None:
-                mirror.reset()
+                mirror = _Mirror(fill)
             if i < end:
                 short = 0  # too few ranks with room for rounds: one document at a time from here on
             continue  # (else a head comes first, placed alone; rounds go on after it)
@@ -172,8 +169,8 @@ def place_documents(
                     if predicted < best_load:
                         best, best_load = r, predicted
         else:  # a head: the rank sending least, then the first lowest prediction
-            fits = [(sent[r], load[r] + (room[r] - length) * density, r) for r in range(n) if room[r] >= length]
-            best = min(fits)[2] if fits else -1
+            keys = [(sent[r], load[r] + (m - length) * density, r) for r, m in enumerate(room) if m >= length]
+            best = min(keys)[2] if keys else -1
         if best < 0:
             # No rank wants it whole: overflow the rank with the most room, within its spare...
             if mirror is not None:
@@ -266,40 +263,25 @@ class _Mirror:
         self.spare = np.array(fill.spare, dtype=np.int64)
         self.by_room = sorted(zip(fill.room, range(len(fill.room))))
         self.rooms = list(fill.room)  # as in by_room
-        self.stale: set[int] = set()  # ranks whose arrays above are behind `fill`
         n = len(fill.room)  # scratch buffers: a call makes no new arrays
         self.left, self.predicted, self.full = np.empty(n, np.int64), np.empty(n), np.empty(n, bool)
 
     def update(self, r: int) -> None:
-        by_room, room = self.by_room, self.fill.room[r]
+        fill, by_room = self.fill, self.by_room
+        room = self.room[r] = fill.room[r]
+        self.load[r] = fill.bias[r] + fill.work[r] if room > 0 else np.inf
+        self.sent[r] = fill.sent[r]
         del by_room[bisect_left(by_room, (self.rooms[r], r))]
         insort(by_room, (room, r))
         self.rooms[r] = room
-        self.stale.add(r)
-
-    def reset(self) -> None:
-        """After changes to many ranks."""
-        self.by_room = sorted(zip(self.fill.room, range(len(self.fill.room))))
-        self.rooms = list(self.fill.room)
-        self.stale.update(range(len(self.rooms)))
-
-    def _sync(self) -> None:
-        """Bring the arrays up to `fill` (only the numpy scans read them)."""
-        fill = self.fill
-        for r in self.stale:
-            room = self.room[r] = fill.room[r]
-            self.load[r], self.sent[r] = fill.bias[r] + fill.work[r] if room > 0 else np.inf, fill.sent[r]
-        self.stale.clear()
 
     def overflow(self, length: int) -> int:
         """The rank with the most room (the first) of those with room and spare for `length`; -1 if none."""
-        self._sync()
         over = np.flatnonzero(self.room + self.spare >= length)
         return int(over[self.room[over].argmax()]) if len(over) else -1
 
     def roomiest(self) -> int:
         """The rank with the most room and spare (the first)."""
-        self._sync()
         return int((self.room + self.spare).argmax())
 
     def best(self, length: int, last: bool, density: float) -> int:
@@ -314,7 +296,6 @@ class _Mirror:
                 for _, r in self.by_room[first:]
             ]
             return min(keys)[2] if keys else -1
-        self._sync()
         left, predicted, full = self.left, self.predicted, self.full
         np.subtract(self.room, length, out=left)
         np.multiply(left, density, out=predicted)
