@@ -437,6 +437,41 @@ def test_bounded_search_on_many_documents_per_rank() -> None:
     assert attempts_new < 0.5 * attempts_old
 
 
+def test_search_starts_where_the_longest_whole_document_fits_beside_per_doc_chunks() -> None:
+    """With many documents per rank (Pile lengths, 512K tokens, CP 64) every rank carries a
+    share of the plain Per-Doc documents: an attempt keeping whole a document that fits a rank
+    only alone fails, and the search starts past it (its first attempt failed on 6 of these
+    16 windows when only documents too heavy alone were counted)."""
+    from flashcp.data import length_sampler, pack_windows
+    from flashcp.plan.hybrid import _Search, _Window
+
+    windows = pack_windows(length_sampler("pile", 0), 1 << 19, 16)
+    searches = [_Search(_Window(tuple(lens), 64, 1.05), True) for lens in windows]
+    assert sum(not s.met(s.start) for s in searches) <= 1
+
+
+def test_rounds_resume_after_a_head(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A head of a cut document coming to the front interrupts the rounds of short documents
+    only for itself: rounds go on after it (Pile lengths, 1M tokens, CP 64, where placing the
+    rest one at a time cost hundreds of rank scans)."""
+    from flashcp.data import length_sampler, pack_windows
+    from flashcp.plan import whole_doc
+
+    calls: list[tuple[object, int, int]] = []  # (placement, end, index after the last placed)
+
+    def counted(fill, docs, i, end, rest_tokens, rest_work):
+        out = place_rounds(fill, docs, i, end, rest_tokens, rest_work)
+        calls.append((fill, end, out[0]))
+        return out
+
+    place_rounds = whole_doc._place_rounds
+    monkeypatch.setattr(whole_doc, "_place_rounds", counted)
+    for lens in pack_windows(length_sampler("pile", 0), 1 << 20, 8):
+        make_plan("flashcp", lens, 64)  # validated by plan_shards
+    resumed = [b for a, b in itertools.pairwise(calls) if a[0] is b[0] and a[2] == a[1]]
+    assert resumed, "no rounds resumed after a head"
+
+
 @pytest.mark.parametrize("bounded", [True, False])
 def test_search_without_a_met_attempt_keeps_the_least_imbalanced(bounded: bool) -> None:
     """Target 1.0 on uneven documents: no attempt meets it; every attempt of the sequence is

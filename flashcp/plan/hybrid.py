@@ -20,9 +20,10 @@ the largest send buffer small:
 
 Beyond the first few, Per-Doc documents use the plain layout of `per_doc_shards`: their
 chunks add balance nobody needs. A document that cannot stay whole on any rank (longer than
-C/N tokens, or alone heavier than the target workload) would only make the all-Whole-Doc
-attempt fail, so the loop starts with it in Per-Doc; with many documents it moves them in
-growing batches (1, 1, 1, 1, 2, 3, 4, 6, ...) so thousands of documents need few attempts.
+C/N tokens, or heavier than the target workload, alone or with the plain Per-Doc chunks every
+rank holds) would only make the attempt fail, so the loop starts with it in Per-Doc; with many
+documents it moves them in growing batches (1, 1, 1, 1, 2, 3, 4, 6, ...) so thousands of
+documents need few attempts.
 """
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ from itertools import repeat
 
 import numpy as np
 
-from flashcp.plan.per_doc import per_doc_layout, per_doc_shards
+from flashcp.plan.per_doc import per_doc_layout
 from flashcp.plan.plan import Shard, shard_workload
-from flashcp.plan.whole_doc import GOAL_SHARE, Queued, RankFill, place_documents, rebalance
+from flashcp.plan.whole_doc import GOAL_SHARE, RankFill, Sorted, place_documents, rebalance
 
 # Workload the last chunk of the longest Per-Doc document is sized to carry, as a share of the
 # mean per rank: large enough to spare its holder many sends, small enough to leave room for
@@ -71,8 +72,11 @@ class _Search:
     largest send buffer, and keeps the best of those. Every attempt costs a Whole-Doc placement
     of all remaining documents (documents x ranks), and with few documents per rank dozens of
     documents cannot stay whole: the loop then tried a dozen attempts bound to fail before the
-    first that meets. The bounded search starts instead at the first k of the sequence that puts
-    all of those documents in Per-Doc; if that attempt meets the target it steps back one
+    first that meets. The bounded search starts instead at the first k of the sequence whose
+    longest Whole-Doc document can stay whole beside the plain Per-Doc chunks of that attempt
+    (`_Window.longest_whole_fits`: pile lengths at 2M tokens / CP 64, where those chunks weigh
+    ~0.1-0.25 of a rank's mean workload, start there one attempt before the first that meets in
+    10 % of windows instead of 25 %); if that attempt meets the target it steps back one
     attempt when the previous one meets too, and if not it gallops forward (1, 2, 4, ...
     steps) to an attempt that meets and bisects back, so the first k meeting the target, and the
     plan, are those of the full loop whenever meeting the target is monotone in k and the start
@@ -84,7 +88,7 @@ class _Search:
     the skipped ones are tried as well and the least imbalanced of all is kept.
     """
 
-    def __init__(self, window: "_Window", bounded: bool) -> None:
+    def __init__(self, window: _Window, bounded: bool) -> None:
         self.window, self.bounded = window, bounded
         order, lens = window.order, window.doc_lens
         longest = lens[order[0]]
@@ -92,8 +96,8 @@ class _Search:
         while self.sequence[-1] < len(order):
             k = self.sequence[-1]
             self.sequence.append(min(len(order), k + max(1, k // 2)))
-        heavy = window.heavy() if bounded else 0
-        self.start = next(i for i, k in enumerate(self.sequence) if k >= heavy)
+        fits = (i for i, k in enumerate(self.sequence) if window.longest_whole_fits(k))
+        self.start = next(fits) if bounded else 0  # the last k, all in Per-Doc, fits
         self.tried: dict[int, tuple[tuple, Callable[[], list[list[Shard]]]]] = {}
 
     def key(self, i: int) -> tuple:
@@ -131,7 +135,7 @@ class _Search:
             candidates = range(last + 1)
         else:
             candidates = [first]
-            k, sent = self.sequence[first], self.key(first)[1]
+            sent = self.key(first)[1]
             floor = self.window.sent_floor(self.sequence[first + 1]) if first < last else 0.0
             if first < last and sent > max(floor, NEGLIGIBLE * self.window.per_rank):
                 candidates.append(first + 1)
@@ -146,17 +150,12 @@ class _Window:
         self.doc_lens = doc_lens
         self.n = cp_size
         self.per_rank = sum(doc_lens) // cp_size
-        self.mean = sum(shard_workload(0, x) for x in doc_lens) / cp_size
+        self.docs = Sorted.of(doc_lens, range(len(doc_lens)))  # placement's, shared by the attempts
+        self.order = [d for _, d, _ in self.docs.items]
+        self.mean = self.docs.work[0] / cp_size
         self.target = target_imbalance
         self.cap = target_imbalance * self.mean
         self.goal = self.mean * (1 + GOAL_SHARE * (target_imbalance - 1))
-        self.order = sorted(range(len(doc_lens)), key=lambda d: (-doc_lens[d], d))
-        # Placement's queue of order[k:] for every k: a sorted list is a heap, and so is its
-        # suffix; and the tokens and workload of each suffix.
-        self.queue = [(-doc_lens[d], d, True) for d in self.order]
-        lens = np.array([doc_lens[d] for d in self.order] + [0], dtype=np.int64)
-        self.rest_tokens = np.cumsum(lens[::-1])[::-1].tolist()
-        self.rest_work = np.cumsum((lens * (lens + 1) // 2)[::-1])[::-1].tolist()
         # Plain Per-Doc layout of order[FLEXIBLE:], extended as k grows: every attempt takes a
         # prefix of it (a document's chunks do not depend on the documents after it). The
         # layout's arrays (`per_doc_layout`), per rank the running tokens, workload and sent
@@ -168,17 +167,15 @@ class _Window:
         self.per_doc_pointer = 0
         self.per_doc_ranks: list[list[Shard]] = [[] for _ in range(cp_size)]
 
-    def queued(self, k: int) -> Queued:
-        """Placement's queue of order[k:] (a fresh list: placement consumes it)."""
-        return Queued(self.queue[k:], self.rest_tokens[k], self.rest_work[k])
-
-    def heavy(self) -> int:
-        """Documents that cannot stay whole on any rank: longer than C/N tokens or alone heavier
-        than the target workload (the longest ones, as `order` is sorted by length)."""
-        lens, per_rank, cap = self.doc_lens, self.per_rank, self.cap
-        whole = (lens[d] <= per_rank and shard_workload(0, lens[d]) <= cap for d in self.order)
-        fits = (i for i, ok in enumerate(whole) if ok)
-        return next(fits, len(self.order))
+    def longest_whole_fits(self, k: int) -> bool:
+        """Whether the longest document left out of Per-Doc with the k longest in it, order[k],
+        can stay whole on a rank beside the plain Per-Doc chunks every rank holds: within C/N
+        tokens and the target workload. If not, the attempt is bound to cut or trade it."""
+        if k >= len(self.order):
+            return True
+        length = self.doc_lens[self.order[k]]
+        tokens, work, _ = self.per_doc_part(k - min(k, FLEXIBLE))
+        return length + min(tokens) <= self.per_rank and shard_workload(0, length) + min(work) <= self.cap
 
     def per_doc_part(self, count: int) -> tuple[list[int], list[int], list[int]]:
         """Tokens, workload and sent tokens per rank of `order[FLEXIBLE:FLEXIBLE + count]` laid
@@ -235,7 +232,7 @@ class _Window:
         the Per-Doc shards are added only when the attempt is kept, or needs trades."""
         if k == 0:
             fill = RankFill([self.per_rank] * self.n)
-            place_documents(self.doc_lens, self.queued(0), fill)
+            place_documents(self.doc_lens, self.docs, fill)
             rebalance(self.doc_lens, fill, self.goal, self.trade_cap(fill.sent, 0))
             return lambda: fill.shards, fill.work, fill.sent
         count = k - min(k, FLEXIBLE)
@@ -276,7 +273,7 @@ class _Window:
             bias=[work[r] + share[r] * flex_work / length for r in range(n)],
             sent=sent,
         )
-        place_documents(doc_lens, self.queued(k), fill)
+        place_documents(doc_lens, self.docs, fill, k)
 
         # The flexible documents take exactly the tokens left and the workload missing.
         taken = [capacity[r] - room[r] + fill.room[r] for r in range(n)]

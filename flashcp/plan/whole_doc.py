@@ -31,6 +31,7 @@ import heapq
 import math
 from bisect import bisect_left, bisect_right, insort
 from collections.abc import Iterable, Sequence
+from itertools import repeat
 from typing import NamedTuple
 
 import numpy as np
@@ -49,7 +50,8 @@ PARTNER_SCAN = 8
 # ranks is faster than numpy's per-call overhead).
 VECTOR_RANKS = 24
 # Whole documents of at most this share of the mean room per rank are placed in rounds
-# (`_Rounds`) in plans of at least ROUND_FROM ranks, while ROUND_RANKS ranks have room for them.
+# (`_place_rounds`) in plans of at least ROUND_FROM ranks, while ROUND_RANKS ranks have room
+# for them.
 ROUND_SHARE = 1 / 16
 ROUND_FROM = 32
 ROUND_RANKS = 4
@@ -57,20 +59,31 @@ ROUND_RANKS = 4
 FEW_RANKS = 8
 
 
-class Queued(NamedTuple):
-    """Documents waiting for `place_documents`: a heap of (-length, doc, last) items, each
-    [0, length) of a document (`last`: a whole document; otherwise a head whose tail is placed,
-    so all of it will be sent), and the tokens and workload they hold."""
+class Sorted(NamedTuple):
+    """Whole documents for `place_documents`, longest first: (-length, doc, True) items (the
+    order of its heap of documents to place), each one's shard, and, for `_place_rounds`, their
+    lengths and workloads in numpy and the tokens and workload of every suffix (entry i: of
+    items[i:]). The hybrid's attempts share one and place suffixes of it."""
 
-    heap: list[tuple[int, int, bool]]
-    tokens: int
-    work: int
+    items: list[tuple[int, int, bool]]
+    shards: list[Shard]
+    lens: np.ndarray
+    costs: np.ndarray
+    tokens: list[int]
+    work: list[int]
 
     @staticmethod
-    def of(doc_lens: tuple[int, ...], docs: Iterable[int]) -> "Queued":
-        heap = [(-doc_lens[d], d, True) for d in docs]
-        heapq.heapify(heap)
-        return Queued(heap, sum(-x[0] for x in heap), sum(shard_workload(0, -x[0]) for x in heap))
+    def of(doc_lens: tuple[int, ...], docs: Iterable[int]) -> Sorted:
+        docs = np.sort(np.fromiter(docs, dtype=np.int64))
+        lens = np.asarray(doc_lens, dtype=np.int64)[docs]
+        by_length = np.argsort(-lens, kind="stable")  # ties by document
+        order, lens = docs[by_length].tolist(), lens[by_length]
+        costs, length = lens * (lens + 1) // 2, lens.tolist()
+        tokens, work = (np.append(np.cumsum(x[::-1])[::-1], 0).tolist() for x in (lens, costs))
+        items = list(zip([-x for x in length], order, repeat(True)))
+        # Shard(...), 2x faster:
+        shards = list(map(tuple.__new__, repeat(Shard), zip(order, repeat(0), length)))
+        return Sorted(items, shards, lens, costs, tokens, work)
 
 
 class RankFill:
@@ -106,26 +119,40 @@ class RankFill:
             self.sent[rank] += length
 
 
-def place_documents(doc_lens: tuple[int, ...], docs: "Iterable[int] | Queued", fill: RankFill) -> None:
+def place_documents(
+    doc_lens: tuple[int, ...], docs: Iterable[int] | Sorted, fill: RankFill, first: int = 0
+) -> None:
     """Place `docs` whole where possible (step 1 of the module docstring), cutting only to fit.
-    `docs` may come queued already (the hybrid's attempts place suffixes of one order)."""
+    `docs` may come sorted already, and then only its items from `first` on are placed (the
+    hybrid's attempts place suffixes of one order). The whole documents are taken from the
+    sorted list and only the heads of cut ones go through a heap: popping ~1,000 whole
+    documents off one heap per attempt cost more than placing them in rounds."""
     n = len(fill.room)
     room, spare, work, bias, sent = fill.room, fill.spare, fill.work, fill.bias, fill.sent
-    queue, rest_tokens, rest_work = docs if isinstance(docs, Queued) else Queued.of(doc_lens, docs)
+    whole = docs if isinstance(docs, Sorted) else Sorted.of(doc_lens, docs)
+    items, count, i = whole.items, len(whole.items), first
+    heads: list[tuple[int, int, bool]] = []  # (-length, doc, False), a heap
+    rest_tokens, rest_work = whole.tokens[i], whole.work[i]
     shards = fill.shards
+    load = [b + w for b, w in zip(bias, work)]  # what decisions use (see RankFill)
     mirror = _Mirror(fill) if n >= VECTOR_RANKS else None
     short = ROUND_SHARE * sum(room) / n if n >= ROUND_FROM else 0
-    while queue:
-        if queue[0][2] and -queue[0][0] <= short:
-            rounds = _Rounds(fill)
-            while queue and queue[0][2] and rounds.place(queue, rest_tokens, rest_work):
-                rest_tokens, rest_work = rounds.rest
-            rounds.write_back()
+    while i < count or heads:
+        if heads and (i == count or heads[0] < items[i]):
+            neg, d, last = heapq.heappop(heads)
+            shard = Shard(d, 0, -neg)
+        elif -items[i][0] <= short:
+            end = bisect_left(items, heads[0], i) if heads else count  # whole ones before any head
+            i, rest_tokens, rest_work = _place_rounds(fill, whole, i, end, rest_tokens, rest_work)
+            load = [b + w for b, w in zip(bias, work)]
             if mirror is not None:
-                mirror.reset()
-            short = 0  # too few ranks with room for rounds: one document at a time from here on
-            continue
-        neg, d, last = heapq.heappop(queue)
+                mirror = _Mirror(fill)
+            if i < end:
+                short = 0  # too few ranks with room for rounds: one document at a time from here on
+            continue  # (else a head comes first, placed alone; rounds go on after it)
+        else:
+            (neg, d, last), shard = items[i], whole.shards[i]
+            i += 1
         length = -neg
         cost = shard_workload(0, length)
         rest_tokens -= length
@@ -133,17 +160,17 @@ def place_documents(doc_lens: tuple[int, ...], docs: "Iterable[int] | Queued", f
         density = rest_work / rest_tokens if rest_tokens else 0.0
         if mirror is not None:
             best = mirror.best(length, last, density)
-        else:
-            best, best_sent, best_load = -1, 0, math.inf
+        elif last:  # the first lowest prediction (the loop runs once per document and rank)
+            best, best_load = -1, math.inf
             for r in range(n):
                 left = room[r] - length
                 if left >= 0:
-                    predicted = bias[r] + work[r] + left * density
-                    if last:
-                        if predicted < best_load:
-                            best, best_load = r, predicted
-                    elif best < 0 or sent[r] < best_sent or (sent[r] == best_sent and predicted < best_load):
-                        best, best_sent, best_load = r, sent[r], predicted
+                    predicted = load[r] + left * density
+                    if predicted < best_load:
+                        best, best_load = r, predicted
+        else:  # a head: the rank sending least, then the first lowest prediction
+            keys = [(sent[r], load[r] + (m - length) * density, r) for r, m in enumerate(room) if m >= length]
+            best = min(keys)[2] if keys else -1
         if best < 0:
             # No rank wants it whole: overflow the rank with the most room, within its spare...
             if mirror is not None:
@@ -152,9 +179,10 @@ def place_documents(doc_lens: tuple[int, ...], docs: "Iterable[int] | Queued", f
                 over = [r for r in range(n) if room[r] + spare[r] >= length]
                 best = max(over, key=lambda r: (room[r], -r)) if over else -1
         if best >= 0:  # (RankFill.add, inlined: this loop runs once per document)
-            shards[best].append(Shard(d, 0, length))
+            shards[best].append(shard)
             room[best] -= length
             work[best] += cost
+            load[best] = bias[best] + work[best]
             if not last:
                 sent[best] += length
             if mirror is not None:
@@ -166,15 +194,18 @@ def place_documents(doc_lens: tuple[int, ...], docs: "Iterable[int] | Queued", f
         if take <= 0:
             raise AssertionError("place_documents: more tokens to place than room on all ranks")
         fill.add(r, d, length - take, take, last)
+        load[r] = bias[r] + work[r]
         if mirror is not None:
             mirror.update(r)
         head = length - take
-        heapq.heappush(queue, (-head, d, False))
+        heapq.heappush(heads, (-head, d, False))
         rest_tokens += head
         rest_work += shard_workload(0, head)
 
 
-class _Rounds:
+def _place_rounds(
+    fill: RankFill, docs: Sorted, i: int, end: int, rest_tokens: int, rest_work: int
+) -> tuple[int, int, int]:
     """Short whole documents placed in rounds, one per rank a round: the i-th longest of a round
     goes to the rank with the i-th lowest predicted workload among those with room for the
     round's longest (the prediction of `place_documents`, at the density left after the round).
@@ -183,45 +214,33 @@ class _Rounds:
     cost a scan over the ranks; a round costs a few numpy calls for up to half the ranks with
     room. Ranks and documents are paired by the same prediction, longest first, so balance and
     communication come out as placing them one by one (benchmarks/planner_scale.py reports both).
-    Rounds run while at least ROUND_RANKS ranks have room; state lives in arrays until
-    `write_back`."""
-
-    def __init__(self, fill: RankFill) -> None:
-        self.fill = fill
-        self.room = np.array(fill.room, dtype=np.int64)
-        self.load = np.add(fill.bias, fill.work, dtype=np.float64)
-        self.work = np.zeros(len(fill.room), dtype=np.int64)
-        self.rest = (0, 0)
-        self.placed: list[tuple[int, int, int]] = []  # (rank, doc, length)
-
-    def place(self, queue: list, rest_tokens: int, rest_work: int) -> bool:
-        """Place one round from the front of `queue` (whole documents only); False if too few
-        ranks have room for its first document (nothing placed)."""
-        fits = np.flatnonzero(self.room >= -queue[0][0])
+    Rounds take `docs.items[i:end]` while at least ROUND_RANKS ranks have room for a round's
+    first. Returns the index after the last document placed and the tokens and workload left."""
+    room = np.array(fill.room, dtype=np.int64)
+    load = np.add(fill.bias, fill.work, dtype=np.float64)
+    work = np.zeros(len(fill.room), dtype=np.int64)
+    first, placed = i, []
+    while i < end:
+        fits = np.flatnonzero(room >= docs.lens[i])
         if len(fits) < ROUND_RANKS:
-            return False
-        items = []
-        while queue and len(items) < len(fits) and queue[0][2]:
-            items.append(heapq.heappop(queue))
-        lens = np.array([-x[0] for x in items], dtype=np.int64)
-        costs = lens * (lens + 1) // 2
-        rest_tokens -= int(lens.sum())
-        rest_work -= int(costs.sum())
+            break
+        j = min(end, i + len(fits))
+        rest_tokens -= docs.tokens[i] - docs.tokens[j]
+        rest_work -= docs.work[i] - docs.work[j]
         density = rest_work / rest_tokens if rest_tokens else 0.0
-        ranks = fits[np.argsort(self.load[fits] + self.room[fits] * density, kind="stable")[: len(items)]]
-        self.room[ranks] -= lens
-        self.load[ranks] += costs
-        self.work[ranks] += costs
-        self.placed += zip(ranks.tolist(), (x[1] for x in items), lens.tolist())
-        self.rest = (rest_tokens, rest_work)
-        return True
-
-    def write_back(self) -> None:
-        fill = self.fill
-        fill.room[:] = self.room.tolist()
-        fill.work[:] = [w + x for w, x in zip(fill.work, self.work.tolist())]
-        for r, d, length in self.placed:
-            fill.shards[r].append(Shard(d, 0, length))
+        lens, costs = docs.lens[i:j], docs.costs[i:j]
+        ranks = fits[np.argsort(load[fits] + room[fits] * density, kind="stable")[: j - i]]
+        room[ranks] -= lens
+        load[ranks] += costs
+        work[ranks] += costs
+        placed.append(ranks)
+        i = j
+    fill.room[:] = room.tolist()
+    fill.work[:] = [w + x for w, x in zip(fill.work, work.tolist())]
+    add = [shards.append for shards in fill.shards]
+    for r, shard in zip(np.concatenate(placed).tolist() if placed else (), docs.shards[first:i]):
+        add[r](shard)
+    return i, rest_tokens, rest_work
 
 
 class _Mirror:
@@ -244,40 +263,25 @@ class _Mirror:
         self.spare = np.array(fill.spare, dtype=np.int64)
         self.by_room = sorted(zip(fill.room, range(len(fill.room))))
         self.rooms = list(fill.room)  # as in by_room
-        self.stale: set[int] = set()  # ranks whose arrays above are behind `fill`
         n = len(fill.room)  # scratch buffers: a call makes no new arrays
         self.left, self.predicted, self.full = np.empty(n, np.int64), np.empty(n), np.empty(n, bool)
 
     def update(self, r: int) -> None:
-        by_room, room = self.by_room, self.fill.room[r]
+        fill, by_room = self.fill, self.by_room
+        room = self.room[r] = fill.room[r]
+        self.load[r] = fill.bias[r] + fill.work[r] if room > 0 else np.inf
+        self.sent[r] = fill.sent[r]
         del by_room[bisect_left(by_room, (self.rooms[r], r))]
         insort(by_room, (room, r))
         self.rooms[r] = room
-        self.stale.add(r)
-
-    def reset(self) -> None:
-        """After changes to many ranks."""
-        self.by_room = sorted(zip(self.fill.room, range(len(self.fill.room))))
-        self.rooms = list(self.fill.room)
-        self.stale.update(range(len(self.rooms)))
-
-    def _sync(self) -> None:
-        """Bring the arrays up to `fill` (only the numpy scans read them)."""
-        fill = self.fill
-        for r in self.stale:
-            room = self.room[r] = fill.room[r]
-            self.load[r], self.sent[r] = fill.bias[r] + fill.work[r] if room > 0 else np.inf, fill.sent[r]
-        self.stale.clear()
 
     def overflow(self, length: int) -> int:
         """The rank with the most room (the first) of those with room and spare for `length`; -1 if none."""
-        self._sync()
         over = np.flatnonzero(self.room + self.spare >= length)
         return int(over[self.room[over].argmax()]) if len(over) else -1
 
     def roomiest(self) -> int:
         """The rank with the most room and spare (the first)."""
-        self._sync()
         return int((self.room + self.spare).argmax())
 
     def best(self, length: int, last: bool, density: float) -> int:
@@ -292,7 +296,6 @@ class _Mirror:
                 for _, r in self.by_room[first:]
             ]
             return min(keys)[2] if keys else -1
-        self._sync()
         left, predicted, full = self.left, self.predicted, self.full
         np.subtract(self.room, length, out=left)
         np.multiply(left, density, out=predicted)
