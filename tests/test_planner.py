@@ -22,9 +22,11 @@ from hypothesis import strategies as st
 from flashcp import Plan, Shard, plan_shards
 from flashcp.dispatch import build_dispatch, COMM_MODES
 from flashcp.plan import STRATEGIES
+from flashcp.plan.fill import RankFill
 from flashcp.plan.hybrid import balanced_head_tail
 from flashcp.plan.plan import shard_workload
-from flashcp.plan.whole_doc import RankFill, place_documents, rebalance
+from flashcp.plan.rebalance import rebalance
+from flashcp.plan.whole_doc import place_documents
 
 HAS_ILP = (Path(__file__).resolve().parents[1] / "flashcp" / "plan" / "ilp.py").exists()
 HEURISTICS = [s for s in STRATEGIES if s != "ilp"]

@@ -4,7 +4,9 @@
 
 Every strategy is a small function `(doc_lens, cp_size, **options) -> (ranks, info)` in a module
 of its own; `plan_shards` checks the input, runs it, normalises the shards and validates the
-result, so a strategy only has to decide placement.
+result, so a strategy only has to decide placement. Whole-Doc's two steps live apart, placement
+in `whole_doc` and trades in `rebalance`, sharing the ranks' state (`fill.RankFill`) with
+`hybrid`.
 
 May import: the standard library and numpy (scipy for `ilp`). No torch: planning tools start
 fast. Plans at CP 64 can hold tens of thousands of shards; what scales with them (Per-Doc

@@ -12,7 +12,7 @@ the largest send buffer small:
 - Ranks take as many Per-Doc tokens (all sent, but for one last chunk) as evens out what they
   send, and the rank holding the longest Per-Doc document's last chunk (never sent) gets that
   chunk on top, sized to carry about half a rank's workload.
-- If the Whole-Doc part still needs trades (`whole_doc.rebalance`), no trade may leave a rank
+- If the Whole-Doc part still needs trades (`flashcp.plan.rebalance`), no trade may leave a rank
   sending more than the largest buffer so far plus what moving the next document d to Per-Doc
   would add (|d| / N): past that, the loop moves d instead.
 - Once the target is met, the loop makes one more attempt with the next document in Per-Doc
@@ -33,9 +33,11 @@ from itertools import repeat
 
 import numpy as np
 
+from flashcp.plan.fill import RankFill
 from flashcp.plan.per_doc import per_doc_layout
 from flashcp.plan.plan import Shard, shard_workload
-from flashcp.plan.whole_doc import GOAL_SHARE, RankFill, Sorted, place_documents, rebalance
+from flashcp.plan.rebalance import rebalance
+from flashcp.plan.whole_doc import GOAL_SHARE, Sorted, place_documents
 
 # Workload the last chunk of the longest Per-Doc document is sized to carry, as a share of the
 # mean per rank: large enough to spare its holder many sends, small enough to leave room for
