@@ -125,8 +125,8 @@ def test_tiles_reuse_the_calls_buffers():
     """A tile's scores and products are written into buffers allocated once per call: the C
     allocator hands arrays of a few MiB back to the system when they are freed, and faulting them
     in again for every tile cost a rank 10-50 % of its time, depending on its tiles rather than its
-    attended pairs. About three times the tiles (2K -> 4K tokens: 16 -> 48) take as many large
+    attended pairs. Over three times the tiles (2K -> 4K tokens: 40 -> 144) take as many large
     allocations."""
     tiles_at = {n: sum(map(len, reference.tiles([0, n], [0, n], True))) for n in (2048, 4096)}
-    assert tiles_at[4096] > 2.5 * tiles_at[2048], tiles_at
+    assert tiles_at[4096] > 3 * tiles_at[2048], tiles_at
     assert large_allocations(4096) == large_allocations(2048) > 0

@@ -14,7 +14,7 @@ Backends (all differentiable through autograd, all with the same semantics):
 - "flash_attn": `flash_attn.flash_attn_varlen_func` (CUDA, fp16/bf16, head dim <= 256);
 - "torch": `torch.nn.attention.varlen.varlen_attn` (CUDA, fp16/bf16, head dim % 8 == 0, <= 256);
 - "reference": plain PyTorch, any device and dtype (float64 included): the CPU path and the
-  oracle of the tests (`flashcp.attention.reference`: tiles of 128 x 2048 with an online softmax
+  oracle of the tests (`flashcp.attention.reference`: tiles of 128 x 512 with an online softmax
   and a recomputing backward, so its memory is O(block x block) per step and its work follows
   the attended pairs).
 "auto" takes the first of these that accepts the inputs. Asking for a specific backend that

@@ -8,9 +8,12 @@ sequences, bottom-right causal mask, GQA, a query without a visible key outputs 
 Each sequence is cut into tiles of `BLOCK_Q` queries x `BLOCK_K` keys. Tiles above the causal
 diagonal are never computed and only tiles crossing it are masked, so the work follows the
 attended (query, key) pairs: a query block's masked corner wastes about `BLOCK_Q / 2` keys per
-query, hence few queries and many keys per tile (counted on FlashCP plans of packed Pile windows
-at 16K-32K, CP 4 and 8: at most 1.11x the attended pairs on a rank, and that ratio equal on all
-ranks of a plan to 0.4 %; 512 x 512 tiles waste up to 1.40x and 6.6 %). The forward keeps a
+query, hence few queries per tile (counted on FlashCP plans of packed Pile windows at 16K-32K,
+CP 4 and 8: at most 1.11x the attended pairs on a rank, and that ratio equal on all ranks of a
+plan to 0.4 %; 512-query tiles waste up to 1.40x and 6.6 %). 512 keys keep a tile's arrays in a
+core's cache (1 MiB at the tiny model's 4 query heads): with 2048, ranks whose documents have long
+prefixes (full 2048-key tiles) took up to 10 % longer per pair than ranks of short documents, and
+every rank 5-10 % longer (measured at 16K-32K, CP 4, the tiny model's heads). The forward keeps a
 running maximum and sum per query row (the online softmax) and saves only the output and each
 row's log-sum-exp; the backward recomputes every tile's probabilities from them. Memory is
 therefore the inputs plus O(BLOCK_Q x BLOCK_K x heads) per step, whatever the sequence lengths,
@@ -32,7 +35,7 @@ from typing import NamedTuple
 import torch
 from torch.autograd.function import once_differentiable
 
-BLOCK_Q, BLOCK_K = 128, 2048  # queries and keys per tile
+BLOCK_Q, BLOCK_K = 128, 512  # queries and keys per tile
 
 
 class Tile(NamedTuple):
