@@ -5,14 +5,17 @@
 
 For each window (one document of C tokens, and the first packed Pile window of C tokens), CP size
 N and rank, the rank's local varlen problem is built from the FlashCP plan's dispatch (its shards
-as queries, document prefix + shard as keys) and run in a fresh process: `--layers` attention
-calls forward (each kept for the backward, as a model's layers are), then one backward, at the
-tiny debug model's head counts (train_configs/debug_cpu.toml: 4 query heads, 2 KV heads, head dim
-16), float32, one thread. Measured per rank: the process's peak resident memory (`ru_maxrss`)
-above its resident memory just before the first call, and the CPU time (`process_time`) of the
-forward + backward run a second time in the process (the first run pays for first touches of
-memory). The per-rank spread max / min of CPU time is printed beside the plan's imbalance (max /
-mean of attended pairs, which is modelled: the planner's count, not a timing).
+as queries, document prefix + shard as keys) and run as a layer stack would: `--layers` attention
+calls forward (each kept for the backward), then one backward, at the tiny debug model's head
+counts (train_configs/debug_cpu.toml: 4 query heads, 2 KV heads, head dim 16), float32, one
+thread. Memory: each rank in a fresh process, its peak resident memory (`ru_maxrss`) above its
+resident memory just before the first call. Time: every rank's problem in one process, after a
+first run of each (first touches of memory), then `--repeats` rounds in which the ranks take
+turns, each forward + backward timed with `process_time`; per rank the least of its runs (what
+other processes on a shared machine add least) and the median. A run's time moves by up to a
+fifth on this shared VM, in fresh processes as much as in one. The per-rank spread max / min is
+printed beside the plan's imbalance (max / mean of attended pairs, which is modelled: the
+planner's count, not a timing).
 The kernel comes from `--source` (default: this checkout), so an export of an older commit
 (`git archive <commit> flashcp | tar -x -C DIR`) gives the "before" figures. Results go to
 benchmarks/results/cpu_kernel.json (or `--out`).
@@ -28,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,23 +44,20 @@ def _rss_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def run_rank(q_lens: list[int], k_lens: list[int], layers: int, threads: int) -> dict:
-    """Forward of `layers` calls then their backward, twice on this process: the first run's peak
-    memory, and the CPU time of both (the second, warm one is the figure: the first also pays for
-    the process's first touch of its memory)."""
+def make_step(q_lens: list[int], k_lens: list[int], layers: int, generator) -> Callable[[], float]:
+    """A rank's problem with its inputs made: calling it runs `layers` forwards and their backward
+    and returns the CPU time that took."""
     import torch
 
     from flashcp.attention import varlen_attention
 
-    torch.set_num_threads(threads)
-    g = torch.Generator().manual_seed(0)
     h, kv, d = TINY["heads"], TINY["kv_heads"], TINY["head_dim"]
     cu_q = torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32)
     cu_k = torch.tensor([0, *k_lens]).cumsum(0).to(torch.int32)
     shapes = ((q_lens, h), (k_lens, kv), (k_lens, kv))
-    inputs = [[torch.randn(sum(n), heads, d, generator=g).requires_grad_() for n, heads in shapes]
+    inputs = [[torch.randn(sum(n), heads, d, generator=generator).requires_grad_() for n, heads in shapes]
               for _ in range(layers)]  # fmt: skip
-    weight = torch.randn(sum(q_lens), h, d, generator=g)
+    weight = torch.randn(sum(q_lens), h, d, generator=generator)
     longest = max(q_lens), max(k_lens)
 
     def step() -> float:
@@ -65,6 +66,16 @@ def run_rank(q_lens: list[int], k_lens: list[int], layers: int, threads: int) ->
         torch.autograd.backward([o * weight for o in outs], [torch.ones_like(weight)] * layers)
         return time.process_time() - t0
 
+    return step
+
+
+def run_rank(q_lens: list[int], k_lens: list[int], layers: int, threads: int) -> dict:
+    """Forward of `layers` calls then their backward, twice on this process: the first run's peak
+    memory, and the CPU time of both."""
+    import torch
+
+    torch.set_num_threads(threads)
+    step = make_step(q_lens, k_lens, layers, torch.Generator().manual_seed(0))
     base = _rss_mib()
     cold = step()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
@@ -72,13 +83,30 @@ def run_rank(q_lens: list[int], k_lens: list[int], layers: int, threads: int) ->
             "cold_cpu_s": cold, "fwd_bwd_cpu_s": step()}  # fmt: skip
 
 
-def measure_rank(q_lens: list[int], k_lens: list[int], layers: int, threads: int, source: Path) -> dict:
-    """`run_rank` in a fresh process (its own memory high-water mark), the kernel from `source`."""
-    spec = json.dumps({"q_lens": q_lens, "k_lens": k_lens, "layers": layers, "threads": threads})
-    command = [sys.executable, __file__, "--source", str(source), "--worker", spec]
+def time_ranks(problems: list[list[list[int]]], layers: int, threads: int, repeats: int) -> dict:
+    """Every rank's (q_lens, k_lens) in this process: a first run each, then `repeats` rounds of
+    one run per rank in turn; the CPU time of every run."""
+    import torch
+
+    torch.set_num_threads(threads)
+    generator = torch.Generator().manual_seed(0)
+    steps = [make_step(q_lens, k_lens, layers, generator) for q_lens, k_lens in problems]
+    for step in steps:
+        step()
+    runs: list[list[float]] = [[] for _ in steps]
+    for _ in range(repeats):
+        for rank, step in enumerate(steps):
+            runs[rank].append(step())
+    return {"runs": runs}
+
+
+def in_fresh_process(mode: str, spec: dict, source: Path) -> dict:
+    """`run_rank` (mode "--worker") or `time_ranks` ("--timing") in a fresh process, the kernel
+    from `source`."""
+    command = [sys.executable, __file__, "--source", str(source), mode, json.dumps(spec)]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode:
-        raise RuntimeError(f"rank worker failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
+        raise RuntimeError(f"worker failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -89,8 +117,8 @@ def windows(context: int) -> dict[str, list[int]]:
 
 
 def measure_plan(doc_lens: list[int], cp: int, args) -> dict:
-    """Every rank of the FlashCP plan of one window, one fresh process per run. The ranks take
-    turns (rank 0, 1, .., 0, 1, ..) so that a change in the machine's load falls on all of them."""
+    """Every rank of the FlashCP plan of one window: peak memory in a fresh process per rank, CPU
+    time of all ranks in turns in one process."""
     from flashcp import build_dispatch, plan_shards
 
     plan = plan_shards(doc_lens, cp, "flashcp")
@@ -98,23 +126,26 @@ def measure_plan(doc_lens: list[int], cp: int, args) -> dict:
     for rank in range(cp):
         d = build_dispatch(plan, rank)
         problems.append((d.cu_seqlens_q.diff().tolist(), d.cu_seqlens_k.diff().tolist()))
-    runs = [[] for _ in range(cp)]
-    for _ in range(args.repeats):
-        for rank, (q_lens, k_lens) in enumerate(problems):
-            runs[rank].append(measure_rank(q_lens, k_lens, args.layers, args.threads, args.source))
+    memory = [in_fresh_process("--worker", {"q_lens": q, "k_lens": k, "layers": args.layers,
+                                            "threads": args.threads}, args.source) for q, k in problems]  # fmt: skip
+    spec = {"problems": problems, "layers": args.layers, "threads": args.threads, "repeats": args.repeats}
+    runs = in_fresh_process("--timing", spec, args.source)["runs"]
     ranks = [
         {
             "pairs": plan.workloads()[rank],
-            "peak_above_base_mib": max(r["peak_above_base_mib"] for r in rs),
-            "peak_rss_mib": max(r["peak_rss_mib"] for r in rs),
-            "fwd_bwd_cpu_s": statistics.median(r["fwd_bwd_cpu_s"] for r in rs),
-            "fwd_bwd_cpu_s_runs": [r["fwd_bwd_cpu_s"] for r in rs],
+            "peak_above_base_mib": memory[rank]["peak_above_base_mib"],
+            "peak_rss_mib": memory[rank]["peak_rss_mib"],
+            "fwd_bwd_cpu_s": min(runs[rank]),
+            "fwd_bwd_cpu_s_median": statistics.median(runs[rank]),
+            "fwd_bwd_cpu_s_runs": runs[rank],
         }
-        for rank, rs in enumerate(runs)
+        for rank in range(cp)
     ]
-    cpu = [r["fwd_bwd_cpu_s"] for r in ranks]
+    least = [r["fwd_bwd_cpu_s"] for r in ranks]
+    median = [r["fwd_bwd_cpu_s_median"] for r in ranks]
     return {"cp": cp, "docs": len(doc_lens), "planned_imbalance": plan.metrics()["imbalance"],
-            "cpu_spread": max(cpu) / min(cpu), "ranks": ranks}  # fmt: skip
+            "cpu_spread": max(least) / min(least), "cpu_spread_median": max(median) / min(median),
+            "ranks": ranks}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,23 +156,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=2,
                    help="attention calls held for the backward (the tiny model has 2)")  # fmt: skip
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=3, help="fresh processes per rank: max memory, median time")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per rank (after a first one)")
     p.add_argument("--source", type=Path, default=ROOT, help="checkout whose flashcp kernel is measured")
     p.add_argument("--out", type=Path, default=RESULTS / "cpu_kernel.json")
     p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--timing", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.worker:
+    if args.worker or args.timing:
         sys.path.insert(0, str(args.source))
-        print(json.dumps(run_rank(**json.loads(args.worker))))
+        run = run_rank if args.worker else time_ranks
+        print(json.dumps(run(**json.loads(args.worker or args.timing))))
         return 0
     sys.path.insert(0, str(ROOT))
     print(f"Reference kernel from {args.source}: {TINY['heads']} heads ({TINY['kv_heads']} KV) x "
           f"{TINY['head_dim']}, float32, {args.layers} layers fwd + bwd, {args.threads} thread(s), "
-          f"median of {args.repeats} fresh processes per rank.")
+          f"ranks in turns, {args.repeats} runs each; CPU time per rank: the least run.")
     print("Measured: peak RSS above the pre-call RSS, CPU time (process_time) per rank. "
           "Modelled: the plan's imbalance (max / mean attended pairs).")
     print(f"{'window':>7} {'C':>6} {'N':>2} {'docs':>5} {'peak MiB/rank':>14} {'cpu s/rank (min-max)':>21} "
-          f"{'spread':>7} {'plan imb':>9}")
+          f"{'spread':>7} {'(median)':>8} {'plan imb':>9}")
     rows = []
     for context in args.context:
         for name, doc_lens in windows(context).items():
@@ -153,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
                 peak = max(x["peak_above_base_mib"] for x in r["ranks"])
                 cpu_range = f"{min(cpu):.2f}-{max(cpu):.2f}"
                 print(f"{name:>7} {context:>6} {cp:>2} {r['docs']:>5} {peak:>14.0f} {cpu_range:>21} "
-                      f"{r['cpu_spread']:>7.3f} {r['planned_imbalance']:>9.3f}", flush=True)  # fmt: skip
+                      f"{r['cpu_spread']:>7.3f} {r['cpu_spread_median']:>8.3f} {r['planned_imbalance']:>9.3f}",
+                      flush=True)  # fmt: skip
                 rows.append({"window": name, "context": context, **r})
     args.out.parent.mkdir(parents=True, exist_ok=True)
     setup = {"source": str(args.source), "layers": args.layers, "threads": args.threads,
