@@ -191,8 +191,10 @@ class _Window:
             )
             ends = starts + lengths
             sent = np.where(ends < np.asarray(self.doc_lens)[doc], lengths, 0)
-            adds = np.stack((lengths, (ends + starts + 1) * lengths // 2, sent))  # 3 x n x 2 docs
-            adds = adds.reshape(3, self.n, len(docs), 2).sum(3).cumsum(2) + self.per_doc_totals[:, :, -1:]
+            adds = np.stack((lengths, (ends + starts + 1) * lengths, sent))  # 3 x n x 2 docs
+            adds = adds[:, :, 0::2] + adds[:, :, 1::2]  # per document (the sum over an axis of 2 is slow)
+            adds[1] //= 2  # workloads: each term is even
+            adds = adds.cumsum(2) + self.per_doc_totals[:, :, -1:]
             self.per_doc_totals = np.concatenate((self.per_doc_totals, adds), axis=2)
             self.per_doc_docs = np.concatenate((self.per_doc_docs, doc))
             self.per_doc_starts = np.concatenate((self.per_doc_starts, starts), axis=1)
