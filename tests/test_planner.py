@@ -556,6 +556,28 @@ def test_rounds_of_short_documents_balance_as_one_at_a_time(n: int, monkeypatch:
     assert comm <= comm_single + 0.01
 
 
+def test_attempts_with_traded_per_doc_chunks_are_valid_plans() -> None:
+    """Every attempt the search tries is a valid plan whose shards carry the attempt's workloads
+    and sent tokens, among them attempts whose trades took a plain Per-Doc chunk, which
+    `rebalance` sees apart from the chunks it cannot take (Pile lengths, 512K tokens, CP 64:
+    two such attempts in these windows)."""
+    from flashcp.data import length_sampler, pack_windows
+    from flashcp.plan.hybrid import _Search, _Window
+    from flashcp.plan.plan import normalized, validate
+
+    for lens in pack_windows(length_sampler("pile", 0), 1 << 19, 64):
+        lens = tuple(lens)
+        window = _Window(lens, 64, 1.05)
+        search = _Search(window, True)
+        search.run()
+        for i in search.tried:
+            shards, work, sent = window.attempt(search.sequence[i])
+            ranks, *rows = normalized(shards())
+            validate(Plan(lens, 64, ranks, "flashcp"), rows)
+            assert work == [sum(shard_workload(s.start, s.length) for s in r) for r in ranks]
+            assert sent == [sum(s.length for s in r if s.start + s.length < lens[s.doc]) for r in ranks]
+
+
 @pytest.mark.parametrize("n", [2, 8, 64])
 def test_per_doc_part_is_the_plain_layout(n: int) -> None:
     """Attempts take prefixes of one Per-Doc layout, extended on demand, in any order of

@@ -191,8 +191,10 @@ class _Window:
             )
             ends = starts + lengths
             sent = np.where(ends < np.asarray(self.doc_lens)[doc], lengths, 0)
-            adds = np.stack((lengths, (ends + starts + 1) * lengths // 2, sent))  # 3 x n x 2 docs
-            adds = adds.reshape(3, self.n, len(docs), 2).sum(3).cumsum(2) + self.per_doc_totals[:, :, -1:]
+            adds = np.stack((lengths, (ends + starts + 1) * lengths, sent))  # 3 x n x 2 docs
+            adds = adds[:, :, 0::2] + adds[:, :, 1::2]  # per document (the sum over an axis of 2 is slow)
+            adds[1] //= 2  # workloads: each term is even
+            adds = adds.cumsum(2) + self.per_doc_totals[:, :, -1:]
             self.per_doc_totals = np.concatenate((self.per_doc_totals, adds), axis=2)
             self.per_doc_docs = np.concatenate((self.per_doc_docs, doc))
             self.per_doc_starts = np.concatenate((self.per_doc_starts, starts), axis=1)
@@ -203,8 +205,8 @@ class _Window:
     def per_doc_shards(self, count: int) -> list[list[Shard]]:
         """The shards of `per_doc_part(count)` per rank (fresh lists). Each shard object is made
         once per window, however many attempts use it, and only once an attempt that holds it is
-        kept or traded (see `attempt`): with many ranks and Per-Doc documents they are tens of
-        thousands, and up to a third of them would belong to attempts planned only to be compared."""
+        kept (see `attempt`): with many ranks and Per-Doc documents they are tens of thousands,
+        and up to a third of them would belong to attempts planned only to be compared."""
         self.per_doc_part(count)
         made = len(self.per_doc_ranks[0]) // 2
         if count > made:
@@ -231,7 +233,8 @@ class _Window:
     def attempt(self, k: int) -> tuple[Callable[[], list[list[Shard]]], list[int], list[int]]:
         """Shards (a call returns them), workloads and sent tokens per rank with the k longest
         documents Per-Doc. The search compares attempts by workloads and sent tokens alone, so
-        the Per-Doc shards are added only when the attempt is kept, or needs trades."""
+        the Per-Doc shards are added only when the attempt is kept; trades see only those of
+        them they may take (`_tradeable`)."""
         if k == 0:
             fill = RankFill([self.per_rank] * self.n)
             place_documents(self.doc_lens, self.docs, fill)
@@ -241,10 +244,37 @@ class _Window:
         others, work, sent = self._hybrid(k)
         if max(work) <= self.goal:
             return lambda: self._with_per_doc(count, others), work, sent
+        # Trades take last pieces and whole documents only: the other plain Per-Doc chunks, most
+        # of the shards, stay out of the trades' scans (and are made only if the attempt is kept).
+        rank, column, chunks = self._tradeable(count)
         fill = RankFill([0] * self.n)
-        fill.shards, fill.work, fill.sent = self._with_per_doc(count, others), work, sent  # traded in place
+        for r, shard in zip(rank, chunks):
+            fill.shards[r].append(shard)
+        for shards, more in zip(fill.shards, others):
+            shards += more
+        fill.work, fill.sent = work, sent  # traded in place
         rebalance(self.doc_lens, fill, self.goal, self.trade_cap(sent, k))
-        return lambda: fill.shards, work, sent
+
+        def kept() -> list[list[Shard]]:
+            ranks = self.per_doc_shards(count)
+            for r, j in zip(rank[::-1], column[::-1]):  # within a rank, the last column first
+                del ranks[r][j]
+            return [fixed + traded for fixed, traded in zip(ranks, fill.shards)]
+
+        return kept, work, sent
+
+    def _tradeable(self, count: int) -> tuple[list[int], list[int], list[Shard]]:
+        """The plain Per-Doc chunks of `per_doc_part(count)` a trade of `rebalance` may take: last
+        pieces of more than one token (mostly the tail chunks of rank 0) and whole documents.
+        Their ranks and columns in the layout (by rank, then column) and the shards."""
+        columns = slice(0, 2 * count)
+        doc = self.per_doc_docs[columns]
+        starts, lengths = self.per_doc_starts[:, columns], self.per_doc_lengths[:, columns]
+        ends = starts + lengths
+        rank, column = np.nonzero((ends == np.asarray(self.doc_lens)[doc]) & ((lengths > 1) | (starts == 0)))
+        picked = (doc[column], starts[rank, column], lengths[rank, column])
+        chunks = list(map(Shard, *(x.tolist() for x in picked)))
+        return rank.tolist(), column.tolist(), chunks
 
     def _with_per_doc(self, count: int, others: list[list[Shard]]) -> list[list[Shard]]:
         """Per rank, the plain Per-Doc shards of the first `count` documents, then `others`."""

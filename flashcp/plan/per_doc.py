@@ -29,15 +29,20 @@ def per_doc_layout(
     # Remainder token j of a document goes to rank (pointer + j) % n: its head chunk the first
     # time (j < n), its tail chunk the second (j >= n).
     first = (pointer + np.cumsum(rem) - rem) % n
-    turn = (np.arange(n) - first[:, None]) % n
-    chunk = np.concatenate((turn < rem[:, None], (turn + n < rem[:, None])[:, ::-1]), axis=1) + base[:, None]
-    starts = np.cumsum(chunk, axis=1) - chunk
+    # Chunks as columns, one per document (2n x len(docs)): numpy runs cumsum along the rows'
+    # contiguous memory several times faster than along each document's row.
+    turn = (np.arange(n)[:, None] - first) % n
+    chunk = np.concatenate((turn < rem, (turn + n < rem)[::-1])) + base
+    starts = np.cumsum(chunk, axis=0) - chunk
     return np.repeat(docs, 2), _by_rank(starts, n), _by_rank(chunk, n), pointer + int(rem.sum())
 
 
 def _by_rank(chunks: np.ndarray, n: int) -> np.ndarray:
-    """Per-document rows of 2n chunks -> per-rank rows: rank r holds chunks r and 2n - 1 - r."""
-    return np.stack((chunks[:, :n], chunks[:, ::-1][:, :n]), axis=2).transpose(1, 0, 2).reshape(n, -1)
+    """Per-document columns of 2n chunks -> per-rank rows: rank r holds chunks r and 2n - 1 - r."""
+    out = np.empty((n, chunks.shape[1], 2), dtype=chunks.dtype)
+    out[:, :, 0] = chunks[:n]
+    out[:, :, 1] = chunks[: n - 1 : -1]
+    return out.reshape(n, -1)
 
 
 def per_doc_shards(

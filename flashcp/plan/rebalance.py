@@ -67,11 +67,10 @@ def rebalance(doc_lens: tuple[int, ...], fill: RankFill, goal: float, max_sent: 
         moved = _trade(fill, a, *best[1:])
         load[a] -= moved
         load[best[3]] += moved
-        if best[1].start == 0:  # x was whole on a
-            del whole[bisect_right(whole, (best[1].length, best[1].doc, a)) - 1]
-        y = best[2]
-        del whole[bisect_right(whole, (y.length, y.doc, best[3])) - 1]
-        lens[:] = [x[0] for x in whole]
+        x, y = best[1], best[2]
+        for gone in ([(x.length, x.doc, a)] if x.start == 0 else []) + [(y.length, y.doc, best[3])]:
+            i = bisect_right(whole, gone) - 1  # no longer whole
+            del whole[i], lens[i]
         moves += 1
     return moves
 
