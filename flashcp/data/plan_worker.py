@@ -21,8 +21,6 @@ importable from `flashcp`'s directory and PYTHONPATH (not from a script's `__mai
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import gc
 import io
 import os
@@ -42,9 +40,6 @@ from flashcp.data.balance import gc_paused
 _ROOT = str(Path(__file__).resolve().parents[2])  # the directory holding the flashcp package
 
 
-PIPE_BYTES = 1 << 20
-
-
 class WorkerError(RuntimeError):
     """The worker process ended or could not be reached; the message names the cause."""
 
@@ -60,11 +55,6 @@ class PlanWorker:
             [sys.executable, "-m", "flashcp.data.plan_worker"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             env=dict(os.environ, PYTHONPATH=path), cwd=_ROOT, start_new_session=True,
         )  # fmt: skip
-        # A reply (a few MiB at 1M tokens) crosses a 64 KiB pipe in ~50 reads, and the loader's thread
-        # takes the GIL back from the training thread after each one; 1 MiB (Linux's default limit for
-        # an unprivileged process) makes it a few.
-        with contextlib.suppress(OSError, AttributeError):  # not Linux, or a lower limit: keep the default
-            fcntl.fcntl(self._proc.stdout.fileno(), fcntl.F_SETPIPE_SZ, PIPE_BYTES)
 
     @property
     def pid(self) -> int:
@@ -150,9 +140,8 @@ def _send(pipe: BinaryIO, data: bytes, buffers: Sequence[pickle.PickleBuffer] = 
 
 
 def _receive(pipe: BinaryIO) -> tuple[memoryview, list[memoryview]]:
-    """The next message's pickle and buffers, views of one body read at once: every read returns
-    the GIL to the training thread and takes it back, so they are as few as the pipe allows. EOFError
-    at the end of the stream."""
+    """The next message's pickle and buffers, views of one body read in one call (the copy out of
+    the pipe is made without the GIL). EOFError at the end of the stream."""
     head = pipe.read(8)
     count = int.from_bytes(head, "little")
     raw = pipe.read(8 * count) if len(head) == 8 else b""

@@ -29,13 +29,12 @@ documents need few attempts.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from itertools import repeat
 
 import numpy as np
 
 from flashcp.plan.fill import RankFill
 from flashcp.plan.per_doc import per_doc_layout
-from flashcp.plan.plan import Shard, shard_workload
+from flashcp.plan.plan import Shard, shard_workload, shards_of
 from flashcp.plan.rebalance import rebalance
 from flashcp.plan.whole_doc import GOAL_SHARE, Sorted, place_documents
 
@@ -214,7 +213,7 @@ class _Window:
             doc = self.per_doc_docs[columns].tolist()
             starts, lengths = self.per_doc_starts[:, columns], self.per_doc_lengths[:, columns]
             for shards, s, x in zip(self.per_doc_ranks, starts.tolist(), lengths.tolist()):
-                shards += map(tuple.__new__, repeat(Shard), zip(doc, s, x))  # Shard(...), 2x faster
+                shards += shards_of(doc, s, x)
         return [shards[: 2 * count] for shards in self.per_doc_ranks]
 
     def last_chunk(self) -> float:
@@ -273,7 +272,7 @@ class _Window:
         ends = starts + lengths
         rank, column = np.nonzero((ends == np.asarray(self.doc_lens)[doc]) & ((lengths > 1) | (starts == 0)))
         picked = (doc[column], starts[rank, column], lengths[rank, column])
-        chunks = list(map(Shard, *(x.tolist() for x in picked)))
+        chunks = shards_of(*(x.tolist() for x in picked))
         return rank.tolist(), column.tolist(), chunks
 
     def _with_per_doc(self, count: int, others: list[list[Shard]]) -> list[list[Shard]]:

@@ -10,7 +10,7 @@ deterministic and independent of any device.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -23,6 +23,12 @@ class Shard(NamedTuple):
     doc: int
     start: int
     length: int
+
+
+def shards_of(docs: Iterable[int], starts: Iterable[int], lengths: Iterable[int]) -> list[Shard]:
+    """`Shard(d, s, x)` for each triple, about twice as fast as calling the named tuple (which goes
+    through a Python-level `__new__`): plans of many Per-Doc documents hold tens of thousands."""
+    return list(map(tuple.__new__, itertools.repeat(Shard), zip(docs, starts, lengths)))
 
 
 def shard_workload(start: int, length: int) -> int:

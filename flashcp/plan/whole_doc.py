@@ -32,7 +32,7 @@ from typing import NamedTuple
 import numpy as np
 
 from flashcp.plan.fill import RankFill
-from flashcp.plan.plan import Shard, shard_workload
+from flashcp.plan.plan import Shard, shard_workload, shards_of
 from flashcp.plan.rebalance import rebalance
 
 # Rebalance until the busiest rank is within this share of the allowed excess over the mean
@@ -73,8 +73,7 @@ class Sorted(NamedTuple):
         costs, length = lens * (lens + 1) // 2, lens.tolist()
         tokens, work = (np.append(np.cumsum(x[::-1])[::-1], 0).tolist() for x in (lens, costs))
         items = list(zip([-x for x in length], order, repeat(True)))
-        # Shard(...), 2x faster:
-        shards = list(map(tuple.__new__, repeat(Shard), zip(order, repeat(0), length)))
+        shards = shards_of(order, repeat(0), length)
         return Sorted(items, shards, lens, costs, tokens, work)
 
 
