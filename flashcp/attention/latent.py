@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from flashcp.attention.collectives import Collectives, gather_rows, launch_exchange
+from flashcp.attention.cp import check_dispatch
 from flashcp.attention.kernels import varlen_attention
 from flashcp.dispatch import Dispatch
 
@@ -47,31 +48,17 @@ def up_project(latent: torch.Tensor, k_pe: torch.Tensor, wkv_b: torch.Tensor, he
 
 
 def _check(q, latent, k_pe, wkv_b, dispatch: Dispatch, comm: str) -> None:
-    if dispatch.comm != comm:
-        raise ValueError(
-            f"dispatch was built for comm={dispatch.comm!r} but comm={comm!r} was requested: "
-            f"build it with build_dispatch(plan, rank, comm={comm!r})"
-        )
-    rows = dispatch.token_index.numel()
     if q.dim() != 3 or latent.dim() != 2 or k_pe.dim() != 2 or wkv_b.dim() != 2:
         raise ValueError(
             f"expected q [T, H, qk_nope + rope], latent [T, R], k_pe [T, rope], wkv_b [H * (qk_nope + v), R]; "
             f"got {tuple(q.shape)}, {tuple(latent.shape)}, {tuple(k_pe.shape)}, {tuple(wkv_b.shape)}"
         )
-    if {q.shape[0], latent.shape[0], k_pe.shape[0]} != {rows}:
-        raise ValueError(
-            f"q, latent, k_pe must hold this rank's {rows} tokens, got {q.shape[0]}, {latent.shape[0]}, {k_pe.shape[0]}"
-        )
+    check_dispatch(dispatch, comm, "q, latent, k_pe", q, latent, k_pe)
     heads, nope = q.shape[1], q.shape[2] - k_pe.shape[1]
     if nope < 1 or wkv_b.shape[1] != latent.shape[1] or wkv_b.shape[0] % heads or wkv_b.shape[0] // heads <= nope:
         raise ValueError(
             f"wkv_b {tuple(wkv_b.shape)} must be [{heads} heads x (qk_nope {nope} + v), kv_lora_rank "
             f"{latent.shape[1]}] for q {tuple(q.shape)} and k_pe {tuple(k_pe.shape)}"
-        )
-    if dispatch.kv_index.device != q.device:
-        raise ValueError(
-            f"dispatch tensors are on {dispatch.kv_index.device} but q is on {q.device}: "
-            "move the dispatch once per step with dispatch.to(device)"
         )
 
 
