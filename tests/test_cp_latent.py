@@ -167,12 +167,14 @@ def test_single_rank_needs_no_process_group():
 
 def test_up_project_lays_out_heads_as_deepseek():
     """wkv_b's rows are per head: qk_nope key rows, then v rows (DeepSeek-V3's `kv.view(..., H,
-    qk_nope + v).split`); k_pe is the same for every head."""
+    qk_nope + v).split`); k_pe is the same for every head; K and V own their storage."""
     g = torch.Generator().manual_seed(1)
     latent, k_pe = torch.randn(4, RANK, generator=g), torch.randn(4, ROPE, generator=g)
     wkv_b = torch.randn(HEADS * (NOPE + V), RANK, generator=g)
     k, v = up_project(latent, k_pe, wkv_b, HEADS, NOPE)
     assert k.shape == (4, HEADS, NOPE + ROPE) and v.shape == (4, HEADS, V)
+    # what the kernel keeps for its backward is K and V alone, not a product they are views of
+    assert [t.untyped_storage().nbytes() for t in (k, v)] == [t.numel() * 4 for t in (k, v)]
     for h in range(HEADS):
         rows = wkv_b[h * (NOPE + V) : (h + 1) * (NOPE + V)]
         torch.testing.assert_close(k[:, h, :NOPE], latent @ rows[:NOPE].t())

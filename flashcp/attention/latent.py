@@ -40,10 +40,16 @@ def up_project(latent: torch.Tensor, k_pe: torch.Tensor, wkv_b: torch.Tensor, he
                ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Per-head keys `[n, H, qk_nope + rope]` and values `[n, H, v]` of latent rows `[n, R]` and
     their RoPE keys `[n, rope]`; `wkv_b [H * (qk_nope + v), R]` (an `nn.Linear` weight) holds
-    each head's key then value rows, as DeepSeek-V3 lays it out."""
+    each head's key then value rows, as DeepSeek-V3 lays it out.
+
+    Two matmuls on wkv_b's key and value rows (copies the weight's size) rather than one whose
+    output is split: v would then be a view keeping the whole product alive while the kernel
+    holds it, k_nope's columns included, which `cat` has already copied into k."""
     n, rope = k_pe.shape
-    kv = torch.matmul(latent, wkv_b.t()).view(n, heads, -1)
-    k_nope, v = kv.split([qk_nope_dim, kv.shape[-1] - qk_nope_dim], -1)
+    w = wkv_b.view(heads, -1, wkv_b.shape[1])
+    w_k, w_v = (part.reshape(-1, wkv_b.shape[1]) for part in w.split([qk_nope_dim, w.shape[1] - qk_nope_dim], 1))
+    k_nope = torch.matmul(latent, w_k.t()).view(n, heads, qk_nope_dim)
+    v = torch.matmul(latent, w_v.t()).view(n, heads, -1)
     return torch.cat([k_nope, k_pe[:, None].expand(n, heads, rope)], -1), v
 
 
