@@ -15,6 +15,8 @@ from typing import NamedTuple
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from flashcp import plan_shards
 from flashcp.attention import build_two_level_dispatch, cp_latent_attention, record_comm
@@ -126,6 +128,22 @@ def test_latent_exchange_matches_single_device_mla(pool, window, cp):
     check(pool, cases_of(doc_lens, cp, seed=cp))
 
 
+@st.composite
+def windows(draw):
+    cp = draw(st.sampled_from([2, 3, 4]))
+    doc_lens = draw(st.lists(st.integers(1, 20), min_size=1, max_size=8))
+    if sum(doc_lens) % cp:
+        doc_lens.append(cp - sum(doc_lens) % cp)
+    return doc_lens, cp, draw(st.integers(0, 2**16))
+
+
+@settings(max_examples=8, deadline=None)
+@given(windows())
+def test_random_windows_match_single_device_mla(pool, window):
+    doc_lens, cp, seed = window
+    check(pool, cases_of(doc_lens, cp, seed))
+
+
 @pytest.mark.parametrize("cp", [2, 3, 4])
 def test_latent_bytes_sent_equal_plan_prediction(pool, cp):
     """Every rank sends and receives exactly the planner's rows at `row_bytes(latent_dim=...)`, and
@@ -190,5 +208,7 @@ def test_bad_shapes_are_named():
         cp_latent_attention(q, latent, k_pe, torch.zeros(HEADS * NOPE, RANK), d)
     with pytest.raises(ValueError, match="8 tokens"):
         cp_latent_attention(q, latent[:5], k_pe, torch.zeros(HEADS * (NOPE + V), RANK), d)
+    with pytest.raises(ValueError, match="latent and k_pe dtypes differ"):
+        cp_latent_attention(q, latent, k_pe.double(), torch.zeros(HEADS * (NOPE + V), RANK), d)
     with pytest.raises(ValueError, match="comm='compact'"):
         cp_latent_attention(q, latent, k_pe, torch.zeros(HEADS * (NOPE + V), RANK), d, comm="needed")

@@ -64,6 +64,8 @@ def _check(q, latent, k_pe, wkv_b, dispatch: Dispatch, comm: str) -> None:
             f"got {tuple(q.shape)}, {tuple(latent.shape)}, {tuple(k_pe.shape)}, {tuple(wkv_b.shape)}"
         )
     check_dispatch(dispatch, comm, "q, latent, k_pe", q, latent, k_pe)
+    if latent.dtype != k_pe.dtype:  # one packed row buffer carries both
+        raise ValueError(f"latent and k_pe dtypes differ: {latent.dtype} vs {k_pe.dtype}")
     heads, nope = q.shape[1], q.shape[2] - k_pe.shape[1]
     if nope < 1 or wkv_b.shape[1] != latent.shape[1] or wkv_b.shape[0] % heads or wkv_b.shape[0] // heads <= nope:
         raise ValueError(
