@@ -344,6 +344,31 @@ def test_compact_comm_is_the_all_gather_of_the_largest_send():
     assert t.comm_bwd == pytest.approx(model.comm.reduce_scatter_ms(4000 * shape.kv_row_bytes, 2))
 
 
+def test_mla_exchanges_latent_rows_and_pays_the_padded_kernel_and_up_projection():
+    """MLA (Moonlight's 16 heads, 192 / 128, latent 512 + 64): the exchange moves 576-value rows,
+    the kernel is priced at head dim 192 (V padded), and the key rows beyond the local ones cost
+    their up-projection (forward 2 x 512 x 16 x 256 FLOPs a row, twice that backward) and their
+    K/V writes; against the same shape exchanging K/V only the comm and those terms differ."""
+    plan = make_plan([5000, 3000], [[(0, 0, 3000), (1, 0, 1000)], [(0, 3000, 2000), (1, 1000, 2000)]])
+    model = synthetic_model()
+    kv = AttentionShape(heads=16, head_dim=192, v_head_dim=128)
+    mla = AttentionShape(heads=16, head_dim=192, v_head_dim=128, kv_lora_rank=512, rope_dim=64)
+    assert (kv.kv_row_bytes, mla.exchange_row_bytes, kv.exchange_row_bytes) == (16 * 320 * 2, 576 * 2, 16 * 320 * 2)
+    a, b = model.collective_step(plan, "compact", kv), model.collective_step(plan, "compact", mla)
+    assert b.comm_fwd == pytest.approx(model.comm.all_gather_ms(4000 * 576 * 2, 2))
+    assert b.comm_bwd == pytest.approx(model.comm.reduce_scatter_ms(4000 * 576 * 2, 2))
+    assert (a.attn_fwd, a.attn_bwd) == (b.attn_fwd, b.attn_bwd)
+    padded = AttentionShape(heads=16, head_dim=192)
+    assert model.rank_attention_ms(plan, kv) == model.rank_attention_ms(plan, padded)
+    # rank 1 holds the 4000 tokens with 3000 + 1000 prefix rows from rank 0: the slowest in both
+    mem, key_rows = model.memory, [4000, 8000]
+    extra = 2 * 512 * 16 * 256 * (key_rows[1] - 4000) / (mem.gemm_tflops * 1e12) * 1e3
+    moved = 2 * (4000 + 0 + key_rows[1])  # local + sent + key rows, read and written
+    want_fwd = mem.ms(moved * 576 * 2) + extra + mem.ms(kv.kv_row_bytes * key_rows[1])
+    assert b.other_fwd == pytest.approx(want_fwd)
+    assert a.other_fwd == pytest.approx(mem.ms(moved * kv.kv_row_bytes))
+
+
 def test_overlap_hides_the_all_gather_behind_local_only_shards():
     # Rank 0: document 0 whole (local-only) + the tail of document 1 (needs rank 1's head).
     # Rank 1: only shards that start their documents, so it has nothing to overlap.

@@ -89,6 +89,72 @@ def test_reference_matches_dense_attention(problem):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=name)
 
 
+def _sdpa(q, k, v, q_lens, k_lens, scale=None):
+    """torch's scaled_dot_product_attention (math path, float64) under the packed problem's
+    document mask with bottom-right causal alignment, as one [Tq, Tk] boolean mask."""
+    seq_q = torch.repeat_interleave(torch.arange(len(q_lens)), torch.tensor(q_lens))
+    seq_k = torch.repeat_interleave(torch.arange(len(k_lens)), torch.tensor(k_lens))
+    pos_q = torch.cat([torch.arange(n) for n in q_lens]) + (torch.tensor(k_lens) - torch.tensor(q_lens))[seq_q]
+    pos_k = torch.cat([torch.arange(n) for n in k_lens])
+    mask = (seq_q[:, None] == seq_k[None, :]) & (pos_k[None, :] <= pos_q[:, None])
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )  # fmt: skip
+    return out.transpose(0, 1)
+
+
+@pytest.mark.parametrize("dims", [(24, 16), (12, 20), (3, 8)], ids=["qk>v (MLA)", "qk<v", "qk 3, v 8"])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2)], ids=["MHA", "GQA"])
+def test_reference_with_another_v_head_dim_matches_sdpa(dims, heads, monkeypatch):
+    """V may be narrower or wider than Q and K (MLA: 192 / 128): output and gradients equal
+    torch's SDPA in float64, with tiles of a few rows so that every path of the kernel runs."""
+    from flashcp.attention import reference
+
+    monkeypatch.setattr(reference, "BLOCK_Q", 5)
+    monkeypatch.setattr(reference, "BLOCK_K", 7)
+    (dqk, dv), (hq, hkv) = dims, heads
+    q_lens, k_lens = [9, 1, 23], [30, 1, 23]  # a shard with a prefix, a 1-token document, a whole one
+    q, k, _ = _problem(q_lens, k_lens, hq, hkv, dqk)
+    v = torch.randn(sum(k_lens), hkv, dv, dtype=torch.float64)
+    weight = torch.randn(sum(q_lens), hq, dv, dtype=torch.float64)
+
+    def ref(q, k, v):
+        return varlen_attention(q, k, v, _cu(q_lens), _cu(k_lens), 23, 30, backend="reference")
+
+    got = _grads(ref, q, k, v, weight)
+    want = _grads(lambda q, k, v: _sdpa(q, k, v, q_lens, k_lens), q, k, v, weight)
+    assert got[0].shape == (sum(q_lens), hq, dv)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_flash_backends_get_one_head_dim(monkeypatch):
+    """A backend that takes one head dim (FlashAttention-2) gets Q, K, V zero-padded to the larger
+    one and its output cut back to V's: the same result and gradients as the unpadded kernel."""
+    from flashcp.attention import kernels
+
+    seen = []
+
+    def one_dim_run(q, k, v, *args):
+        seen.append((q.shape[-1], k.shape[-1], v.shape[-1]))
+        return kernels._reference_run(q, k, v, *args)
+
+    monkeypatch.setitem(kernels.BACKENDS, "torch", kernels.Backend("torch", lambda q, k: None, one_dim_run))
+    q_lens, k_lens = [6, 1, 11], [15, 1, 11]
+    q, k, _ = _problem(q_lens, k_lens, 4, 4, 12)
+    v = torch.randn(sum(k_lens), 4, 8, dtype=torch.float64)
+    weight = torch.randn(sum(q_lens), 4, 8, dtype=torch.float64)
+
+    def run(backend):
+        return lambda q, k, v: varlen_attention(q, k, v, _cu(q_lens), _cu(k_lens), 11, 15, backend=backend)
+
+    got, want = _grads(run("torch"), q, k, v, weight), _grads(run("reference"), q, k, v, weight)
+    assert seen == [(12, 12, 12)] and got[0].shape == want[0].shape == (sum(q_lens), 4, 8)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13, msg=name)
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_reference_sequences_longer_than_a_query_block(causal):
     """Sequences spanning several reference query blocks (and a few rows more or fewer keys)."""

@@ -58,6 +58,33 @@ def test_sources_and_ilp(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> 
     assert list(out) == DEFAULT_STRATEGIES
 
 
+def test_mla_latent_bytes(capsys: pytest.CaptureFixture[str]) -> None:
+    """--mla: the busiest rank's latent bytes per layer are its received rows x 576 values x 2
+    bytes, and `kv: x full` divides them by the K/V all-gather of the same plan (16 heads x
+    (192 + 128) values a row: 576 / 5120 of the K/V ratio); named and spelled-out shapes agree."""
+    lens = ["--lengths", "3000,700,200,100,96", "--cp", "4"]
+    named = run_json(capsys, [*lens, "--mla", "moonlight", "--ranks-per-node", "2"])
+    spelled = run_json(capsys, [*lens, "--mla", "512,64,16,128,128", "--ranks-per-node", "2"])
+    for out in (named, spelled):
+        for s in out.values():
+            del s["plan_ms"]  # a timing
+    assert named == spelled
+    plain = run_json(capsys, [*lens, "--ranks-per-node", "2"])
+    for name, s in named.items():
+        full_rows = 3 * 4096 // 4  # (N - 1) C / N
+        mean = {k: v["mean"] for k, v in s.items()}
+        assert mean["kv_full_mib"] == full_rows * 16 * 320 * 2 / 2**20, name
+        for mode in ("compact", "needed"):
+            assert mean[f"latent_{mode}_mib"] == pytest.approx(mean[f"comm_{mode}_ratio"] * full_rows * 576 * 2 / 2**20)
+            assert mean[f"latent_{mode}_kv_full"] == pytest.approx(mean[f"comm_{mode}_ratio"] * 576 / 5120)
+        fabric = plain[name]["fabric_two_level_inter_ratio"]["mean"]
+        assert mean["latent_fabric_two_level_kv_full"] == pytest.approx(fabric * 576 / 5120), name
+    assert main([*lens, "--mla", "deepseek_v3"]) == 0
+    out = capsys.readouterr().out
+    assert "MLA deepseek_v3: latent row 512 + 64 = 576 values vs K/V row 128 x (192 + 128) = 40960 (71.1x)" in out
+    assert "kv: x full compact / needed" in out.splitlines()[2]
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -68,6 +95,8 @@ def test_sources_and_ilp(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> 
         (["--lengths-file", "/nonexistent/lens.json"], "cannot read lengths file"),
         (["--strategy", "ring"], "invalid choice: 'ring'"),
         (["--cp", "0"], "positive integer"),
+        (["--mla", "512,64"], "kv_lora_rank,rope,heads,qk_nope,v (five positive integers), got '512,64'"),
+        (["--mla", "kimi"], "--mla takes moonlight or deepseek_v3"),
         (["--lengths", "4,4", "--cp", "2", "--target-imbalance", "0.9"], "target_imbalance must be >= 1.0"),
         (["--lengths", "4,4", "--cp", "2", "--strategy", "ilp", "--ilp-time-limit", "0"], "time_limit"),
         *((["--lengths", "4,4", "--cp", "2", option, value], f"expected a finite number, got '{value}'")

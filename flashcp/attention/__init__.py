@@ -6,6 +6,7 @@ May import: torch, `flashcp.plan` and `flashcp.dispatch` (the engine: plan -> di
 from flashcp.attention.collectives import CommRecord, record_comm
 from flashcp.attention.cp import cp_varlen_attention
 from flashcp.attention.kernels import BACKENDS, BackendUnavailable, varlen_attention
+from flashcp.attention.latent import cp_latent_attention
 from flashcp.attention.two_level import (build_two_level_dispatch, EXCHANGES, group_ranks_per_node,
                                          NodeLayoutError)
 
@@ -14,6 +15,7 @@ __all__ = [
     "BackendUnavailable",
     "build_two_level_dispatch",
     "CommRecord",
+    "cp_latent_attention",
     "cp_varlen_attention",
     "EXCHANGES",
     "group_ranks_per_node",

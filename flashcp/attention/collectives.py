@@ -1,9 +1,10 @@
 """The KV exchange of context-parallel attention and its transpose for the gradients.
 
-Forward, each rank packs its local K and V side by side into one buffer of rows
-`[recv_size + T, 2, Hkv, D]` (received rows first, then its own T rows), sends the rows named by
-`dispatch.send_index` through a single collective that writes straight into the front of that
-buffer, then gathers every local shard's keys with one `index_select` over `dispatch.kv_index`:
+Forward, each rank packs its local row tensors side by side into one buffer of rows
+`[recv_size + T, W]` (received rows first, then its own T rows; W: the parts' widths summed, K and
+V over all KV heads, or MLA's latent and RoPE key), sends the rows named by `dispatch.send_index`
+through a single collective that writes straight into the front of that buffer, then gathers
+every local shard's keys with one `index_select` per part over `dispatch.kv_index`:
 
 - "compact" and "full": one all-gather of `send_pad` rows per rank (zero padded). "compact" sends
   only non-last-shard rows, "full" sends all rows; the code path is the same.
@@ -31,8 +32,9 @@ check them against the planner's predictions.
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -51,7 +53,8 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 @dataclass(frozen=True)
 class CommRecord:
-    """One collective as seen by the calling rank; rows are KV tokens (K and V of all heads)."""
+    """One collective as seen by the calling rank; rows are tokens (K and V of all heads, or what
+    else the exchange carries per token)."""
 
     op: str  # "all_gather" | "reduce_scatter" | "all_to_all"
     pass_: str  # "forward" | "backward"
@@ -152,7 +155,7 @@ def _check_group(dispatch: Dispatch, comms: Collectives) -> None:
 
 @dataclass
 class KVExchange:
-    """A launched forward exchange; `wait()` hands over the filled `[recv | local]` KV buffer once."""
+    """A launched forward exchange; `wait()` hands over the filled `[recv | local]` row buffer once."""
 
     buffer: torch.Tensor | None
     send: torch.Tensor | None  # kept alive until the collective completes
@@ -177,7 +180,18 @@ def launch_kv_exchange(
     group: dist.ProcessGroup | Collectives | None = None,
     async_op: bool = False,
 ) -> KVExchange:
-    """Pack local K/V and start the forward collective (no autograd; see `gather_kv`).
+    """Pack local K/V and start the forward collective (no autograd; see `gather_kv`)."""
+    return launch_exchange((k, v), dispatch, group, async_op)
+
+
+def launch_exchange(
+    parts: Sequence[torch.Tensor],
+    dispatch: Dispatch,
+    group: dist.ProcessGroup | Collectives | None = None,
+    async_op: bool = False,
+) -> KVExchange:
+    """Pack this rank's row tensors `parts` (each `[T, ...]`, one dtype) side by side and start
+    the forward collective of `dispatch.comm` on them (no autograd; see `gather_rows`).
 
     With `cp_size == 1` there is nobody to talk to: no collective is issued and `group` is not
     consulted (it may be None without an initialised process group).
@@ -188,11 +202,12 @@ def launch_kv_exchange(
         _check_group(dispatch, comms)
     recv = dispatch.recv_size
     work = None
+    first = parts[0]
     with torch.no_grad():
-        buffer = k.new_empty(recv + k.shape[0], 2, *k.shape[1:])
+        buffer = first.new_empty(recv + first.shape[0], sum(_widths(parts)))
         local = buffer[recv:]
-        local[:, 0] = k
-        local[:, 1] = v
+        for (a, b), part in zip(_columns(parts), parts):
+            local[:, a:b] = part.reshape(part.shape[0], b - a)
         if dispatch.comm == "two_level":  # two all-to-all-v: the fabric, then NVLink
             send = None
             if not solo:
@@ -217,50 +232,84 @@ def launch_kv_exchange(
     return KVExchange(buffer, send, work)
 
 
-class _GatherKV(torch.autograd.Function):
-    """Keys/values of all local shards from a launched exchange; backward runs the transpose."""
+def _widths(parts: Sequence[torch.Tensor]) -> list[int]:
+    return [math.prod(p.shape[1:]) for p in parts]
+
+
+def _columns(parts: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
+    """Each part's column range in the packed row buffer."""
+    ends = list(itertools.accumulate(_widths(parts)))
+    return [(end - w, end) for w, end in zip(_widths(parts), ends)]
+
+
+class _GatherRows(torch.autograd.Function):
+    """Rows of every part for all local shards from a launched exchange; backward runs the transpose."""
 
     @staticmethod
-    def forward(ctx, k, v, exchange: KVExchange, kv_index: torch.Tensor, dispatch: Dispatch, group):
+    def forward(ctx, exchange: KVExchange, kv_index: torch.Tensor, dispatch: Dispatch, group, *parts):
         buffer = exchange.wait()
-        ctx.dispatch, ctx.group, ctx.local_rows = dispatch, group, k.shape[0]
+        ctx.dispatch, ctx.group, ctx.local_rows = dispatch, group, parts[0].shape[0]
+        ctx.columns, ctx.shapes = _columns(parts), [p.shape[1:] for p in parts]
         ctx.save_for_backward(kv_index)
-        return buffer[:, 0].index_select(0, kv_index), buffer[:, 1].index_select(0, kv_index)
+        n = kv_index.numel()
+        return tuple(buffer[:, a:b].index_select(0, kv_index).view(n, *p.shape[1:])
+                     for (a, b), p in zip(ctx.columns, parts))  # fmt: skip
 
     @staticmethod
-    def backward(ctx, dk_all, dv_all):
+    def backward(ctx, *grads):
         (kv_index,) = ctx.saved_tensors
         dispatch, group = ctx.dispatch, ctx.group
         recv = dispatch.recv_size
-        ref = dk_all if dk_all is not None else dv_all
-        grad = ref.new_zeros(recv + ctx.local_rows, 2, *ref.shape[1:])
-        for i, g in enumerate((dk_all, dv_all)):
+        ref = next(g for g in grads if g is not None)
+        grad = ref.new_zeros(recv + ctx.local_rows, ctx.columns[-1][1])
+        for (a, b), g in zip(ctx.columns, grads):
             if g is not None:
-                grad[:, i].index_add_(0, kv_index, g)
-        n_send = dispatch.send_index.numel()
-        if dispatch.cp_size == 1:  # the "received" rows are this rank's own sent rows
-            back = grad[:n_send]
-        elif dispatch.comm == "two_level":
-            back = two_level.backward(grad[:recv], ctx.local_rows, dispatch, collectives(group), _record)
-            local = grad[recv:] + back
-            return local[:, 0], local[:, 1], None, None, None, None
-        elif dispatch.comm == "needed":
-            back = grad.new_empty(n_send, *grad.shape[1:])
-            collectives(group).all_to_all(back, grad[:recv], dispatch.send_splits, dispatch.recv_splits)
-            me = dispatch.rank
-            sent, received = recv - dispatch.recv_splits[me], len(back) - dispatch.send_splits[me]
-            _record("all_to_all", "backward", sent, received, back)
-        elif dispatch.send_pad:
-            back = grad.new_empty(dispatch.send_pad, *grad.shape[1:])
-            collectives(group).reduce_scatter(back, grad[:recv])
-            _record("reduce_scatter", "backward", recv - len(back), (dispatch.cp_size - 1) * len(back), back)
-            back = back[:n_send]
-        else:  # nothing was exchanged: the buffer holds the local rows only
-            return grad[:, 0], grad[:, 1], None, None, None, None
-        # Out of place: the gradients handed back live in a tensor of the local rows, so the
-        # received rows' gradient is freed when this returns, not when autograd drops dk and dv.
-        local = grad[recv:].index_add(0, dispatch.send_index, back)
-        return local[:, 0], local[:, 1], None, None, None, None
+                grad[:, a:b].index_add_(0, kv_index, g.reshape(len(g), b - a))
+        local = _transposed(grad, ctx.local_rows, dispatch, group)
+        parts = (local[:, a:b].view(ctx.local_rows, *shape) for (a, b), shape in zip(ctx.columns, ctx.shapes))
+        return None, None, None, None, *parts
+
+
+def _transposed(grad: torch.Tensor, local_rows: int, dispatch: Dispatch, group) -> torch.Tensor:
+    """The local rows' gradient: `grad [recv | local]` with the received part sent back to its
+    owners by the transposed collective and added onto the rows this rank sent."""
+    recv = dispatch.recv_size
+    n_send = dispatch.send_index.numel()
+    if dispatch.cp_size == 1:  # the "received" rows are this rank's own sent rows
+        back = grad[:n_send]
+    elif dispatch.comm == "two_level":
+        return grad[recv:] + two_level.backward(grad[:recv], local_rows, dispatch, collectives(group), _record)
+    elif dispatch.comm == "needed":
+        back = grad.new_empty(n_send, *grad.shape[1:])
+        collectives(group).all_to_all(back, grad[:recv], dispatch.send_splits, dispatch.recv_splits)
+        me = dispatch.rank
+        sent, received = recv - dispatch.recv_splits[me], len(back) - dispatch.send_splits[me]
+        _record("all_to_all", "backward", sent, received, back)
+    elif dispatch.send_pad:
+        back = grad.new_empty(dispatch.send_pad, *grad.shape[1:])
+        collectives(group).reduce_scatter(back, grad[:recv])
+        _record("reduce_scatter", "backward", recv - len(back), (dispatch.cp_size - 1) * len(back), back)
+        back = back[:n_send]
+    else:  # nothing was exchanged: the buffer holds the local rows only
+        return grad
+    # Out of place: the gradients handed back live in a tensor of the local rows, so the
+    # received rows' gradient is freed when this returns, not when autograd drops the parts'.
+    return grad[recv:].index_add(0, dispatch.send_index, back)
+
+
+def gather_rows(
+    parts: Sequence[torch.Tensor],
+    exchange: KVExchange,
+    kv_index: torch.Tensor,
+    dispatch: Dispatch,
+    group: dist.ProcessGroup | Collectives | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """Wait for `exchange` and return, per part, the rows `kv_index` selects from `[recv | local]`.
+
+    Differentiable with respect to the local `parts` (the ones passed to `launch_exchange`):
+    their gradients include what other ranks computed for the rows this rank sent them.
+    """
+    return _GatherRows.apply(exchange, kv_index, dispatch, group, *parts)
 
 
 def gather_kv(
@@ -271,10 +320,5 @@ def gather_kv(
     dispatch: Dispatch,
     group: dist.ProcessGroup | Collectives | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Wait for `exchange` and return the key/value rows `kv_index` selects from `[recv | local]`.
-
-    Differentiable with respect to the local `k` and `v` (the ones passed to
-    `launch_kv_exchange`): their gradients include what other ranks computed for the rows this
-    rank sent them.
-    """
-    return _GatherKV.apply(k, v, exchange, kv_index, dispatch, group)
+    """`gather_rows((k, v), ...)`: every local shard's keys and values."""
+    return gather_rows((k, v), exchange, kv_index, dispatch, group)

@@ -26,24 +26,28 @@ from flashcp.attention.kernels import varlen_attention
 from flashcp.dispatch import Dispatch, OverlapSplit
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dispatch: Dispatch, comm: str) -> None:
+def check_dispatch(dispatch: Dispatch, comm: str, names: str, *rows: torch.Tensor) -> None:
+    """The dispatch fits the call: built for `comm`, on the device of the row tensors `rows`
+    (`names` them in messages), each holding this rank's tokens."""
     if dispatch.comm != comm:
         raise ValueError(
             f"dispatch was built for comm={dispatch.comm!r} but comm={comm!r} was requested: "
             f"build it with build_dispatch(plan, rank, comm={comm!r})"
         )
-    rows = dispatch.token_index.numel()
-    if {q.shape[0], k.shape[0], v.shape[0]} != {rows}:
+    tokens = dispatch.token_index.numel()
+    if {t.shape[0] for t in rows} != {tokens}:
+        raise ValueError(f"{names} must hold this rank's {tokens} tokens, got {', '.join(str(t.shape[0]) for t in rows)}")
+    if dispatch.kv_index.device != rows[0].device:
         raise ValueError(
-            f"q, k, v must hold this rank's {rows} tokens, got {q.shape[0]}, {k.shape[0]}, {v.shape[0]}"
-        )
-    if k.shape != v.shape:
-        raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
-    if dispatch.kv_index.device != q.device:
-        raise ValueError(
-            f"dispatch tensors are on {dispatch.kv_index.device} but q is on {q.device}: "
+            f"dispatch tensors are on {dispatch.kv_index.device} but {names.split(',')[0]} is on {rows[0].device}: "
             "move the dispatch once per step with dispatch.to(device)"
         )
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dispatch: Dispatch, comm: str) -> None:
+    check_dispatch(dispatch, comm, "q, k, v", q, k, v)
+    if k.shape != v.shape:
+        raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
 
 
 def cp_varlen_attention(

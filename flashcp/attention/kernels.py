@@ -2,13 +2,14 @@
 
     out = varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
 
-`q [Tq, Hq, D]` and `k, v [Tk, Hkv, D]` pack S sequences back to back, delimited by the int32
+`q [Tq, Hq, D]`, `k [Tk, Hkv, D]` and `v [Tk, Hkv, Dv]` pack S sequences back to back, delimited by the int32
 prefix sums `cu_seqlens_q / cu_seqlens_k [S+1]`. Sequence i's queries attend to its keys only.
 With `causal=True` the mask is aligned to the bottom right: query j of a sequence with Lq queries
 and Lk >= Lq keys sees keys 0 .. j + Lk - Lq. This is exactly what a context-parallel shard
 needs: its keys are its document prefix followed by its own tokens, so every query sees the whole
 prefix plus the causal part of the shard. GQA: Hq must be a multiple of Hkv; query head h uses
-key/value head h // (Hq / Hkv).
+key/value head h // (Hq / Hkv). The output is `[Tq, Hq, Dv]`: V's head dim may differ from Q's
+and K's (MLA); the flash backends take one head dim, so they run on zero-padded inputs.
 
 Backends (all differentiable through autograd, all with the same semantics):
 - "flash_attn": `flash_attn.flash_attn_varlen_func` (CUDA, fp16/bf16, head dim <= 256);
@@ -207,8 +208,8 @@ def _warn_slow_cuda(dtype: str) -> None:
 def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k) -> None:
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         raise ValueError(f"q, k, v must be [tokens, heads, head_dim], got {q.shape}, {k.shape}, {v.shape}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v shapes differ: {k.shape} vs {v.shape}")
+    if k.shape[:2] != v.shape[:2]:
+        raise ValueError(f"k and v must have the same tokens and heads: {k.shape} vs {v.shape}")
     if q.shape[2] != k.shape[2]:
         raise ValueError(f"q head dim {q.shape[2]} != k head dim {k.shape[2]}")
     if q.shape[1] % k.shape[1]:
@@ -235,8 +236,24 @@ def varlen_attention(
     softmax_scale: float | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
-    """Attention of packed variable-length sequences (see the module docstring); returns [Tq, Hq, D]."""
+    """Attention of packed variable-length sequences (see the module docstring); returns [Tq, Hq, Dv]."""
     _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     chosen = resolve_backend(backend, q, k)
-    return chosen.run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale)
+    dv = v.shape[-1]
+    if chosen.name != "reference" and dv != q.shape[-1]:
+        q, k, v = _one_head_dim(q, k, v)
+    out = chosen.run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale)
+    return out if out.shape[-1] == dv else out[..., :dv]
+
+
+def _one_head_dim(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """q, k and v zero-padded to one head dim, the larger of QK's and V's.
+
+    FlashAttention-2 (flash-attn 2.x, and aten's `_flash_attention_forward` behind torch's
+    varlen_attn, checked on torch 2.11-2.13: its fake returns `empty_like(query)`) takes a single
+    head dim, while MLA has 192 for Q and K and 128 for V. Zero columns change no score and no
+    kept output column, so the result is exact; the cost is V, the output and dO at 192 wide and
+    1.2x the kernel's matmul FLOPs (`flashcp.costmodel.kernel.call_counts`, `v_head_dim`)."""
+    d = max(q.shape[-1], v.shape[-1])
+    return tuple(torch.nn.functional.pad(t, (0, d - t.shape[-1])) for t in (q, k, v))

@@ -3,7 +3,8 @@
     out = reference_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=True)
 
 Same interface and semantics as `varlen_attention` (see `flashcp.attention.kernels`): packed
-sequences, bottom-right causal mask, GQA, a query without a visible key outputs zeros.
+sequences, bottom-right causal mask, GQA, a query without a visible key outputs zeros, and V's
+head dim may differ from Q's and K's (MLA: 192 / 128); the output has V's.
 
 Each sequence is cut into tiles of `BLOCK_Q` queries x `BLOCK_K` keys. Tiles above the causal
 diagonal are never computed and only tiles crossing it are masked, so the work follows the
@@ -98,9 +99,9 @@ def _heads_first(x: torch.Tensor, kv_heads: int, dtype: torch.dtype) -> torch.Te
 
 
 def _tokens_first(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """The inverse of `_heads_first` as a new tensor of `like`'s shape and dtype: [Hkv, T * G, D] ->
-    [T, H, D]."""
-    t, h, d = like.shape
+    """The inverse of `_heads_first` as a new tensor of `like`'s tokens, heads and dtype (x's head
+    dim): [Hkv, T * G, D] -> [T, H, D]."""
+    t, h, d = *like.shape[:2], x.shape[-1]
     y = x.view(x.shape[0], t, h // x.shape[0], d).transpose(0, 1)
     return y.to(like.dtype, copy=True, memory_format=torch.contiguous_format).view(t, h, d)
 
@@ -146,10 +147,10 @@ class _BlockedAttention(torch.autograd.Function):
         hkv, group = k.shape[1], q.shape[1] // k.shape[1]
         qs = _heads_first(q, hkv, compute) * scale
         ks, vs = _heads_first(k, hkv, compute), _heads_first(v, hkv, compute)
-        out = qs.new_zeros(qs.shape, dtype=stat)
+        out = qs.new_zeros((*qs.shape[:2], vs.shape[-1]), dtype=stat)
         # Log-sum-exp per query row; +inf where a row sees no key, so its recomputed probabilities are 0.
         lse = qs.new_full(qs.shape[:2], math.inf, dtype=stat)
-        ws = _Workspace(qs, plan, hkv, group, qs.shape[-1])
+        ws = _Workspace(qs, plan, hkv, group, max(qs.shape[-1], vs.shape[-1]))
         for row in plan:
             if not row:
                 continue
@@ -188,7 +189,7 @@ class _BlockedAttention(torch.autograd.Function):
         # softmax backward: dS = P * (dP - rowsum(dO * O)), one sum per query row.
         delta = (dos.to(stat) * out).sum(-1, keepdim=True)
         dq, dk, dv = (qs.new_zeros(t.shape, dtype=stat) for t in (qs, ks, vs))
-        ws = _Workspace(qs, ctx.plan, hkv, group, qs.shape[-1])
+        ws = _Workspace(qs, ctx.plan, hkv, group, max(qs.shape[-1], vs.shape[-1]))
         for row in ctx.plan:
             if not row:
                 continue
@@ -199,7 +200,8 @@ class _BlockedAttention(torch.autograd.Function):
                 rows, cols, width = r1 - r0, tile.k1 - tile.k0, qs.shape[-1]
                 by_key, by_query = ws.take(2, hkv, cols, width), ws.take(2, hkv, rows, width)
                 probs = _scores(qb, kt, tile, group, ws).to(stat).sub_(lse_b).exp_().to(compute)
-                dv[:, tile.k0 : tile.k1] += torch.matmul(probs.transpose(-1, -2), dob, out=by_key)
+                dvt = ws.take(2, hkv, cols, vs.shape[-1])
+                dv[:, tile.k0 : tile.k1] += torch.matmul(probs.transpose(-1, -2), dob, out=dvt)
                 dscores = torch.matmul(dob, vt.transpose(-1, -2), out=ws.take(1, hkv, rows, cols))
                 dscores.sub_(delta_b).mul_(probs)
                 dq[:, r0:r1] += torch.matmul(dscores, kt, out=by_query)

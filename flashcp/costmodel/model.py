@@ -45,8 +45,9 @@ import numpy as np
 
 from flashcp.costmodel.comm import CommModel
 from flashcp.costmodel.kernel import KernelModel
+from flashcp.costmodel.proxy import DENSE_MFU, H100_BF16_TFLOPS
 from flashcp.plan.per_doc import per_doc_shards
-from flashcp.plan.plan import Plan
+from flashcp.plan.plan import Plan, row_bytes
 
 # system -> (planner strategy, KV communication mode, overlap local-only shards with the comm)
 COLLECTIVE_SYSTEMS: dict[str, tuple[str, str, bool]] = {
@@ -65,21 +66,52 @@ SYSTEMS = (*COLLECTIVE_SYSTEMS, *RING_SYSTEMS)
 
 @dataclass(frozen=True)
 class AttentionShape:
-    """Heads and element size of the attention layer being modelled."""
+    """Heads and element size of the attention layer being modelled.
+
+    MLA (DeepSeek-V3, Moonlight): `head_dim` is Q's and K's (qk_nope + rope, 192), `v_head_dim`
+    V's (128), and with `kv_lora_rank` the exchange carries latent rows (`kv_lora_rank +
+    rope_dim` values, `flashcp.attention.latent`) that each rank up-projects for its key rows.
+    FlashAttention-2 takes one head dim, so the kernel is priced at the larger (V padded to 192:
+    1.2x the matmul work of 192 / 128 unpadded, `flashcp.attention.kernels`)."""
 
     heads: int = 32
     kv_heads: int | None = None  # defaults to `heads` (MHA, as in the paper's Eq. 4)
     head_dim: int = 128
     dtype_bytes: int = 2  # bf16
+    v_head_dim: int | None = None  # defaults to head_dim
+    kv_lora_rank: int | None = None  # MLA: exchange latent rows instead of K/V
+    rope_dim: int = 0  # MLA: the RoPE part of head_dim, shared by all heads
 
     @property
     def n_kv(self) -> int:
         return self.kv_heads or self.heads
 
     @property
+    def v_dim(self) -> int:
+        return self.head_dim if self.v_head_dim is None else self.v_head_dim
+
+    @property
+    def kernel_head_dim(self) -> int:
+        """The head dim the kernel runs at: FlashAttention-2 pads V (or Q and K) to one."""
+        return max(self.head_dim, self.v_dim)
+
+    @property
     def kv_row_bytes(self) -> int:
         """Bytes of one token's K and V over all KV heads."""
-        return 2 * self.n_kv * self.head_dim * self.dtype_bytes
+        return row_bytes(self.n_kv, self.head_dim, self.dtype_bytes, self.v_dim)
+
+    @property
+    def exchange_row_bytes(self) -> int:
+        """Bytes of one row the exchange moves: K and V, or the latent row with `kv_lora_rank`."""
+        latent = None if self.kv_lora_rank is None else self.kv_lora_rank + self.rope_dim
+        return row_bytes(self.n_kv, self.head_dim, self.dtype_bytes, self.v_dim, latent)
+
+    @property
+    def upproject_flops(self) -> float:
+        """Forward FLOPs of up-projecting one latent row to every head's k_nope and v (0 without MLA)."""
+        if self.kv_lora_rank is None:
+            return 0.0
+        return 2.0 * self.kv_lora_rank * self.heads * (self.head_dim - self.rope_dim + self.v_dim)
 
     @property
     def q_row_bytes(self) -> int:
@@ -96,9 +128,13 @@ class MemoryCosts:
     grad_acc_bytes_per_elem: float = 12.0  # ring backward: fp32 read + read + write per gradient
     ring_grad_bytes: int = 4  # ring backward sends fp32 dK/dV partial sums
     bwd_copy_ratio: float = 1.5  # collective systems: backward copy bytes / forward copy bytes
+    gemm_tflops: float = DENSE_MFU * H100_BF16_TFLOPS  # MLA up-projection (the dense layers' rate)
 
     def ms(self, nbytes: float) -> float:
         return nbytes / (self.hbm_gbps * 1e9) * 1e3
+
+    def gemm_ms(self, flops: float) -> float:
+        return flops / (self.gemm_tflops * 1e12) * 1e3
 
 
 @dataclass
@@ -152,7 +188,7 @@ class CostModel:
     def _call_ms(self, shards, shape: AttentionShape) -> tuple[float, float]:
         q = np.array([s.length for s in shards], dtype=np.int64)
         k = np.array([s.start + s.length for s in shards], dtype=np.int64)
-        counts = self.kernel.counts(q, k, shape.heads, True, shape.head_dim)
+        counts = self.kernel.counts(q, k, shape.heads, True, shape.kernel_head_dim)
         return self.kernel.fwd.time_ms(*counts), self.kernel.bwd.time_ms(*counts)
 
     # --- collective systems ------------------------------------------------------------------
@@ -161,7 +197,7 @@ class CostModel:
         self, plan: Plan, comm: str, shape: AttentionShape, overlap: bool = False
     ) -> StepTime:
         """Step time of an all-gather (full / compact) or all-to-all-v (needed) system."""
-        n, row = plan.cp_size, shape.kv_row_bytes
+        n, row = plan.cp_size, shape.exchange_row_bytes
         fwd, bwd = self.rank_attention_ms(plan, shape)
         local = plan.tokens_per_rank
         if comm == "full":
@@ -174,6 +210,14 @@ class CostModel:
         comm_fwd, comm_bwd = self.exchange_ms(plan, comm, row, max(send)) if n > 1 else (0.0, 0.0)
         copy = [self.memory.ms(2 * row * (local + send[r] + key_rows[r])) for r in range(n)]
         bwd_copy = [c * self.memory.bwd_copy_ratio for c in copy]
+        if shape.kv_lora_rank is not None:  # MLA: each rank up-projects its key rows, writing K/V
+            for r in range(n):
+                # the local rows' up-projection is the model's own (any CP system does it): only
+                # the key rows beyond them are CP's, forward and (twice the FLOPs) backward
+                extra = self.memory.gemm_ms(shape.upproject_flops * (key_rows[r] - local))
+                written = self.memory.ms(shape.kv_row_bytes * key_rows[r])
+                copy[r] += extra + written
+                bwd_copy[r] += 2 * extra + written * self.memory.bwd_copy_ratio
         r_b = int(np.argmax(np.add(bwd, bwd_copy)))
         if overlap and comm_fwd > 0:
             done, r_f, fwd, copy = self._overlapped_forward(plan, shape, comm_fwd, copy)
@@ -234,7 +278,7 @@ class CostModel:
             for r, (q, k, causal) in enumerate(step):
                 if q.size == 0:
                     continue
-                counts = self.kernel.counts(q, k, shape.heads, causal, shape.head_dim)
+                counts = self.kernel.counts(q, k, shape.heads, causal, shape.kernel_head_dim)
                 kf, kb = self.kernel.fwd.time_ms(*counts), self.kernel.bwd.time_ms(*counts)
                 out.per_rank_fwd[r] += kf
                 out.per_rank_bwd[r] += kb

@@ -11,6 +11,11 @@ per strategy, the workload imbalance (max / mean), the compact and needed KV com
 ratios of the full all-gather, the documents split over several ranks, the shortest shard and
 the planning time in milliseconds; with --ranks-per-node G (CP ranks per node), also the busiest
 rank's rows of the needed exchange that cross the fabric, flat and two-level (`flashcp.plan.nodes`).
+
+With --mla (a named shape, moonlight or deepseek_v3, or kv_lora_rank,rope,heads,qk_nope,v) the
+table also gives the latent exchange's bytes per layer on the busiest rank, compact and needed
+(and over the fabric, two-level, with --ranks-per-node), in bf16, and each relative to the K/V
+all-gather of the same plan (`kv: ... x full`): what `cp_latent_attention` sends instead of K/V.
 """
 
 from __future__ import annotations
@@ -26,9 +31,16 @@ from typing import Any, NoReturn
 import numpy as np
 
 from flashcp.data.lengths import DISTRIBUTIONS, LengthPool, LengthSampler, length_sampler, pack_windows
-from flashcp.plan import STRATEGIES, plan_shards
+from flashcp.plan import STRATEGIES, Plan, plan_shards
 from flashcp.plan.nodes import node_metrics
+from flashcp.plan.plan import row_bytes
 
+# MLA shapes: kv_lora_rank, qk_rope_head_dim, heads, qk_nope_head_dim, v_head_dim (their HF configs)
+MLA_SHAPES: dict[str, tuple[int, int, int, int, int]] = {
+    "moonlight": (512, 64, 16, 128, 128),  # Moonlight-16B-A3B, DeepSeek-V2-Lite
+    "deepseek_v3": (512, 64, 128, 128, 128),  # DeepSeek-V3 / R1, Kimi K2 (64 heads: give the numbers)
+}
+MLA_DTYPE_BYTES = 2  # bf16
 METRICS = ("imbalance", "comm_compact_ratio", "comm_needed_ratio", "split_docs", "min_shard_len", "plan_ms")
 DEFAULT_STRATEGIES = [s for s in STRATEGIES if s != "ilp"]
 
@@ -73,6 +85,22 @@ def _positive(text: str) -> int:
     return value
 
 
+def _mla(text: str) -> tuple[str, tuple[int, ...]]:
+    """A named MLA shape or five positive integers: (name, (kv_lora_rank, rope, heads, qk_nope, v))."""
+    if text in MLA_SHAPES:
+        return text, MLA_SHAPES[text]
+    try:
+        dims = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        dims = ()
+    if len(dims) != 5 or min(dims) < 1:
+        raise argparse.ArgumentTypeError(
+            f"--mla takes {' or '.join(MLA_SHAPES)} or kv_lora_rank,rope,heads,qk_nope,v (five positive "
+            f"integers), got {text!r}"
+        )
+    return text, dims
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m flashcp.plan", description=__doc__.split("\n\n")[0])
     src = p.add_mutually_exclusive_group()
@@ -103,6 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--ranks-per-node", type=_positive,
         help="CP ranks per node: also the needed exchange's fabric rows, flat vs two-level (busiest rank)",
     )
+    p.add_argument(
+        "--mla", type=_mla, metavar="SHAPE",
+        help=f"also the latent exchange's bytes per layer: {', '.join(MLA_SHAPES)} or "
+        "kv_lora_rank,rope,heads,qk_nope,v",
+    )  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object keyed by strategy")
     return p
 
@@ -123,10 +156,11 @@ def windows_from(args: argparse.Namespace) -> tuple[list[list[int]], str]:
 
 def evaluate(
     windows: Sequence[Sequence[int]], cp: int, strategies: Sequence[str], target: float, ilp: dict[str, Any],
-    ranks_per_node: int | None = None,
+    ranks_per_node: int | None = None, mla: tuple[int, ...] | None = None,
 ) -> dict[str, dict[str, list[float]]]:
     """Per strategy, each metric of `METRICS` for every window (and the fabric rows of the needed
-    exchange as ratios of the full all-gather, flat and two-level, with `ranks_per_node`)."""
+    exchange as ratios of the full all-gather, flat and two-level, with `ranks_per_node`; and the
+    latent exchange's MiB per layer and ratios to the K/V all-gather with an `mla` shape)."""
     out: dict[str, dict[str, list[float]]] = {}
     for name in strategies:
         per = out.setdefault(name, {m: [] for m in METRICS})
@@ -138,10 +172,33 @@ def evaluate(
             m = plan.metrics()
             for key in METRICS[:-1]:
                 per[key].append(m[key])
-            if ranks_per_node:
-                nodes, full = node_metrics(plan, ranks_per_node), m["comm_full_tokens"] or 1
+            nodes = node_metrics(plan, ranks_per_node) if ranks_per_node else None
+            if nodes:
+                full = m["comm_full_tokens"] or 1
                 for key in ("flat_inter_rows", "two_level_inter_rows"):
                     per.setdefault(f"fabric_{key[:-5]}_ratio", []).append(nodes[key] / full)
+            if mla:
+                fabric = nodes["two_level_inter_rows"] if nodes else None
+                for key, value in latent_metrics(plan, mla, fabric).items():
+                    per.setdefault(key, []).append(value)
+    return out
+
+
+def latent_metrics(plan: Plan, mla: tuple[int, ...], fabric_rows: int | None = None) -> dict[str, float]:
+    """The latent exchange of `plan` for MLA shape `mla`: MiB per layer the busiest rank receives
+    (compact, needed; with `fabric_rows`, the busiest rank's two-level fabric rows, those too),
+    each also as a multiple of the K/V all-gather of the same plan (`_kv_full`), and that
+    all-gather's MiB."""
+    rank, rope, heads, nope, v = mla
+    latent = rank + rope
+    m = plan.metrics(heads, nope + rope, MLA_DTYPE_BYTES, v_head_dim=v, latent_dim=latent)
+    kv_full = m["comm_kv_full_bytes"]
+    sent = {mode: m[f"comm_{mode}_bytes"] for mode in ("compact", "needed")}
+    if fabric_rows is not None:
+        sent["fabric_two_level"] = fabric_rows * row_bytes(latent_dim=latent, dtype_bytes=MLA_DTYPE_BYTES)
+    out = {f"latent_{mode}_mib": b / 2**20 for mode, b in sent.items()}
+    out.update({f"latent_{mode}_kv_full": b / kv_full if kv_full else 0.0 for mode, b in sent.items()})
+    out["kv_full_mib"] = kv_full / 2**20
     return out
 
 
@@ -169,14 +226,29 @@ def render(summary: dict[str, dict[str, dict[str, float]]], header: str) -> str:
             f"{plan['p50']:.2f} / {plan['p95']:.2f}",
         ] + ([f"{s['fabric_flat_inter_ratio']['mean']:.3f} / {s['fabric_two_level_inter_ratio']['mean']:.3f}"]
              if "fabric_flat_inter_ratio" in s else []))  # fmt: skip
-    if rows and len(rows[0]) > len(cols):
+    if rows and "fabric_flat_inter_ratio" in next(iter(summary.values())):
         cols.append("fabric needed flat / two-level")
+    if rows and "latent_compact_mib" in next(iter(summary.values())):
+        fabric = "latent_fabric_two_level_mib" in next(iter(summary.values()))
+        cols += ["latent MiB compact / needed", "kv: x full compact / needed"]
+        cols += ["latent fabric MiB (x full)"] if fabric else []
+        for row, s in zip(rows, summary.values()):
+            mean = {k: v["mean"] for k, v in s.items()}
+            row.append(f"{mean['latent_compact_mib']:.2f} / {mean['latent_needed_mib']:.2f}")
+            row.append(f"{mean['latent_compact_kv_full']:.4f} / {mean['latent_needed_kv_full']:.4f}")
+            if fabric:
+                row.append(f"{mean['latent_fabric_two_level_mib']:.2f} ({mean['latent_fabric_two_level_kv_full']:.4f})")
     width = [max(len(r[i]) for r in [cols, *rows]) for i in range(len(cols))]
     lines = [header, "  ".join(c.ljust(w) for c, w in zip(cols, width))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, width)) for r in rows]
     lines.append(
         "comm columns are means of the per-window ratio to the full all-gather (1.0 = Llama3 / Per-Doc CP)"
     )
+    if "latent MiB compact / needed" in cols:
+        lines.append(
+            "latent: MiB per layer the busiest rank receives (bf16), and as a multiple of the K/V all-gather "
+            "(kv: x full) of the same plan"
+        )
     return "\n".join(lines)
 
 
@@ -189,7 +261,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ilp = {"time_limit": args.ilp_time_limit} | ({"block": args.ilp_block} if args.ilp_block else {})
     try:
         windows, source = windows_from(args)
-        results = evaluate(windows, args.cp, strategies, args.target_imbalance, ilp, args.ranks_per_node)
+        mla = args.mla[1] if args.mla else None
+        results = evaluate(windows, args.cp, strategies, args.target_imbalance, ilp, args.ranks_per_node, mla)
     except (ValueError, RuntimeError) as e:
         parser.error(str(e))
     summary = {name: {m: summarise(v) for m, v in per.items()} for name, per in results.items()}
@@ -201,6 +274,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{len(windows)} window(s) of {sum(windows[0])} tokens from {source}, "
             f"{docs:.1f} documents per window, CP size {args.cp}, target imbalance {args.target_imbalance}"
         )
+        if args.mla:
+            rank, rope, heads, nope, v = args.mla[1]
+            latent, kv = rank + rope, heads * (nope + rope + v)
+            header += (f"\nMLA {args.mla[0]}: latent row {rank} + {rope} = {latent} values vs K/V row "
+                       f"{heads} x ({nope + rope} + {v}) = {kv} ({kv / latent:.1f}x)")  # fmt: skip
         print(render(summary, header))
     return 0
 

@@ -88,12 +88,15 @@ class Plan:
             needed.append(sum(end - own[d] for d, end in prefix_end.items()))
         return needed
 
-    def metrics(self, num_kv_heads: int = 1, head_dim: int = 1, dtype_bytes: int = 2) -> dict[str, Any]:
+    def metrics(self, num_kv_heads: int = 1, head_dim: int = 1, dtype_bytes: int = 2, *,
+                v_head_dim: int | None = None, latent_dim: int | None = None) -> dict[str, Any]:  # fmt: skip
         """Balance, communication and shape figures of this plan.
 
         Communication is counted in tokens of KV one rank receives in the forward pass of one
-        layer (the critical path); `*_bytes` multiply by K and V, heads, head dim and dtype size.
-        Ratios are relative to the full all-gather of the Llama3 / Per-Doc baselines.
+        layer (the critical path); `*_bytes` multiply by `row_bytes(...)` of the arguments: K and
+        V over all KV heads, or MLA's latent rows with `latent_dim`. `comm_kv_full_bytes` is the
+        K/V all-gather's either way (the baseline a latent exchange is compared with). Ratios are
+        relative to the full all-gather of the Llama3 / Per-Doc baselines.
         """
         n = self.cp_size
         work = self.workloads()
@@ -105,7 +108,7 @@ class Plan:
         docs_per = [0] * len(self.doc_lens)
         for s in shards:
             docs_per[s.doc] += 1
-        bytes_per_token = 2 * num_kv_heads * head_dim * dtype_bytes
+        bytes_per_token = row_bytes(num_kv_heads, head_dim, dtype_bytes, v_head_dim, latent_dim)
         return {
             "workloads": work,
             "imbalance": max(work) / mean_work if mean_work else 1.0,
@@ -116,12 +119,23 @@ class Plan:
             "comm_full_bytes": full * bytes_per_token,
             "comm_compact_bytes": compact * bytes_per_token,
             "comm_needed_bytes": needed * bytes_per_token,
+            "comm_kv_full_bytes": full * row_bytes(num_kv_heads, head_dim, dtype_bytes, v_head_dim),
             "comm_compact_ratio": compact / full if full else 0.0,
             "comm_needed_ratio": needed / full if full else 0.0,
             "num_shards": len(shards),
             "split_docs": sum(1 for c in docs_per if c > 1),
             "min_shard_len": min(s.length for s in shards),
         }
+
+
+def row_bytes(num_kv_heads: int = 1, head_dim: int = 1, dtype_bytes: int = 2, v_head_dim: int | None = None,
+              latent_dim: int | None = None) -> int:  # fmt: skip
+    """Bytes one exchanged token carries: its K (`head_dim`) and V (`v_head_dim`, default the
+    same) over all KV heads, or with `latent_dim` (MLA: kv_lora_rank + qk_rope_head_dim, 576 for
+    DeepSeek-V3) the latent row the latent exchange sends instead, whatever the heads."""
+    if latent_dim is not None:
+        return latent_dim * dtype_bytes
+    return num_kv_heads * (head_dim + (head_dim if v_head_dim is None else v_head_dim)) * dtype_bytes
 
 
 def shard_array(ranks: Sequence[Sequence[Shard]]) -> tuple[np.ndarray, np.ndarray]:
