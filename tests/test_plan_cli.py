@@ -66,7 +66,7 @@ def test_sources_and_ilp(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> 
         (["--lengths", "1,x"], "comma-separated integers"),
         (["--lengths", "4,4", "--context", "8"], "--context applies to packed windows"),
         (["--lengths-file", "/nonexistent/lens.json"], "cannot read lengths file"),
-        (["--strategy", "ring"], "invalid choice: 'ring'"),
+        (["--strategy", "zigzag"], "invalid choice: 'zigzag'"),
         (["--cp", "0"], "positive integer"),
         (["--lengths", "4,4", "--cp", "2", "--target-imbalance", "0.9"], "target_imbalance must be >= 1.0"),
         (["--lengths", "4,4", "--cp", "2", "--strategy", "ilp", "--ilp-time-limit", "0"], "time_limit"),
