@@ -88,6 +88,13 @@ class SimulatedGroup(Collectives):
             torch.cat([x.split(splits)[self._rank] for x, splits in inputs], out=out)
         return _Done() if async_op else None
 
+    def ring_shift(self, pairs):
+        for out, inp in pairs:
+            inputs = self._exchange(out, inp, None)
+            if inputs is not None:
+                out.copy_(inputs[(self._rank - 1) % self.size()][0])
+        return _Done()
+
 
 def run_ranks(size: int, program: Callable[[int, SimulatedGroup], _R]) -> list[_R]:
     """Each rank's result of `program(rank, group)`, as if the ranks ran as one CP group."""
