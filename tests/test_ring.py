@@ -186,3 +186,20 @@ def test_overlap_and_a_plain_dispatch_are_refused():
 
     with pytest.raises(ValueError, match="build_ring_dispatch"):
         ring_attention(q, k, v, build_dispatch(plan, 0, "full"), None)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+def test_ring_metrics_of_one_document(n):
+    """One document of N pieces of P tokens on the Ring-Attn layout: every step waits for a rank
+    scoring a whole P x P block (step 0: the causal half), against C (C + 1) / 2N pairs per rank on
+    average; zigzag's steps are balanced. The ring moves the full all-gather's KV forward, again
+    backward, and float32 sums (twice bf16's bytes): 2x the all-gather and reduce-scatter's bytes."""
+    from flashcp.plan.ring import ring_metrics
+
+    p = 64
+    c = n * p
+    ring = ring_metrics(plan_shards([c], n, "ring"))
+    assert ring["ring_step_imbalance"] == pytest.approx((p * (p + 1) / 2 + (n - 1) * p * p) / (c * (c + 1) / 2 / n))
+    assert ring["ring_comm_ratio"] == 2.0
+    assert ring_metrics(plan_shards([c], n, "per_doc"))["ring_step_imbalance"] < 1.02
+    assert ring_metrics(plan_shards([c], n, "ring"), kv_bytes=4, sum_bytes=4)["ring_comm_ratio"] == 1.5

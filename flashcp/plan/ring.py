@@ -102,3 +102,27 @@ def ring_transfers(tokens_per_rank: int, cp_size: int, kv_row_bytes: int, grad_r
     forward = [block if s < n - 1 else 0 for s in range(n)]
     backward = [(block if s < n - 1 else 0) + (sums if s >= 2 else 0) for s in range(n)]
     return forward, backward + [sums if n > 1 else 0]
+
+
+def call_pairs(call: RingCall) -> int:
+    """The (query, key) pairs one call scores."""
+    pairs = 0
+    for (q0, q1), (k0, k1) in zip(call.q_ranges, call.k_ranges):
+        q, k = q1 - q0, k1 - k0
+        pairs += q * (k - q) + q * (q + 1) // 2 if call.causal else q * k
+    return pairs
+
+
+def ring_metrics(plan: Plan, kv_bytes: int = 2, sum_bytes: int = 4) -> dict[str, float]:
+    """The plan run over a ring: its steps' imbalance (sum over steps of the busiest rank's pairs,
+    over the mean rank's pairs: the ring waits for its slowest rank at every step) and the KV bytes
+    a rank moves per layer, forward and backward (KV elements of `kv_bytes`, dK/dV sums of
+    `sum_bytes`), relative to the full all-gather and its reduce-scatter."""
+    n = plan.cp_size
+    work = [[call_pairs(c) if c else 0 for c in ring_schedule(plan, r)] for r in range(n)]
+    mean = sum(map(sum, work)) / n
+    busiest = sum(max(work[r][s] for r in range(n)) for s in range(n))
+    fwd, bwd = ring_transfers(plan.tokens_per_rank, n, kv_bytes, sum_bytes)
+    full = 2 * (n - 1) * plan.tokens_per_rank * kv_bytes
+    return {"ring_step_imbalance": busiest / mean if mean else 1.0,
+            "ring_comm_ratio": (sum(fwd) + sum(bwd)) / full if full else 0.0}  # fmt: skip

@@ -79,3 +79,31 @@ def test_the_ring_trains_the_compact_losses(tmp_path, seed, gloo_pool, cp):
         recomputes = 2 if "full AC" in name else 1
         assert got["ops"][("ring", "forward")] == STEPS * layers * (cp - 1) * recomputes, got["ops"]
         assert got["ops"][("ring", "backward")] == STEPS * layers * (2 * (cp - 1)), got["ops"]
+
+
+def test_the_metrics_add_the_ring_bytes_per_layer():
+    """With comm = "ring" each logged step adds the ring's bytes per layer (forward: the full
+    all-gather's; backward: KV again and the dK/dV sums, float32) and the log line's ratio is the
+    ring's forward + backward over the all-gather's + reduce-scatter's; other comms add nothing."""
+    from torchtitan.distributed import ParallelDims
+
+    from flashcp.plan import plan_shards
+    from flashcp.titan.components.metrics import FlashCPMetrics
+
+    plan = plan_shards([90, 30, 8], 4, "ring")
+
+    def logged(comm: str) -> dict[str, float]:
+        dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=4, tp=1, pp=1, ep=1, world_size=4)
+        metrics = FlashCPMetrics(FlashCPMetrics.Config(), parallel_dims=dims)
+        metrics.kv_row_bytes, metrics.kv_dtype_bytes, metrics.comm = 8, 2, comm
+        out: list[dict[str, float]] = []
+        metrics.logger.log = lambda values, step: out.append(values)
+        metrics.record_window(plan, plan_ms=1.0)
+        metrics.log(step=1, global_avg_loss=5.0, global_max_loss=6.0, grad_norm=1.0)
+        return {k.removeprefix("flashcp/"): v for k, v in out[0].items() if "ring" in k}
+
+    hops = 3 * 32  # (N - 1) x C / N rows
+    assert logged("ring") == {"kv_recv_bytes_per_layer_ring": hops * 8,
+                              "kv_recv_bytes_per_layer_ring_backward": hops * 8 + hops * 16,
+                              "comm_ring_over_full": 2.0}  # fmt: skip
+    assert logged("compact") == {}
