@@ -107,3 +107,19 @@ def test_the_metrics_add_the_ring_bytes_per_layer():
                               "kv_recv_bytes_per_layer_ring_backward": hops * 8 + hops * 16,
                               "comm_ring_over_full": 2.0}  # fmt: skip
     assert logged("compact") == {}
+
+
+def test_the_dry_run_counts_the_ring_buffers(tmp_path):
+    """`python -m flashcp.titan.dryrun` runs the ring on fake tensors (torch's kernel with the LSE and
+    the aten backward, the fake process group's sends and receives); its estimate holds two KV blocks
+    in flight and four float32 blocks of dK/dV sums per layer, and its report the ring's bytes."""
+    from flashcp.titan.dryrun.report import format_report
+    from flashcp.titan.dryrun.run import dry_run
+
+    cfg = tiny_job(tmp_path, parallelism={"context_parallel_degree": 2},
+                   flashcp={"comm": "ring", "strategy": "ring", "backend": "auto"}) | {"_path": "tiny"}  # fmt: skip
+    report = dry_run(cfg, world_size=2)
+    rows, kv_dim = 10 * 128, 2 * 2 * 8  # (2 + 4 x 2) x the 128 tokens per rank; K and V of 2 heads x 8
+    assert report.estimate_gib["flashcp_buffers"] * 2**30 == pytest.approx(2 * 2 * rows * kv_dim)
+    assert report.plan["kv_recv_bytes_per_layer_ring"] == 128 * kv_dim * 4  # (N - 1) x 128 float32 rows
+    assert "the ring " in format_report(report)
