@@ -95,19 +95,19 @@ def build_ring_dispatch(plan: Plan, rank: int) -> RingDispatch:
     return RingDispatch(**fixed, steps=tuple(steps))
 
 
+def _select(t: torch.Tensor, rows: torch.Tensor | None, dim: int = 0) -> torch.Tensor:
+    return t if rows is None else t.index_select(dim, rows)
+
+
 def _operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: RingStep):
-    if step.q_rows is not None:
-        q = q.index_select(0, step.q_rows)
-    if step.k_rows is not None:
-        k, v = k.index_select(0, step.k_rows), v.index_select(0, step.k_rows)
+    q, k, v = _select(q, step.q_rows), _select(k, step.k_rows), _select(v, step.k_rows)
     return q, k, v, step.cu_seqlens_q, step.cu_seqlens_k, step.max_seqlen_q, step.max_seqlen_k, step.causal
 
 
 def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor,
            rows: torch.Tensor | None) -> None:  # fmt: skip
     """Fold one block's output and LSE [Hq, rows] into the running ones (both of `out`'s dtype)."""
-    old_out = out if rows is None else out.index_select(0, rows)
-    old_lse = lse if rows is None else lse.index_select(1, rows)
+    old_out, old_lse = _select(out, rows), _select(lse, rows, 1)
     block_lse = block_lse.to(lse.dtype)
     new_lse = torch.logaddexp(old_lse, block_lse)
     merged = old_out * torch.exp(old_lse - new_lse).T.unsqueeze(-1)
@@ -133,6 +133,33 @@ def _shift(comms: Collectives, pass_: str, kv: tuple = (), sums: tuple = ()):
     return work
 
 
+def forward_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: RingStep, kernel: Backend, scale: float,
+                 out: torch.Tensor, lse: torch.Tensor) -> None:  # fmt: skip
+    """One step's forward on one rank: its call on the held block `k, v`, merged into `out`, `lse`."""
+    block_out, block_lse = kernel.run_lse(*_operands(q, k, v, step), scale)
+    _merge(out, lse, block_out, block_lse, step.q_rows)
+
+
+def backward_step(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                  lse: torch.Tensor, step: RingStep, kernel: Backend, scale: float, dq: torch.Tensor,
+                  part: torch.Tensor) -> None:  # fmt: skip
+    """One step's backward on one rank, from the merged `out` and `lse`: dQ added to `dq`, the held
+    block's dK/dV share to `part` ([rows, 2, Hkv, D])."""
+    rows = step.q_rows
+    block_q, block_k, block_v, *shape = _operands(q, k, v, step)
+    dq_s, dk_s, dv_s = kernel.run_backward(_select(grad_out, rows), block_q, block_k, block_v, _select(out, rows),
+                                           _select(lse, rows, 1).contiguous(), *shape, scale)  # fmt: skip
+    if rows is None:
+        dq += dq_s
+    else:
+        dq.index_add_(0, rows, dq_s.to(dq.dtype))
+    for i, g in enumerate((dk_s, dv_s)):
+        if step.k_rows is None:
+            part[:, i] += g
+        else:
+            part[:, i].index_add_(0, step.k_rows, g.to(part.dtype))
+
+
 class _Ring(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, dispatch: RingDispatch, comms: Collectives, kernel: Backend, scale: float):  # type: ignore
@@ -146,8 +173,7 @@ class _Ring(torch.autograd.Function):
                 arriving = (torch.empty_like(k), torch.empty_like(v))
                 work = _shift(comms, "forward", kv=(arriving, held))
             if step is not None:
-                block_out, block_lse = kernel.run_lse(*_operands(q, *held, step), scale)
-                _merge(out, lse, block_out, block_lse, step.q_rows)
+                forward_step(q, *held, step, kernel, scale, out, lse)
             if work is not None:
                 work.wait()
                 held = arriving
@@ -176,22 +202,7 @@ class _Ring(torch.autograd.Function):
             work = _shift(comms, "backward", kv, travel) if kv or travel else None
             part = k.new_zeros(k.shape[0], 2, *k.shape[1:], dtype=stat) if step is not None or s < 2 else None
             if step is not None:
-                rows = step.q_rows
-                block_out = out if rows is None else out.index_select(0, rows)
-                block_lse = lse if rows is None else lse.index_select(1, rows)
-                block_grad = grad_out if rows is None else grad_out.index_select(0, rows)
-                block_q, block_k, block_v, *shape = _operands(q, *held, step)
-                dq_s, dk_s, dv_s = kernel.run_backward(block_grad, block_q, block_k, block_v, block_out,
-                                                       block_lse.contiguous(), *shape, ctx.scale)  # fmt: skip
-                if rows is None:
-                    dq += dq_s
-                else:
-                    dq.index_add_(0, rows, dq_s.to(stat))
-                for i, g in enumerate((dk_s, dv_s)):
-                    if step.k_rows is None:
-                        part[:, i] += g
-                    else:
-                        part[:, i].index_add_(0, step.k_rows, g.to(stat))
+                backward_step(grad_out, q, *held, out, lse, step, kernel, ctx.scale, dq, part)
             if work is not None:
                 work.wait()
             if s == 0:
