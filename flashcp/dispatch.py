@@ -61,7 +61,8 @@ _T = TypeVar("_T")
 
 
 def _map_tensors(obj: _T, fn: Callable[[torch.Tensor], torch.Tensor]) -> _T:
-    """A copy of dataclass `obj` with `fn` applied to every tensor, nested dataclasses included."""
+    """A copy of dataclass `obj` with `fn` applied to every tensor, nested dataclasses (alone or in a
+    tuple) included."""
     changes = {}
     for f in fields(obj):
         value = getattr(obj, f.name)
@@ -69,6 +70,8 @@ def _map_tensors(obj: _T, fn: Callable[[torch.Tensor], torch.Tensor]) -> _T:
             changes[f.name] = fn(value)
         elif is_dataclass(value):
             changes[f.name] = _map_tensors(value, fn)
+        elif isinstance(value, tuple) and any(is_dataclass(x) for x in value):
+            changes[f.name] = tuple(x if x is None else _map_tensors(x, fn) for x in value)
     return replace(obj, **changes)
 
 

@@ -53,10 +53,10 @@ def test_quick_check_runs_every_section(tmp_path):
     assert {"1-token documents", "more keys than queries"} <= {r["case"] for r in exact}
     assert all(r["ok"] == "True" for r in exact)
     cp = _rows(out / "cp.csv")
-    assert {(r["cp"], r["comm"]) for r in cp} >= {(n, c) for n in "248" for c in ("compact", "full", "needed")}
+    assert {(r["cp"], r["comm"]) for r in cp} >= {(n, c) for n in "248" for c in ("compact", "full", "needed", "ring")}
     assert {r["strategy"] for r in cp} >= {"per_seq", "per_doc", "whole_doc", "flashcp"}
     assert all(r["ok"] == "True" for r in cp)
-    assert {r["strategy"] for r in _rows(out / "critical_path.csv")} == {"per_seq", "per_doc", "flashcp"}
+    assert {r["strategy"] for r in _rows(out / "critical_path.csv")} == {"per_seq", "per_doc", "flashcp", "ring", "zigzag"}
     assert {r["kind"] for r in _rows(out / "efficiency.csv")} == {"fig3", "sweep"}
     assert json.loads((out / "decoder.json").read_text())
     # The timed calls are in the cost model's per-rank table format (tests/test_costmodel.py parses

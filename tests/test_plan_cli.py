@@ -93,7 +93,7 @@ def test_mla_latent_bytes(capsys: pytest.CaptureFixture[str]) -> None:
         (["--lengths", "1,x"], "comma-separated integers"),
         (["--lengths", "4,4", "--context", "8"], "--context applies to packed windows"),
         (["--lengths-file", "/nonexistent/lens.json"], "cannot read lengths file"),
-        (["--strategy", "ring"], "invalid choice: 'ring'"),
+        (["--strategy", "zigzag"], "invalid choice: 'zigzag'"),
         (["--cp", "0"], "positive integer"),
         (["--mla", "512,64"], "kv_lora_rank,rope,heads,qk_nope,v (five positive integers), got '512,64'"),
         (["--mla", "kimi"], "--mla takes moonlight or deepseek_v3"),

@@ -94,10 +94,12 @@ def _record(op: str, pass_: str, sent_rows: int, recv_rows: int, like: torch.Ten
 
 
 class Collectives:
-    """The three collectives of the KV exchange over one CP group, on flat row-major buffers.
+    """The collectives of the KV exchanges over one CP group, on flat row-major buffers.
 
     `all_gather` / `all_to_all` may run asynchronously (`async_op=True` returns an object with
-    `wait()`); `reduce_scatter` sums. Splits are row counts per peer, in rank order.
+    `wait()`); `reduce_scatter` sums. Splits are row counts per peer, in rank order. `ring_shift`
+    (the ring's step) sends every `inp` to the next rank and receives every `out` from the
+    previous one, asynchronously.
     """
 
     def size(self) -> int:
@@ -114,6 +116,9 @@ class Collectives:
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
                    async_op: bool = False):  # fmt: skip
+        raise NotImplementedError
+
+    def ring_shift(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]):
         raise NotImplementedError
 
 
@@ -137,6 +142,27 @@ class TorchCollectives(Collectives):
 
     def all_to_all(self, out, inp, out_splits, in_splits, async_op=False):
         return dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group, async_op=async_op)
+
+    def ring_shift(self, pairs):
+        """One `batch_isend_irecv` (peers are global ranks, which torch 2.11's P2POp takes)."""
+        n, me = self.size(), self.rank()
+        group = self.group or dist.group.WORLD
+        nxt, prev = dist.get_global_rank(group, (me + 1) % n), dist.get_global_rank(group, (me - 1) % n)
+        ops = []
+        for out, inp in pairs:
+            ops += [dist.P2POp(dist.isend, inp, nxt, self.group), dist.P2POp(dist.irecv, out, prev, self.group)]
+        return _AllWorks(dist.batch_isend_irecv(ops))
+
+
+class _AllWorks:
+    """Handles of several operations, waited for together."""
+
+    def __init__(self, works: list) -> None:
+        self.works = works
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
 
 
 def collectives(group: dist.ProcessGroup | Collectives | None) -> Collectives:

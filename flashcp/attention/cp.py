@@ -5,7 +5,8 @@
 `q, k, v` hold this rank's tokens in `dispatch.token_index` order. The op launches the KV
 exchange the dispatch was built for (`compact`: FlashCP's compacted all-gather of non-last-shard
 rows; `full`: the Llama3 / Per-Doc all-gather of every row; `needed`: an all-to-all-v of exactly
-the prefix rows each rank attends to), gathers each local shard's keys (its document prefix then
+the prefix rows each rank attends to; `ring` instead passes KV blocks around a ring with one
+kernel call per step, `flashcp.attention.ring`), gathers each local shard's keys (its document prefix then
 its own tokens) and runs one varlen kernel over all local shards with the causal mask aligned to
 the bottom right. Autograd runs the kernel backward and the transposed collective.
 
@@ -21,8 +22,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from flashcp.attention.collectives import Collectives, gather_kv, launch_kv_exchange
+from flashcp.attention.collectives import collectives, Collectives, gather_kv, launch_kv_exchange
 from flashcp.attention.kernels import varlen_attention
+from flashcp.attention.ring import ring_attention
 from flashcp.dispatch import Dispatch, OverlapSplit
 
 
@@ -69,6 +71,10 @@ def cp_varlen_attention(
     in the same row order.
     """
     _check(q, k, v, dispatch, comm)
+    if comm == "ring":
+        if overlap:
+            raise ValueError("overlap=True is for the collective exchanges; the ring overlaps every step already")
+        return ring_attention(q, k, v, dispatch, collectives(group), backend, softmax_scale)
     if overlap:
         split = dispatch.overlap
         if split is None:

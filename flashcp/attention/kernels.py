@@ -20,6 +20,21 @@ Backends (all differentiable through autograd, all with the same semantics):
   the attended pairs).
 "auto" takes the first of these that accepts the inputs. Asking for a specific backend that
 cannot run raises `BackendUnavailable` naming the reason.
+
+A ring of blockwise calls (`flashcp.attention.ring`) needs two more entries: a forward that also
+returns each query row's log-sum-exp [Hq, Tq], and a backward that takes the merged output and
+LSE of all blocks (`resolve_lse_backend(name, q, k)`: a backend's `run_lse` and `run_backward`,
+with `run`'s arguments; no autograd, the ring is its own).
+The reference kernel has both. On GPUs the "torch" backend runs them: the public
+`varlen_attn(..., return_aux=AuxRequest(lse=True))` for the forward, and for the backward the aten
+op that API's own backward calls, `torch.ops.aten._flash_attention_backward`, because the public
+API's backward ignores any gradient of the LSE (a merge through autograd would be silently wrong).
+Its schema -- (grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k,
+dropout_p, is_causal, rng_state, unused, *, scale, window_size_left, window_size_right) -- was
+checked in torch 2.13 (the installed op's schema and `torch/nn/attention/varlen.py`'s
+`_varlen_attn_backward`) and torch 2.11 (its `varlen.py` makes the same call); the first call
+checks the schema's argument names and refuses, naming them, if a torch changed it.
+flash-attn's own varlen backward is not wired (not installed on our GPU machine).
 """
 
 from __future__ import annotations
@@ -34,7 +49,7 @@ from functools import lru_cache
 
 import torch
 
-from flashcp.attention.reference import reference_attention
+from flashcp.attention.reference import reference_attention, reference_attention_backward, reference_attention_lse
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -50,6 +65,8 @@ class Backend:
     name: str
     reject: Callable[[torch.Tensor, torch.Tensor], str | None]
     run: Callable[..., torch.Tensor]
+    run_lse: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None  # forward with the LSE
+    run_backward: Callable[..., tuple[torch.Tensor, ...]] | None = None  # backward from out and LSE
 
 
 def _reject_half_cuda(q: torch.Tensor, name: str) -> str | None:
@@ -139,6 +156,43 @@ def _torch_run(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
     return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=window, **kwargs)
 
 
+def _torch_run_lse(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+    from torch.nn.attention.varlen import AuxRequest, varlen_attn
+
+    kwargs = {"enable_gqa": True} if q.shape[1] != k.shape[1] and "enable_gqa" in _torch_varlen_params() else {}
+    window = (-1, 0) if causal else (-1, -1)
+    out, lse = varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=window,
+                           return_aux=AuxRequest(lse=True), **kwargs)  # fmt: skip
+    return out, lse
+
+
+_FLASH_BACKWARD_ARGS = ("grad_out", "query", "key", "value", "out", "logsumexp", "cum_seq_q", "cum_seq_k",
+                        "max_q", "max_k", "dropout_p", "is_causal", "rng_state", "unused", "scale",
+                        "window_size_left", "window_size_right")  # fmt: skip
+
+
+@lru_cache(maxsize=1)
+def _flash_backward_schema_problem() -> str | None:
+    names = tuple(a.name for a in torch.ops.aten._flash_attention_backward.default._schema.arguments)
+    if names != _FLASH_BACKWARD_ARGS:
+        return f"torch {torch.__version__}'s aten._flash_attention_backward takes ({', '.join(names)})"
+    return None
+
+
+def _torch_run_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
+    problem = _flash_backward_schema_problem()
+    if problem is not None:
+        raise BackendUnavailable(f"the ring's GPU backward expects ({', '.join(_FLASH_BACKWARD_ARGS)}); {problem}")
+    # dropout 0: the philox state is never read (torch's varlen_attn passes zeros too)
+    rng = torch.zeros(2, dtype=torch.uint64, device=q.device)
+    unused = torch.empty(0, device=q.device)
+    window = (-1, 0) if causal else (-1, -1)
+    return torch.ops.aten._flash_attention_backward(
+        grad_out.contiguous(), q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, causal, rng, unused,
+        scale=scale, window_size_left=window[0], window_size_right=window[1],
+    )  # fmt: skip
+
+
 # --- reference -------------------------------------------------------------------------------
 
 
@@ -146,12 +200,20 @@ def _reference_run(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
     return reference_attention(q, k, v, cu_q, cu_k, causal, scale)
 
 
+def _reference_run_lse(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+    return reference_attention_lse(q, k, v, cu_q, cu_k, causal, scale)
+
+
+def _reference_run_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
+    return reference_attention_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, causal, scale)
+
+
 BACKENDS: dict[str, Backend] = {
     b.name: b
     for b in (
         Backend("flash_attn", _flash_attn_reject, _flash_attn_run),
-        Backend("torch", _torch_reject, _torch_run),
-        Backend("reference", lambda q, k: None, _reference_run),
+        Backend("torch", _torch_reject, _torch_run, _torch_run_lse, _torch_run_backward),
+        Backend("reference", lambda q, k: None, _reference_run, _reference_run_lse, _reference_run_backward),
     )
 }
 
@@ -194,6 +256,22 @@ def resolve_backend(name: str, q: torch.Tensor, k: torch.Tensor) -> Backend:
     reason = backend.reject(q, k)
     if reason is not None:
         raise BackendUnavailable(f"attention backend {name!r} unavailable: {reason}")
+    return backend
+
+
+def resolve_lse_backend(name: str, q: torch.Tensor, k: torch.Tensor) -> Backend:
+    """`resolve_backend` among the backends with a forward that returns the LSE and a backward
+    from a given output and LSE (what blockwise attention needs)."""
+    if name == "auto":
+        backend = next(b for b in BACKENDS.values() if b.run_lse is not None and b.reject(q, k) is None)
+        if backend.name == "reference" and q.is_cuda:
+            _warn_slow_cuda(str(q.dtype))
+        return backend
+    backend = resolve_backend(name, q, k)
+    if backend.run_lse is None:
+        have = ", ".join(b.name for b in BACKENDS.values() if b.run_lse is not None)
+        raise BackendUnavailable(f"attention backend {name!r} has no forward with LSE and backward from it "
+                                 f"(blockwise attention runs on {have})")  # fmt: skip
     return backend
 
 

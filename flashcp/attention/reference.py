@@ -84,10 +84,15 @@ def reference_attention(
     `compute_dtype` overrides the precision of scores and probabilities (the GPU check computes
     in half precision too, as the yardstick of how far a half precision kernel may be from the
     exact result)."""
+    plan, scale, compute = _setup(q, cu_seqlens_q, cu_seqlens_k, causal, scale, compute_dtype)
+    return _BlockedAttention.apply(q, k, v, plan, scale, compute)
+
+
+def _setup(q, cu_seqlens_q, cu_seqlens_k, causal, scale, compute_dtype=None):
+    """The call's tiles, softmax scale and compute dtype."""
     compute = compute_dtype or (torch.float64 if q.dtype == torch.float64 else torch.float32)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    plan = list(tiles(cu_seqlens_q.tolist(), cu_seqlens_k.tolist(), causal, BLOCK_Q, BLOCK_K))
-    return _BlockedAttention.apply(q, k, v, plan, scale, compute)
+    return list(tiles(cu_seqlens_q.tolist(), cu_seqlens_k.tolist(), causal, BLOCK_Q, BLOCK_K)), scale, compute
 
 
 def _heads_first(x: torch.Tensor, kv_heads: int, dtype: torch.dtype) -> torch.Tensor:
@@ -138,41 +143,78 @@ def _scores(q: torch.Tensor, k: torch.Tensor, tile: Tile, group: int, ws: _Works
     return scores
 
 
+def _blocked_forward(q, k, v, plan: list[list[Tile]], scale: float, compute: torch.dtype):
+    """The output [Hkv, T * G, D] and log-sum-exp [Hkv, T * G] (+inf where a row sees no key, so
+    its recomputed probabilities are 0), heads first, in the statistics' dtype."""
+    stat = torch.promote_types(compute, torch.float32)
+    hkv, group = k.shape[1], q.shape[1] // k.shape[1]
+    qs = _heads_first(q, hkv, compute) * scale
+    ks, vs = _heads_first(k, hkv, compute), _heads_first(v, hkv, compute)
+    out = qs.new_zeros((*qs.shape[:2], vs.shape[-1]), dtype=stat)
+    lse = qs.new_full(qs.shape[:2], math.inf, dtype=stat)
+    ws = _Workspace(qs, plan, hkv, group, max(qs.shape[-1], vs.shape[-1]))
+    for row in plan:
+        if not row:
+            continue
+        r0, r1 = row[0].q0 * group, row[0].q1 * group
+        qb = qs[:, r0:r1]
+        peak = qs.new_full((hkv, r1 - r0, 1), -math.inf, dtype=stat)
+        total = qs.new_zeros((hkv, r1 - r0, 1), dtype=stat)
+        acc = out[:, r0:r1]
+        for tile in row:
+            scores = _scores(qb, ks[:, tile.k0 : tile.k1], tile, group, ws)
+            new_peak = torch.maximum(peak, scores.amax(-1, keepdim=True).to(stat))
+            # A row with no visible key so far keeps peak -inf: subtract 0 instead (its exps are 0).
+            base = new_peak.masked_fill(new_peak == -math.inf, 0.0)
+            probs = scores.to(stat).sub_(base).exp_().to(compute)
+            decay = torch.exp(peak - base)
+            total.mul_(decay).add_(probs.sum(-1, keepdim=True, dtype=stat))
+            pv = ws.take(2, hkv, r1 - r0, vs.shape[-1])
+            acc.mul_(decay).add_(torch.matmul(probs, vs[:, tile.k0 : tile.k1], out=pv))
+            peak = new_peak
+        seen = total > 0
+        acc.div_(total.masked_fill(~seen, 1.0))
+        lse[:, r0:r1] = torch.where(seen, peak + total.log(), math.inf).squeeze(-1)
+    return out, lse
+
+
+def _blocked_backward(grad_out, q, k, v, out, lse, plan: list[list[Tile]], scale: float, compute: torch.dtype):
+    """dq, dk, dv (tokens first) from the output and log-sum-exp of `_blocked_forward`'s layout."""
+    stat = out.dtype
+    hkv, group = k.shape[1], q.shape[1] // k.shape[1]
+    qs = _heads_first(q, hkv, compute) * scale
+    ks, vs = _heads_first(k, hkv, compute), _heads_first(v, hkv, compute)
+    dos = _heads_first(grad_out, hkv, compute)
+    # softmax backward: dS = P * (dP - rowsum(dO * O)), one sum per query row.
+    delta = (dos.to(stat) * out).sum(-1, keepdim=True)
+    dq, dk, dv = (qs.new_zeros(t.shape, dtype=stat) for t in (qs, ks, vs))
+    ws = _Workspace(qs, plan, hkv, group, max(qs.shape[-1], vs.shape[-1]))
+    for row in plan:
+        if not row:
+            continue
+        r0, r1 = row[0].q0 * group, row[0].q1 * group
+        qb, dob, lse_b, delta_b = qs[:, r0:r1], dos[:, r0:r1], lse[:, r0:r1, None], delta[:, r0:r1]
+        for tile in row:
+            kt, vt = ks[:, tile.k0 : tile.k1], vs[:, tile.k0 : tile.k1]
+            rows, cols, width = r1 - r0, tile.k1 - tile.k0, qs.shape[-1]
+            by_key, by_query = ws.take(2, hkv, cols, width), ws.take(2, hkv, rows, width)
+            probs = _scores(qb, kt, tile, group, ws).to(stat).sub_(lse_b).exp_().to(compute)
+            dvt = ws.take(2, hkv, cols, vs.shape[-1])
+            dv[:, tile.k0 : tile.k1] += torch.matmul(probs.transpose(-1, -2), dob, out=dvt)
+            dscores = torch.matmul(dob, vt.transpose(-1, -2), out=ws.take(1, hkv, rows, cols))
+            dscores.sub_(delta_b).mul_(probs)
+            dq[:, r0:r1] += torch.matmul(dscores, kt, out=by_query)
+            dk[:, tile.k0 : tile.k1] += torch.matmul(dscores.transpose(-1, -2), qb, out=by_key)
+    dq.mul_(scale)  # the tiles used q * scale
+    return tuple(_tokens_first(g, t) for g, t in ((dq, q), (dk, k), (dv, v)))
+
+
 class _BlockedAttention(torch.autograd.Function):
     """Forward and backward by tiles; autograd would keep every tile's probabilities instead."""
 
     @staticmethod
     def forward(ctx, q, k, v, plan: list[list[Tile]], scale: float, compute: torch.dtype):  # type: ignore
-        stat = torch.promote_types(compute, torch.float32)
-        hkv, group = k.shape[1], q.shape[1] // k.shape[1]
-        qs = _heads_first(q, hkv, compute) * scale
-        ks, vs = _heads_first(k, hkv, compute), _heads_first(v, hkv, compute)
-        out = qs.new_zeros((*qs.shape[:2], vs.shape[-1]), dtype=stat)
-        # Log-sum-exp per query row; +inf where a row sees no key, so its recomputed probabilities are 0.
-        lse = qs.new_full(qs.shape[:2], math.inf, dtype=stat)
-        ws = _Workspace(qs, plan, hkv, group, max(qs.shape[-1], vs.shape[-1]))
-        for row in plan:
-            if not row:
-                continue
-            r0, r1 = row[0].q0 * group, row[0].q1 * group
-            qb = qs[:, r0:r1]
-            peak = qs.new_full((hkv, r1 - r0, 1), -math.inf, dtype=stat)
-            total = qs.new_zeros((hkv, r1 - r0, 1), dtype=stat)
-            acc = out[:, r0:r1]
-            for tile in row:
-                scores = _scores(qb, ks[:, tile.k0 : tile.k1], tile, group, ws)
-                new_peak = torch.maximum(peak, scores.amax(-1, keepdim=True).to(stat))
-                # A row with no visible key so far keeps peak -inf: subtract 0 instead (its exps are 0).
-                base = new_peak.masked_fill(new_peak == -math.inf, 0.0)
-                probs = scores.to(stat).sub_(base).exp_().to(compute)
-                decay = torch.exp(peak - base)
-                total.mul_(decay).add_(probs.sum(-1, keepdim=True, dtype=stat))
-                pv = ws.take(2, hkv, r1 - r0, vs.shape[-1])
-                acc.mul_(decay).add_(torch.matmul(probs, vs[:, tile.k0 : tile.k1], out=pv))
-                peak = new_peak
-            seen = total > 0
-            acc.div_(total.masked_fill(~seen, 1.0))
-            lse[:, r0:r1] = torch.where(seen, peak + total.log(), math.inf).squeeze(-1)
+        out, lse = _blocked_forward(q, k, v, plan, scale, compute)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan, ctx.scale, ctx.compute = plan, scale, compute
         return _tokens_first(out, q)
@@ -181,31 +223,36 @@ class _BlockedAttention(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out):  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensors
-        compute, scale, stat = ctx.compute, ctx.scale, out.dtype
-        hkv, group = k.shape[1], q.shape[1] // k.shape[1]
-        qs = _heads_first(q, hkv, compute) * scale
-        ks, vs = _heads_first(k, hkv, compute), _heads_first(v, hkv, compute)
-        dos = _heads_first(grad_out, hkv, compute)
-        # softmax backward: dS = P * (dP - rowsum(dO * O)), one sum per query row.
-        delta = (dos.to(stat) * out).sum(-1, keepdim=True)
-        dq, dk, dv = (qs.new_zeros(t.shape, dtype=stat) for t in (qs, ks, vs))
-        ws = _Workspace(qs, ctx.plan, hkv, group, max(qs.shape[-1], vs.shape[-1]))
-        for row in ctx.plan:
-            if not row:
-                continue
-            r0, r1 = row[0].q0 * group, row[0].q1 * group
-            qb, dob, lse_b, delta_b = qs[:, r0:r1], dos[:, r0:r1], lse[:, r0:r1, None], delta[:, r0:r1]
-            for tile in row:
-                kt, vt = ks[:, tile.k0 : tile.k1], vs[:, tile.k0 : tile.k1]
-                rows, cols, width = r1 - r0, tile.k1 - tile.k0, qs.shape[-1]
-                by_key, by_query = ws.take(2, hkv, cols, width), ws.take(2, hkv, rows, width)
-                probs = _scores(qb, kt, tile, group, ws).to(stat).sub_(lse_b).exp_().to(compute)
-                dvt = ws.take(2, hkv, cols, vs.shape[-1])
-                dv[:, tile.k0 : tile.k1] += torch.matmul(probs.transpose(-1, -2), dob, out=dvt)
-                dscores = torch.matmul(dob, vt.transpose(-1, -2), out=ws.take(1, hkv, rows, cols))
-                dscores.sub_(delta_b).mul_(probs)
-                dq[:, r0:r1] += torch.matmul(dscores, kt, out=by_query)
-                dk[:, tile.k0 : tile.k1] += torch.matmul(dscores.transpose(-1, -2), qb, out=by_key)
-        dq.mul_(scale)  # the tiles used q * scale
-        grads = (_tokens_first(g, t) for g, t in ((dq, q), (dk, k), (dv, v)))
+        grads = _blocked_backward(grad_out, q, k, v, out, lse, ctx.plan, ctx.scale, ctx.compute)
         return (*grads, None, None, None)
+
+
+# --- the pieces of a ring: forward with the log-sum-exp, backward from the merged output ---
+
+
+def reference_attention_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+    causal: bool = True, scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """`reference_attention`'s output (no autograd) and each query row's log-sum-exp [Hq, Tq] in at
+    least float32, -inf where a row sees no key (the layout of FlashAttention's varlen LSE)."""
+    plan, scale, compute = _setup(q, cu_seqlens_q, cu_seqlens_k, causal, scale)
+    out, lse = _blocked_forward(q, k, v, plan, scale, compute)
+    hkv, group = k.shape[1], q.shape[1] // k.shape[1]
+    by_head = lse.view(hkv, q.shape[0], group).transpose(1, 2).reshape(q.shape[1], q.shape[0])
+    return _tokens_first(out, q), by_head.masked_fill(by_head == math.inf, -math.inf)
+
+
+def reference_attention_backward(
+    grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+    lse: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, causal: bool = True,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """dq, dk, dv of one call given an output and log-sum-exp [Hq, Tq] that need not be the call's
+    own: with a ring's merged ones, each call's gradients are its share of the whole attention's."""
+    plan, scale, compute = _setup(q, cu_seqlens_q, cu_seqlens_k, causal, scale)
+    hkv, group = k.shape[1], q.shape[1] // k.shape[1]
+    stat = torch.promote_types(compute, torch.float32)
+    rows = lse.to(stat).masked_fill(lse == -math.inf, math.inf)
+    rows = rows.view(hkv, group, q.shape[0]).transpose(1, 2).reshape(hkv, q.shape[0] * group)
+    return _blocked_backward(grad_out, q, k, v, _heads_first(out, hkv, stat), rows, plan, scale, compute)

@@ -27,6 +27,7 @@ import torch
 
 from flashcp.attention.collectives import Collectives
 from flashcp.attention.cp import cp_varlen_attention
+from flashcp.attention.ring import build_ring_dispatch
 from flashcp.dispatch import build_dispatch
 from flashcp.plan.plan import Plan
 
@@ -88,6 +89,13 @@ class SimulatedGroup(Collectives):
             torch.cat([x.split(splits)[self._rank] for x, splits in inputs], out=out)
         return _Done() if async_op else None
 
+    def ring_shift(self, pairs):
+        for out, inp in pairs:
+            inputs = self._exchange(out, inp, None)
+            if inputs is not None:
+                out.copy_(inputs[(self._rank - 1) % self.size()][0])
+        return _Done()
+
 
 def run_ranks(size: int, program: Callable[[int, SimulatedGroup], _R]) -> list[_R]:
     """Each rank's result of `program(rank, group)`, as if the ranks ran as one CP group."""
@@ -118,7 +126,10 @@ def simulate_cp_attention(
     `q, k, v, grad_out` hold the whole window (`[C, heads, D]`, window order); returns the output
     and the gradients of q, k and v in window order, assembled from the ranks' local rows.
     """
-    dispatches = [build_dispatch(plan, r, comm, overlap=overlap) for r in range(plan.cp_size)]
+    if comm == "ring":
+        dispatches = [build_ring_dispatch(plan, r) for r in range(plan.cp_size)]
+    else:
+        dispatches = [build_dispatch(plan, r, comm, overlap=overlap) for r in range(plan.cp_size)]
     dispatches = [d.to(q.device) for d in dispatches]
 
     def program(rank: int, group: SimulatedGroup) -> tuple[torch.Tensor, ...]:

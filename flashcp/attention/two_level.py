@@ -39,8 +39,9 @@ from flashcp.dispatch import build_dispatch, COMM_MODES, Dispatch, expand_ranges
 from flashcp.plan.nodes import doc_pieces
 from flashcp.plan.plan import Plan
 
-# Every KV exchange `cp_varlen_attention` runs: `build_dispatch`'s modes, then this module's.
-EXCHANGES = (*COMM_MODES, "two_level")
+# Every KV exchange `cp_varlen_attention` runs: `build_dispatch`'s modes, this module's and the
+# ring's (`flashcp.attention.ring`).
+EXCHANGES = (*COMM_MODES, "two_level", "ring")
 
 
 class NodeLayoutError(ValueError):

@@ -23,12 +23,14 @@ Collective systems (one varlen kernel per rank over its shards, keys = document 
   scatter-adds and returns them (ASSUMED 1.5x the forward bytes: read-modify-write).
 
 Ring systems (P2P ring with blockwise kernels, step-synchronous):
-- ring:   every document cut into N contiguous pieces, rank r holds piece r; at step j rank r
-  attends its pieces to rank r-j's (causal at j = 0, full blocks after, idle when r < j);
+- ring:   every document cut into N contiguous pieces, rank r holds piece r (the `ring` plan);
+  at step j rank r attends its pieces to rank r-j's (causal at j = 0, full blocks after, idle
+  when r < j);
 - zigzag: every document cut into 2N chunks, rank r holds chunks r and 2N-1-r (the Per-Doc
   layout); at step j > 0 with source s = (r - j) mod N, rank r attends both its chunks to s's
   head chunk if s < r, else its tail chunk to both of s's chunks (balanced work every step).
-  Each step is one varlen call (so it pays the per-call overhead and the short blocks' tile
+  The calls are those `comm = "ring"` runs (`flashcp.plan.ring.ring_schedule`), and so are the
+  bytes (`ring_transfers`). Each step is one varlen call (so it pays the per-call overhead and the short blocks' tile
   waste), overlapped with sending the current KV block to the next rank:
   step time = max(slowest rank's kernel + partial-result merge, P2P of one KV block).
   Merge (ASSUMED): the forward rescales and accumulates the fp32 output with the block's
@@ -46,8 +48,9 @@ import numpy as np
 from flashcp.costmodel.comm import CommModel
 from flashcp.costmodel.kernel import KernelModel
 from flashcp.costmodel.proxy import DENSE_MFU, H100_BF16_TFLOPS
-from flashcp.plan.per_doc import per_doc_shards
+from flashcp.plan import plan_shards
 from flashcp.plan.plan import Plan, row_bytes
+from flashcp.plan.ring import ring_schedule, ring_transfers
 
 # system -> (planner strategy, KV communication mode, overlap local-only shards with the comm)
 COLLECTIVE_SYSTEMS: dict[str, tuple[str, str, bool]] = {
@@ -264,16 +267,17 @@ class CostModel:
     def ring_step(
         self, doc_lens: tuple[int, ...], cp_size: int, layout: str, shape: AttentionShape
     ) -> StepTime:
-        """Step time of P2P ring attention with the `ring` or `zigzag` layout."""
+        """Step time of P2P ring attention with the `ring` or `zigzag` layout: the calls and bytes of
+        `comm = "ring"` (`flashcp.plan.ring`: `ring_schedule`, `ring_transfers`)."""
         n = cp_size
         calls = ring_calls(doc_lens, n, layout)  # calls[j][r] = (q_lens, k_lens, causal)
         mem, row = self.memory, shape.kv_row_bytes
-        block = sum(doc_lens) // n * row  # KV bytes every rank forwards each step
+        grad_row = 2 * shape.n_kv * shape.head_dim * mem.ring_grad_bytes  # dK/dV partial sums
+        sent_f, sent_b = ring_transfers(sum(doc_lens) // n, n, row, grad_row)
         out = StepTime(per_rank_fwd=[0.0] * n, per_rank_bwd=[0.0] * n)
         for j, step in enumerate(calls):
-            send_f = self.comm.ring_step_ms(block, n) if j < n - 1 and n > 1 else 0.0
-            grad_block = block * (1 + mem.ring_grad_bytes / shape.dtype_bytes)  # KV + fp32 dK/dV
-            send_b = self.comm.ring_step_ms(grad_block, n) if n > 1 else 0.0
+            send_f = self.comm.ring_step_ms(sent_f[j], n) if n > 1 else 0.0
+            send_b = self.comm.ring_step_ms(sent_b[j], n) if n > 1 else 0.0
             best_f = best_b = (0.0, 0.0, 0.0)  # (total, kernel, merge) of the slowest rank
             for r, (q, k, causal) in enumerate(step):
                 if q.size == 0:
@@ -295,7 +299,7 @@ class CostModel:
             out.other_bwd += best_b[2]
             out.comm_bwd += max(0.0, send_b - best_b[0])
         if n > 1:  # the dK/dV partial sums travel one more hop back to their owner
-            out.comm_bwd += self.comm.ring_step_ms(block * mem.ring_grad_bytes / shape.dtype_bytes, n)
+            out.comm_bwd += self.comm.ring_step_ms(sent_b[n], n)
         return out
 
     # --- all systems -------------------------------------------------------------------------
@@ -313,43 +317,24 @@ class CostModel:
         raise ValueError(f"unknown system {system!r}; choose one of {', '.join(SYSTEMS)}")
 
 
+RING_LAYOUTS = {"ring": "ring", "zigzag": "per_doc"}  # ring system -> the planner strategy of its layout
+
+
 def ring_calls(
     doc_lens: tuple[int, ...], n: int, layout: str
 ) -> list[list[tuple[np.ndarray, np.ndarray, bool]]]:
-    """Per ring step j and rank r, the blockwise varlen call (q_lens, k_lens, causal) it runs."""
-    if layout == "ring":
-        # piece[d, r]: rank r's contiguous share of document d (remainders to the first ranks)
-        lens = np.asarray(doc_lens)[:, None]
-        piece = lens // n + (np.arange(n)[None, :] < lens % n)
-        steps = []
-        for j in range(n):
-            row = []
-            for r in range(n):
-                if r < j:
-                    row.append((np.zeros(0, int), np.zeros(0, int), False))
-                else:
-                    row.append((piece[:, r], piece[:, r - j], j == 0))
-            steps.append(row)
-        return steps
-    if layout == "zigzag":
-        ranks, _ = per_doc_shards(tuple(doc_lens), range(len(doc_lens)), n)
-        head = np.zeros((len(doc_lens), n), int)  # chunk r of each document
-        tail = np.zeros((len(doc_lens), n), int)  # chunk 2N-1-r
-        for r, shards in enumerate(ranks):
-            for c, s in enumerate(shards):  # per_doc_shards appends head then tail per document
-                (head if c % 2 == 0 else tail)[s.doc, r] = s.length
-        steps = []
-        for j in range(n):
-            row = []
-            for r in range(n):
-                both = head[:, r] + tail[:, r]
-                src = (r - j) % n
-                if j == 0:
-                    row.append((both, both, True))
-                elif src < r:
-                    row.append((both, head[:, src], False))
-                else:
-                    row.append((tail[:, r], head[:, src] + tail[:, src], False))
-            steps.append(row)
-        return steps
-    raise ValueError(f"unknown ring layout {layout!r}; choose ring or zigzag")
+    """Per ring step j and rank r, the blockwise varlen call (q_lens, k_lens, causal) it runs: the
+    `ring_schedule` of the layout's plan (`ring`: N contiguous pieces per document; `zigzag`: the
+    Per-Doc layout, 2N chunks, r and 2N-1-r), empty where the rank skips the step."""
+    if layout not in RING_LAYOUTS:
+        raise ValueError(f"unknown ring layout {layout!r}; choose ring or zigzag")
+    plan = plan_shards(doc_lens, n, RING_LAYOUTS[layout])
+    empty = (np.zeros(0, int), np.zeros(0, int), False)
+    steps: list[list[tuple[np.ndarray, np.ndarray, bool]]] = [[empty] * n for _ in range(n)]
+    for r in range(n):
+        for j, call in enumerate(ring_schedule(plan, r)):
+            if call is not None:
+                q = np.array([b - a for a, b in call.q_ranges])
+                k = np.array([b - a for a, b in call.k_ranges])
+                steps[j][r] = (q, k, call.causal)
+    return steps

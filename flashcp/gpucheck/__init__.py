@@ -11,10 +11,12 @@ still leaves its results) and ends within about 8 minutes on one H100. Sections:
    more keys than queries, 1-token documents, random shard mixes), with the tolerance and worst
    error of each case; and whether passing KV heads through natively (GQA) is exact.
 2. `cp`: the CP op end to end, N in {2, 4, 8} ranks simulated in one process
-   (`flashcp.attention.simulate`), every strategy and comm mode, forward and backward against
+   (`flashcp.attention.simulate`), every strategy and comm mode (the ring too), forward and backward against
    single-device attention.
 3. `critical_path`: the slowest rank's forward and forward+backward kernel time per window at the
-   paper's setting (C = 128K, N in {4, 8}, 16 / 32 heads of dim 128, bf16, wlbllm and pile).
+   paper's setting (C = 128K, N in {4, 8}, 16 / 32 heads of dim 128, bf16, wlbllm and pile); for
+   the ring systems the sum over ring steps of the slowest rank's call and merge, with the ring's
+   communication modelled.
 4. `efficiency`: the paper's Fig. 3 (one 128K document vs 16 x 8K, whole vs Per-Doc shards) and
    achieved TFLOP/s against shard length, per backend.
 5. `decoder`: a Llama 3 8B decoder layer forward+backward on 16K tokens with the FlashCP op:

@@ -2,7 +2,9 @@
 
 `flashcp.attention.simulate` runs every rank of a CP group in this process, through the real
 op (dispatch, KV exchange, gathers, kernel, transposed exchange) with the collectives answered
-in process. Each (window, N, strategy, comm mode) result is assembled in window order and
+in process; the ring (`comm = "ring"`) too, on the backends with its kernels (the LSE forward and
+the backward from the merged output: torch's, through aten's FlashAttention-2 backward, and the
+reference). Each (window, N, strategy, comm mode) result is assembled in window order and
 compared with single-device attention: the float32 reference kernel on the same inputs is the
 truth, and the CP op may be at most `FACTOR` times as far from it as the same backend on one
 device, plus N rounding steps at the tensor's scale: a key row attended by shards on several
@@ -15,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from flashcp import plan_shards
-from flashcp.attention.kernels import reference_attention, varlen_attention
+from flashcp.attention.kernels import BACKENDS, reference_attention, varlen_attention
 from flashcp.attention.simulate import simulate_cp_attention
 from flashcp.data import length_sampler, pack_windows
 from flashcp.dispatch import COMM_MODES
@@ -76,6 +78,8 @@ def run(report: Report, sec: Section, device: torch.device, sizes: Sizes, budget
                         continue
                     imbalance = plan.metrics()["imbalance"]
                     runs = [(comm, False) for comm in COMM_MODES] + ([("compact", True)] if strategy == "flashcp" else [])
+                    if BACKENDS[backend].run_lse is not None:  # the ring's kernels: the LSE and its backward
+                        runs.append(("ring", False))
                     for comm, overlap in runs:
                         got = simulate_cp_attention(plan, comm, q, k, v, g, backend=backend, overlap=overlap)
                         bad = []

@@ -28,6 +28,7 @@ from flashcp.plan.plan import Plan, Shard, normalized, shard_workload, validate
 STRATEGIES: dict[str, str] = {
     "per_seq": "flashcp.plan.per_seq:plan_per_seq",
     "per_doc": "flashcp.plan.per_doc:plan_per_doc",
+    "ring": "flashcp.plan.ring:plan_ring",
     "whole_doc": "flashcp.plan.whole_doc:plan_whole_doc",
     "flashcp": "flashcp.plan.hybrid:plan_flashcp",
     "ilp": "flashcp.plan.ilp:plan_ilp",

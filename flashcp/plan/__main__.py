@@ -9,7 +9,10 @@ pool of lengths (--lengths-file) or a named distribution (--distribution, defaul
 strategy plans every window through `flashcp.plan_shards`; the table (or --json) summarises,
 per strategy, the workload imbalance (max / mean), the compact and needed KV communication as
 ratios of the full all-gather, the documents split over several ranks, the shortest shard and
-the planning time in milliseconds; with --ranks-per-node G (CP ranks per node), also the busiest
+the planning time in milliseconds; run over a ring (`comm = "ring"`), the step-synchronous
+imbalance (sum over ring steps of the busiest rank's work, over the mean rank's) and the KV the
+ring moves per layer, forward and backward with float32 dK/dV sums, as a ratio of the full
+all-gather and its reduce-scatter (`flashcp.plan.ring`); with --ranks-per-node G (CP ranks per node), also the busiest
 rank's rows of the needed exchange that cross the fabric, flat and two-level (`flashcp.plan.nodes`).
 
 With --mla (a named shape, moonlight or deepseek_v3, or kv_lora_rank,rope,heads,qk_nope,v) the
@@ -34,6 +37,7 @@ from flashcp.data.lengths import DISTRIBUTIONS, LengthPool, LengthSampler, lengt
 from flashcp.plan import STRATEGIES, Plan, plan_shards
 from flashcp.plan.nodes import node_metrics
 from flashcp.plan.plan import row_bytes
+from flashcp.plan.ring import ring_metrics
 
 # MLA shapes: kv_lora_rank, qk_rope_head_dim, heads, qk_nope_head_dim, v_head_dim (their HF configs)
 MLA_SHAPES: dict[str, tuple[int, int, int, int, int]] = {
@@ -41,7 +45,8 @@ MLA_SHAPES: dict[str, tuple[int, int, int, int, int]] = {
     "deepseek_v3": (512, 64, 128, 128, 128),  # DeepSeek-V3 / R1, Kimi K2 (64 heads: give the numbers)
 }
 MLA_DTYPE_BYTES = 2  # bf16
-METRICS = ("imbalance", "comm_compact_ratio", "comm_needed_ratio", "split_docs", "min_shard_len", "plan_ms")
+METRICS = ("imbalance", "comm_compact_ratio", "comm_needed_ratio", "ring_step_imbalance", "ring_comm_ratio",
+           "split_docs", "min_shard_len", "plan_ms")
 DEFAULT_STRATEGIES = [s for s in STRATEGIES if s != "ilp"]
 
 
@@ -169,7 +174,7 @@ def evaluate(
             t0 = time.perf_counter()
             plan = plan_shards(lens, cp, strategy=name, target_imbalance=target, **options)
             per["plan_ms"].append((time.perf_counter() - t0) * 1e3)
-            m = plan.metrics()
+            m = plan.metrics() | ring_metrics(plan)
             for key in METRICS[:-1]:
                 per[key].append(m[key])
             nodes = node_metrics(plan, ranks_per_node) if ranks_per_node else None
@@ -210,8 +215,8 @@ def summarise(values: Sequence[float]) -> dict[str, float]:
 
 def render(summary: dict[str, dict[str, dict[str, float]]], header: str) -> str:
     cols = [
-        "strategy", "imbalance mean/p95/max", "compact comm", "needed comm", "split docs", "min shard p50",
-        "plan ms p50/p95",
+        "strategy", "imbalance mean/p95/max", "compact comm", "needed comm", "ring steps imbalance",
+        "ring comm", "split docs", "min shard p50", "plan ms p50/p95",
     ]
     rows = []
     for name, s in summary.items():
@@ -221,6 +226,8 @@ def render(summary: dict[str, dict[str, dict[str, float]]], header: str) -> str:
             f"{imb['mean']:.3f} / {imb['p95']:.3f} / {imb['max']:.3f}",
             f"{s['comm_compact_ratio']['mean']:.3f}",
             f"{s['comm_needed_ratio']['mean']:.3f}",
+            f"{s['ring_step_imbalance']['mean']:.3f}",
+            f"{s['ring_comm_ratio']['mean']:.3f}",
             f"{s['split_docs']['mean']:.1f}",
             f"{s['min_shard_len']['p50']:.0f}",
             f"{plan['p50']:.2f} / {plan['p95']:.2f}",
@@ -242,7 +249,8 @@ def render(summary: dict[str, dict[str, dict[str, float]]], header: str) -> str:
     lines = [header, "  ".join(c.ljust(w) for c, w in zip(cols, width))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, width)) for r in rows]
     lines.append(
-        "comm columns are means of the per-window ratio to the full all-gather (1.0 = Llama3 / Per-Doc CP)"
+        "comm columns are means of the per-window ratio to the full all-gather (1.0 = Llama3 / Per-Doc CP); "
+        "ring comm: forward + backward (bf16 KV, float32 dK/dV sums) over the all-gather's + reduce-scatter's"
     )
     if "latent MiB compact / needed" in cols:
         lines.append(

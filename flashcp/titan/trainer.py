@@ -11,7 +11,9 @@ TorchTitan's; this subclass only changes how a batch reaches the model:
    child process (`flashcp.data.plan_worker`), so they do not hold the training thread's GIL;
    the loader's thread pins what it receives. The loader's state does not involve the worker.
    With `[flashcp] comm = "two_level"` the dispatch is `build_two_level_dispatch`'s for the CP
-   group's ranks per node, read off the launch at start (`_cp_ranks_per_node`).
+   group's ranks per node, read off the launch at start (`_cp_ranks_per_node`); with
+   `comm = "ring"` it is `build_ring_dispatch`'s (Ring-Attn with `strategy = "ring"`, Ring-Attn
+   (Zigzag) with `"per_doc"`).
 2. `post_dataloading_process` keeps this rank's tokens, labels and in-document positions in the
    dispatch's `token_index` order and hands every attention layer the dispatch and CP group
    (`CPStep`, through the decoder's `attention_masks` argument).
@@ -63,6 +65,7 @@ from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
 from flashcp.attention import build_two_level_dispatch, group_ranks_per_node, NodeLayoutError
+from flashcp.attention.ring import build_ring_dispatch
 from flashcp.costmodel.proxy import window_cost
 from flashcp.data.balance import WindowCost
 from flashcp.data.errors import DataError
@@ -323,6 +326,7 @@ class FlashCPTrainer(Trainer):
         dtype_bytes = torch.finfo(getattr(torch, self.config.training.mixed_precision_param)).bits // 8
         metrics.kv_row_bytes = 2 * (n_kv // self.parallel_dims.tp) * head_dim * dtype_bytes
         metrics.ranks_per_node = self.cp_ranks_per_node
+        metrics.kv_dtype_bytes, metrics.comm = dtype_bytes, self.flashcp.comm
 
     def batch_generator(
         self, data_iterable: Iterable[dict[str, Any]]
@@ -353,6 +357,8 @@ class FlashCPTrainer(Trainer):
 
     def window_dispatcher(self) -> functools.partial:
         """`dispatcher(plan)`: this rank's dispatch of a window's plan; picklable, for the plan worker."""
+        if self.flashcp.comm == "ring":
+            return functools.partial(build_ring_dispatch, rank=self.cp_rank)
         if self.flashcp.comm == "two_level":
             return functools.partial(build_two_level_dispatch, rank=self.cp_rank,
                                      ranks_per_node=self.cp_ranks_per_node, overlap=self.flashcp.overlap)  # fmt: skip

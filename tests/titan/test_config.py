@@ -144,7 +144,7 @@ def test_shipped_gpu_configs_pick_the_kernel_that_is_installed():
         ({"training": {"steps": True}}, r"\[training\] steps must be an integer"),
         ({"optimizer": {"lr": "fast"}}, r"\[optimizer\] lr must be a number"),
         ({"flashcp": {"strategy": "zigzag"}}, r"\[flashcp\] strategy must be one of per_seq, per_doc, .*flashcp"),
-        ({"flashcp": {"comm": "ring"}}, r"\[flashcp\] comm must be one of compact, full, needed"),
+        ({"flashcp": {"comm": "zigzag"}}, r"\[flashcp\] comm must be one of compact, full, needed"),
         ({"flashcp": {"target_imbalance": 0.9}}, r"target_imbalance must be >= 1.0"),
         ({"training": {"local_batch_size": 2}}, r"local_batch_size must be 1 with FlashCP"),
         ({"checkpoint": {"keep_latest_k": 1}}, r"keep_latest_k must be 0 .* or >= 2"),

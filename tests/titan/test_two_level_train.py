@@ -46,7 +46,7 @@ def test_the_job_file_offers_two_level_and_checks_ranks_per_node(tmp_path):
     assert (cfg["flashcp"]["comm"], cfg["flashcp"]["ranks_per_node"], cfg["_warnings"]) == ("two_level", 2, [])
     assert tiny_job(tmp_path, flashcp={"comm": "two_level"})["flashcp"]["ranks_per_node"] == 0  # from the launch
     lines = "\n".join(config.key_lines(["flashcp"]))
-    assert "[flashcp] comm = \"compact\"  (a string, one of compact, full, needed, two_level)" in lines
+    assert "[flashcp] comm = \"compact\"  (a string, one of compact, full, needed, two_level, ring)" in lines
     assert "[flashcp] ranks_per_node = 0  (an integer)  two_level only" in lines
     for bad in (3, -1):
         with pytest.raises(ConfigError) as e:
@@ -55,8 +55,8 @@ def test_the_job_file_offers_two_level_and_checks_ranks_per_node(tmp_path):
             "[flashcp] ranks_per_node must be 0 (from the launch) or a divisor of context_parallel_degree (4): "
             f"the CP group's ranks per node, got {bad}"
         )
-    with pytest.raises(ConfigError, match="comm must be one of compact, full, needed, two_level; got 'ring'"):
-        tiny_job(tmp_path, flashcp={"comm": "ring"})
+    with pytest.raises(ConfigError, match="comm must be one of compact, full, needed, two_level, ring; got 'zigzag'"):
+        tiny_job(tmp_path, flashcp={"comm": "zigzag"})
     ignored = tiny_job(tmp_path, parallelism=CP4, flashcp={"comm": "needed", "ranks_per_node": 2})
     assert ignored["_warnings"] == ["[flashcp] ranks_per_node = 2 is ignored: only comm = 'two_level' uses it, "
                                     "not 'needed'"]  # fmt: skip

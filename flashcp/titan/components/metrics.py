@@ -7,7 +7,8 @@ Each logged step also reports the sharding plans of the windows this rank traine
 last log (workload imbalance, KV bytes received per layer under the full, compact and needed
 exchanges, documents split across ranks, planning time; with `comm = "two_level"` across nodes
 also the busiest NIC's bytes per layer of the flat needed and the two-level exchange, and the
-latter's NVLink stage, `flashcp.plan.nodes`), a data mixture's tokens per source in the
+latter's NVLink stage, `flashcp.plan.nodes`; with `comm = "ring"` the ring's bytes per layer,
+forward and backward, `flashcp.plan.ring.ring_transfers`), a data mixture's tokens per source in the
 windows all ranks trained (`data/step_token_share/<name>`: of the steps since the last log, the
 `mix:` of the log line; `data/tokens/<name>` and `data/token_share/<name>`: since the run's first
 step, `so far`), counted by the loader from the first step on, and a progress line with an ETA.
@@ -34,6 +35,7 @@ from torchtitan.tools.utils import device_type
 
 from flashcp.plan import Plan
 from flashcp.plan.nodes import node_metrics
+from flashcp.plan.ring import ring_transfers
 
 
 @dataclass
@@ -114,7 +116,9 @@ class FlashCPMetrics(MetricsProcessor):
         self.dense_flops_per_token = 0
         self.attention_flops_per_pair = 0
         self.kv_row_bytes = 0  # bytes of one token's K and V on one rank (heads / tp)
+        self.kv_dtype_bytes = 2  # bytes of one of their elements
         self.ranks_per_node = 0  # comm = "two_level": the CP group's ranks per node (fabric figures); 0: none
+        self.comm = "compact"  # the job's KV exchange: "ring" adds the ring's bytes and its ratio on the log line
         self.stats = WindowStats()
         self._start: tuple[int, float] | None = None  # (step, time) of the first logged step
 
@@ -163,6 +167,11 @@ class FlashCPMetrics(MetricsProcessor):
             for mode in ("full", "compact", "needed"):
                 rows = m[f"comm_{mode}_tokens"]
                 s.recv_bytes[mode] = s.recv_bytes.get(mode, 0.0) + rows * self.kv_row_bytes
+            if self.comm == "ring":  # KV blocks both ways, and the dK/dV sums (float32: twice bf16's bytes)
+                sums_row = self.kv_row_bytes // self.kv_dtype_bytes * max(self.kv_dtype_bytes, 4)
+                fwd, bwd = ring_transfers(plan.tokens_per_rank, plan.cp_size, self.kv_row_bytes, sums_row)
+                s.recv_bytes["ring"] = s.recv_bytes.get("ring", 0.0) + sum(fwd)
+                s.recv_bytes["ring_backward"] = s.recv_bytes.get("ring_backward", 0.0) + sum(bwd)
             if 0 < self.ranks_per_node < plan.cp_size:  # a CP group across nodes: what crosses the fabric
                 nodes = node_metrics(plan, self.ranks_per_node, self.kv_row_bytes)
                 for mode, key in (("needed", "flat_inter_bytes"), ("two_level", "two_level_inter_bytes")):
@@ -192,6 +201,9 @@ class FlashCPMetrics(MetricsProcessor):
                 out[f"flashcp/kv_recv_bytes_per_layer_{mode}"] = total / s.windows
             if s.recv_bytes["full"]:
                 out["flashcp/comm_compact_over_full"] = s.recv_bytes["compact"] / s.recv_bytes["full"]
+                if "ring" in s.recv_bytes:  # forward + backward over the all-gather's + reduce-scatter's
+                    ring = s.recv_bytes["ring"] + s.recv_bytes["ring_backward"]
+                    out["flashcp/comm_ring_over_full"] = ring / (2 * s.recv_bytes["full"])
             for mode, total in s.fabric_bytes.items():
                 out[f"flashcp/kv_fabric_bytes_per_layer_{mode}"] = total / s.windows
             if s.fabric_bytes:
@@ -265,7 +277,8 @@ class FlashCPMetrics(MetricsProcessor):
         if "flashcp/imbalance" in m:
             parts.append(
                 f"{c.yellow}imbalance: {m['flashcp/imbalance']:.3f}  "
-                f"kv: {m.get('flashcp/comm_compact_over_full', 0.0):.2f}x full  "
+                f"kv: {m.get('flashcp/comm_ring_over_full', m.get('flashcp/comm_compact_over_full', 0.0)):.2f}x full"
+                f"{' (ring, fwd+bwd)' if 'flashcp/comm_ring_over_full' in m else ''}  "
                 f"plan: {m['flashcp/planning_ms']:.1f}ms"
             )
         recent, so_far = ([f"{k.removeprefix(p)} {100 * v:.1f}%" for k, v in m.items() if k.startswith(p)]

@@ -116,6 +116,7 @@ def _check_semantics(cfg: dict) -> None:
     check_converters(cfg, cfg["_given"])
     _check_attention(cfg)
     _check_ranks_per_node(cfg)  # after [flashcp] is reset for TorchTitan's attention
+    _check_ring(cfg)
     _check_unsupported(cfg)
 
 
@@ -131,6 +132,19 @@ def _check_ranks_per_node(cfg: dict) -> None:
     if g and fcp["comm"] != "two_level":
         cfg["_warnings"].append(f"[flashcp] ranks_per_node = {g} is ignored: only comm = 'two_level' uses it, "
                                 f"not {fcp['comm']!r}")  # fmt: skip
+
+
+def _check_ring(cfg: dict) -> None:
+    """The ring runs every step's kernel beside its transfer already, on kernels with an LSE backward."""
+    fcp = cfg["flashcp"]
+    if fcp["comm"] != "ring":
+        return
+    if fcp["overlap"]:
+        raise ConfigError("[flashcp] overlap = true is for the collective exchanges; comm = 'ring' overlaps "
+                          "each step's transfer with its kernel already: set overlap = false")  # fmt: skip
+    if fcp["backend"] == "flash_attn":
+        raise ConfigError("[flashcp] comm = 'ring' runs on backend 'torch' or 'reference' (it needs a kernel "
+                          "backward from the merged output and LSE); got 'flash_attn'")  # fmt: skip
 
 
 def _check_attention(cfg: dict) -> None:

@@ -63,7 +63,9 @@ OWN_SECTIONS: dict[str, dict[str, Key]] = {
         "target_imbalance": Key(float, 1.05, doc="max / mean attention workload the planner aims for"),
         "comm": Key(str, "compact", EXCHANGES, "KV exchange: compact (FlashCP) | full (Llama3 CP) | needed "
                     "(each rank exactly the rows it attends to) | two_level (the needed rows of a CP group that "
-                    "spans nodes: over the fabric once per node, then NVLink; on one node the same as needed)"),
+                    "spans nodes: over the fabric once per node, then NVLink; on one node the same as needed) | ring "
+                    "(KV blocks passed around the ranks, one kernel call per step: Ring-Attn with strategy "
+                    "ring, Ring-Attn (Zigzag) with per_doc; kernels torch or reference)"),
         "ranks_per_node": Key(int, 0, doc="two_level only: the CP group's ranks per node; 0: from the launch "
                               "(LOCAL_WORLD_SIZE and the CP mesh). Set, it simulates nodes (tests) and must "
                               "divide context_parallel_degree"),

@@ -118,6 +118,8 @@ def format_report(r: Report) -> str:
             f"window: {r.plan['docs_per_window']:.0f} documents, imbalance {r.plan['imbalance']:.3f}, "
             f"{r.plan['split_docs']:.0f} split; KV received per layer: compact {mib['compact']:.1f} MiB, "
             f"full {mib['full']:.1f} MiB, needed {mib['needed']:.1f} MiB"
+            + (f"; the ring {mib['ring']:.1f} MiB forward, {mib['ring_backward']:.1f} MiB backward (KV and "
+               f"float32 dK/dV sums)" if "ring" in mib else "")
         )
     if "kv_fabric_bytes_per_layer_two_level" in r.plan:  # comm = "two_level" across nodes
         mib = {k.removeprefix("kv_").removesuffix("_bytes_per_layer_two_level"): v / 2**20

@@ -126,7 +126,8 @@ def _fake_world(world_size: int) -> Iterator[None]:
 def _fake_kernel() -> Iterator[None]:
     """torch's varlen_attn without its CUDA check: fake tensors stay on the CPU, and its fake kernel
     gives FlashAttention-2's shapes (real GPUs run flash-attn's kernel, whose buffers are the same)."""
-    kernels.BACKENDS[KERNEL] = kernels.Backend(KERNEL, lambda q, k: None, kernels.BACKENDS["torch"].run)
+    torch_ = kernels.BACKENDS["torch"]
+    kernels.BACKENDS[KERNEL] = kernels.Backend(KERNEL, lambda q, k: None, torch_.run, torch_.run_lse, torch_.run_backward)
     try:
         yield
     finally:
@@ -293,7 +294,11 @@ def _shape_and_layout(trainer, dispatch, job: dict[str, Any]) -> tuple[ModelShap
 def _kv_rows(dispatch) -> int:
     """K/V rows of one layer's exchange at its peak: the receive buffer with the gathered keys or, in the
     two-level exchange's second stage, with the first stage's output, its copy joined to the local rows
-    and the rows sent on (`flashcp.attention.two_level.launch`)."""
+    and the rows sent on (`flashcp.attention.two_level.launch`). The ring's peak is its backward: two KV
+    blocks in flight and four blocks of float32 dK/dV sums (this rank's, the travelling, the arriving
+    and one step's share; two bf16 rows each), whatever the window (`flashcp.attention.ring`)."""
+    if dispatch.comm == "ring":
+        return (2 + 4 * 2) * dispatch.token_index.numel()
     route = getattr(dispatch, "route", None)
     staged = 0
     if route is not None:
