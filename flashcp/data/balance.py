@@ -60,6 +60,8 @@ RETRY_SHARE = 0.9  # a step with a window above this share of it is packed again
 RETRIES = 8
 GROW_LOSS = 0.2  # a cap within the bound that cuts away this share of the pairs tries a larger one
 SCAN, SCAN_STEP = 8, 0.92  # a step the retries left above the bound tries SCAN caps, each this share lower
+MIN_KEPT = 0.99  # given stream packing's pairs, a step's cuts keep at least this share of them
+KEEP_STEP = 1 / 64  # and the cap that does is found to within this share of a window
 
 
 class Piece(NamedTuple):
@@ -226,6 +228,43 @@ def cut_loss(lens: np.ndarray, cap: int) -> float:
     return 1 - kept / _pairs(lens.astype(np.float64))
 
 
+def _kept(packed: tuple[np.ndarray, ...]) -> float:
+    """Attended pairs of packed pieces."""
+    return _pairs(packed[3].astype(np.float64))
+
+
+def keep_pairs(lens: np.ndarray, cap: int, n_windows: int, window: int,
+               need: float) -> tuple[tuple[np.ndarray, ...], int]:  # fmt: skip
+    """The packing at about the lowest cap above `cap` whose pieces keep at least `need` attended
+    pairs (the uncapped one where none does), and that cap. The packing cuts more than the cap
+    predicts (a capped piece that fits no window whole, short pieces where a window ends), so the
+    cap is bisected on the pairs of actual packings, from the lowest the cut alone allows (the
+    pairs it keeps never fall as the cap grows) to within `KEEP_STEP` of a window."""
+    top, long = int(min(window, lens.max())), lens[lens > cap].astype(np.float64)
+    short = _pairs(lens[lens <= cap].astype(np.float64))
+
+    def cut_kept(c: int) -> float:  # the pairs of the documents over `cap` only change
+        full, rest = np.divmod(long, c)
+        return short + float((full * (c * (c + 1) / 2) + rest * (rest + 1) / 2).sum())
+
+    lo, hi = cap, top
+    while hi - lo > 1:  # the lowest cap the cut alone allows: no packing keeps more there
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if cut_kept(mid) >= need else (mid, hi)
+    found = pack(lens, top, n_windows, window), top
+    lo = hi - 1
+    while True:
+        packed = pack(lens, hi, n_windows, window) if hi < top else found[0]
+        if _kept(packed) >= need:
+            found = packed, hi
+            top = hi
+        else:
+            lo = hi
+        if top - lo <= KEEP_STEP * window:
+            return found
+        hi = (lo + top) // 2
+
+
 def _ratio(packed: tuple[np.ndarray, ...], n_windows: int, dense: float) -> float:
     """Predicted max / mean window cost of packed pieces (`dense`: a window's dense work in pairs)."""
     w_pairs = np.bincount(packed[0], packed[3] * (packed[3] + 1) / 2, n_windows)
@@ -311,8 +350,11 @@ def layout_step(
     window: int,
     cost: WindowCost,
     max_imbalance: float | None = 1.05,
+    reference: float | None = None,
 ) -> StepLayout:
-    """`balance_step` as arrays, no piece built (see `StepLayout`)."""
+    """`balance_step` as arrays, no piece built (see `StepLayout`). With `reference` (the attended
+    pairs stream packing keeps of these documents), the cuts made for balance keep at least
+    `MIN_KEPT` of it (`keep_pairs`): the step is left less balanced rather than cut further."""
     lens = np.asarray(doc_lens, dtype=np.int64)
     n_windows = dp * micro
     if dp < 1 or micro < 1 or window < 1:
@@ -373,6 +415,8 @@ def layout_step(
             ratio = _ratio(packed, n_windows, dense)
             if ratio <= bound:
                 best = (ratio, packed, mid)
+        if reference is not None and _kept(best[1]) < MIN_KEPT * reference:
+            best = (0.0, *keep_pairs(lens, best[2], n_windows, window, MIN_KEPT * reference))
         win, doc, start, length = best[1]
 
     # 4. Most expensive windows first, snaking over the ranks micro step by micro step.

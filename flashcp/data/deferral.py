@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from flashcp.data.balance import StepLayout, WindowCost
+from flashcp.data.balance import layout_step, StepLayout, WindowCost
 from flashcp.data.release import choose_release, StepAim
 
 AIM_SHARE = 1.0  # the release aims at this share of the tolerated imbalance (deferral-cut cuts the rest)
@@ -307,6 +307,14 @@ class _Walk:
         self.need -= take
         self.out.cursor = (e, pos, s + take) if take < n else (e, pos + 1, 0)
         self.offset = int(offsets[k]) + take
+
+
+def layout_deferred(step: StepDocs, dp: int, micro: int, window: int, cost: WindowCost,
+                    cut_target: float | None) -> StepLayout:  # fmt: skip
+    """The step's windows (`layout_step`); cuts made for `cut_target` keep at least
+    `flashcp.data.balance.MIN_KEPT` of the pairs stream packing keeps of the step's documents."""
+    reference = None if cut_target is None else float(stream_pairs(step.offset, step.length, window).sum())
+    return layout_step(step.length, dp, micro, window, cost, cut_target, reference)
 
 
 def step_figures(step: StepDocs, layout: StepLayout, window: int) -> dict[str, float]:

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from flashcp.data.balance import layout_step, WindowCost
-from flashcp.data.deferral import Deferral, DocSpan, step_figures
+from flashcp.data.deferral import Deferral, DocSpan, layout_deferred, step_figures
 from flashcp.data.errors import DataError
 from flashcp.data.sources import DocSource
 
@@ -328,7 +328,7 @@ def deferred_step(
             return None
     if step.cursor is not None:
         packer.restore(*step.cursor)
-    layout = layout_step(step.length, dp, micro, packer.seq_len, deferral.cost, cut_target)
+    layout = layout_deferred(step, dp, micro, packer.seq_len, deferral.cost, cut_target)
 
     def tokens(i: int) -> Any:
         ref = step.tokens[i]
