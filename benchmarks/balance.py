@@ -47,7 +47,7 @@ import numpy as np
 from flashcp import plan_shards
 from flashcp.costmodel.proxy import window_cost
 from flashcp.data.balance import layout_step, StepLayout, stream_windows, WindowCost
-from flashcp.data.deferral import Deferral, DocSpan, layout_deferred, stream_pairs
+from flashcp.data.deferral import Deferral, DocSpan, stream_pairs
 from flashcp.data.lengths import length_sampler, LengthSampler, LognormalMixture
 from flashcp.data.sources import DataConfig
 
@@ -169,7 +169,7 @@ def run(distribution: str, context: int, dp: int, cp: int, n_steps: int, micro: 
         else:
             step = deferral.next_step(read)
             stream.restore(*step.cursor)
-            layout = layout_deferred(step, dp, micro, context, cost, target)
+            layout = deferral.layout(step, dp, micro, target)
             layout.rank(0)
         wall.append((time.perf_counter() - t0 - reading[0]) * 1e3)
         cpu.append((time.process_time() - c0 - reading[1]) * 1e3)

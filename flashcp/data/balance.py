@@ -60,8 +60,7 @@ RETRY_SHARE = 0.9  # a step with a window above this share of it is packed again
 RETRIES = 8
 GROW_LOSS = 0.2  # a cap within the bound that cuts away this share of the pairs tries a larger one
 SCAN, SCAN_STEP = 8, 0.92  # a step the retries left above the bound tries SCAN caps, each this share lower
-MIN_KEPT = 0.99  # given stream packing's pairs, a step's cuts keep at least this share of them
-KEEP_STEP = 1 / 64  # and the cap that does is found to within this share of a window
+KEEP_STEP = 1 / 64  # a cap that keeps a step's least pairs is found to within this share of a window
 
 
 class Piece(NamedTuple):
@@ -350,11 +349,11 @@ def layout_step(
     window: int,
     cost: WindowCost,
     max_imbalance: float | None = 1.05,
-    reference: float | None = None,
+    min_pairs: float | None = None,
 ) -> StepLayout:
-    """`balance_step` as arrays, no piece built (see `StepLayout`). With `reference` (the attended
-    pairs stream packing keeps of these documents), the cuts made for balance keep at least
-    `MIN_KEPT` of it (`keep_pairs`): the step is left less balanced rather than cut further."""
+    """`balance_step` as arrays, no piece built (see `StepLayout`). With `min_pairs`, the cuts made
+    for balance keep at least that many attended pairs (`keep_pairs`): the step is left less
+    balanced rather than cut further."""
     lens = np.asarray(doc_lens, dtype=np.int64)
     n_windows = dp * micro
     if dp < 1 or micro < 1 or window < 1:
@@ -415,8 +414,8 @@ def layout_step(
             ratio = _ratio(packed, n_windows, dense)
             if ratio <= bound:
                 best = (ratio, packed, mid)
-        if reference is not None and _kept(best[1]) < MIN_KEPT * reference:
-            best = (0.0, *keep_pairs(lens, best[2], n_windows, window, MIN_KEPT * reference))
+        if min_pairs is not None and _kept(best[1]) < min_pairs:
+            best = (0.0, *keep_pairs(lens, best[2], n_windows, window, min_pairs))
         win, doc, start, length = best[1]
 
     # 4. Most expensive windows first, snaking over the ranks micro step by micro step.

@@ -35,6 +35,7 @@ from flashcp.data.balance import layout_step, StepLayout, WindowCost
 from flashcp.data.release import choose_release, StepAim
 
 AIM_SHARE = 1.0  # the release aims at this share of the tolerated imbalance (deferral-cut cuts the rest)
+MIN_KEPT = 0.99  # the run's windows keep at least this share of the pairs stream packing keeps, at every step
 
 
 class DocSpan(NamedTuple):
@@ -126,7 +127,7 @@ class StepDocs:
 def stream_pairs(offset: np.ndarray, length: np.ndarray, window: int) -> np.ndarray:
     """Attended pairs of each stretch [offset, offset + length) of the stream as stream packing
     trains it: cut wherever a window ends (at multiples of `window`)."""
-    tri = lambda n: n * (n + 1) / 2  # noqa: E731
+    tri = lambda n: n * (n + 1) // 2  # noqa: E731
     head = np.minimum(length, window - offset % window)
     full, tail = np.divmod(length - head, window)
     return tri(head) + full * tri(window) + tri(tail)
@@ -146,16 +147,34 @@ class Deferral:
     tokens: dict[tuple[int, int], Any] = field(default_factory=dict)  # pending documents' tokens, when read
     step: int = 0
     stream_tokens: int = 0  # tokens of the stream passed so far (trained or pending)
+    kept: int = 0  # attended pairs of the steps laid out so far
+    reference: int = 0  # and those stream packing keeps of the same documents
 
     def state(self) -> dict[str, Any]:
         """Plain ints and lists: survives any checkpoint format."""
-        return {"step": self.step, "stream_tokens": self.stream_tokens,
-                "pending": [list(p) for p in self.pending]}  # fmt: skip
+        return {"step": self.step, "stream_tokens": self.stream_tokens, "kept": self.kept,
+                "reference": self.reference, "pending": [list(p) for p in self.pending]}  # fmt: skip
 
     def load(self, state: dict[str, Any]) -> None:
         self.step, self.stream_tokens = int(state["step"]), int(state["stream_tokens"])
+        # A state saved before the pairs were counted starts counting afresh (no credit).
+        self.kept, self.reference = int(state.get("kept", 0)), int(state.get("reference", 0))
         self.pending = [Pending(*map(int, p)) for p in state["pending"]]
         self.tokens = {}
+
+    def layout(self, step: StepDocs, dp: int, micro: int, cut_target: float | None) -> StepLayout:
+        """The step's windows (`layout_step`), counted into the run's pairs. Cuts made for
+        `cut_target` never take the run's pairs below `MIN_KEPT` of those stream packing keeps of
+        the same documents, checked after every step: the pairs this step's own documents gain
+        over stream packing's cuts (trained whole where its windows would cut them) and those
+        earlier steps gained may be spent on balance, no more."""
+        reference = int(stream_pairs(step.offset, step.length, self.window).sum())
+        need = MIN_KEPT * (self.reference + reference) - self.kept
+        layout = layout_step(step.length, dp, micro, self.window, self.cost, cut_target,
+                             None if cut_target is None else need)  # fmt: skip
+        self.kept += int((layout.length * (layout.length + 1) // 2).sum())
+        self.reference += reference
+        return layout
 
     def next_step(self, read: Callable[[int], DocSpan]) -> StepDocs | None:
         """The next step's documents; `read(tokens)` gives the stream's next whole documents
@@ -307,14 +326,6 @@ class _Walk:
         self.need -= take
         self.out.cursor = (e, pos, s + take) if take < n else (e, pos + 1, 0)
         self.offset = int(offsets[k]) + take
-
-
-def layout_deferred(step: StepDocs, dp: int, micro: int, window: int, cost: WindowCost,
-                    cut_target: float | None) -> StepLayout:  # fmt: skip
-    """The step's windows (`layout_step`); cuts made for `cut_target` keep at least
-    `flashcp.data.balance.MIN_KEPT` of the pairs stream packing keeps of the step's documents."""
-    reference = None if cut_target is None else float(stream_pairs(step.offset, step.length, window).sum())
-    return layout_step(step.length, dp, micro, window, cost, cut_target, reference)
 
 
 def step_figures(step: StepDocs, layout: StepLayout, window: int) -> dict[str, float]:
