@@ -17,7 +17,9 @@ Guarantees, from the lengths alone (every rank computes the same): a step holds 
 `n_windows * window` tokens; a document is trained whole in the step it is released in, at most
 `max_delay` steps after the stream reached it (the forced ones of a step arrived in one step, and
 forced documents always fit: each step queues at most one step's tokens); every document of the
-stream is trained exactly once. With `loop = false` the data's end flushes the queue
+stream is trained exactly once; with a cut target (`deferral-cut`), after every step the run's
+windows hold at least `MIN_KEPT` (99 %) of the attended pairs stream packing keeps of the same
+documents (`Deferral.layout`). With `loop = false` the data's end flushes the queue
 (`final_step`): the remaining steps hold the pending documents, oldest first, then the rest of the
 stream, and only the last incomplete step is dropped, as stream packing drops it.
 """
