@@ -250,17 +250,15 @@ def keep_pairs(lens: np.ndarray, cap: int, n_windows: int, window: int,
     while hi - lo > 1:  # the lowest cap the cut alone allows: no packing keeps more there
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if cut_kept(mid) >= need else (mid, hi)
-    found = pack(lens, top, n_windows, window), top
-    lo = hi - 1
+    lo, found = hi - 1, None
     while True:
-        packed = pack(lens, hi, n_windows, window) if hi < top else found[0]
-        if _kept(packed) >= need:
-            found = packed, hi
-            top = hi
+        packed = pack(lens, hi, n_windows, window)
+        if _kept(packed) >= need or hi == top:  # the uncapped packing where none keeps enough
+            found, top = (packed, hi), hi
         else:
             lo = hi
         if top - lo <= KEEP_STEP * window:
-            return found
+            return found or (pack(lens, top, n_windows, window), top)
         hi = (lo + top) // 2
 
 
