@@ -29,6 +29,9 @@ between the step's windows so that every window's predicted cost is close to the
    lose more than `GROW_LOSS` of the pairs and whose capped pieces outnumber the windows is tried
    once more with a cap halfway to the longest document (the cap's estimate assumes every long
    document cut, which then lowers the mean it aims at, so it can fall far too low).
+   Given the least attended pairs the step must keep (`min_pairs`: deferral-cut's floor of stream
+   packing's pairs), a step whose cuts keep fewer is packed at the lowest cap that keeps them
+   (`keep_pairs`), however unbalanced that leaves it.
 4. Windows go to (micro step, DP rank) from the most to the least expensive, snaking over the
    ranks, so that each micro step and each rank's sum are balanced.
 
