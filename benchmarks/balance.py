@@ -6,7 +6,8 @@
 
 Documents are drawn from the length distribution into one stream (`prolong` is a ProLong-like mix
 defined here: 40 % of tokens in long documents, ASSUMED mean 64K, 60 % in Pile-like short ones;
-`prolong-32k` has long documents of mean 32K, `prolong-24k-50` also 50 % of the tokens in them);
+`prolong-32k` has long documents of mean 32K, `prolong-24k-50` also 50 % of the tokens in them;
+`prolong-pool`, from `flashcp.data.lengths`, is a held-out ProLong-style pool with a Pareto tail);
 every mode trains that stream, S optimizer steps of dp x micro windows of exactly C tokens:
   off           stream packing (each window's last document carried into the next)
   mesh          the stream step's pieces moved between the step's windows
@@ -169,7 +170,7 @@ def run(distribution: str, context: int, dp: int, cp: int, n_steps: int, micro: 
         else:
             step = deferral.next_step(read)
             stream.restore(*step.cursor)
-            layout = layout_step(step.length, dp, micro, context, cost, target)
+            layout = deferral.layout(step, dp, micro, target)
             layout.rank(0)
         wall.append((time.perf_counter() - t0 - reading[0]) * 1e3)
         cpu.append((time.process_time() - c0 - reading[1]) * 1e3)

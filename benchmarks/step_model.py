@@ -66,7 +66,7 @@ from flashcp.costmodel.step import (  # noqa: E402
     StepModel,
     paper_ratio_scales,
 )
-from flashcp.data.balance import balance_step, layout_step, stream_windows, WindowCost  # noqa: E402
+from flashcp.data.balance import balance_step, stream_windows, WindowCost  # noqa: E402
 from flashcp.data.deferral import Deferral  # noqa: E402
 from flashcp.data.settings import DataConfig  # noqa: E402
 
@@ -130,7 +130,7 @@ def default_windows(dataset: str, seed: int, context: int, dp: int, steps: int,
                 break
         if step.cursor is not None:
             stream.restore(*step.cursor)
-        out.append(window_lengths(layout_step(step.length, dp, 1, context, cost, balance["cut_target"])))
+        out.append(window_lengths(deferral.layout(step, dp, 1, balance["cut_target"])))
         kept += pairs([n for rank in out[-1] for w in rank for n in w])
     if len(out) != steps:
         raise RuntimeError(f"the default balance made {len(out)} steps of {steps} steps' tokens")

@@ -22,6 +22,7 @@ HF `datasets` / `tokenizers` / `sentencepiece` where a source needs them; never 
 from flashcp.data.balance import balance_step, Piece, WindowCost
 from flashcp.data.lengths import (
     DISTRIBUTIONS,
+    HeavyTailed,
     LengthPool,
     LengthSampler,
     LognormalMixture,
@@ -33,6 +34,7 @@ from flashcp.data.store import open_store, StoreError, TokenStore
 
 __all__ = [
     "DISTRIBUTIONS",
+    "HeavyTailed",
     "LengthPool",
     "LengthSampler",
     "LognormalMixture",

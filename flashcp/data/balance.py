@@ -29,6 +29,9 @@ between the step's windows so that every window's predicted cost is close to the
    lose more than `GROW_LOSS` of the pairs and whose capped pieces outnumber the windows is tried
    once more with a cap halfway to the longest document (the cap's estimate assumes every long
    document cut, which then lowers the mean it aims at, so it can fall far too low).
+   Given the least attended pairs the step must keep (`min_pairs`: deferral-cut's floor of stream
+   packing's pairs), a step whose cuts keep fewer is packed at the lowest cap that keeps them
+   (`keep_pairs`), however unbalanced that leaves it.
 4. Windows go to (micro step, DP rank) from the most to the least expensive, snaking over the
    ranks, so that each micro step and each rank's sum are balanced.
 
@@ -60,6 +63,7 @@ RETRY_SHARE = 0.9  # a step with a window above this share of it is packed again
 RETRIES = 8
 GROW_LOSS = 0.2  # a cap within the bound that cuts away this share of the pairs tries a larger one
 SCAN, SCAN_STEP = 8, 0.92  # a step the retries left above the bound tries SCAN caps, each this share lower
+KEEP_STEP = 1 / 64  # a cap that keeps a step's least pairs is found to within this share of a window
 
 
 class Piece(NamedTuple):
@@ -226,6 +230,41 @@ def cut_loss(lens: np.ndarray, cap: int) -> float:
     return 1 - kept / _pairs(lens.astype(np.float64))
 
 
+def _kept(packed: tuple[np.ndarray, ...]) -> float:
+    """Attended pairs of packed pieces."""
+    return _pairs(packed[3].astype(np.float64))
+
+
+def keep_pairs(lens: np.ndarray, cap: int, n_windows: int, window: int,
+               need: float) -> tuple[tuple[np.ndarray, ...], int]:  # fmt: skip
+    """The packing at about the lowest cap above `cap` whose pieces keep at least `need` attended
+    pairs (the uncapped one where none does), and that cap. The packing cuts more than the cap
+    predicts (a capped piece that fits no window whole, short pieces where a window ends), so the
+    cap is bisected on the pairs of actual packings, from the lowest the cut alone allows (the
+    pairs it keeps never fall as the cap grows) to within `KEEP_STEP` of a window."""
+    top, long = int(min(window, lens.max())), lens[lens > cap].astype(np.float64)
+    short = _pairs(lens[lens <= cap].astype(np.float64))
+
+    def cut_kept(c: int) -> float:  # the pairs of the documents over `cap` only change
+        full, rest = np.divmod(long, c)
+        return short + float((full * (c * (c + 1) / 2) + rest * (rest + 1) / 2).sum())
+
+    lo, hi = cap, top
+    while hi - lo > 1:  # the lowest cap the cut alone allows: no packing keeps more there
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if cut_kept(mid) >= need else (mid, hi)
+    lo, found = hi - 1, None
+    while True:
+        packed = pack(lens, hi, n_windows, window)
+        if _kept(packed) >= need or hi == top:  # the uncapped packing where none keeps enough
+            found, top = (packed, hi), hi
+        else:
+            lo = hi
+        if top - lo <= KEEP_STEP * window:
+            return found or (pack(lens, top, n_windows, window), top)
+        hi = (lo + top) // 2
+
+
 def _ratio(packed: tuple[np.ndarray, ...], n_windows: int, dense: float) -> float:
     """Predicted max / mean window cost of packed pieces (`dense`: a window's dense work in pairs)."""
     w_pairs = np.bincount(packed[0], packed[3] * (packed[3] + 1) / 2, n_windows)
@@ -311,8 +350,11 @@ def layout_step(
     window: int,
     cost: WindowCost,
     max_imbalance: float | None = 1.05,
+    min_pairs: float | None = None,
 ) -> StepLayout:
-    """`balance_step` as arrays, no piece built (see `StepLayout`)."""
+    """`balance_step` as arrays, no piece built (see `StepLayout`). With `min_pairs`, the cuts made
+    for balance keep at least that many attended pairs (`keep_pairs`): the step is left less
+    balanced rather than cut further."""
     lens = np.asarray(doc_lens, dtype=np.int64)
     n_windows = dp * micro
     if dp < 1 or micro < 1 or window < 1:
@@ -373,6 +415,8 @@ def layout_step(
             ratio = _ratio(packed, n_windows, dense)
             if ratio <= bound:
                 best = (ratio, packed, mid)
+        if min_pairs is not None and _kept(best[1]) < min_pairs:
+            best = (0.0, *keep_pairs(lens, best[2], n_windows, window, min_pairs))
         win, doc, start, length = best[1]
 
     # 4. Most expensive windows first, snaking over the ranks micro step by micro step.

@@ -17,7 +17,9 @@ Guarantees, from the lengths alone (every rank computes the same): a step holds 
 `n_windows * window` tokens; a document is trained whole in the step it is released in, at most
 `max_delay` steps after the stream reached it (the forced ones of a step arrived in one step, and
 forced documents always fit: each step queues at most one step's tokens); every document of the
-stream is trained exactly once. With `loop = false` the data's end flushes the queue
+stream is trained exactly once; with a cut target (`deferral-cut`), after every step the run's
+windows hold at least `MIN_KEPT` (99 %) of the attended pairs stream packing keeps of the same
+documents (`Deferral.layout`). With `loop = false` the data's end flushes the queue
 (`final_step`): the remaining steps hold the pending documents, oldest first, then the rest of the
 stream, and only the last incomplete step is dropped, as stream packing drops it.
 """
@@ -31,10 +33,11 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from flashcp.data.balance import StepLayout, WindowCost
+from flashcp.data.balance import layout_step, StepLayout, WindowCost
 from flashcp.data.release import choose_release, StepAim
 
 AIM_SHARE = 1.0  # the release aims at this share of the tolerated imbalance (deferral-cut cuts the rest)
+MIN_KEPT = 0.99  # the run's windows keep at least this share of the pairs stream packing keeps, at every step
 
 
 class DocSpan(NamedTuple):
@@ -126,7 +129,7 @@ class StepDocs:
 def stream_pairs(offset: np.ndarray, length: np.ndarray, window: int) -> np.ndarray:
     """Attended pairs of each stretch [offset, offset + length) of the stream as stream packing
     trains it: cut wherever a window ends (at multiples of `window`)."""
-    tri = lambda n: n * (n + 1) / 2  # noqa: E731
+    tri = lambda n: n * (n + 1) // 2  # noqa: E731
     head = np.minimum(length, window - offset % window)
     full, tail = np.divmod(length - head, window)
     return tri(head) + full * tri(window) + tri(tail)
@@ -146,16 +149,34 @@ class Deferral:
     tokens: dict[tuple[int, int], Any] = field(default_factory=dict)  # pending documents' tokens, when read
     step: int = 0
     stream_tokens: int = 0  # tokens of the stream passed so far (trained or pending)
+    kept: int = 0  # attended pairs of the steps laid out so far
+    reference: int = 0  # and those stream packing keeps of the same documents
 
     def state(self) -> dict[str, Any]:
         """Plain ints and lists: survives any checkpoint format."""
-        return {"step": self.step, "stream_tokens": self.stream_tokens,
-                "pending": [list(p) for p in self.pending]}  # fmt: skip
+        return {"step": self.step, "stream_tokens": self.stream_tokens, "kept": self.kept,
+                "reference": self.reference, "pending": [list(p) for p in self.pending]}  # fmt: skip
 
     def load(self, state: dict[str, Any]) -> None:
         self.step, self.stream_tokens = int(state["step"]), int(state["stream_tokens"])
+        # A state saved before the pairs were counted starts counting afresh (no credit).
+        self.kept, self.reference = int(state.get("kept", 0)), int(state.get("reference", 0))
         self.pending = [Pending(*map(int, p)) for p in state["pending"]]
         self.tokens = {}
+
+    def layout(self, step: StepDocs, dp: int, micro: int, cut_target: float | None) -> StepLayout:
+        """The step's windows (`layout_step`), counted into the run's pairs. Cuts made for
+        `cut_target` never take the run's pairs below `MIN_KEPT` of those stream packing keeps of
+        the same documents, checked after every step: the pairs this step's own documents gain
+        over stream packing's cuts (trained whole where its windows would cut them) and those
+        earlier steps gained may be spent on balance, no more."""
+        reference = int(stream_pairs(step.offset, step.length, self.window).sum())
+        need = MIN_KEPT * (self.reference + reference) - self.kept
+        layout = layout_step(step.length, dp, micro, self.window, self.cost, cut_target,
+                             None if cut_target is None else need)  # fmt: skip
+        self.kept += int((layout.length * (layout.length + 1) // 2).sum())
+        self.reference += reference
+        return layout
 
     def next_step(self, read: Callable[[int], DocSpan]) -> StepDocs | None:
         """The next step's documents; `read(tokens)` gives the stream's next whole documents

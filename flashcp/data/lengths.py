@@ -32,6 +32,13 @@ Named distributions (all lengths in tokens):
   StackExchange) at 4 bytes per token; sigma 1.0 as for ``pile``. Mean ~0.9K tokens, median
   ~490: ~150 documents per 128K window.
 
+- ``prolong-pool``: a held-out stand-in for ProLong-style data (`HeavyTailed`, below): a pool of
+  77,932 lengths, a log-normal body of median 1.9K tokens and 0.2 % of the documents from a
+  Pareto tail above 32K reaching 340K. Tuning was never done on it.
+
+`HeavyTailed` generates such pools for any body, tail share and maximum (the balance property
+tests draw them: maxima 10K-400K, 0.05-5 % of the documents long).
+
 Any JSON list of positive integers can serve as an empirical pool (sampled uniformly with
 replacement) through `LengthPool.from_json` or by passing its path to `length_sampler`.
 """
@@ -215,6 +222,50 @@ class LengthPool:
         return np.asarray(self.lengths, dtype=np.int64)[rng.integers(0, len(self.lengths), size=n)]
 
 
+@dataclass(frozen=True)
+class HeavyTailed:
+    """A log-normal body with a Pareto tail: `long_share` of the documents are drawn from a Pareto
+    of index `alpha` above `long_min` (truncated at `max_len`), the others from a log-normal of
+    median `median` and log-space `sigma` truncated below `long_min`. So exactly `long_share` of
+    the documents are long (in expectation), whatever the body's own spread: what a balancer
+    tuned on one corpus must survive on another."""
+
+    median: float
+    sigma: float
+    long_share: float
+    long_min: int
+    max_len: int
+    alpha: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.long_share <= 1 and 1 <= self.median < self.long_min < self.max_len and self.sigma > 0
+                and self.alpha > 0):  # fmt: skip
+            raise ValueError("need 0 <= long_share <= 1, 1 <= median < long_min < max_len, sigma > 0, alpha > 0")
+
+    def draw(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        long = rng.random(n) < self.long_share
+        out = np.empty(n, dtype=np.float64)
+        # Pareto truncated at max_len, by its inverse CDF.
+        u = rng.random(int(long.sum()))
+        out[long] = self.long_min * (1 - u * (1 - (self.long_min / self.max_len) ** self.alpha)) ** (-1 / self.alpha)
+        body = np.flatnonzero(~long)
+        while body.size:  # the body below long_min: redraw the few above it
+            out[body] = self.median * np.exp(self.sigma * rng.standard_normal(body.size))
+            body = body[out[body] >= self.long_min]
+        return np.clip(np.rint(out), 1, self.max_len).astype(np.int64)
+
+    def pool(self, size: int, seed: int) -> LengthPool:
+        """`size` lengths drawn once with `seed`, sampled uniformly with replacement from then on
+        (like a corpus's lengths), the longest set to `max_len` so that the pool reaches it."""
+        lengths = self.draw(np.random.default_rng(seed), size)
+        lengths[np.argmax(lengths)] = self.max_len
+        return LengthPool(tuple(lengths.tolist()))
+
+
+# ProLong-style lengths nothing was tuned on: median 1.9K, 0.2 % above 32K, the longest 340K.
+PROLONG_POOL = HeavyTailed(median=1900.0, sigma=1.0, long_share=0.002, long_min=32768, max_len=340_000)
+
+
 def _wlbllm() -> QuantileLengths:
     probs, lengths = zip(*_WLBLLM_QUANTILES)
     return QuantileLengths(tuple(p / 1e4 for p in probs), lengths)
@@ -234,6 +285,7 @@ DISTRIBUTIONS: dict[str, Callable[[], LengthDistribution]] = {
     "wlbllm": _wlbllm,
     "pile": _pile,
     "redpajama": _redpajama,
+    "prolong-pool": lambda: PROLONG_POOL.pool(77_932, seed=38),
 }
 
 

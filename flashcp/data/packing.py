@@ -328,7 +328,7 @@ def deferred_step(
             return None
     if step.cursor is not None:
         packer.restore(*step.cursor)
-    layout = layout_step(step.length, dp, micro, packer.seq_len, deferral.cost, cut_target)
+    layout = deferral.layout(step, dp, micro, cut_target)
 
     def tokens(i: int) -> Any:
         ref = step.tokens[i]
@@ -337,4 +337,4 @@ def deferred_step(
     fetched = functools.lru_cache(maxsize=None)(tokens)  # a document cut into pieces is read once
     mine = [[Piece(fetched(p.doc), int(step.start[p.doc]) + p.start, p.length) for p in window]
             for window in layout.rank(dp_rank)]  # fmt: skip
-    return mine, step_figures(step, layout, packer.seq_len)
+    return mine, {**step_figures(step, layout, packer.seq_len), "run_pairs_kept": deferral.kept / deferral.reference}

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flashcp.data.balance import balance_step, cut_long, length_cap, Piece, stream_windows, WindowCost
+from flashcp.data.balance import balance_step, cut_long, layout_step, length_cap, Piece, stream_windows, WindowCost
 from flashcp.data.lengths import length_sampler
 
 COST = WindowCost.llama(8.03e9, 4096, 32, cp=8)
@@ -224,3 +224,24 @@ def test_a_step_the_retries_leave_above_the_bound_tries_lower_caps(monkeypatch):
     assert worst() <= 1 + balance.RETRY_SHARE * 0.05
     monkeypatch.setattr(balance, "SCAN", 0)
     assert worst() > 1.05  # the retries alone
+
+
+def test_a_floor_of_pairs_leaves_the_step_less_balanced_rather_than_cut_further():
+    window, dp = 131072, 8
+    lens = [window, 120_000, 90_000]
+    lens += [1000] * ((dp * window - sum(lens)) // 1000)
+    lens.append(dp * window - sum(lens))
+
+    def pairs(layout) -> float:
+        return float((layout.length * (layout.length + 1) / 2).sum())
+
+    free = layout_step(lens, dp, 1, window, COST)
+    need = 0.99 * sum(n * (n + 1) / 2 for n in lens)
+    assert pairs(free) < need  # balance alone cuts the long documents
+    floored = layout_step(lens, dp, 1, window, COST, 1.05, min_pairs=need)
+    assert pairs(floored) >= need
+    check_cover(lens, floored.ranks(), dp, 1, window)
+    costs = [COST(floored.length[a:b].tolist()) for a, b in zip(floored.bounds[:-1], floored.bounds[1:])]
+    assert max(costs) > 1.05 * np.mean(costs)  # the balance given up
+    same = layout_step(lens, dp, 1, window, COST, 1.05, min_pairs=pairs(free))  # a floor already met
+    assert all(np.array_equal(a, b) for a, b in zip(same, free))

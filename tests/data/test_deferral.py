@@ -198,3 +198,24 @@ def test_forced_steps_priced_by_the_layout_train_every_token_once_within_the_del
     for step in steps:
         assert step[0][0]["deferral"]["delay_max"] <= max_delay
         assert all(b["input"].numel() == SEQ and sum(b["doc_lens"]) == SEQ for rank in step for b in rank)
+
+
+def test_the_run_keeps_99_percent_of_stream_packings_pairs_and_a_resume_keeps_counting():
+    """Long documents forced out without company: deferral-cut's cuts never take the run below 99 %
+    of the pairs stream packing keeps, and the count travels in the state."""
+    rng = np.random.default_rng(3)
+    lens = [int(n) for n in np.clip(rng.lognormal(np.log(40), 1.0, 600), 1, 400)]
+    dp, micro = 4, 1
+    steps = run_steps([deferring(r, dp, micro, 3, lens=lens, cut=1.05) for r in range(dp)], micro)
+    figures = [step[0][0]["deferral"] for step in steps]
+    assert min(f["run_pairs_kept"] for f in figures) >= 0.99
+    assert min(f["pairs_kept"] for f in figures) < 0.99  # a step spent what earlier ones gained
+    first = deferring(0, dp, micro, 3, lens=lens, cut=1.05)
+    for _ in range(10):
+        next(first)
+    state = first.state_dict()
+    first.close()
+    again = deferring(0, dp, micro, 3, lens=lens, cut=1.05)
+    again.load_state_dict(json.loads(json.dumps(state)))
+    assert [next(again)["deferral"] for _ in range(10)] == figures[10:20]
+    again.close()

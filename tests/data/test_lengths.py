@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from flashcp.data import (
     DISTRIBUTIONS,
+    HeavyTailed,
     LengthPool,
     LengthSampler,
     LognormalMixture,
@@ -62,6 +63,28 @@ def test_packing_consumes_pool_documents_in_order(pool: list[int], context: int,
         assert w[:-1] == stream[pos : pos + len(w) - 1]
         assert 1 <= w[-1] <= stream[pos + len(w) - 1]
         pos += len(w)
+
+
+def test_the_prolong_style_pool_has_the_held_out_pools_shape() -> None:
+    lengths = np.array(DISTRIBUTIONS["prolong-pool"]().lengths)
+    assert lengths.size == 77_932 and lengths.max() == 340_000
+    assert 1800 <= np.median(lengths) <= 2000
+    assert 0.0015 <= (lengths > 32768).mean() <= 0.0025
+
+
+@settings(max_examples=20, deadline=None)
+@given(max_len=st.integers(10_000, 400_000), share=st.floats(0.0005, 0.05), seed=st.integers(0, 99))
+def test_heavy_tailed_pools_hold_their_share_of_long_documents_up_to_their_maximum(max_len, share, seed):
+    dist = HeavyTailed(median=1000.0, sigma=1.0, long_share=share, long_min=max_len // 4, max_len=max_len)
+    lengths = np.array(dist.pool(20_000, seed).lengths)
+    assert lengths.min() >= 1 and lengths.max() == max_len
+    long = (lengths >= max_len // 4).mean()
+    assert abs(long - share) <= 4 * np.sqrt(share / 20_000) + 1 / 20_000  # binomial: 4 sigma
+
+
+def test_a_heavy_tail_needs_a_body_below_its_long_documents() -> None:
+    with pytest.raises(ValueError, match="median < long_min < max_len"):
+        HeavyTailed(median=5000.0, sigma=1.0, long_share=0.01, long_min=4000, max_len=10_000)
 
 
 def test_pool_from_json(tmp_path: Path) -> None:
