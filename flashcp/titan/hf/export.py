@@ -145,23 +145,34 @@ def export(checkpoint: Path, out: Path, dtype: str | None = None,
     return write_folder(out, hf_weights, hf_config, side, max_shard_bytes)
 
 
-def verified_record(checkpoint: Path) -> dict[str, Any]:
-    """The checkpoint's model record, once its files match its manifest."""
+def verified_manifest(checkpoint: Path, unverified: bool = False) -> dict[str, Any]:
+    """The manifest of a published checkpoint folder (step-N) whose files match it, read in this
+    process alone; ExportError naming the first problem. `unverified` (the job's
+    `checkpoint.load_unverified`) lets a folder without a manifest pass, as {}."""
     if not checkpoint.is_dir():
         state = "is not a folder" if checkpoint.exists() else "does not exist"
         raise ExportError(f"{checkpoint}: {state}")
     name = checkpoint.resolve().name
     if LEFTOVER_DIR.fullmatch(name) and ".partial-" in name:
-        raise ExportError(f"{checkpoint} is an unfinished save (never published): export a step-N folder")
+        raise ExportError(f"{checkpoint} is an unfinished save (never published): use a published step-N folder")
     if not STEP_DIR.fullmatch(name):
         raise ExportError(f"{checkpoint} is not a published checkpoint folder (step-N, as the run names them)")
-    if not (checkpoint / ".metadata").is_file() or not (checkpoint / MANIFEST).is_file():
-        missing = ".metadata" if not (checkpoint / ".metadata").is_file() else MANIFEST
-        raise ExportError(f"{checkpoint} is not a complete FlashCP checkpoint (no {missing})")
+    if not (checkpoint / ".metadata").is_file():
+        raise ExportError(f"{checkpoint} is not a complete FlashCP checkpoint (no .metadata)")
+    if not (checkpoint / MANIFEST).is_file():
+        if unverified:
+            return {}
+        raise ExportError(f"{checkpoint} is not a complete FlashCP checkpoint (no {MANIFEST})")
     manifest = read_manifest(checkpoint)  # a malformed one carries its `problem`, reported here
     problems = verify_files(checkpoint, manifest, 0, 1)
     if problems:
         raise ExportError(f"checkpoint {checkpoint} is damaged: {problems[0]}")
+    return manifest
+
+
+def verified_record(checkpoint: Path) -> dict[str, Any]:
+    """The checkpoint's model record, once its files match its manifest."""
+    manifest = verified_manifest(checkpoint)
     record = manifest.get("model")
     if not isinstance(record, dict) or not isinstance(record.get("hf_config"), dict):
         raise ExportError(f"{checkpoint / MANIFEST} does not record the model (saved before FlashCP "

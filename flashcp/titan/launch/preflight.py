@@ -33,8 +33,8 @@ def check_inputs(cfg: dict[str, Any]) -> int:
         )
     open_first(build_data(data, tokenizer))  # reads and tokenises the first (kept) document
     held_out = held_out_data(cfg)
-    if held_out is not None and cfg["validation"]["enable"]:
-        open_first(build_data(held_out, tokenizer))  # [validation] source
+    if held_out is not None and (cfg["validation"]["enable"] or cfg["probe"]["enable"]):
+        open_first(build_data(held_out, tokenizer))  # [validation] source, also the probe's haystack
     check_hf_import(cfg, tokenizer.vocab_size)
     return vocab or tokenizer.vocab_size
 
