@@ -28,7 +28,8 @@ def entry_points() -> list[list[str]]:
             modules.add(".".join(parts[:-1]))
         elif MAIN_GUARD.search(path.read_text()):
             modules.add(".".join(parts))
-    scripts = [*sorted((ROOT / "scripts").glob("*.py")), *sorted((ROOT / "benchmarks").glob("*.py")), ROOT / "train.py"]
+    scripts = [*sorted((ROOT / "scripts").glob("*.py")), *sorted((ROOT / "benchmarks").glob("*.py")),
+               ROOT / "train.py"]  # fmt: skip
     return [["-m", name] for name in sorted(modules)] + [[str(p.relative_to(ROOT))] for p in scripts]
 
 
@@ -38,9 +39,9 @@ ENTRY_POINTS = entry_points()
 def test_the_tree_holds_the_known_entry_points():
     """The search finds what it must (a broken search would make the test below vacuous)."""
     found = {" ".join(argv) for argv in ENTRY_POINTS}
-    known = {"-m flashcp.titan.launch", "-m flashcp.titan.export", "-m flashcp.titan.probe", "-m flashcp.data.prepare",
-             "-m flashcp.data.plan_worker", "-m flashcp.plan", "benchmarks/balance.py", "scripts/make_tiny_hf.py",
-             "train.py"}  # fmt: skip
+    known = {"-m flashcp.titan.launch", "-m flashcp.titan.export", "-m flashcp.titan.probe",
+             "-m flashcp.data.prepare", "-m flashcp.data.plan_worker", "-m flashcp.plan", "benchmarks/balance.py",
+             "scripts/make_tiny_hf.py", "train.py"}  # fmt: skip
     assert known <= found, known - found
 
 

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from harness import single_rank, tiny_job, tiny_seed_checkpoint, train
+from harness import load_export, single_rank, tiny_job, tiny_seed_checkpoint, train
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from flashcp.data.errors import DataError
@@ -304,6 +304,7 @@ def _bad_weights(tmp_path: Path, seed: dict, case: str) -> list[str]:
         from flashcp.titan.hf.export import export
 
         export(source, folder)
+        load_export(folder)  # a sound export, then broken
         weights = folder / "model.safetensors"
         weights.unlink() if case == "hf without weights" else weights.write_bytes(b"\x00" * 4096)
         return ["--hf", str(folder)]
