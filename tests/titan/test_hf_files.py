@@ -165,6 +165,7 @@ def test_links_inside_the_folder_and_a_hub_snapshot_are_followed_and_written_ane
     for name in SIDE:
         shutil.copy(tiny_llama / name, blobs / f"sha-{name}")
         (snapshot / name).symlink_to(Path("..") / ".." / "blobs" / f"sha-{name}")
+    (blobs / "sha-generation_config.json").write_text(json.dumps(GENERATION | {"top_k": None, "pad_token_id": None}))
     (snapshot / "templates").mkdir()
     (snapshot / "templates" / "chat.json").write_text('{"chat_template": "{{ messages }}"}')
     (snapshot / "chat_template.json").symlink_to(Path("templates") / "chat.json")
@@ -177,7 +178,8 @@ def test_links_inside_the_folder_and_a_hub_snapshot_are_followed_and_written_ane
     umask = os.umask(0)
     os.umask(umask)
     assert {stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()} == {0o666 & ~umask}
-    assert json.loads((out / "generation_config.json").read_text()) == GENERATION | {"eos_token_id": [1, 7]}
+    unset = {"top_k": None, "pad_token_id": None}  # null: unset, kept
+    assert json.loads((out / "generation_config.json").read_text()) == GENERATION | unset | {"eos_token_id": [1, 7]}
     load_export(out)
 
 

@@ -101,7 +101,9 @@ def _non_finite(value: Any) -> str | None:
 
 
 def _wrong_type(key: str, value: Any) -> str | None:
-    """What transformers would not accept in `key`, or None."""
+    """What transformers would not accept in `key`, or None (null: unset, as transformers reads it)."""
+    if value is None:
+        return None
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
     integer = isinstance(value, int) and not isinstance(value, bool)
     if key in _FLOATS and not number:
@@ -114,9 +116,9 @@ def _wrong_type(key: str, value: Any) -> str | None:
         return "is not a positive integer"
     if key in _INTS and not (integer and value >= 0):
         return "is not a non-negative integer"
-    if key in _TOKEN_IDS and value is not None and not (integer and value >= 0):
+    if key in _TOKEN_IDS and not (integer and value >= 0):
         return "is not a token id (an integer >= 0)"
-    if key == "eos_token_id" and value is not None and not _token_ids(value):
+    if key == "eos_token_id" and not _token_ids(value):
         return "is not a token id or a non-empty list of token ids"
     if key in _BOOLS and not isinstance(value, bool):
         return "is not true or false"
