@@ -350,6 +350,21 @@ def test_cli_refuses_bad_weights_before_any_rank_starts(tmp_path, seed, capsys, 
     assert err.startswith("error: ") and err.count("\n") == 1 and named in err, err
 
 
+def test_cli_starts_the_ranks_on_a_checkpoint_without_manifest_only_with_load_unverified(tmp_path, seed, capsys,
+                                                                                         monkeypatch):  # fmt: skip
+    from flashcp.titan.probe.cli import main
+
+    args = _bad_weights(tmp_path, seed, "no manifest")
+    (tmp_path / "job.toml").write_text(TINY_JOB_TOML)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    started = []
+    monkeypatch.setattr(subprocess, "run", lambda command: started.append(command) or subprocess.CompletedProcess(
+        command, 0))  # fmt: skip
+    assert main([*args, "--config", "job.toml"]) == 2 and not started
+    assert main([*args, "--config", "job.toml", "--checkpoint.load_unverified", "true"]) == 0 and len(started) == 1
+
+
 def test_cli_probes_a_checkpoint_on_the_jobs_layout_as_training_does(tmp_path, seed, capsys, monkeypatch):
     """`python -m flashcp.titan.probe --checkpoint` on the seed checkpoint, CP = 2 through torchrun, gives
     the probe of training at CP = 1 on the same weights; bad folders are one line, exit 2."""
