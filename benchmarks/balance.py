@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--distribution", help="a flashcp.data.lengths distribution (wlbllm, pile, redpajama) "
-                        "or prolong[-<long mean>k[-<long share %>]]")
+                        "or prolong[-<long mean>k[-<long share %%>]]")
     source.add_argument("--lengths-file", help="a JSON list of document lengths to sample from")
     source.add_argument("--rule", help="apply the default's rule to saved --json lines (a .jsonl file)")
     parser.add_argument("--context", type=int, help="window length C (tokens)")

@@ -37,8 +37,9 @@ TITAN_ROOMS = {
                              "flashcp.titan.models", "flashcp.titan.probe"},
     "flashcp.titan.dryrun": {"flashcp.titan.config", "flashcp.titan.launch", "flashcp.titan.models"},
     # The retrieval probe scores through validation's token scoring and the trainer's path; its CLI
-    # builds a job as train.py does (config, launch).
-    "flashcp.titan.probe": {"flashcp.titan.components", "flashcp.titan.config", "flashcp.titan.launch"},
+    # builds a job as train.py does (config, launch) and checks a checkpoint as the export does (hf).
+    "flashcp.titan.probe": {"flashcp.titan.components", "flashcp.titan.config", "flashcp.titan.hf",
+                            "flashcp.titan.launch"},
 }
 ALLOWED.update({name: TITAN | rooms | {name} for name, rooms in TITAN_ROOMS.items()})
 TORCHTITAN_ALLOWED = set(TITAN_ROOMS)

@@ -21,6 +21,7 @@ importable from `flashcp`'s directory and PYTHONPATH (not from a script's `__mai
 
 from __future__ import annotations
 
+import argparse
 import gc
 import io
 import os
@@ -184,7 +185,10 @@ def _serve(requests: BinaryIO, replies: BinaryIO) -> None:
         _send(replies, data, buffers)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """The worker's loop on stdin / stdout; the loader starts it (`PlanWorker`), not a user."""
+    argparse.ArgumentParser(prog="python -m flashcp.data.plan_worker", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)  # fmt: skip
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     replies = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # anything the planner prints goes to stderr, not into the replies

@@ -526,6 +526,26 @@ def test_bad_config_and_mismatched_state_fail_naming_the_problem(default_tokeniz
         other.load_state_dict({"window": 3})
 
 
+def test_resume_compares_the_tokenizer_by_content_not_by_file_name(tmp_path, cache_dir):
+    """The same tokenizer copied under another name resumes; one whose bytes changed is refused."""
+    renamed = tmp_path / "renamed" / "my-tokenizer.json"
+    renamed.parent.mkdir()
+    renamed.write_bytes(Path(DEFAULT_TOKENIZER).read_bytes())
+    cfg = DataConfig(cache_dir=cache_dir, prefetch=0)
+    saver = build_loader(cfg, 64, planner_kwargs=PLANNER, tokenizer=load_tokenizer(DEFAULT_TOKENIZER))
+    take(saver, 2)
+    state = saver.state_dict()
+    resumed = build_loader(cfg, 64, planner_kwargs=PLANNER, tokenizer=load_tokenizer(renamed))
+    resumed.load_state_dict(state)
+    assert same(next(resumed), next(saver))
+    changed = json.loads(renamed.read_text())
+    changed["model"]["vocab"]["zzzz-new"] = max(changed["model"]["vocab"].values()) + 1
+    renamed.write_text(json.dumps(changed))
+    other = build_loader(cfg, 64, planner_kwargs=PLANNER, tokenizer=load_tokenizer(renamed))
+    with pytest.raises(DataError, match="packing changed .*tokenizer: saved 'tokenizer.json sha256:.*my-tokenizer"):
+        other.load_state_dict(state)
+
+
 def test_hub_dataset_fails_fast_and_clearly_when_offline(monkeypatch, default_tokenizer):
     import huggingface_hub.constants as hub
 

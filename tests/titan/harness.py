@@ -183,3 +183,16 @@ def train_counting_exchanges(
     with record_comm() as log:
         losses = train_on_pool_rank(rank, group, cfg, grad_norms)
     return losses, grad_norms, dict(Counter(entry.pass_ for entry in log))
+
+
+def load_export(folder: Path, dtype: torch.dtype = torch.float32) -> Any:
+    """An exported HF folder as transformers loads it for a user: the model, after its
+    generation_config.json loaded as a GenerationConfig and validated strictly (a value transformers
+    would only warn about fails here). Every export the tests write is loaded through this."""
+    import transformers
+
+    generation = transformers.GenerationConfig.from_pretrained(folder)
+    generation.validate(strict=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    assert model.generation_config.to_diff_dict() == generation.to_diff_dict()
+    return model

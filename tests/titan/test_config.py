@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import pytest
@@ -213,6 +214,26 @@ def test_overrides_parse_like_torchtitan():
     for bad in (["steps", "3"], ["--steps", "3"], ["--a.b.c", "1"]):
         with pytest.raises(ConfigError, match="--section.key"):
             apply_overrides({}, bad)
+
+
+def test_list_keys_take_the_comma_form_a_negative_first_element_included(tmp_path):
+    """Every list key of strings or numbers takes `a,b` as [a, b] (a negative first element is a value,
+    not a flag) and one value as a list of one; an out-of-range element is then one line naming the key."""
+    samples = {str: ("model,loss", ["model", "loss"]), int: ("-5,10", [-5, 10]), float: ("-0.1,0.5", [-0.1, 0.5])}
+    keys = [(section, name, typing.get_args(key.type)[0]) for section, table in SCHEMA.items()
+            for name, key in table.items()
+            if typing.get_origin(key.type) is list and typing.get_args(key.type)[0] in samples]  # fmt: skip
+    assert {("probe", "depths", float), ("probe", "lengths", int), ("compile", "components", str)} <= set(keys)
+    for section, name, item in keys:
+        text, value = samples[item]
+        assert apply_overrides({}, [f"--{section}.{name}", text]) == {section: {name: value}}
+        assert apply_overrides({}, [f"--{section}.{name}={text}"]) == {section: {name: value}}
+        last = text.split(",")[-1]
+        assert apply_overrides({}, [f"--{section}.{name}", last]) == {section: {name: value[-1:]}}
+    raw = {**TINY, "job": {"dump_folder": str(tmp_path)}}
+    with pytest.raises(ConfigError, match=r"^\[probe\] depths must be distinct fractions .*got \[-0.1, 0.5\]"):
+        validate(apply_overrides(raw, ["--probe.depths", "-0.1,0.5"]))
+    assert validate(apply_overrides(raw, ["--probe.depths", "0.1,0.5"]))["probe"]["depths"] == [0.1, 0.5]
 
 
 def test_config_lookup_by_name_or_path(tmp_path):

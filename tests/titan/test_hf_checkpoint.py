@@ -26,7 +26,7 @@ from safetensors import safe_open  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from scripts.make_tiny_hf import make_tiny_hf  # noqa: E402
-from titan.harness import single_rank, tiny_job, train, train_on_pool_rank  # noqa: E402
+from titan.harness import load_export, single_rank, tiny_job, train, train_on_pool_rank  # noqa: E402
 
 from flashcp.run.manifest import checksum  # noqa: E402
 from flashcp.titan.components.checkpoint import CheckpointError  # noqa: E402
@@ -43,8 +43,11 @@ def hf_job(dump: Path, hf: Path, **sections: dict) -> dict:
     return tiny_job(dump, model=None, checkpoint=checkpoint, **sections)
 
 
-def logits(folder: Path, ids: torch.Tensor) -> torch.Tensor:
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+def logits(folder: Path, ids: torch.Tensor, exported: bool = True) -> torch.Tensor:
+    """The logits of the model in `folder`: an export loaded as `load_export` does (with its
+    GenerationConfig), a source folder (`exported=False`) as transformers saved it."""
+    model = (load_export(folder) if exported else
+             transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32))  # fmt: skip
     with torch.no_grad():
         return model(ids).logits
 
@@ -84,7 +87,7 @@ def test_round_trip_at_negligible_lr_gives_the_original_logits(negligible_step, 
     assert (out / "chat_template.jinja").read_text() == CHAT_TEMPLATE
     assert json.loads((out / "generation_config.json").read_text()) == GENERATION | {"eos_token_id": [1, 7]}
     assert transformers.GenerationConfig.from_pretrained(out).eos_token_id == [1, 7]
-    original, exported = logits(tiny_llama, IDS), logits(out, IDS)
+    original, exported = logits(tiny_llama, IDS, exported=False), logits(out, IDS)
     assert (exported - original).abs().max() <= 1e-5
     config = json.loads((out / "config.json").read_text())
     assert config["torch_dtype"] == "float32" and config["max_position_embeddings"] == 512
@@ -100,7 +103,8 @@ def test_round_trip_on_two_ranks(tiny_llama, tmp_path, gloo_pool):
                      parallelism=layout)  # fmt: skip
         pool.run(train_on_pool_rank, (cfg,))
         export(tmp_path / name / "checkpoint" / "step-1", tmp_path / f"{name}-hf")
-        assert (logits(tmp_path / f"{name}-hf", IDS) - logits(tiny_llama, IDS)).abs().max() <= 1e-5, name
+        difference = logits(tmp_path / f"{name}-hf", IDS) - logits(tiny_llama, IDS, exported=False)
+        assert difference.abs().max() <= 1e-5, name
 
 
 def test_qwen3_round_trip_with_tied_embeddings(tmp_path):
@@ -113,7 +117,7 @@ def test_qwen3_round_trip_with_tied_embeddings(tmp_path):
         assert "lm_head.weight" not in f.keys()  # tied: the embedding is the output projection
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "qwen3" and config["tie_word_embeddings"] and config["head_dim"] == 16
-    assert (logits(out, IDS) - logits(hf, IDS)).abs().max() <= 1e-5
+    assert (logits(out, IDS) - logits(hf, IDS, exported=False)).abs().max() <= 1e-5
 
 
 @pytest.mark.parametrize("head", ["equal", "different"])
@@ -135,7 +139,7 @@ def test_a_tied_folder_may_also_store_lm_head_when_it_equals_the_embedding(tmp_p
     with single_rank():
         train(cfg)
     export(tmp_path / "run" / "checkpoint" / "step-1", tmp_path / "export")
-    assert (logits(tmp_path / "export", IDS) - logits(hf, IDS)).abs().max() <= 1e-5
+    assert (logits(tmp_path / "export", IDS) - logits(hf, IDS, exported=False)).abs().max() <= 1e-5
 
 
 def test_real_steps_change_the_weights_and_last_save_in_hf_exports_them(tiny_llama, tmp_path):
@@ -156,7 +160,7 @@ def test_real_steps_change_the_weights_and_last_save_in_hf_exports_them(tiny_lla
     assert not list(folder.glob(".step-3-hf.partial-*"))
     with safe_open(out / "model.safetensors", "pt") as f:
         assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
-    exported = transformers.AutoModelForCausalLM.from_pretrained(out)
+    exported = load_export(out, dtype=torch.bfloat16)
     original = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama)
     before = original.state_dict()
     changed = {k: (v.float() - before[k]).abs().max().item() for k, v in exported.state_dict().items()}
@@ -175,7 +179,7 @@ def test_export_shards_above_the_size_limit_and_casts(negligible_step, tiny_llam
     for name in shards:
         with safe_open(out / name, "pt") as f:
             assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
-    original, exported = logits(tiny_llama, IDS), logits(out, IDS)
+    original, exported = logits(tiny_llama, IDS, exported=False), logits(out, IDS)
     assert 0 < (exported - original).abs().max() < 0.05  # bf16 rounding only
 
 
@@ -191,7 +195,8 @@ def test_a_bf16_checkpoint_exports_in_bf16_unless_dtype_says_otherwise(tiny_llam
         with safe_open(out / "model.safetensors", "pt") as f:
             assert {f.get_slice(k).get_dtype() for k in f.keys()} == {stored}
         assert json.loads((out / "config.json").read_text())["torch_dtype"] == (dtype or "bfloat16")
-        assert (logits(out, IDS) - logits(tiny_llama, IDS)).abs().max() < 0.05  # the weights, rounded to bf16
+        difference = logits(out, IDS) - logits(tiny_llama, IDS, exported=False)
+        assert difference.abs().max() < 0.05  # the weights, rounded to bf16
 
 
 def test_export_without_the_jobs_tokenizer_says_so(negligible_step, tmp_path, caplog):
@@ -209,6 +214,7 @@ def test_export_without_the_jobs_tokenizer_says_so(negligible_step, tmp_path, ca
     # Written anew from config.json's ids, which the base model's config.json carried over.
     assert json.loads((tmp_path / "out" / "generation_config.json").read_text()) == {"bos_token_id": 0,
                                                                                    "eos_token_id": 1}  # fmt: skip
+    load_export(tmp_path / "out")
 
 
 @pytest.mark.parametrize("change, named", [

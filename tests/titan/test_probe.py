@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +22,7 @@ import numpy as np
 import pytest
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from harness import single_rank, tiny_job, tiny_seed_checkpoint, train
+from harness import load_export, single_rank, tiny_job, tiny_seed_checkpoint, train
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from flashcp.data.errors import DataError
@@ -292,6 +293,76 @@ def cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     env.pop("WORLD_SIZE", None)
     return subprocess.run([sys.executable, "-m", "flashcp.titan.probe", *args], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=600)  # fmt: skip
+
+
+def _bad_weights(tmp_path: Path, seed: dict, case: str) -> list[str]:
+    """The probe's arguments for one bad weights folder, made from the seed checkpoint."""
+    source = Path(seed["initial_load_path"])
+    names = {"unfinished": "step-0.partial-0123456789ab", "not a checkpoint folder": "my-model"}
+    folder = tmp_path / names.get(case, "step-0")
+    if case.startswith("hf"):
+        from flashcp.titan.hf.export import export
+
+        export(source, folder)
+        load_export(folder)  # a sound export, then broken
+        weights = folder / "model.safetensors"
+        weights.unlink() if case == "hf without weights" else weights.write_bytes(b"\x00" * 4096)
+        return ["--hf", str(folder)]
+    if case == "not a checkpoint":
+        folder.mkdir()
+        (folder / "notes.txt").write_text("not a checkpoint")
+        return ["--checkpoint", str(folder)]
+    shutil.copytree(source, folder)
+    data = sorted(folder.glob("*.distcp"))[0]
+    if case == "damaged":
+        raw = bytearray(data.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        data.write_bytes(bytes(raw))
+    elif case == "missing file":
+        data.unlink()
+    elif case == "no manifest":
+        (folder / "manifest.json").unlink()
+    return ["--checkpoint", str(folder)]
+
+
+@pytest.mark.parametrize("case, named", [
+    ("damaged", "is damaged: __0_0.distcp: contents changed since the save"),
+    ("missing file", "is damaged: __0_0.distcp: missing"),
+    ("no manifest", "is not a complete FlashCP checkpoint (no manifest.json)"),
+    ("not a checkpoint", "is not a complete FlashCP checkpoint (no .metadata)"),
+    ("not a checkpoint folder", "my-model is not a published checkpoint folder (step-N"),
+    ("unfinished", "step-0.partial-0123456789ab is an unfinished save (never published)"),
+    ("hf without weights", "no model.safetensors or model.safetensors.index.json"),
+    ("hf with garbage weights", "model.safetensors: unreadable safetensors header"),
+])  # fmt: skip
+def test_cli_refuses_bad_weights_before_any_rank_starts(tmp_path, seed, capsys, monkeypatch, case, named):
+    """Each bad folder is one `error:` line and exit 2 from the launching process itself: no rank ran."""
+    from flashcp.titan.probe.cli import main
+
+    args = _bad_weights(tmp_path, seed, case)
+    (tmp_path / "job.toml").write_text(TINY_JOB_TOML)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail(f"ranks started for {case}"))
+    capsys.readouterr()
+    assert main([*args, "--config", "job.toml"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and named in err, err
+
+
+def test_cli_starts_the_ranks_on_a_checkpoint_without_manifest_only_with_load_unverified(tmp_path, seed, capsys,
+                                                                                         monkeypatch):  # fmt: skip
+    from flashcp.titan.probe.cli import main
+
+    args = _bad_weights(tmp_path, seed, "no manifest")
+    (tmp_path / "job.toml").write_text(TINY_JOB_TOML)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    started = []
+    monkeypatch.setattr(subprocess, "run", lambda command: started.append(command) or subprocess.CompletedProcess(
+        command, 0))  # fmt: skip
+    assert main([*args, "--config", "job.toml"]) == 2 and not started
+    assert main([*args, "--config", "job.toml", "--checkpoint.load_unverified", "true"]) == 0 and len(started) == 1
 
 
 def test_cli_probes_a_checkpoint_on_the_jobs_layout_as_training_does(tmp_path, seed, capsys, monkeypatch):

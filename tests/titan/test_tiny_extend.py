@@ -22,6 +22,7 @@ pytest.importorskip("transformers", reason="the test extra (pip install -e .[tes
 import transformers  # noqa: E402
 
 from scripts.make_tiny_hf import make_tiny_hf  # noqa: E402
+from titan.harness import load_export  # noqa: E402
 from titan.test_e2e import run_train  # noqa: E402
 
 STEPS = 4
@@ -45,7 +46,7 @@ def test_tiny_extend_example_end_to_end(tmp_path):
     out = dump / "checkpoint" / f"step-{STEPS}-hf"
     config = json.loads((out / "config.json").read_text())
     assert config["rope_theta"] == 100000.0 and config["max_position_embeddings"] == 2048
-    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    model = load_export(out)
     tokenizer = transformers.AutoTokenizer.from_pretrained(out)
     ids = tokenizer("It was the best of times", return_tensors="pt").input_ids
     with torch.no_grad():

@@ -320,4 +320,6 @@ def test_a_missing_held_out_source_is_named_before_launch(tmp_path):
     missing = tmp_path / "held_out.jsonl"
     with pytest.raises(DataError, match=str(missing)):
         check_inputs(tiny_job(tmp_path, validation={"enable": True, "source": str(missing)}))
-    check_inputs(tiny_job(tmp_path, validation={"source": str(missing)}))  # validation off: not read
+    with pytest.raises(DataError, match=str(missing)):  # validation off, but the probe's haystack
+        check_inputs(tiny_job(tmp_path, validation={"source": str(missing)}, probe={"enable": True, "freq": 1}))
+    check_inputs(tiny_job(tmp_path, validation={"source": str(missing)}))  # neither reads it: not read

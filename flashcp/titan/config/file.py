@@ -73,12 +73,19 @@ _TOML_TOKENS = re.compile(
 
 def _parse_value(text: str, where: str, key: Key | None) -> Any:
     """A CLI value as a TOML value (20, 1e-3, true, ["a"]) or else the plain string; for a list of
-    strings also TorchTitan's comma form (`--compile.components model,loss`)."""
+    strings or numbers also TorchTitan's comma form (`--compile.components model,loss`,
+    `--probe.depths -0.1,0.5`), one value being a list of one."""
     _check_nesting(text, where)
     try:
-        return tomllib.loads(f"v = {text}")["v"]
+        value = tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
-        return text.split(",") if key is not None and key.type == list[str] else text
+        value = text
+    item = typing.get_args(key.type) if key is not None and typing.get_origin(key.type) is list else ()
+    if isinstance(value, list) or item not in ((str,), (int,), (float,)):
+        return value
+    if item == (str,):
+        return (value if isinstance(value, str) else text).split(",")
+    return [_parse_value(part, where, None) for part in text.split(",")]
 
 
 def _is_table(section: str, name: str) -> bool:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from flashcp.titan.hf.files import FolderFileError, read_member
 from flashcp.titan.models.rope import Rope, rope_from_hf, rope_to_hf, RopeError
 
 # HF model_type -> FlashCP / TorchTitan model name, and back with its HF class.
@@ -70,13 +71,19 @@ def read_hf_config(path: str | Path) -> Architecture:
     if not file.is_file():
         raise HFConfigError(f"{file}: no such file (an HF model folder holds config.json)")
     try:
-        with open(file, "rb") as f:
-            data = f.read(MAX_CONFIG_BYTES + 1)
+        # A folder's config.json is its own file (flashcp.titan.hf.files); one named directly is the user's.
+        if path.is_dir():
+            data = read_member(file.parent, file.name, MAX_CONFIG_BYTES)
+        else:
+            with open(file, "rb") as f:
+                data = f.read(MAX_CONFIG_BYTES + 1)
         if len(data) > MAX_CONFIG_BYTES:
             raise HFConfigError(
                 f"{file} is larger than {MAX_CONFIG_BYTES >> 20} MiB: not a model's config.json"
             )
         hf = json.loads(data)
+    except FolderFileError as e:
+        raise HFConfigError(str(e)) from e
     except OSError as e:
         raise HFConfigError(f"cannot read {file}: {e}") from e
     except (UnicodeDecodeError, json.JSONDecodeError) as e:

@@ -14,11 +14,11 @@ state_dict_adapter, and written as `model.safetensors` (or shards with
 and the tokenizer's files, into a fresh folder beside the target that is renamed into place at
 the end: a crash leaves no half export under the target's name.
 
-Side files: every tokenizer-side file of the HF folder the job started from (SIDE_FILES: the
-tokenizer, its config and special tokens, the chat template that newer transformers keeps in
-`chat_template.jinja`), then the job's own tokenizer file and its companions over them (what
-trained). `generation_config.json` keeps the source's (sampling defaults, extra EOS ids) with the
-job tokenizer's BOS / EOS first; one is written when the source had none.
+Side files (`flashcp.titan.hf.sidefiles`): every tokenizer-side file of the HF folder the job
+started from, then the job's own tokenizer file and its companions over them (what trained), each
+a regular file inside its folder, of bounded size; `generation_config.json` keeps the source's
+(sampling defaults, extra EOS ids; checked) with the job tokenizer's BOS / EOS first; one is
+written when the source had none. They are read before the weights: a bad one costs nothing.
 
 The target must be absent or an empty, writable folder, not a symbolic link; anything else is
 refused before the checkpoint is read, and nothing that exists is changed. The whole model is
@@ -32,6 +32,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 import uuid
 from pathlib import Path
 from typing import Any
@@ -48,12 +49,10 @@ from flashcp.run.publish import error_in, fsync_dir, LEFTOVER_DIR, root_cause, S
 from flashcp.run.safe_load import MismatchedCheckpoint, SafeReader, StrictPlanner, UnsafeCheckpoint
 from flashcp.titan.models.decoders import job_architecture, state_dict_adapter, titan_config
 from flashcp.titan.hf.config import architecture_from_hf, HFConfigError, to_hf_config
+from flashcp.titan.hf.files import FolderFileError
 from flashcp.titan.hf.folder import CONFIG, INDEX, SINGLE
+from flashcp.titan.hf.sidefiles import GENERATION, generation_config, side_files
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
-SIDE_FILES = (*TOKENIZER_FILES, "added_tokens.json", "chat_template.jinja", "chat_template.json", "vocab.json",
-              "merges.txt", "vocab.txt", "spiece.model")  # fmt: skip
-GENERATION = "generation_config.json"
 NON_MODEL_STATES = (OPTIMIZER, LR_SCHEDULER, DATALOADER, TRAIN_STATE)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)?", re.IGNORECASE)
@@ -130,6 +129,10 @@ def export(checkpoint: Path, out: Path, dtype: str | None = None,
     record = verified_record(checkpoint)
     tokenizer, source = record["tokenizer"], record["hf_folder"]
     try:
+        side = side_files(tokenizer, source)
+    except FolderFileError as e:
+        raise ExportError(str(e)) from e
+    try:
         arch = architecture_from_hf(record["hf_config"], where=f"{checkpoint / MANIFEST} (model.hf_config)")
     except HFConfigError as e:
         raise ExportError(str(e)) from e
@@ -139,29 +142,39 @@ def export(checkpoint: Path, out: Path, dtype: str | None = None,
     target = DTYPES[dtype] if dtype else next(iter(weights.values())).dtype
     hf_weights = {k: v.to(target).contiguous() for k, v in hf_weights.items()}
     hf_config = dict(record["hf_config"]) | {"torch_dtype": _dtype_name(target), "dtype": _dtype_name(target)}
-    side = side_files(tokenizer, source)
     hf_config |= token_ids(tokenizer)
     side[GENERATION] = generation_config(side.get(GENERATION), hf_config)
     return write_folder(out, hf_weights, hf_config, side, max_shard_bytes)
 
 
-def verified_record(checkpoint: Path) -> dict[str, Any]:
-    """The checkpoint's model record, once its files match its manifest."""
+def verified_manifest(checkpoint: Path, unverified: bool = False) -> dict[str, Any]:
+    """The manifest of a published checkpoint folder (step-N) whose files match it, read in this
+    process alone; ExportError naming the first problem. `unverified` (the job's
+    `checkpoint.load_unverified`) lets a folder without a manifest pass, as {}."""
     if not checkpoint.is_dir():
         state = "is not a folder" if checkpoint.exists() else "does not exist"
         raise ExportError(f"{checkpoint}: {state}")
     name = checkpoint.resolve().name
     if LEFTOVER_DIR.fullmatch(name) and ".partial-" in name:
-        raise ExportError(f"{checkpoint} is an unfinished save (never published): export a step-N folder")
+        raise ExportError(f"{checkpoint} is an unfinished save (never published): use a published step-N folder")
     if not STEP_DIR.fullmatch(name):
         raise ExportError(f"{checkpoint} is not a published checkpoint folder (step-N, as the run names them)")
-    if not (checkpoint / ".metadata").is_file() or not (checkpoint / MANIFEST).is_file():
-        missing = ".metadata" if not (checkpoint / ".metadata").is_file() else MANIFEST
-        raise ExportError(f"{checkpoint} is not a complete FlashCP checkpoint (no {missing})")
+    if not (checkpoint / ".metadata").is_file():
+        raise ExportError(f"{checkpoint} is not a complete FlashCP checkpoint (no .metadata)")
+    if not (checkpoint / MANIFEST).is_file():
+        if unverified:
+            return {}
+        raise ExportError(f"{checkpoint} is not a complete FlashCP checkpoint (no {MANIFEST})")
     manifest = read_manifest(checkpoint)  # a malformed one carries its `problem`, reported here
     problems = verify_files(checkpoint, manifest, 0, 1)
     if problems:
         raise ExportError(f"checkpoint {checkpoint} is damaged: {problems[0]}")
+    return manifest
+
+
+def verified_record(checkpoint: Path) -> dict[str, Any]:
+    """The checkpoint's model record, once its files match its manifest."""
+    manifest = verified_manifest(checkpoint)
     record = manifest.get("model")
     if not isinstance(record, dict) or not isinstance(record.get("hf_config"), dict):
         raise ExportError(f"{checkpoint / MANIFEST} does not record the model (saved before FlashCP "
@@ -223,7 +236,9 @@ def _write_folder(out: Path, weights: dict[str, torch.Tensor], hf_config: dict[s
         (partial / CONFIG).write_text(json.dumps(hf_config, indent=2))
         for name, content in side.items():
             (partial / name).write_bytes(content)
+        mode = stat.S_IMODE((partial / CONFIG).stat().st_mode)  # a new file's (the umask's); safetensors: 0600
         for path in partial.iterdir():
+            path.chmod(mode)
             with open(path, "rb") as f:
                 os.fsync(f.fileno())
         check_target(out)
@@ -251,27 +266,6 @@ def _shards(weights: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, 
     return shards
 
 
-def side_files(tokenizer: str | None, source: str | None) -> dict[str, bytes]:
-    """{name: content}: the tokenizer-side files of the HF folder the job started from (and its
-    generation_config.json), then the job's tokenizer file and its companions over them."""
-    files = {}
-    if source and not Path(source).is_dir():  # the weights are what matters; say what is missing
-        logger.warning(f"the HF folder {source} the job started from (recorded in the checkpoint) no longer "
-                       "exists: exported without its tokenizer-side files and generation_config.json")  # fmt: skip
-    elif source:
-        files |= {name: (Path(source) / name).read_bytes() for name in (*SIDE_FILES, GENERATION)
-                  if (Path(source) / name).is_file()}  # fmt: skip
-    if tokenizer and not Path(tokenizer).is_file():
-        logger.warning(f"the job's tokenizer {tokenizer} (recorded in the checkpoint) no longer exists: exported "
-                       "without it")  # fmt: skip
-    elif tokenizer:
-        path = Path(tokenizer)
-        files |= {name: (path.parent / name).read_bytes() for name in TOKENIZER_FILES
-                  if (path.parent / name).is_file()}  # fmt: skip
-        files["tokenizer.model" if path.suffix == ".model" else "tokenizer.json"] = path.read_bytes()
-    return files
-
-
 def token_ids(tokenizer: str | None) -> dict[str, int]:
     """The BOS / EOS ids the job's tokenizer gave its documents ({} when it cannot be read)."""
     if not tokenizer or not Path(tokenizer).is_file():
@@ -283,30 +277,6 @@ def token_ids(tokenizer: str | None) -> dict[str, int]:
         return {}
     ids = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id}
     return {key: value for key, value in ids.items() if value is not None}
-
-
-def generation_config(source: bytes | None, hf_config: dict[str, Any]) -> bytes:
-    """generation_config.json: the source's (sampling defaults, extra EOS ids) with the trained
-    model's BOS, and its EOS ids first, or one holding only those when the source had none."""
-    try:
-        config = json.loads(source) if source else {}
-    except ValueError:
-        config = None
-    if not isinstance(config, dict):
-        logger.warning(f"the source's {GENERATION} is not a JSON object: written anew")
-        config = {}
-    if "bos_token_id" in hf_config:
-        config["bos_token_id"] = hf_config["bos_token_id"]
-    if hf_config.get("eos_token_id") is not None:
-        eos = [*_ids(hf_config["eos_token_id"])]
-        eos += [i for i in _ids(config.get("eos_token_id")) if i not in eos]
-        config["eos_token_id"] = eos[0] if len(eos) == 1 else eos
-    return json.dumps(config, indent=2).encode()
-
-
-def _ids(value: Any) -> list[Any]:
-    """An id or a list of ids as a list (None: none)."""
-    return list(value) if isinstance(value, list) else [] if value is None else [value]
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -5,7 +5,8 @@ verified is verified from the files themselves, reading only their JSON headers:
 
 - `config.json` describes an architecture FlashCP supports (`flashcp.titan.hf.config`).
 - The weights are safetensors: `model.safetensors`, or the files `model.safetensors.index.json`
-  lists, every listed file present and no other `*.safetensors` beside them (DCP's HF reader
+  lists, every listed file present (a regular file inside the folder, as the index and
+  config.json: `flashcp.titan.hf.files`) and no other `*.safetensors` beside them (DCP's HF reader
   reads every such file in the folder: a stray one would mix into the weights). A folder with
   only `pytorch_model.bin` / `*.pt` is refused: those are pickles, which can run code.
 - Each file is whole: its header is a JSON object whose entries each give a dtype, a shape and
@@ -34,6 +35,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from flashcp.titan.hf.files import FolderFileError, member, read_member
+
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -55,7 +58,7 @@ def weight_files(folder: Path) -> list[Path]:
     folder = Path(folder)
     present = sorted(p.name for p in folder.glob("*.safetensors"))
     index = folder / INDEX
-    if index.is_file():
+    if index.exists() or index.is_symlink():  # anything by that name: a fifo or a link out is named
         listed = sorted(set(_weight_map(index).values()))
         missing = [name for name in listed if name not in present]
         if missing:
@@ -73,14 +76,26 @@ def weight_files(folder: Path) -> list[Path]:
     if stray:
         raise HFFolderError(f"{folder / stray[0]} is not part of the model ({INDEX} does not list it): "
                             "move it out of the folder")  # fmt: skip
+    for name in names:
+        _member(folder, name)
     return [folder / name for name in names]
+
+
+def _member(folder: Path, name: str) -> None:
+    """HFFolderError unless `folder / name` is a regular file inside the folder (`flashcp.titan.hf.files`)."""
+    try:
+        member(folder, name)
+    except FolderFileError as e:
+        raise HFFolderError(str(e)) from None
 
 
 def _weight_map(index: Path) -> dict[str, str]:
     """The index's {tensor name: file name}; HFFolderError naming the index unless it is one."""
     try:
-        content = json.loads(index.read_text())
-    except (OSError, ValueError) as e:
+        content = json.loads(read_member(index.parent, index.name, MAX_HEADER))
+    except FolderFileError as e:
+        raise HFFolderError(str(e)) from None
+    except ValueError as e:
         raise HFFolderError(f"{index} is unreadable ({type(e).__name__}: {e})") from None
     weight_map = content.get("weight_map") if isinstance(content, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:

@@ -33,10 +33,28 @@ def check_inputs(cfg: dict[str, Any]) -> int:
         )
     open_first(build_data(data, tokenizer))  # reads and tokenises the first (kept) document
     held_out = held_out_data(cfg)
-    if held_out is not None and cfg["validation"]["enable"]:
-        open_first(build_data(held_out, tokenizer))  # [validation] source
+    if held_out is not None and (cfg["validation"]["enable"] or cfg["probe"]["enable"]):
+        open_first(build_data(held_out, tokenizer))  # [validation] source, also the probe's haystack
     check_hf_import(cfg, tokenizer.vocab_size)
+    check_export_files(cfg, tokenizer.path)
     return vocab or tokenizer.vocab_size
+
+
+def check_export_files(cfg: dict[str, Any], tokenizer: Path) -> None:
+    """With `last_save_in_hf`: ConfigError naming a file the export at the end of the run would refuse
+    to carry (`flashcp.titan.hf.sidefiles`: a link out of its folder, not a regular file, too large,
+    a bad generation_config.json), read now rather than after training."""
+    ckpt = cfg["checkpoint"]
+    if not ckpt["last_save_in_hf"]:
+        return
+    from flashcp.titan.hf.files import FolderFileError
+    from flashcp.titan.hf.sidefiles import side_files
+
+    source = str(Path(ckpt["initial_load_path"]).resolve()) if ckpt["initial_load_in_hf"] else None
+    try:
+        side_files(str(Path(tokenizer).resolve()), source)  # the paths a checkpoint's manifest records
+    except FolderFileError as e:
+        raise ConfigError(f"[checkpoint] last_save_in_hf: {e}") from e
 
 
 def check_hf_import(cfg: dict[str, Any], tokenizer_vocab: int) -> None:

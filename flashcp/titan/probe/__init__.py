@@ -9,7 +9,7 @@ path), `report` (heatmap, table, TensorBoard), `loop` (inside training), `cli`
 
 May import: torch, TorchTitan, numpy, matplotlib, `compat`, `trainer`, and the rooms `components`
 (the held-out data, validation's token scoring), `config` and `launch` (the CLI builds a job as
-train.py does).
+train.py does) and `hf` (the CLI checks a checkpoint as the export does).
 """
 
 from flashcp.titan.probe.prompts import ProbeSettings

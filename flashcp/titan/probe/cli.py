@@ -10,7 +10,7 @@ torchrun; each builds the job's trainer with the weights as its initial load (`-
 FlashCP / DCP step folder, model only; `--hf`: safetensors, as `initial_load_in_hf`), runs the probe
 once, and rank 0 prints the table and writes `<out>/probe.json` and `<out>/probe/step-<N>.png`
 (`--out`, default outputs/probe/<the weights' folder name>). Exit 2 with one line for a bad job,
-folder or data.
+folder or data, checked before any rank starts (`check_weights`).
 """
 
 from __future__ import annotations
@@ -62,6 +62,23 @@ def load(argv: list[str]) -> dict:
     return load_job(resolve_config_path(args.config), [*overrides, *job_overrides(args)])
 
 
+def check_weights(cfg: dict) -> None:
+    """What the ranks will read, checked here before any starts (one line, not a rank's traceback):
+    a checkpoint is a published step-N folder whose files match its manifest, as the export requires
+    (`flashcp.titan.hf.export.verified_manifest`); an HF folder, the tokenizer and the haystack get
+    the launcher's checks (`flashcp.titan.launch.preflight.check_inputs`)."""
+    from flashcp.titan.hf.export import ExportError, verified_manifest
+    from flashcp.titan.launch.preflight import check_inputs
+
+    ckpt = cfg["checkpoint"]
+    if not ckpt["initial_load_in_hf"]:
+        try:
+            verified_manifest(Path(ckpt["initial_load_path"]), unverified=ckpt["load_unverified"])
+        except ExportError as e:
+            raise ConfigError(f"--checkpoint: {e}") from e
+    check_inputs(cfg)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -70,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
             return _rank(cfg)
         nproc, on_gpu = ranks.ranks_per_node(world_size_hint(cfg), 1)
         check_layout(cfg, nproc, has_cuda=on_gpu)
+        check_weights(cfg)
     except (ConfigError, DataError, TokenizerError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
