@@ -131,7 +131,7 @@ class Hidden:
 
 sys.meta_path = [Hidden if finder is PathFinder else finder for finder in sys.meta_path]
 import flashcp.titan
-#LEASE
+
 for pkg in ("flashcp.titan", "flashcp.gpucheck"):
     for info in pkgutil.walk_packages(importlib.import_module(pkg).__path__, pkg + "."):
         if not info.name.endswith("__main__"):  # command-line entry points run on import

@@ -39,6 +39,8 @@ TITAN_ROOMS = {
     # The retrieval probe scores through validation's token scoring and the trainer's path; its CLI
     # builds a job as train.py does (config, launch).
     "flashcp.titan.probe": {"flashcp.titan.components", "flashcp.titan.config", "flashcp.titan.launch"},
+    # The GPU lease's TorchTitan parts: jobs for the launcher, and the dry runs they are checked against.
+    "flashcp.titan.lease": {"flashcp.titan.config", "flashcp.titan.dryrun"},
 }
 ALLOWED.update({name: TITAN | rooms | {name} for name, rooms in TITAN_ROOMS.items()})
 TORCHTITAN_ALLOWED = set(TITAN_ROOMS)
