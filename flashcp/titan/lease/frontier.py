@@ -9,13 +9,12 @@ run's beside them); everything goes to OUTDIR/frontier.json as each run ends.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
 from flashcp.titan.lease.jobs import frontier_jobs
 from flashcp.titan.lease.results import gpu_memory_gib, Results
-from flashcp.titan.lease.train import MIN_RUN_S, train_and_measure
+from flashcp.titan.lease.train import MIN_RUN_S, time_left, train_and_measure
 
 
 def terms(peaks: dict[int, float | None]) -> dict[str, float] | None:
@@ -43,8 +42,8 @@ def headline(runs: dict[str, dict[str, Any]], measured: dict[str, float] | None)
     return "; ".join(parts)
 
 
-def run(out: Path, device: str, quick: bool, budget: float) -> int:
-    start = time.monotonic()
+def run(out: Path, device: str, quick: bool, deadline: float) -> int:
+    """Part d: train the stacks the budget allows; 1 if one failed."""
     results = Results(out, "frontier", device, quick)
     work = out / "work" / "frontier"
     work.mkdir(parents=True, exist_ok=True)
@@ -52,7 +51,7 @@ def run(out: Path, device: str, quick: bool, budget: float) -> int:
     jobs = frontier_jobs(gpu_gib, quick)
     runs: dict[str, dict[str, Any]] = {}
     for job in jobs:
-        left = budget - (time.monotonic() - start) - 5
+        left = time_left(deadline)
         if left < MIN_RUN_S:
             runs[job.name] = {"status": f"skipped: the part's budget is spent ({left:.0f} s left)"}
         else:
