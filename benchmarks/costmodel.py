@@ -27,6 +27,8 @@ in use (--kernel, by default the shared per-document profile), so one sees how f
 It writes DIR/costmodel_refit.json. Every figure then runs on the re-fitted kernel model with
 `--kernel DIR/kernel_calls.csv` (the same calls, every backend's together, fitted the same way), e.g.
 `fig5 --kernel DIR/kernel_calls.csv --results DIR` (--results keeps the shipped figures intact).
+DIR may also be a GPU lease's folder (`scripts/gpu_lease.sh OUTDIR`): the check it packed as
+OUTDIR/gpucheck.tar.gz is unpacked to OUTDIR/gpucheck/, which then is DIR.
 
 Windows are packed from the named length distributions (flashcp.data); every system sees the
 same windows. A speedup is the ratio of mean layer times over the windows (a throughput ratio).
@@ -38,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tarfile
 import time
 from collections import Counter
 from dataclasses import replace
@@ -502,6 +505,18 @@ GPUCHECK_LABELS = ("section", "backend")  # kernel_calls.csv columns the residua
 FOLDS = 5
 
 
+def gpucheck_folder(folder: Path) -> Path:
+    """The GPU check's own folder: `folder` itself, or in a GPU lease's folder (scripts/gpu_lease.sh)
+    the check it packed as gpucheck.tar.gz, unpacked beside it the first time."""
+    packed, unpacked = folder / "gpucheck.tar.gz", folder / "gpucheck"
+    if (folder / "kernel_calls.csv").is_file() or not (packed.is_file() or unpacked.is_dir()):
+        return folder
+    if not unpacked.is_dir():
+        with tarfile.open(packed) as tar:
+            tar.extractall(folder, filter="data")
+    return unpacked
+
+
 def load_gpucheck(folder: Path, profile_heads: int) -> tuple[Path, list[KernelSample], list[dict], dict]:
     """kernel_calls.csv of a gpucheck --out folder (its calls and their section / backend) and its
     env.json; read as `--kernel` reads it, so the figures fit the very samples refit reports on."""
@@ -583,6 +598,7 @@ def refit(args: argparse.Namespace) -> dict:
     far the re-fitted model and the calibration the figures use are from those measurements."""
     if args.gpucheck is None:
         raise ProfileError("refit needs --gpucheck DIR (the --out folder of python -m flashcp.gpucheck)")
+    args.gpucheck = gpucheck_folder(args.gpucheck)
     table, samples, labels, env = load_gpucheck(args.gpucheck, args.profile_heads)
     try:
         model, _ = fit_kernel_model(samples, args.bwd_ratio)
@@ -644,7 +660,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--collectives", action="append", type=Path, help="nccl-tests output / CSV (file or dir)")
     p.add_argument("--kernel", action="append", type=Path, help="attention profile / per-rank CSV")
     p.add_argument("--measured", type=Path, help="validate: measured per-rank table to compare against")
-    p.add_argument("--gpucheck", type=Path, help="refit: the --out folder of python -m flashcp.gpucheck")
+    p.add_argument("--gpucheck", type=Path, help="refit: the --out folder of python -m flashcp.gpucheck, or a GPU "
+                   "lease's OUTDIR (scripts/gpu_lease.sh; its gpucheck.tar.gz is unpacked there)")
     p.add_argument("--results", type=Path, default=RESULTS, help="where the figures' .json / .png go")
     p.add_argument("--profile-heads", type=int, default=64, help="query heads of the per-doc profile at tp=1")
     p.add_argument("--bwd-ratio", type=float, default=2.5, help="backward / forward cost when unmeasured")

@@ -508,6 +508,26 @@ def run_refit(check: Path, kernel: Path) -> dict:
     return json.loads((check / "costmodel_refit.json").read_text())
 
 
+def test_refit_reads_the_check_a_gpu_lease_packed(tmp_path):
+    """A GPU lease's OUTDIR holds the check as gpucheck.tar.gz (flashcp.gpucheck.lease.pack): refit on
+    OUTDIR unpacks it beside it and fits the same calls as on the check's own folder."""
+    import tarfile
+
+    check = write_gpucheck(tmp_path / "gpucheck", gpucheck_calls())
+    lease = tmp_path / "lease"
+    lease.mkdir()
+    with tarfile.open(lease / "gpucheck.tar.gz", "w:gz") as tar:
+        tar.add(check, arcname="gpucheck")
+    calibration = tmp_path / "calibration.csv"
+    calibration.write_text("heads,q_lens,k_lens,fwd_ms\n" + "\n".join(
+        f"{s.heads},{s.q_lens[0]},{s.k_lens[0]},{s.fwd_ms}" for s in synthetic_kernel_samples()))  # fmt: skip
+    bench().main(["refit", "--gpucheck", str(lease), "--kernel", str(calibration)])
+    packed = json.loads((lease / "gpucheck" / "costmodel_refit.json").read_text())
+    direct = run_refit(check, calibration)
+    assert packed["calls"] == direct["calls"] == 64
+    assert packed["refit_kernel"] == direct["refit_kernel"]
+
+
 def test_refit_recovers_the_kernel_that_timed_the_calls(tmp_path, capsys):
     """Calls timed by a known model: the refit must reproduce them, unseen calls included, and the
     calibration (a table timed 2x slower, forward only) must show exactly that offset."""

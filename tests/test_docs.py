@@ -79,6 +79,8 @@ ELSEWHERE = {  # command -> (the test that runs it, what that test changes)
         "a tiny random HF Llama and a tiny job"),
     ".venv/bin/python -m flashcp.gpucheck --device cpu --quick --out outputs/gpucheck": (
         "tests/test_gpucheck.py::test_quick_check_runs_every_section", "--no-budgets, its own folder"),
+    "bash scripts/gpu_lease.sh outputs/lease --device cpu --quick": (
+        "tests/test_gpu_lease.py::test_the_lease_rehearses_every_part_on_the_cpu", "its own folder and wheel site"),
     ".venv/bin/python -m flashcp.titan.config --check default --model.attention flex": (
         "tests/titan/test_flex_switch.py::test_check_on_cpu_refuses_in_one_line", "CUDA_VISIBLE_DEVICES empty"),
 }  # fmt: skip
@@ -88,6 +90,9 @@ SLOW = {  # command -> (the test that runs the same entry point on a small job, 
         "debug_cpu on 2 ranks for 3 steps; the default job (300 steps, minutes) is checked by "
         "tests/titan/test_config.py::test_shipped_configs_validate"),
     "bash scripts/test.sh": (None, "the whole suite, this file included; .ci/run runs it"),
+    "bash scripts/gpu_wheels.sh": (
+        "tests/test_gpu_wheels.py::test_every_requirement_of_a_carried_wheel_travels_or_is_there",
+        "it downloads from PyPI; the tests check the list it downloads, offline"),
     ".venv/bin/python -m flashcp.titan.dryrun --config llama8b_128k --world-size 8": (
         "tests/titan/test_dryrun.py::test_dry_run_prints_the_peak_by_category_as_one_json_object",
         "a tiny job; the shipped 8B and 70B jobs take 0.5-2 minutes each"),

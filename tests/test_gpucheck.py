@@ -107,6 +107,18 @@ def test_a_spent_budget_cuts_sections_short_and_says_so(tmp_path):
     assert (tmp_path / "summary.md").read_text().count("status: **cut short**") == 2
 
 
+def test_a_section_s_own_budget_replaces_its_scaled_default(tmp_path, capsys):
+    """`--budget critical_path=1e-9` cuts that section alone; the other keeps its default; a bad item is refused."""
+    assert main(["--out", str(tmp_path), "--device", "cpu", "--quick", "--budget", "critical_path=1e-9",
+                 "--sections", "critical_path", "efficiency"]) == 0  # fmt: skip
+    summary = (tmp_path / "summary.md").read_text()
+    assert summary.count("status: **cut short**") == 1 and "status: **measured**" in summary
+    for bad in ("critical_path", "nosuch=5", "cp=-1"):
+        with pytest.raises(SystemExit):
+            main(["--out", str(tmp_path), "--device", "cpu", "--quick", "--budget", bad])
+        assert "--budget" in capsys.readouterr().err
+
+
 def test_a_correctness_section_cut_short_has_not_passed(tmp_path, capsys):
     assert main(["--out", str(tmp_path), "--device", "cpu", "--quick", "--budget-scale", "1e-9",
                  "--sections", "exactness"]) == 1  # fmt: skip

@@ -26,6 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="toy sizes (every section, in seconds; the CPU test)")
     p.add_argument("--sections", nargs="+", choices=list(SECTIONS), default=list(SECTIONS))
     p.add_argument("--budget-scale", type=float, default=1.0, help="multiply every section's time budget")
+    p.add_argument("--budget", nargs="+", default=[], metavar="SECTION=SECONDS",
+                   help="a section's own time budget, instead of its default times --budget-scale")
     p.add_argument("--no-budgets", action="store_true",
                    help="run every case whatever it takes (a loaded machine then finishes every check)")
     args = p.parse_args(argv)
@@ -33,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--device cuda: torch sees no CUDA GPU here (use --device cpu --quick for a dry run)")
     if not args.budget_scale > 0:
         p.error("--budget-scale must be positive")
+    own = _section_budgets(p, args.budget)
 
     device = torch.device(args.device)
     sizes = QUICK if args.quick else GPU
@@ -46,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     for key in args.sections:
         title, run = SECTIONS[key]
         with report.section(key, title) as sec:
-            seconds = math.inf if args.no_budgets else sizes.budgets_s[key] * args.budget_scale
+            seconds = math.inf if args.no_budgets else own.get(key, sizes.budgets_s[key] * args.budget_scale)
             run(report, sec, device, sizes, Budget(seconds), backends)
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -63,6 +66,22 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"gpucheck: {len(report.sections)} sections passed or measured in {took:.0f} s; results in {args.out}")
     return 0
+
+
+def _section_budgets(p: argparse.ArgumentParser, items: list[str]) -> dict[str, float]:
+    """`--budget exactness=50 cp=60`: seconds per named section."""
+    out = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        try:
+            seconds = float(value)
+        except ValueError:
+            seconds = -1.0
+        if key not in SECTIONS or not seconds > 0:
+            p.error(f"--budget {item}: expected SECTION=SECONDS with a section of {', '.join(SECTIONS)} "
+                    "and a positive number of seconds")
+        out[key] = seconds
+    return out
 
 
 if __name__ == "__main__":

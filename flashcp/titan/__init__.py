@@ -11,6 +11,8 @@
 - `dryrun/`: `python -m flashcp.titan.dryrun`, one rank of a job on fake tensors;
 - `probe/`: a retrieval probe by needle depth and prompt length through the CP path, in training
   and as `python -m flashcp.titan.probe` on a checkpoint or HF folder;
+- `lease/`: the GPU lease's TorchTitan parts (the trainer's variants, the dry run against the
+  allocator, 8B layers at the frontier), which `scripts/gpu_lease.sh` runs;
 - `trainer`: TorchTitan's Trainer with a FlashCP context-parallel dimension; `export`: the
   `python -m flashcp.titan.export` command; `compat`: the version shims, each commented with the
   versions that need it.

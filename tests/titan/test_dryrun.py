@@ -113,6 +113,16 @@ def test_a_recipe_without_its_data_says_how_to_dry_run_it(capsys):
     assert "--data.mix.NAME.source synthetic" in line
 
 
+def test_a_job_with_the_probe_dry_runs_as_without_it(tmp_path, capsys):
+    """The probe plans its prompts from token values when the trainer is built, which fake tensors lack
+    (the dry run of such a job died in torch.bincount); it scores between steps, below the step's peak."""
+    plain = _dry_run(tmp_path, capsys)
+    probe = _dry_run(tmp_path, capsys, "--probe.enable", "true", "--probe.lengths", "[256]",
+                     "--validation.source", "default")  # fmt: skip
+    assert probe.returncode == 0, probe.stderr[-3000:]
+    assert json.loads(probe.stdout)["peak_gib"] == json.loads(plain.stdout)["peak_gib"]
+
+
 def test_full_checkpointing_keeps_one_input_per_layer(tmp_path, capsys):
     """A wide, short job whose parameters outweigh its activations: the step's DTensor ops on the
     (fake) parameters must not count as activations, and an added layer adds its bf16 input only

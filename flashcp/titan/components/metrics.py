@@ -31,7 +31,7 @@ import torch
 from torch.utils.tensorboard import SummaryWriter
 from torchtitan.components.metrics import _get_metrics_rank, BaseLogger, LoggerContainer, MetricsProcessor
 from torchtitan.tools.logging import logger
-from torchtitan.tools.utils import device_type
+from torchtitan.tools.utils import device_module, device_type
 
 from flashcp.plan import Plan
 from flashcp.plan.nodes import node_metrics
@@ -239,6 +239,7 @@ class FlashCPMetrics(MetricsProcessor):
             "memory/max_active(GiB)": mem.max_active_gib,
             "memory/max_reserved(GiB)": mem.max_reserved_gib,
             "memory/max_reserved(%)": mem.max_reserved_pct,
+            **self._allocated_peak(),
             **self._flashcp_metrics(),
             **(extra_metrics or {}),
         }
@@ -256,6 +257,13 @@ class FlashCPMetrics(MetricsProcessor):
         self.stats = WindowStats()
         self.time_last_log = time.perf_counter()
         self.device_memory_monitor.reset_peak_stats()
+
+    def _allocated_peak(self) -> dict[str, float]:
+        """torch.cuda.max_memory_allocated() since the last log, beside TorchTitan's active / reserved
+        peaks: what the dry run's tracked peak is compared with (none on the CPU)."""
+        stats = device_module.memory_stats(self.device_memory_monitor.device)
+        peak = stats.get("allocated_bytes.all.peak")
+        return {} if peak is None else {"memory/max_allocated(GiB)": peak / 2**30}
 
     def _console_line(self, step: int, m: dict[str, Any], now: float) -> str:
         c = self.color

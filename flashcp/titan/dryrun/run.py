@@ -92,6 +92,9 @@ def _dry_job(cfg: dict[str, Any], folder: str) -> dict[str, Any]:
     out["metrics"]["enable_tensorboard"] = False
     out["job"]["dump_folder"] = folder
     out["data"]["prefetch"] = 0
+    # Nor the retrieval probe: its prompts are planned from token values, which fake tensors lack, and
+    # it scores them forward only between steps, a window at a time, below the step's peak.
+    out["probe"]["enable"] = False
     out["flashcp"]["backend"] = KERNEL
     # torchao's linears cannot be built without torchao: the linears run in bf16, whose saved tensors,
     # weights and FSDP gathers are the converted ones' (estimate.py), and their casts are modelled.
