@@ -1,0 +1,61 @@
+"""Qwen3-MoE trained with expert parallelism on FlashCP's mesh reproduces the one-rank run.
+
+A tiny custom Qwen3-MoE (4 experts, top-2) trains 20 steps of two windows from one seed checkpoint
+on one rank (CP = 1, EP = 1, two micro steps) and on 4 gloo ranks with FSDP 2 x CP 2 and EP 2: the
+experts split by EP over ranks borrowed from dp_shard x cp, tokens sent to them by TorchTitan's
+all-to-all dispatcher, the same two windows per step (`[data] balance = "mesh"` packs a step's
+documents over DP ranks x micro steps from their lengths alone). The losses must agree to TOLERANCE and
+each layer's aux-loss-free routing bias after the last step exactly: every step moves it by
+coeff x sign(mean - count) of the step's expert token counts, so one count summed over other ranks
+than the global batch's (DP x CP) moves it differently. Full activation checkpointing counts every
+token twice (forward and recompute), which TorchTitan's bias update halves.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from harness import single_rank, tiny_job, tiny_seed_checkpoint, train, train_on_pool_rank
+
+STEPS = 20
+TOLERANCE = 1e-5  # absolute, on losses of ~8 in float32
+MOE = {"name": "qwen3", "num_experts": 4, "num_experts_per_tok": 2, "moe_hidden_dim": 32}
+
+
+def moe_job(dump, checkpoint, **sections):
+    return tiny_job(dump, model=MOE, checkpoint=checkpoint, training={"steps": STEPS, "global_batch_size": 2},
+                    data={"balance": "mesh", "prefetch": 0}, **sections)  # fmt: skip
+
+
+def _pool_run(rank, group, cfg):
+    biases: list[torch.Tensor] = []
+    losses = train_on_pool_rank(rank, group, cfg, expert_biases=biases)
+    return losses, biases
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The seed checkpoint and the one-rank run's losses and final routing biases."""
+    root = tmp_path_factory.mktemp("moe")
+    with single_rank():
+        train(tiny_job(root / "seed", model=MOE, checkpoint={"enable": True, "create_seed_checkpoint": True}),
+              seed_checkpoint=True)  # fmt: skip
+    seed = {"enable": True, "initial_load_path": str(root / "seed/checkpoint/step-0")}
+    biases: list[torch.Tensor] = []
+    with single_rank():
+        losses = train(moe_job(root / "cp1", seed), expert_biases=biases)
+    assert losses[STEPS] < losses[1] - 0.1  # it trains
+    assert any(b.abs().sum() > 0 for b in biases)  # the routing bias moved
+    return seed, losses, biases
+
+
+def test_ep2_cp2_reproduces_the_one_rank_run(reference, gloo_pool, tmp_path):
+    seed, losses, biases = reference
+    cfg = moe_job(tmp_path, seed, parallelism={"context_parallel_degree": 2, "expert_parallel_degree": 2,
+                                               "data_parallel_shard_degree": 2}, activation_checkpoint={"mode": "full"})
+    runs = gloo_pool(4).run(_pool_run, (cfg,))
+    for rank_losses, rank_biases in runs:
+        worst = max(abs(rank_losses[s] - losses[s]) for s in losses)
+        assert worst <= TOLERANCE, f"losses off by {worst:.2e}"
+        for layer, (ours, ref) in enumerate(zip(rank_biases, biases, strict=True)):
+            assert torch.equal(ours, ref), f"layer {layer}'s routing bias differs: {ours} vs {ref}"
