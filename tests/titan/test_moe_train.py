@@ -59,3 +59,26 @@ def test_ep2_cp2_reproduces_the_one_rank_run(reference, gloo_pool, tmp_path):
         assert worst <= TOLERANCE, f"losses off by {worst:.2e}"
         for layer, (ours, ref) in enumerate(zip(rank_biases, biases, strict=True)):
             assert torch.equal(ours, ref), f"layer {layer}'s routing bias differs: {ours} vs {ref}"
+
+
+def test_ep2_cp2_resumes_bit_exactly(reference, gloo_pool, tmp_path):
+    """The 4-rank job stopped after step 10 and started again: its steps 11-20 are the uninterrupted
+    run's bit for bit (weights, optimizer, routing bias and data cursor all restored), and the
+    routing bias ends where the one-rank run's does."""
+    seed, losses, biases = reference
+
+    def job(name):
+        return moe_job(tmp_path / name, seed | {"interval": 10},
+                       parallelism={"context_parallel_degree": 2, "expert_parallel_degree": 2,
+                                    "data_parallel_shard_degree": 2},
+                       activation_checkpoint={"mode": "full"})  # fmt: skip
+
+    pool = gloo_pool(4)
+    whole = pool.run(_pool_run, (job("whole"),))
+    pool.run(train_on_pool_rank, (job("resumed"), None, None, 10))
+    resumed = pool.run(_pool_run, (job("resumed"),))
+    for (whole_losses, whole_biases), (resumed_losses, resumed_biases) in zip(whole, resumed, strict=True):
+        assert sorted(resumed_losses) == list(range(11, STEPS + 1))
+        assert all(resumed_losses[s] == whole_losses[s] for s in resumed_losses), (resumed_losses, whole_losses)
+        for ours, resumed_bias, ref in zip(whole_biases, resumed_biases, biases, strict=True):
+            assert torch.equal(ours, ref) and torch.equal(resumed_bias, ref)

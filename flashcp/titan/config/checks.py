@@ -220,6 +220,10 @@ def _check_experts(cfg: dict) -> None:
         raise ConfigError("[debug] moe_force_load_balance routes tokens round-robin, ignoring the router (debugging "
                           "only): not with [checkpoint] enable = true, which would save or resume such weights as a "
                           "real run's")  # fmt: skip
+    compiled = cfg["compile"]["enable"] and "model" in cfg["compile"]["components"]
+    if experts is not None and compiled and cfg["training"]["mixed_precision_param"] != "bfloat16":
+        raise ConfigError("[compile] enable with a mixture-of-experts model needs [training] mixed_precision_param = "
+                          "'bfloat16': torch compiles its grouped matmul (the experts) for bfloat16 only")  # fmt: skip
     if experts is not None and cfg["activation_checkpoint"]["mlp_tiles"] not in (0, 1):
         raise ConfigError(f"[activation_checkpoint] mlp_tiles = {cfg['activation_checkpoint']['mlp_tiles']} tiles "
                           "dense feed-forward layers; this model's are routed experts (set mlp_tiles = 0)")  # fmt: skip

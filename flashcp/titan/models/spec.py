@@ -103,7 +103,9 @@ def parallelize_flashcp(model: torch.nn.Module, *, parallel_dims, training, para
         ac_config.build(dump_folder=dump_folder).apply(model)
     if compile_config.enable and "model" in compile_config.components:
         # Per block like TorchTitan's apply_compile, each block one graph: FlashCP's attention is a
-        # registered op the compiler keeps whole (see flashcp.titan.models.attention).
+        # registered op the compiler keeps whole (see flashcp.titan.models.attention). As there, the
+        # MoE dispatch's data-dependent sizes are captured as symbolic scalars.
+        torch._dynamo.config.capture_scalar_outputs = True
         for block in model.layers.values():
             block.compile(backend=compile_config.backend, fullgraph=True)
     replicate = ["dp_replicate"] if parallel_dims.dp_replicate_enabled else []
