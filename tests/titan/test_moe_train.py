@@ -49,10 +49,13 @@ def reference(tmp_path_factory):
     return seed, losses, biases
 
 
-def test_ep2_cp2_reproduces_the_one_rank_run(reference, gloo_pool, tmp_path):
+@pytest.mark.parametrize("offload", [False, True], ids=["full AC", "full AC offloaded"])
+def test_ep2_cp2_reproduces_the_one_rank_run(reference, gloo_pool, tmp_path, offload):
+    """With `offload` the MoE blocks' checkpointed inputs wait in host memory: nothing else changes."""
     seed, losses, biases = reference
     cfg = moe_job(tmp_path, seed, parallelism={"context_parallel_degree": 2, "expert_parallel_degree": 2,
-                                               "data_parallel_shard_degree": 2}, activation_checkpoint={"mode": "full"})
+                                               "data_parallel_shard_degree": 2},
+                  activation_checkpoint={"mode": "full", "offload": offload})  # fmt: skip
     runs = gloo_pool(4).run(_pool_run, (cfg,))
     for rank_losses, rank_biases in runs:
         worst = max(abs(rank_losses[s] - losses[s]) for s in losses)
@@ -82,3 +85,38 @@ def test_ep2_cp2_resumes_bit_exactly(reference, gloo_pool, tmp_path):
         assert all(resumed_losses[s] == whole_losses[s] for s in resumed_losses), (resumed_losses, whole_losses)
         for ours, resumed_bias, ref in zip(whole_biases, resumed_biases, biases, strict=True):
             assert torch.equal(ours, ref) and torch.equal(resumed_bias, ref)
+
+
+def test_the_balance_costs_a_token_by_its_active_parameters():
+    """The loader's window cost (`FlashCPTrainer._window_cost`) prices a token of Qwen3-MoE's
+    debugmodel_moe by what it runs through: every non-expert matrix and top_k of each layer's
+    experts, counted here from the built model's parameters, not all the experts."""
+    from types import SimpleNamespace
+
+    from torchtitan.distributed.activation_checkpoint import FullAC
+
+    from flashcp.costmodel.proxy import window_cost
+    from flashcp.titan.models.decoders import titan_config
+    from flashcp.titan.models.registry import flavor_architecture
+    from flashcp.titan.trainer import FlashCPTrainer
+
+    seq_len, arch = 4096, flavor_architecture("qwen3", "debugmodel_moe")
+    config = titan_config(arch, "flex", seq_len)
+    with torch.device("meta"):
+        model = config.build()
+    experts = sum(p.numel() for n, p in model.named_parameters() if "routed_experts" in n)
+    embedding = model.tok_embeddings.weight.numel()
+    active = sum(p.numel() for p in model.parameters()) - experts - embedding + \
+        experts * arch.experts.top_k // arch.experts.num_experts  # fmt: skip
+    assert experts > 0 and arch.experts.top_k < arch.experts.num_experts
+    metrics = SimpleNamespace(num_flops_per_token=config.get_nparams_and_flops(model, seq_len)[1])
+    trainer = SimpleNamespace(
+        metrics_processor=metrics, model_config=config, cp_ranks_per_node=1,
+        parallel_dims=SimpleNamespace(tp=1, cp=2),
+        config=SimpleNamespace(training=SimpleNamespace(steps=1, seq_len=seq_len, mixed_precision_param="bfloat16"),
+                               activation_checkpoint=FullAC.Config()),
+    )  # fmt: skip
+    FlashCPTrainer._configure_metrics(trainer)
+    assert metrics.dense_flops_per_token == 6 * active
+    cost = FlashCPTrainer._window_cost(trainer)
+    assert cost == window_cost(6 * active, metrics.attention_flops_per_pair, cp=2, full_ac=True)
