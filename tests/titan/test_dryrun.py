@@ -177,7 +177,8 @@ def test_the_non_fit_line_never_advises_a_setting_the_job_has(ac, chunk_tokens):
 
     from flashcp.titan.dryrun.report import advice
 
-    cfg = {"activation_checkpoint": ac, "loss": {"chunk_tokens": chunk_tokens}}
+    cfg = {"activation_checkpoint": ac, "loss": {"chunk_tokens": chunk_tokens},
+           "model": {"flavor": "custom", "num_experts": None}}  # dense
     for category in ("parameters", "gradients", "optimizer_states", "model_buffers", "activations",
                      "flashcp_buffers", "loss", "host"):  # fmt: skip
         line = advice(category, cfg)
@@ -205,6 +206,18 @@ def test_a_mixture_of_experts_job_counts_every_expert_once_over_its_ranks(tmp_pa
     tracked, estimate = report["by_category"], report["estimate_gib"]
     assert tracked["optimizer_states"] == pytest.approx(estimate["optimizer_states"], rel=0.02)
     assert 0 < report["peak_gib"] <= estimate["peak"]
+
+
+def test_a_mixture_of_experts_job_too_big_is_not_told_to_tile_its_experts(tmp_path, capsys):
+    from flashcp.titan.config import load_job
+    from flashcp.titan.dryrun.report import advice
+
+    job = tmp_path / "tiny.toml"
+    job.write_text(JOB)
+    dense = load_job(str(job), [])
+    moe = load_job(str(job), MOE)
+    assert "mlp_tiles" in advice("activations", dense) and "mlp_tiles" not in advice("activations", moe)
+    assert "offload = true" in advice("activations", moe)
 
 
 def test_a_mixture_of_experts_job_in_float32_is_one_line(tmp_path, capsys):
