@@ -1,7 +1,8 @@
-"""Create a tiny random Hugging Face Llama (or Qwen3) folder, to try importing / exporting without downloads.
+"""Create a tiny random Hugging Face Llama (or Qwen3, Qwen3-MoE) folder, to try importing / exporting without downloads.
 
     python scripts/make_tiny_hf.py /tmp/tiny-llama           # Llama, vocab 4096 (the shipped tokenizer's)
     python scripts/make_tiny_hf.py /tmp/tiny-qwen3 --model-type qwen3
+    python scripts/make_tiny_hf.py /tmp/tiny-qwen3-moe --model-type qwen3_moe   # 8 experts, top-2
 
 Written with `transformers` (the test extra: pip install -e .[test]) as `save_pretrained` writes
 any HF model: config.json and model.safetensors, plus the shipped tokenizer's files, so that the
@@ -23,7 +24,7 @@ TOKENIZER_DIR = ROOT / "data" / "default"  # the shipped tokenizer: 4,096 tokens
 
 def tiny_config(model_type: str = "llama", vocab_size: int = 4096, **overrides: Any) -> Any:
     """A small GQA config: 2 layers, 4 heads over 2 KV heads, dim 32, context 512 (Qwen3: head_dim 16, tied
-    embeddings)."""
+    embeddings; Qwen3-MoE: Qwen3 untied, 8 experts of width 16 per layer, top-2)."""
     import transformers
 
     common = dict(
@@ -36,7 +37,11 @@ def tiny_config(model_type: str = "llama", vocab_size: int = 4096, **overrides: 
     if model_type == "qwen3":
         qwen = {"head_dim": 16, "tie_word_embeddings": True, "rope_theta": 1000000.0}
         return transformers.Qwen3Config(**(common | qwen | overrides))
-    raise ValueError(f"model type {model_type!r}: llama or qwen3")
+    if model_type == "qwen3_moe":
+        moe = {"head_dim": 16, "rope_theta": 1000000.0, "num_experts": 8, "num_experts_per_tok": 2,
+               "moe_intermediate_size": 16, "norm_topk_prob": True}  # fmt: skip
+        return transformers.Qwen3MoeConfig(**(common | moe | overrides))
+    raise ValueError(f"model type {model_type!r}: llama, qwen3 or qwen3_moe")
 
 
 def make_tiny_hf(folder: Path, model_type: str = "llama", seed: int = 0, **overrides: Any) -> Path:
@@ -56,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("folder", type=Path, help="where to write the model (must not exist)")
-    parser.add_argument("--model-type", default="llama", choices=("llama", "qwen3"))
+    parser.add_argument("--model-type", default="llama", choices=("llama", "qwen3", "qwen3_moe"))
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.folder.exists():

@@ -28,6 +28,7 @@ from flashcp.costmodel.step import (
     LLAMA3_70B,
     LlamaShape,
     MeshAssumptions,
+    QWEN3_30B_A3B,
     StepModel,
     paper_ratio_scales,
 )
@@ -183,6 +184,25 @@ def test_fsdp_traffic_is_exposed_only_beyond_the_compute():
 def test_llama_shapes_count_their_dense_flops_without_the_embedding():
     assert LLAMA3_8B.dense_flops_per_token == pytest.approx(6 * (8.03e9 - 128256 * 4096))
     assert LLAMA3_70B.attention.heads == 64 and LLAMA3_70B.attention.n_kv == 8
+
+
+def test_a_mixture_of_experts_costs_its_active_parameters_and_its_all_to_all():
+    """Qwen3-30B-A3B: 3.35e9 of its 30.5e9 parameters per token; with EP 8 each layer adds two
+    all-to-alls of tokens x top_k x dim bf16 over the 8 ranks per pass (forward, backward and the
+    recompute's forward), and FSDP gathers an eighth of the experts."""
+    m = QWEN3_30B_A3B
+    assert m.active_params == pytest.approx(3.353e9, rel=1e-3)
+    assert m.dense_flops_per_token == pytest.approx(6 * (3.353e9 - 151936 * 2048), rel=1e-3)
+    attention = synthetic_model()
+    local, ep = StepModel(attention, m, cp=8, dp=1), StepModel(attention, m, cp=8, dp=1, ep=8)
+    tokens = C // 8
+    one_pass = 2 * m.n_layers * attention.comm.all_gather_ms(tokens * 8 * 2048 * 2 / 8, 8)
+    assert local.all_to_all_ms(tokens) == 0 and one_pass > 0 and ep.all_to_all_ms(tokens) == pytest.approx(one_pass)
+    (d1, a1, r1), (d8, a8, r8) = local.window_ms("flashcp", SHORT), ep.window_ms("flashcp", SHORT)
+    assert d8 - d1 == pytest.approx(2 * one_pass) and r8 - r1 == pytest.approx(one_pass) and a8 == a1
+    assert ep.fsdp_ms() < local.fsdp_ms()
+    with pytest.raises(ValueError, match="ep = 8 needs a mixture of experts"):
+        StepModel(attention, TINY, cp=8, dp=1, ep=8)
 
 
 def test_windows_must_give_every_dp_rank_the_same_micro_steps():

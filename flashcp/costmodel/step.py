@@ -29,6 +29,16 @@ FSDP's parameter and gradient traffic, on every DP group, and waits for the slow
   slowest DP group's window. The step is the sum over its micro steps; the optimizer update is
   the same for every system and left out.
 
+A mixture-of-experts model (`LlamaShape.expert_params` > 0, e.g. Qwen3-30B-A3B) costs per token
+what its active parameters cost: the dense GEMMs count the non-expert parameters and top_k /
+experts of the routed experts' (`active_params`), as TorchTitan's MFU count does. With expert
+parallelism (`ep` ranks) each MoE layer adds the token dispatcher's all-to-all (dispatch and
+combine, tokens x top_k x dim bf16 rows each way; forward, backward and full AC's recompute),
+priced as an all-gather of the same bytes over the EP ranks and not overlapped (TorchTitan's
+standard dispatcher waits for it), counted in `dense` (and its forward again in `recompute`), and
+FSDP gathers a rank's experts only (expert parameters / ep) over the remaining ranks. Balanced
+routing is assumed: a skewed step waits for its busiest expert rank.
+
 Memory is not modelled: Llama 3 70B on one node at DP = 1 would not fit without TP.
 """
 
@@ -55,11 +65,20 @@ class LlamaShape:
     kv_heads: int
     vocab: int
     head_dim: int = 128
+    expert_params: float = 0.0  # routed experts' parameters, all layers (0: a dense model)
+    experts: int = 0
+    top_k: int = 0
+
+    @property
+    def active_params(self) -> float:
+        """Parameters one token runs through: all of a dense model's, top_k of each layer's experts."""
+        routed = self.expert_params * self.top_k / self.experts if self.experts else 0.0
+        return self.params - self.expert_params + routed
 
     @property
     def dense_flops_per_token(self) -> float:
-        """Forward + backward of every weight matrix (the embedding lookup is no GEMM)."""
-        return 6.0 * (self.params - self.vocab * self.dim)
+        """Forward + backward of every weight matrix a token runs through (the embedding lookup is no GEMM)."""
+        return 6.0 * (self.active_params - self.vocab * self.dim)
 
     @property
     def attention(self) -> AttentionShape:
@@ -68,6 +87,9 @@ class LlamaShape:
 
 LLAMA3_8B = LlamaShape("Llama 3 8B", 8.03e9, 4096, 32, 32, 8, 128256)
 LLAMA3_70B = LlamaShape("Llama 3 70B", 70.6e9, 8192, 80, 64, 8, 128256)
+# TorchTitan's 30B-A3B flavor: 48 layers of 128 experts (768 wide), 8 per token; 3.35e9 active.
+QWEN3_30B_A3B = LlamaShape("Qwen3 30B-A3B", 30.532e9, 2048, 48, 32, 4, 151936, expert_params=48 * 128 * 3 * 2048 * 768,
+                           experts=128, top_k=8)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -98,9 +120,12 @@ class StepModel:
     """Step time of `model` on a DP x CP mesh for one CP system; see the module docstring."""
 
     def __init__(self, attention: CostModel, model: LlamaShape, cp: int, dp: int,
-                 assumptions: MeshAssumptions | None = None, plans: dict | None = None):  # fmt: skip
-        """`plans`: a cache of window plans to share between models of the same CP size."""
-        self.attention, self.model, self.cp, self.dp = attention, model, cp, dp
+                 assumptions: MeshAssumptions | None = None, plans: dict | None = None, ep: int = 1):  # fmt: skip
+        """`plans`: a cache of window plans to share between models of the same CP size; `ep`: an MoE
+        model's expert-parallel ranks (borrowed from DP x CP)."""
+        if ep > 1 and (not model.experts or (dp * cp) % ep or model.experts % ep):
+            raise ValueError(f"ep = {ep} needs a mixture of experts whose experts and DP x CP ({dp * cp}) it divides")
+        self.attention, self.model, self.cp, self.dp, self.ep = attention, model, cp, dp, ep
         self.assume = assumptions or MeshAssumptions()
         self._plans: dict[tuple[str, tuple[int, ...]], Plan] = {} if plans is None else plans
 
@@ -111,8 +136,17 @@ class StepModel:
         return self._plans[key]
 
     def dense_ms(self, tokens: int) -> float:
-        """Dense work of one CP rank holding `tokens` tokens (forward + backward, no recompute)."""
-        return self.model.dense_flops_per_token * tokens / (self.assume.dense_tflops * 1e12) * 1e3
+        """Dense work of one CP rank holding `tokens` tokens (forward + backward, no recompute), with
+        an MoE model's expert all-to-all (forward + backward)."""
+        gemms = self.model.dense_flops_per_token * tokens / (self.assume.dense_tflops * 1e12) * 1e3
+        return gemms + 2 * self.all_to_all_ms(tokens)
+
+    def all_to_all_ms(self, tokens: int) -> float:
+        """Every MoE layer's dispatch and combine for one forward of `tokens` tokens on this rank."""
+        if self.ep == 1:
+            return 0.0
+        rows = tokens * self.model.top_k * self.model.dim * 2  # bf16 bytes each way
+        return 2 * self.model.n_layers * self.attention.comm.all_gather_ms(rows / self.ep, self.ep)
 
     def attention_ms(self, system: str, doc_lens: Sequence[int]) -> tuple[float, float]:
         """All layers' attention of one window on its CP group (slowest rank): forward + backward,
@@ -127,16 +161,20 @@ class StepModel:
 
     def window_ms(self, system: str, doc_lens: Sequence[int]) -> tuple[float, float, float]:
         """(dense, attention, recompute) of one window on its CP group."""
-        dense = self.dense_ms(sum(doc_lens) // self.cp)
+        tokens = sum(doc_lens) // self.cp
+        dense = self.dense_ms(tokens)
+        gemms = dense - 2 * self.all_to_all_ms(tokens)
+        again_dense = gemms * (FULL_AC_DENSE - 1) + self.all_to_all_ms(tokens) if self.assume.full_ac else 0.0
         attention, again = self.attention_ms(system, doc_lens)
-        return dense, attention, again + (dense * (FULL_AC_DENSE - 1) if self.assume.full_ac else 0.0)
+        return dense, attention, again + again_dense
 
     def fsdp_ms(self) -> float:
         """FSDP's traffic of one micro step on one rank, not yet overlapped."""
         n = self.dp * self.cp
         if n == 1:
             return 0.0
-        total = self.model.params * self.assume.fsdp_bytes_per_param
+        m = self.model
+        total = (m.params - m.expert_params + m.expert_params / self.ep) * self.assume.fsdp_bytes_per_param
         if n <= self.assume.gpus_per_node or self.attention.comm.spans_nodes:  # the comm model's own
             return self.attention.comm.all_gather_ms(total / n, n)  # (all-gather priced for both)
         return total * (n - 1) / n / (self.assume.inter_node_busbw_gbps * 1e9) * 1e3

@@ -5,6 +5,7 @@
     losses = train(cfg, stop_after=2)        # as if the job were killed after step 2
     losses = train(cfg, grad_norms=norms)    # also fills norms: {step: gradient norm}
     losses = train(cfg, validations=results) # also fills results: [ValidationResult] of [validation]
+    losses = train(cfg, expert_biases=biases)  # also fills biases: each MoE layer's routing bias at the end
 
 In the pytest process `single_rank()` provides a world of one gloo rank; in a DistributedPool
 worker the pool's process group is reused (TorchTitan skips its own init when one exists).
@@ -118,11 +119,14 @@ def train(
     seed_checkpoint: bool = False,
     grad_norms: dict[int, float] | None = None,
     validations: list[Any] | None = None,
+    expert_biases: list[torch.Tensor] | None = None,
 ) -> dict[int, float]:
     """Train `cfg` on the current world; {step: loss} of the steps this run logged.
 
     `grad_norms`, when given, receives {step: total gradient norm before clipping}; `validations`
-    the `flashcp.titan.components.validate.ValidationResult` of every validation, in order.
+    the `flashcp.titan.components.validate.ValidationResult` of every validation, in order;
+    `expert_biases` each MoE layer's aux-loss-free routing bias after the last step (it moves by
+    the sign of every step's global expert counts, so it records the router's load statistics).
     """
     from flashcp.titan.launch.job import trainer_config
     from flashcp.titan.trainer import FlashCPTrainer
@@ -154,6 +158,10 @@ def train(
             trainer.checkpointer.save(curr_step=0, last_step=True)
         else:
             trainer.train()
+        for block in trainer.model_parts[0].layers.values():
+            if expert_biases is not None and getattr(block, "moe_enabled", False):
+                bias = block.moe.expert_bias_E
+                expert_biases.append((bias.full_tensor() if hasattr(bias, "full_tensor") else bias).detach().clone())
     finally:
         trainer.close()
     return losses
@@ -162,10 +170,12 @@ def train(
 def train_on_pool_rank(
     rank: int, group: Any, cfg: dict, grad_norms: dict[int, float] | None = None,
     validations: list[Any] | None = None, stop_after: int | None = None,
+    expert_biases: list[torch.Tensor] | None = None,
 ) -> dict[int, float]:
     """DistributedPool task: one rank of a multi-rank run of `cfg`."""
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(dist.get_world_size())})
-    return train(cfg, stop_after=stop_after, grad_norms=grad_norms, validations=validations)
+    return train(cfg, stop_after=stop_after, grad_norms=grad_norms, validations=validations,
+                 expert_biases=expert_biases)  # fmt: skip
 
 
 def train_counting_exchanges(

@@ -31,14 +31,16 @@ ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = {
     "default": (2, False, {"dp_shard": 1, "cp": 2, "tp": 1}),
     "debug_cpu": (4, False, {"dp_shard": 2, "cp": 2, "tp": 1}),
+    "debug_moe_cpu": (4, False, {"dp_shard": 2, "cp": 2, "tp": 1}),
     "tiny_extend_cpu": (2, False, {"dp_shard": 1, "cp": 2, "tp": 1}),
     "llama8b_128k": (8, True, {"dp_shard": 1, "cp": 8, "tp": 1}),
     "llama70b_128k": (64, True, {"dp_shard": 2, "cp": 4, "tp": 8}),
     "llama3_8b_extend_128k": (8, True, {"dp_shard": 1, "cp": 8, "tp": 1}),
     "qwen3_8b_128k": (8, True, {"dp_shard": 1, "cp": 8, "tp": 1}),
+    "qwen3_30b_a3b_128k": (16, True, {"dp_shard": 2, "cp": 8, "tp": 1}),
 }
 # Recipes that read a Hugging Face folder and token stores the user prepares (absent on CI).
-RECIPES = ("llama3_8b_extend_128k", "qwen3_8b_128k")
+RECIPES = ("llama3_8b_extend_128k", "qwen3_8b_128k", "qwen3_30b_a3b_128k")
 
 
 @pytest.mark.parametrize("name", sorted(path.stem for path in CONFIG_DIR.glob("*.toml")))

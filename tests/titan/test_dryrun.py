@@ -187,7 +187,8 @@ def test_the_non_fit_line_never_advises_a_setting_the_job_has(ac, chunk_tokens):
 
     from flashcp.titan.dryrun.report import advice
 
-    cfg = {"activation_checkpoint": ac, "loss": {"chunk_tokens": chunk_tokens}}
+    cfg = {"activation_checkpoint": ac, "loss": {"chunk_tokens": chunk_tokens},
+           "model": {"flavor": "custom", "num_experts": None}}  # dense
     for category in ("parameters", "gradients", "optimizer_states", "model_buffers", "activations",
                      "flashcp_buffers", "loss", "host"):  # fmt: skip
         line = advice(category, cfg)
@@ -199,3 +200,38 @@ def test_the_non_fit_line_never_advises_a_setting_the_job_has(ac, chunk_tokens):
             assert "mode = 'full'" not in line
         if ac["mlp_tiles"] not in (0, 1):
             assert "mlp_tiles" not in line or category != "activations"
+
+
+MOE = ["--model.name", "qwen3", "--model.num_experts", "8", "--model.num_experts_per_tok", "2",
+       "--model.moe_hidden_dim", "32", "--parallelism.expert_parallel_degree", "2"]  # fmt: skip
+
+
+def test_a_mixture_of_experts_job_counts_every_expert_once_over_its_ranks(tmp_path, capsys):
+    """EP 2 x CP 4 x FSDP 2: the experts' parameters live on their own mesh (FSDP2 groups a block's
+    parameters twice), which the tracker follows; the AdamW moments of all the experts, sharded over
+    the 8 ranks as the dense parameters are, match the estimate's, and the estimate bounds the peak."""
+    proc = _dry_run(tmp_path, capsys, *MOE)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    tracked, estimate = report["by_category"], report["estimate_gib"]
+    assert tracked["optimizer_states"] == pytest.approx(estimate["optimizer_states"], rel=0.02)
+    assert 0 < report["peak_gib"] <= estimate["peak"]
+
+
+def test_a_mixture_of_experts_job_too_big_is_not_told_to_tile_its_experts(tmp_path, capsys):
+    from flashcp.titan.config import load_job
+    from flashcp.titan.dryrun.report import advice
+
+    job = tmp_path / "tiny.toml"
+    job.write_text(JOB)
+    dense = load_job(str(job), [])
+    moe = load_job(str(job), MOE)
+    assert "mlp_tiles" in advice("activations", dense) and "mlp_tiles" not in advice("activations", moe)
+    assert "offload = true" in advice("activations", moe)
+
+
+def test_a_mixture_of_experts_job_in_float32_is_one_line(tmp_path, capsys):
+    proc = _dry_run(tmp_path, capsys, *MOE, "--training.mixed_precision_param", "float32")
+    assert proc.returncode == 2
+    (line,) = proc.stderr.strip().splitlines()
+    assert "mixed_precision_param = 'bfloat16'" in line

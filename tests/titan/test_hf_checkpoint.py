@@ -2,8 +2,9 @@
 `last_save_in_hf`) against transformers itself, on tiny random models written with transformers.
 
 - Round trip: import -> one step at a negligible learning rate -> export gives the original
-  model's logits (fp32, <= 1e-5), on one rank and on two (CP = 2, TP = 2), Llama and Qwen3; after
-  real steps the exported weights differ and load.
+  model's logits (fp32, <= 1e-5), on one rank and on two (CP = 2, TP = 2), Llama, Qwen3 and
+  Qwen3-MoE (which also generates, and exports in bf16); after real steps the exported weights
+  differ and load.
 - The export refuses a non-empty folder, shards above --max-shard-size with an index that
   transformers loads, writes --dtype, copies the job's tokenizer, names a damaged checkpoint.
 - A bad HF folder (missing / truncated safetensors, wrong shapes, unsupported model_type, only a
@@ -118,6 +119,34 @@ def test_qwen3_round_trip_with_tied_embeddings(tmp_path):
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "qwen3" and config["tie_word_embeddings"] and config["head_dim"] == 16
     assert (logits(out, IDS) - logits(hf, IDS, exported=False)).abs().max() <= 1e-5
+
+
+def test_qwen3_moe_round_trip_generates_and_exports_bf16(tmp_path):
+    """Qwen3MoeForCausalLM in and out: every expert's three projections through TorchTitan's
+    adapter, the router's gate; the export loads in transformers, gives the original logits and
+    generates; `--dtype bfloat16` writes bf16 shards that load."""
+    hf = make_tiny_hf(tmp_path / "moe", model_type="qwen3_moe")
+    with single_rank():
+        train(hf_job(tmp_path / "run", hf, training={"steps": 1}, optimizer={"lr": 1e-12}))
+    step = tmp_path / "run" / "checkpoint" / "step-1"
+    out = tmp_path / "export"
+    assert export_main(["--checkpoint", str(step), "--out", str(out)]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "qwen3_moe" and config["architectures"] == ["Qwen3MoeForCausalLM"]
+    assert (config["num_experts"], config["num_experts_per_tok"], config["moe_intermediate_size"]) == (8, 2, 16)
+    with safe_open(out / "model.safetensors", "pt") as f:
+        names = set(f.keys())
+    assert {f"model.layers.1.mlp.experts.{e}.down_proj.weight" for e in range(8)} <= names
+    assert "model.layers.0.mlp.gate.weight" in names
+    assert (logits(out, IDS) - logits(hf, IDS)).abs().max() <= 1e-5
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    generated = model.generate(IDS[:1, :8], max_new_tokens=4, do_sample=False)
+    assert generated.shape == (1, 12)
+    half = tmp_path / "export-bf16"
+    assert export_main(["--checkpoint", str(step), "--out", str(half), "--dtype", "bfloat16"]) == 0
+    with safe_open(half / "model.safetensors", "pt") as f:
+        assert {f.get_tensor(name).dtype for name in f.keys()} == {torch.bfloat16}
+    assert (logits(half, IDS) - logits(hf, IDS)).abs().max() <= 0.1
 
 
 @pytest.mark.parametrize("head", ["equal", "different"])

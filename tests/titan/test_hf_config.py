@@ -13,6 +13,7 @@ import flashcp.titan  # noqa: F401  (TorchTitan shims first)
 from flashcp.titan.config import check_layout, ConfigError, model_dims, model_head_dim, validate
 from flashcp.titan.config.model import TOKENIZER_SIZED_FLAVORS
 from flashcp.titan.models.decoders import job_architecture, titan_config, titan_rope
+from flashcp.titan.models.experts import use_param_dtype_experts
 from flashcp.titan.hf.config import architecture_from_hf, read_hf_config, to_hf_config
 from flashcp.titan.models.spec import model_spec
 from flashcp.titan.models.registry import architecture_of, dense_flavors, flavor_architecture, REGISTRIES
@@ -99,10 +100,13 @@ def _shapes(config) -> object:
 
 @pytest.mark.parametrize("name, flavor", DENSE)
 def test_every_dense_flavor_rebuilds_as_torchtitan_registers_it(name, flavor):
-    """One build path: a flavor read back into an Architecture builds TorchTitan's own config."""
+    """One build path: a flavor read back into an Architecture builds TorchTitan's own config (Qwen3-MoE's
+    experts computed in their weights' dtype, the one swap FlashCP makes, flashcp.titan.models.experts)."""
     registered = REGISTRIES[name][flavor](attn_backend="flex")
     arch = architecture_of(registered)
-    assert arch.rope == FAMILY_ROPE[name]
+    use_param_dtype_experts(registered.layers)
+    # The family's RoPE, at the flavor's base (235B-A22B's is 5e6)
+    assert arch.rope == dataclasses.replace(FAMILY_ROPE[name], theta=float(registered.first_attention.rope.theta))
     assert _shapes(titan_config(arch, "flex", registered.first_attention.rope.max_seq_len)) == _shapes(
         registered
     )
@@ -120,16 +124,16 @@ def test_every_dense_flavor_is_accepted_with_torchtitans_dims(name, flavor):
 
 
 def test_flavors_are_told_apart_by_their_configs():
-    """Both families' dense flavors are trained, Qwen3's head_dim is its own (0.6B: 128, not
-    1024 / 16), and every other registered flavor is refused in one line with its reason."""
+    """Both families' dense flavors and Qwen3's MoE flavors are trained, Qwen3's head_dim is its own
+    (0.6B: 128, not 1024 / 16), and every other registered flavor is refused in one line with its reason."""
     assert {("llama3", "8B"), ("llama3", "405B"), ("qwen3", "0.6B"), ("qwen3", "32B")} <= set(DENSE)
+    assert {("qwen3", "debugmodel_moe"), ("qwen3", "30B-A3B"), ("qwen3", "235B-A22B")} <= set(DENSE)
     assert model_head_dim(validate({"model": {"name": "qwen3", "flavor": "0.6B"}})) == 128
     refused = [(name, flavor) for name in REGISTRIES for flavor in REGISTRIES[name]
                if (name, flavor) not in DENSE]  # fmt: skip
-    assert {("qwen3", "debugmodel_moe"), ("qwen3", "30B-A3B"), ("qwen3", "235B-A22B")} <= set(refused)
+    assert refused == [("qwen3", "debugmodel_non_fused_qkv")]
     for name, flavor in refused:
-        layers = REGISTRIES[name][flavor](attn_backend="flex").layers
-        why = "is a mixture-of-experts model" if layers[0].moe is not None else "keeps Q, K and V as separate"
+        why = "keeps Q, K and V as separate"
         dense = ", ".join((*dense_flavors(name), "custom"))
         with pytest.raises(ConfigError) as e:
             validate({"model": {"name": name, "flavor": flavor}})
@@ -166,7 +170,7 @@ def test_initial_load_in_hf_without_flavor_takes_the_folders_architecture(tmp_pa
     "change, message",
     [
         ({"model_type": "mistral"}, r"model_type 'mistral' is not supported; supported: llama, qwen3"),
-        ({"model_type": "qwen3_moe"}, r"model_type 'qwen3_moe' is not supported \(mixture-of-experts"),
+        ({"model_type": "qwen2_moe"}, r"model_type 'qwen2_moe' is not supported \(of mixture-of-experts models, qwen3_moe"),
         ({"use_sliding_window": True}, r"use_sliding_window = True is not supported"),
         ({"hidden_size": None}, r"hidden_size is missing"),
         ({"num_key_value_heads": 0}, r"num_key_value_heads must be a positive int, got 0"),
@@ -200,8 +204,8 @@ def test_a_missing_or_broken_config_json_is_one_line(tmp_path):
 
 
 def test_model_checks_name_the_problem():
-    with pytest.raises(ConfigError, match=r"'30B-A3B' of qwen3 is a mixture-of-experts model: FlashCP trains"):
-        validate({"model": {"name": "qwen3", "flavor": "30B-A3B"}})
+    with pytest.raises(ConfigError, match=r"'debugmodel_non_fused_qkv' of qwen3 keeps Q, K and V as separate"):
+        validate({"model": {"name": "qwen3", "flavor": "debugmodel_non_fused_qkv"}})
     for name, flavor in [("qwen3", "70B"), ("llama3", "0.6B"), ("llama3", "debugmodel_moe")]:
         registered = ", ".join((*dense_flavors(name), "custom"))
         with pytest.raises(ConfigError) as e:
@@ -298,3 +302,79 @@ def test_rope_frequencies_and_attention_factor_match_transformers(scaling):
     cache = titan_rope(arch, max_seq_len=2).build().cache  # complex: position 1 holds exp(i inv_freq)
     assert torch.allclose(cache[1].angle(), inv_freq, rtol=1e-6, atol=0)
     assert arch.rope.yarn_attention_factor == pytest.approx(attention_factor, rel=1e-12)
+
+
+QWEN3_30B_A3B = QWEN3_8B | {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048, "num_hidden_layers": 48,
+    "num_key_value_heads": 4, "intermediate_size": 6144, "num_experts": 128, "num_experts_per_tok": 8,
+    "moe_intermediate_size": 768, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+}  # fmt: skip
+
+
+def test_qwen3_30b_a3b_config_json_builds_torchtitans_flavor(tmp_path):
+    """Qwen3-30B-A3B's published config.json gives TorchTitan's 30B-A3B flavor, and an export's config.json
+    reads back to the same architecture."""
+    cfg = validate({"model": {"hf_config": str(hf_folder(tmp_path, QWEN3_30B_A3B))}})
+    arch = job_architecture(cfg["model"], 4096, 8192)
+    registered = REGISTRIES["qwen3"]["30B-A3B"](attn_backend="flex")
+    use_param_dtype_experts(registered.layers)
+    assert _shapes(titan_config(arch, "flex", 8192)) == _shapes(titan_config(architecture_of(registered), "flex", 8192))
+    assert architecture_from_hf(to_hf_config(arch)) == arch
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"mlp_only_layers": [3]}, r"dense layers among the experts .* every layer must route through experts"),
+        ({"decoder_sparse_step": 2}, r"dense layers among the experts"),
+        ({"num_experts_per_tok": 200}, r"num_experts_per_tok = 200 exceeds num_experts = 128"),
+        ({"moe_intermediate_size": None}, r"moe_intermediate_size is missing"),
+    ],
+)
+def test_a_moe_config_json_flashcp_cannot_train_is_one_line(tmp_path, change, message):
+    with pytest.raises(ConfigError, match=r"^\[model\] hf_config: .*config\.json: " + message):
+        validate({"model": {"hf_config": str(hf_folder(tmp_path, QWEN3_30B_A3B | change))}})
+
+
+@pytest.mark.parametrize(
+    "job, world, message",
+    [
+        ({"model": {"name": "qwen3", "flavor": "30B-A3B"}, "parallelism": {"expert_parallel_degree": 3}}, 3,
+         r"^\[parallelism\] expert_parallel_degree \(3\) must divide the model's 128 experts"),
+        ({"model": {"name": "qwen3", "flavor": "30B-A3B"}, "parallelism": {"expert_parallel_degree": 16,
+          "context_parallel_degree": 4}}, 8,
+         r"^\[parallelism\] expert_parallel_degree \(16\) must divide the ranks it borrows from, data_parallel_shard "
+         r"x context_parallel x tensor_parallel \(2 x 4 x 1 = 8\)"),
+        ({"parallelism": {"expert_parallel_degree": 2}}, 2,
+         r"^\[parallelism\] expert_parallel_degree applies to mixture-of-experts models; llama3 'debugmodel' is dense"),
+        ({"model": {"name": "qwen3", "flavor": "debugmodel_moe"}, "debug": {"moe_force_load_balance": True},
+          "checkpoint": {"enable": True}}, 1, r"^\[debug\] moe_force_load_balance routes tokens round-robin"),
+        ({"model": {"name": "qwen3", "flavor": "debugmodel_moe"}, "activation_checkpoint": {"mode": "full",
+          "mlp_tiles": 4}}, 1, r"^\[activation_checkpoint\] mlp_tiles = 4 tiles dense feed-forward layers"),
+        ({"model": {"name": "qwen3", "flavor": "debugmodel_moe"}, "compile": {"enable": True},
+          "training": {"mixed_precision_param": "float32"}}, 1,
+         r"^\[compile\] enable with a mixture-of-experts model needs \[training\] mixed_precision_param = 'bfloat16'"),
+        ({"model": {"flavor": "custom", "dim": 64, "n_layers": 2, "n_heads": 4, "num_experts": 4}}, 1,
+         r"^\[model\] num_experts, num_experts_per_tok, moe_hidden_dim together make a custom Qwen3-MoE"),
+    ],
+)
+def test_bad_expert_settings_are_one_line_before_launch(job, world, message):
+    with pytest.raises(ConfigError, match=message) as e:
+        check_layout(validate(job), world, has_cuda=True)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("folder, flavor, message", [
+    (QWEN3_8B, "30B-A3B", r"holds a dense qwen3 model but the job's model \(\[model\] flavor '30B-A3B'\) is a "
+                          r"mixture-of-experts one"),
+    (QWEN3_30B_A3B, "8B", r"holds a mixture-of-experts qwen3 model but the job's model \(\[model\] flavor '8B'\) "
+                          r"is a dense one"),
+])  # fmt: skip
+def test_a_dense_hf_folder_for_a_moe_flavor_and_the_reverse_are_one_line(tmp_path, folder, flavor, message):
+    from flashcp.titan.launch.preflight import check_hf_import
+
+    path = str(hf_folder(tmp_path, folder))
+    cfg = validate({"model": {"name": "qwen3", "flavor": flavor},
+                    "checkpoint": {"enable": True, "initial_load_path": path, "initial_load_in_hf": True}})  # fmt: skip
+    with pytest.raises(ConfigError, match=r"^\[checkpoint\] initial_load_path: .*" + message):
+        check_hf_import(cfg, 4096)

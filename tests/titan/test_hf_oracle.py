@@ -2,7 +2,10 @@
 
 Tiny random Hugging Face models are built locally (`save_pretrained`): a Llama with Llama 3.1's
 `rope_scaling` and GQA, a Qwen3 with QK-norm, tied embeddings and a head_dim other than
-hidden_size / heads, and a Llama with YaRN (its attention factor included). Our model is built
+hidden_size / heads, a Llama with YaRN (its attention factor included) and a Qwen3-MoE (8 experts,
+top-2, every layer routed; its routers' top-2 choices must be the same tokens' on both sides, on a
+window whose every token's 2nd and 3rd expert scores differ by far more than float32 rounding, so
+that no near-tie can flip a choice). Our model is built
 from the saved config.json (`[model] hf_config`) and loaded with TorchTitan's state_dict_adapter
 (`from_hf`: q / k permuted for Llama's complex RoPE). On one packed window of several documents,
 ours (FlashCP's attention, the document mask, per-document positions, fp32) must give
@@ -32,6 +35,7 @@ transformers = pytest.importorskip("transformers", reason="the oracle needs the 
 from safetensors.torch import load_file
 
 RELATIVE_TOLERANCE = 1e-5  # max |ours - HF| / max |HF|, fp32; measured: logits 1.4e-6, gradients 2.7e-6
+ROUTE_MARGIN = 1e-4  # smallest gap between a chosen and an unchosen expert's score the MoE window allows
 DOC_LENS = (23, 9, 30, 2)  # one window of 64 tokens: documents cut across the CP ranks by most plans
 WINDOW = sum(DOC_LENS)
 VOCAB = 101
@@ -67,6 +71,15 @@ MODELS = {  # name -> (transformers config class, its arguments)
             "rope_parameters": YARN,
         },
     ),  # fmt: skip
+    "qwen3-moe": (
+        "Qwen3MoeConfig",
+        COMMON
+        | {
+            "head_dim": 32, "rms_norm_eps": 1e-6, "moe_intermediate_size": 32, "num_experts": 8,
+            "num_experts_per_tok": 2, "norm_topk_prob": True,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+        },
+    ),  # fmt: skip
 }
 
 
@@ -81,7 +94,13 @@ def hf_models(tmp_path_factory) -> dict[str, tuple[Path, dict]]:
         config = getattr(transformers, config_class)(**kwargs)
         model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float()
         model.save_pretrained(folder)
-        out[name] = (folder, _hf_reference(model, tokens))
+        ref = _hf_reference(model, tokens)
+        for seed in range(1, 20):  # an MoE window without near-ties in the routers: the first of a fixed sequence
+            if ref.get("margin", 1.0) > ROUTE_MARGIN:
+                break
+            model.zero_grad()
+            ref = _hf_reference(model, torch.randint(0, VOCAB, (WINDOW,), generator=torch.Generator().manual_seed(seed)))
+        out[name] = (folder, ref)
     return out
 
 
@@ -96,13 +115,45 @@ def _labels(tokens: torch.Tensor) -> torch.Tensor:
 
 
 def _hf_reference(model, tokens: torch.Tensor) -> dict:
-    """Each document alone through transformers (positions from 0); loss over the packed window."""
+    """Each document alone through transformers (positions from 0); loss over the packed window.
+    An MoE model also gives each layer's top-k experts per token (sorted) and the smallest gap
+    between a token's k-th and (k+1)-th expert score."""
     labels = _labels(tokens)
+    routers = [m for name, m in model.named_modules() if name.endswith("mlp.gate")]
+    calls: list[tuple] = []
+    hooks = [m.register_forward_hook(lambda m, args, out: calls.append(out)) for m in routers]
     logits = torch.cat([model(input_ids=doc[None]).logits[0] for doc in tokens.split(DOC_LENS)])
+    for hook in hooks:
+        hook.remove()
     loss = torch.nn.functional.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
     (loss / (labels != -100).sum()).backward()
-    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
-    return {"tokens": tokens, "logits": logits.detach(), "grads": grads}
+    grads = _per_expert({name: p.grad.clone() for name, p in model.named_parameters()})
+    ref = {"tokens": tokens, "logits": logits.detach(), "grads": grads}
+    if routers:  # calls: document by document, layer by layer
+        n = len(routers)
+        ref["routes"] = [torch.cat([calls[d * n + i][2] for d in range(len(DOC_LENS))]).sort(-1).values
+                         for i in range(n)]  # fmt: skip
+        k = calls[0][2].shape[-1]
+        probs = torch.cat([out[0].softmax(-1) for out in calls]).sort(-1, descending=True).values
+        ref["margin"] = (probs[:, k - 1] - probs[:, k]).min().item()
+    return ref
+
+
+def _per_expert(grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers 5 keeps a layer's experts fused (`experts.gate_up_proj`: [E, 2F, D], gate first;
+    `experts.down_proj`: [E, D, F]); its checkpoints, and so the adapter's names, hold one per expert."""
+    out = {}
+    for name, grad in grads.items():
+        prefix, _, last = name.rpartition(".")
+        if last == "gate_up_proj":
+            gate, up = grad.chunk(2, dim=1)
+            for e in range(grad.shape[0]):
+                out[f"{prefix}.{e}.gate_proj.weight"], out[f"{prefix}.{e}.up_proj.weight"] = gate[e], up[e]
+        elif last == "down_proj" and prefix.endswith("experts"):
+            out |= {f"{prefix}.{e}.down_proj.weight": grad[e] for e in range(grad.shape[0])}
+        else:
+            out[name] = grad
+    return out
 
 
 def our_model(folder: Path) -> torch.nn.Module:
@@ -112,7 +163,9 @@ def our_model(folder: Path) -> torch.nn.Module:
     spec = model_spec(cfg["model"], cfg["flashcp"], VOCAB, WINDOW)
     model = spec.model.build()
     adapter = state_dict_adapter(spec.model)
-    model.load_state_dict(adapter.from_hf(load_file(folder / "model.safetensors")), strict=True)
+    missing, unexpected = model.load_state_dict(adapter.from_hf(load_file(folder / "model.safetensors")), strict=False)
+    # The aux-loss-free routing bias is TorchTitan's training state, not HF's: zero, as built.
+    assert not unexpected and all(key.endswith("moe.expert_bias_E") for key in missing), (missing, unexpected)
     return model
 
 
@@ -122,6 +175,10 @@ def run_window(rank: int, group, folder: Path, tokens: torch.Tensor, plan, comm:
     model = our_model(folder)
     dispatch = build_dispatch(plan, rank, comm)
     labels = _labels(tokens)[dispatch.token_index]
+    routes: list[torch.Tensor] = []  # each MoE layer's top-k experts of this rank's tokens
+    for name, module in model.named_modules():
+        if name.endswith("moe.router"):
+            module.register_forward_hook(lambda m, args, out: routes.append(out[1][0].sort(-1).values))
     logits = model(tokens[dispatch.token_index][None], positions=dispatch.positions[None],
                    attention_masks=CPStep.of(flashcp_ropes(model), dispatch, group if plan.cp_size > 1 else None))[0]  # fmt: skip
     # Each rank's token sum over the window's count, as the trainer normalises: the ranks' gradients add up.
@@ -132,7 +189,7 @@ def run_window(rank: int, group, folder: Path, tokens: torch.Tensor, plan, comm:
         for p, src in zip(grads.parameters(), model.parameters()):
             p.copy_(src.grad)
     hf_grads = state_dict_adapter(model.config).to_hf(grads.state_dict())
-    return {"index": dispatch.token_index, "logits": logits.detach(), "grads": hf_grads}
+    return {"index": dispatch.token_index, "logits": logits.detach(), "grads": hf_grads, "routes": routes}
 
 
 def _relative(ours: torch.Tensor, ref: torch.Tensor) -> float:
@@ -146,6 +203,11 @@ def check(parts: list[dict], ref: dict, what: str) -> tuple[float, float]:
         logits[part["index"]] = part["logits"]
     grads = {k: sum(part["grads"][k] for part in parts) for k in parts[0]["grads"]}
     assert sorted(grads) == sorted(ref["grads"]), what
+    for layer, expected in enumerate(ref.get("routes", [])):
+        routes = torch.empty_like(expected)
+        for part in parts:
+            routes[part["index"]] = part["routes"][layer]
+        assert torch.equal(routes, expected), f"{what}: layer {layer}'s router chose other experts than transformers'"
     logit_err = _relative(logits, ref["logits"])
     grad_err = max(_relative(grads[k], ref["grads"][k]) for k in grads)
     assert logit_err <= RELATIVE_TOLERANCE, f"{what}: logits off by {logit_err:.2e} (relative)"
@@ -189,3 +251,24 @@ def test_cp2_matches_transformers_for_every_strategy(hf_models, pool, name):
         plan = plan_shards(DOC_LENS, 2, strategy, **PLAN_OPTIONS.get(strategy, {}))
         parts = pool.run(run_window, (folder, ref["tokens"], plan, comm))
         check(parts, ref, f"{name} CP=2 {strategy}/{comm}")
+
+
+def test_moe_window_has_no_router_ties(hf_models):
+    """The MoE window's routing is decided by margins far above float32 rounding (see ROUTE_MARGIN),
+    so equal choices on both sides test the router, not luck."""
+    _, ref = hf_models["qwen3-moe"]
+    assert ref["margin"] > ROUTE_MARGIN, f"a near-tie in the routers (gap {ref['margin']:.2e}): pick another window"
+
+
+@pytest.fixture(scope="module")
+def pool4(gloo_pool):
+    return gloo_pool(4)
+
+
+def test_moe_cp4_matches_transformers_for_every_strategy(hf_models, pool4):
+    """Qwen3-MoE at CP = 4: every document cut into smaller shards, routed token by token as alone."""
+    folder, ref = hf_models["qwen3-moe"]
+    for strategy, comm in CP2_CASES:
+        plan = plan_shards(DOC_LENS, 4, strategy, **PLAN_OPTIONS.get(strategy, {}))
+        parts = pool4.run(run_window, (folder, ref["tokens"], plan, comm))
+        check(parts, ref, f"qwen3-moe CP=4 {strategy}/{comm}")

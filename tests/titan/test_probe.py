@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from harness import load_export, single_rank, tiny_job, tiny_seed_checkpoint, train
@@ -394,3 +395,19 @@ def test_cli_probes_a_checkpoint_on_the_jobs_layout_as_training_does(tmp_path, s
     assert main(["--hf", seed["initial_load_path"], "--config", "job.toml"]) == 2
     assert capsys.readouterr().err == (
         f"error: --hf {seed['initial_load_path']}: no config.json, not a Hugging Face model folder\n")
+
+
+def test_a_mixture_of_experts_is_probed_without_touching_its_routing(tmp_path):
+    """A tiny Qwen3-MoE: the probe's forward (eval mode) adds nothing to the routers' token counts, so
+    the aux-loss-free bias update and the losses are those of the run without the probe."""
+    moe = {"model": {"name": "qwen3", "num_experts": 4, "num_experts_per_tok": 2, "moe_hidden_dim": 32},
+           "training": {"steps": 2}}  # fmt: skip
+    biases_on: list[torch.Tensor] = []
+    biases_off: list[torch.Tensor] = []
+    with single_rank():
+        losses_on = train(job(tmp_path / "on", **moe), expert_biases=biases_on)
+    with single_rank():
+        losses_off = train(job(tmp_path / "off", None, {"enable": False}, **moe), expert_biases=biases_off)
+    assert sorted(p.name for p in (tmp_path / "on" / "probe").iterdir()) == ["step-1.png", "step-2.png"]
+    assert losses_on == losses_off and biases_on and all(b.abs().sum() > 0 for b in biases_on)
+    assert all(torch.equal(a, b) for a, b in zip(biases_on, biases_off, strict=True))

@@ -34,11 +34,11 @@ from flashcp.titan.config.checks import validate
 from flashcp.titan.config.file import apply_overrides, CONFIG_DIR, load_job, resolve_config_path
 from flashcp.titan.config.keys import ConfigError, Key, type_name
 from flashcp.titan.config.layout import check_layout, degrees, world_size_hint
-from flashcp.titan.config.model import model_dims, model_head_dim, TOKENIZER_SIZED_FLAVORS
+from flashcp.titan.config.model import custom_experts, model_dims, model_head_dim, TOKENIZER_SIZED_FLAVORS
 from flashcp.titan.config.schema import SCHEMA
 
 __all__ = [
-    "CONFIG_DIR", "ConfigError", "Key", "SCHEMA", "TOKENIZER_SIZED_FLAVORS",
+    "CONFIG_DIR", "ConfigError", "Key", "SCHEMA", "TOKENIZER_SIZED_FLAVORS", "custom_experts",
     "apply_overrides", "check_layout", "degrees", "dryrun_command", "load_job", "main", "model_dims",
     "model_head_dim", "resolve_config_path", "validate", "world_size_hint",
 ]  # fmt: skip

@@ -1,7 +1,7 @@
 """A job's keys against `SCHEMA`, then every check that needs several keys but no world size.
 
 `validate` names unknown sections and keys with the allowed ones, checks types and choices, fills
-defaults, refuses settings FlashCP cannot combine with (pipeline or expert parallelism, TorchTitan's
+defaults, refuses settings FlashCP cannot combine with (pipeline parallelism, experts for a dense model, TorchTitan's
 own CP knobs under FlashCP attention, ...), values that would train wrongly or exhaust the machine,
 and finally runs TorchTitan's own checks by building its config objects, all before any process
 starts. Checks that need the number of ranks are `flashcp.titan.config.layout`.
@@ -16,7 +16,7 @@ from flashcp.titan.config.converters import check_converters
 from flashcp.titan.config.keys import check_value, ConfigError
 from flashcp.data.errors import DataError
 from flashcp.data.sources import DataConfig
-from flashcp.titan.config.model import check_model
+from flashcp.titan.config.model import check_model, model_experts
 from flashcp.titan.config.schema import RENAMED_SECTIONS, SCHEMA
 from flashcp.titan.config.titan import ac_keys, section_config, TITAN_KEYS
 
@@ -194,10 +194,7 @@ def _check_unsupported(cfg: dict) -> None:
     if pipeline:
         raise ConfigError(f"[parallelism] {pipeline[0]} only applies to pipeline parallelism, which FlashCP "
                           "does not run")  # fmt: skip
-    if par["expert_parallel_degree"] != 1 or debug["moe_force_load_balance"]:
-        name = "[parallelism] expert_parallel_degree" if par["expert_parallel_degree"] != 1 else \
-            "[debug] moe_force_load_balance"  # fmt: skip
-        raise ConfigError(f"{name} applies to mixture-of-experts models, which FlashCP does not train")
+    _check_experts(cfg)
     if debug["batch_invariant"]:
         raise ConfigError("[debug] batch_invariant: TorchTitan 0.3.0's trainer has no batch-invariant mode "
                           "for pre-training")  # fmt: skip
@@ -218,6 +215,32 @@ def _check_unsupported(cfg: dict) -> None:
     if ac["offload"] and compiled:
         raise ConfigError("[activation_checkpoint] offload = true hooks each block's saved tensors in eager mode: "
                           "not with the model compiled ([compile] enable with 'model' in components)")  # fmt: skip
+
+
+def _check_experts(cfg: dict) -> None:
+    """Expert settings need a mixture-of-experts model; forced round-robin routing stays out of checkpoints."""
+    par, debug, model = cfg["parallelism"], cfg["debug"], cfg["model"]
+    ep, forced = par["expert_parallel_degree"], debug["moe_force_load_balance"]
+    _positive(cfg, "parallelism", "expert_parallel_degree")
+    experts = model_experts(cfg)
+    if experts is None and (ep != 1 or forced):
+        name = "[parallelism] expert_parallel_degree" if ep != 1 else "[debug] moe_force_load_balance"
+        raise ConfigError(f"{name} applies to mixture-of-experts models; {model['name']} {model['flavor']!r} is dense "
+                          "(Qwen3-MoE: flavor debugmodel_moe, 30B-A3B, 235B-A22B or a qwen3_moe hf_config)")  # fmt: skip
+    if experts is not None and experts.num_experts % ep:
+        raise ConfigError(f"[parallelism] expert_parallel_degree ({ep}) must divide the model's {experts.num_experts} "
+                          "experts: each EP rank holds the same number")  # fmt: skip
+    if forced and cfg["checkpoint"]["enable"]:
+        raise ConfigError("[debug] moe_force_load_balance routes tokens round-robin, ignoring the router (debugging "
+                          "only): not with [checkpoint] enable = true, which would save or resume such weights as a "
+                          "real run's")  # fmt: skip
+    compiled = cfg["compile"]["enable"] and "model" in cfg["compile"]["components"]
+    if experts is not None and compiled and cfg["training"]["mixed_precision_param"] != "bfloat16":
+        raise ConfigError("[compile] enable with a mixture-of-experts model needs [training] mixed_precision_param = "
+                          "'bfloat16': torch compiles its grouped matmul (the experts) for bfloat16 only")  # fmt: skip
+    if experts is not None and cfg["activation_checkpoint"]["mlp_tiles"] not in (0, 1):
+        raise ConfigError(f"[activation_checkpoint] mlp_tiles = {cfg['activation_checkpoint']['mlp_tiles']} tiles "
+                          "dense feed-forward layers; this model's are routed experts (set mlp_tiles = 0)")  # fmt: skip
 
 
 def _check_profiler(cfg: dict) -> None:

@@ -75,6 +75,14 @@ def check_layout(cfg: dict, world_size: int, has_cuda: bool | None = None) -> di
             f"[parallelism] tensor_parallel_degree ({tp}) must divide n_heads ({n_heads}) "
             f"and n_kv_heads ({n_kv})"
         )
+    ep = cfg["parallelism"]["expert_parallel_degree"]
+    borrowed = deg["dp_shard"] * cp * tp
+    if ep > 1 and borrowed % ep:
+        raise ConfigError(
+            f"[parallelism] expert_parallel_degree ({ep}) must divide the ranks it borrows from, data_parallel_shard "
+            f"x context_parallel x tensor_parallel ({deg['dp_shard']} x {cp} x {tp} = {borrowed}); experts are "
+            f"FSDP-sharded over the rest"
+        )
     global_bs = cfg["training"]["global_batch_size"]
     dp = deg["dp_replicate"] * deg["dp_shard"]
     if global_bs != -1 and (global_bs < 1 or global_bs % (dp * cfg["training"]["local_batch_size"])):

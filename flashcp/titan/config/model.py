@@ -1,28 +1,32 @@
 """`[model]`: which architecture a job trains, its keys and the checks that need no process.
 
-The architecture is named once: a dense flavor TorchTitan registers for the family (read from its
+The architecture is named once: a flavor TorchTitan registers for the family (dense or Qwen3-MoE) (read from its
 registry, `flashcp.titan.models.registry`), `custom` sizes, or a Hugging Face `config.json` (`hf_config`,
 read now); RoPE keys (`flashcp.titan.models.rope`) override the model's own. `model_dims` and
-`model_head_dim` give the layout checks and the pre-launch estimates the sizes without building it.
+`model_head_dim` give the layout checks and the pre-launch estimates the sizes without building it,
+`model_experts` the experts of a mixture-of-experts model (None for a dense one).
 """
 
 from __future__ import annotations
 
 from flashcp.titan.config.keys import ConfigError, Key
-from flashcp.titan.hf.config import Architecture, HFConfigError, read_hf_config
+from flashcp.titan.hf.config import Architecture, Experts, HFConfigError, read_hf_config
 from flashcp.titan.models.registry import dense_flavors, flavor_architecture, REGISTRIES, refusal
 from flashcp.titan.models.rope import FAMILY_ROPE, rope_for_job, RopeError, SCALINGS
 
 CUSTOM_MODEL_KEYS = (
-    "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "ffn_dim_multiplier", "multiple_of"
+    "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "ffn_dim_multiplier", "multiple_of",
+    "num_experts", "num_experts_per_tok", "moe_hidden_dim",
 )  # fmt: skip
+EXPERT_KEYS = ("num_experts", "num_experts_per_tok", "moe_hidden_dim")  # a custom Qwen3-MoE: all three
 # A debug model has no vocabulary of its own: it takes the tokenizer's, so that the defaults
 # (debugmodel, 2048 in TorchTitan, and the shipped 4,096-token tokenizer) train together.
 TOKENIZER_SIZED_FLAVORS = ("debugmodel",)
 
 MODEL_KEYS: dict[str, Key] = {
     "name": Key(str, "llama3", tuple(REGISTRIES), "the model family (TorchTitan's registry)"),
-    "flavor": Key(str, "debugmodel", doc="a dense flavor TorchTitan registers for the family, or custom"),
+    "flavor": Key(str, "debugmodel", doc="a flavor TorchTitan registers for the family (Qwen3-MoE's included), "
+                  "or custom"),
     "hf_config": Key(str, doc="a Hugging Face model folder (or its config.json) giving the architecture "
                      "instead of flavor; default with [checkpoint] initial_load_in_hf: initial_load_path"),
     "attention": Key(
@@ -41,6 +45,9 @@ MODEL_KEYS: dict[str, Key] = {
     "vocab_size": Key(int),
     "ffn_dim_multiplier": Key(float),
     "multiple_of": Key(int),
+    "num_experts": Key(int, doc="qwen3 only: routed experts per layer (a Qwen3-MoE model, with the next two)"),
+    "num_experts_per_tok": Key(int, doc="qwen3 MoE: experts each token is routed to (top-k)"),
+    "moe_hidden_dim": Key(int, doc="qwen3 MoE: one expert's feed-forward width"),
     # RoPE (flashcp.titan.models.rope); unset: the model's own (flavor, config.json; custom: the family's).
     "rope_theta": Key(float, doc="RoPE base"),
     "rope_scaling": Key(str, None, SCALINGS, "RoPE scaling type; unset keeps the model's"),
@@ -66,7 +73,14 @@ def check_model(cfg: dict) -> None:
         missing = [k for k in ("dim", "n_layers", "n_heads") if model[k] is None]
         if missing:
             raise ConfigError(f"[model] flavor = 'custom' needs {', '.join(missing)}")
-        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of"):
+        given = [k for k in EXPERT_KEYS if model[k] is not None]
+        if given and (len(given) < len(EXPERT_KEYS) or model["name"] != "qwen3"):
+            raise ConfigError(f"[model] {', '.join(EXPERT_KEYS)} together make a custom Qwen3-MoE (name = 'qwen3'); "
+                              f"got {', '.join(given)} for name = {model['name']!r}")  # fmt: skip
+        if given and model["num_experts_per_tok"] > model["num_experts"]:
+            raise ConfigError(f"[model] num_experts_per_tok ({model['num_experts_per_tok']}) exceeds num_experts "
+                              f"({model['num_experts']})")  # fmt: skip
+        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of", *EXPERT_KEYS):
             if model[name] is not None and model[name] < 1:
                 raise ConfigError(f"[model] {name} must be >= 1, got {model[name]}")
         n_kv = model["n_kv_heads"] or model["n_heads"]
@@ -141,6 +155,22 @@ def model_head_dim(cfg: dict) -> int:
     if model["flavor"] == "custom":
         return model["head_dim"] or model["dim"] // model["n_heads"]
     return _architecture(model).head_dim
+
+
+def model_experts(cfg: dict) -> Experts | None:
+    """The experts of the job's model when it is a mixture of experts, else None."""
+    model = cfg["model"]
+    if model["flavor"] == "custom":
+        return custom_experts(model)
+    return _architecture(model).experts
+
+
+def custom_experts(model: dict) -> Experts | None:
+    """A custom size's experts: its three expert keys (checked together), or None for a dense model."""
+    if model["num_experts"] is None:
+        return None
+    return Experts(num_experts=model["num_experts"], top_k=model["num_experts_per_tok"],
+                   hidden_dim=model["moe_hidden_dim"])  # fmt: skip
 
 
 def _architecture(model: dict) -> Architecture:

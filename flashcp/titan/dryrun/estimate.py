@@ -15,6 +15,17 @@ unsharded across the slices in fp32 (FSDP's reduce dtype in the shipped configs)
 reduce-scatter input it is copied into at the last slice. It assumes every term peaks at once, so
 it should sit at or above the tracked peak.
 
+A mixture-of-experts layer (Qwen3-MoE: `ModelShape.experts` > 0) counts its router (dim x experts)
+and all its experts in the parameters, gradients and AdamW moments, sharded over every rank a
+dense parameter is (EP borrows its ranks from FSDP x TP, and FSDP shards the experts over the rest);
+its gathered bf16 copy holds the dense part and this EP rank's experts (experts / EP). Its working
+set replaces the dense MLP's: the token dispatcher's copies of the routed rows (tokens x top_k x
+dim each: the reordered input, the all-to-all's receive buffer, its expert-major permutation, the
+experts' output, its unpermuted copy and the all-to-all back, 6 in all) and the experts'
+intermediates (4 x tokens x top_k x expert width), assuming balanced routing (the dry run's
+dispatcher splits evenly, `flashcp.titan.dryrun.run._balanced_routing`); the router's fp32 scores
+(3 x tokens x experts) are added. A step whose routing is skewed receives more on its busiest rank.
+
 With a low-precision converter (`[model] converters`, `LowPrecision`) one term is added, the casts
 of one converted linear's backward, the largest (`cast_bytes`); nothing else changes. Source:
 torchao's `Float8Linear` (`matmul_with_hp_or_float8_args`) and `MXFP8Linear` (`mx_mm`) save the
@@ -46,6 +57,9 @@ class ModelShape:
     vocab: int
     rope_rows: int  # RoPE rows a rank holds: TorchTitan's table per layer (layers x seq_len), FlashCP's step rows (tokens)
     rope_row_bytes: int  # one position of it (complex Llama RoPE: 4 x head_dim, cos / sin Qwen3 RoPE: 8 x)
+    experts: int = 0  # routed experts per layer (0: a dense model, `ffn` wide)
+    top_k: int = 0  # experts per token
+    expert_ffn: int = 0  # one expert's width
 
 
 @dataclass(frozen=True)
@@ -69,6 +83,7 @@ class Layout:
     mlp_tiles: int = 1  # the MLP's sequence tiles ([activation_checkpoint] mlp_tiles)
     offload: bool = False  # full AC's layer inputs in host memory, all but two on the GPU at the peak
     low_precision: LowPrecision | None = None  # [model] converters
+    ep: int = 1  # expert parallelism: each rank gathers experts / ep experts of a layer
 
 
 def cast_bytes(lp: LowPrecision) -> float:
@@ -80,9 +95,20 @@ def cast_bytes(lp: LowPrecision) -> float:
     return per_element * max(casts, default=0)
 
 
-def layer_params(m: ModelShape) -> int:
+def layer_params(m: ModelShape, ep: int = 1) -> int:
+    """One layer's parameters; of a mixture of experts, those one of `ep` expert-parallel ranks gathers."""
     attention = 2 * m.dim * m.heads * m.head_dim + 2 * m.dim * m.kv_heads * m.head_dim
+    if m.experts:
+        return attention + m.dim * m.experts + 3 * m.dim * m.expert_ffn * m.experts // ep + 2 * m.dim
     return attention + 3 * m.dim * m.ffn + 2 * m.dim
+
+
+def feed_forward_working(m: ModelShape, tokens: int, tiles: int) -> int:
+    """bf16 elements the feed-forward keeps in one layer's working set (see the module doc)."""
+    if m.experts:
+        rows = tokens * m.top_k
+        return 6 * rows * m.dim + 4 * rows * m.expert_ffn + 2 * 3 * tokens * m.experts
+    return 4 * tokens * m.ffn // tiles
 
 
 def estimate(m: ModelShape, lay: Layout) -> dict[str, float]:
@@ -95,15 +121,16 @@ def estimate(m: ModelShape, lay: Layout) -> dict[str, float]:
     # One layer's bf16 elements: gathered projection inputs and gradients (full width); q, attention
     # output, k / v and the feed-forward's four intermediates (this rank's share); the residual
     # stream, norms and their gradients between blocks (fp32 in places, hence 8).
-    sharded = lay.tokens * (2 * m.heads * m.head_dim + kv_dim + 4 * m.ffn // lay.mlp_tiles) // lay.tp
+    sharded = (lay.tokens * (2 * m.heads * m.head_dim + kv_dim) + feed_forward_working(m, lay.tokens, lay.mlp_tiles)) \
+        // lay.tp  # fmt: skip
     working = 4 * lay.tokens * m.dim + sharded + 8 * seq * m.dim
     on_gpu = min(2, m.layers) if lay.offload else m.layers  # layer inputs on the GPU at the peak
     checkpoints = on_gpu * seq * m.dim if lay.full_ac else m.layers * working
     chunked = lay.loss_tokens < lay.tokens
     chunk_buffers = 4 * lay.tokens * m.dim + (2 * 4 * vocab_params // lay.tp if lay.fsdp > 1 else 0)
     out = {
-        "parameters": (4 * params / shard + 2 * (2 * layer_params(m) + vocab_params) / lay.tp) / GIB,
-        "gradients": (4 * params / shard + 4 * layer_params(m) / lay.tp) / GIB,
+        "parameters": (4 * params / shard + 2 * (2 * layer_params(m, lay.ep) + vocab_params) / lay.tp) / GIB,
+        "gradients": (4 * params / shard + 4 * layer_params(m, lay.ep) / lay.tp) / GIB,
         "optimizer_states": 8 * params / shard / GIB,
         "model_buffers": m.rope_rows * m.rope_row_bytes / GIB,
         "activations": 2 * (checkpoints + (working if lay.full_ac else 0) + lay.tokens * m.dim) / GIB,

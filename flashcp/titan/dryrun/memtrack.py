@@ -14,6 +14,13 @@ is the dry run's own, so torch's tracker (which skips only a fake mode other tha
 entered under) counted those tensors as activations: gradient clipping's one foreach op over all
 gradients then "allocated" an fp32 copy of the whole unsharded model (30 GiB for Llama 3 8B).
 
+Under expert parallelism TorchTitan's FSDP gives a block two parameter groups, the experts' on
+their own mesh (ep x efsdp), which torch's tracker refuses (it reads `FSDPState._fsdp_param_group`,
+one group per module). While tracking, that property answers a `_Groups` view of all of a module's
+groups (their parameters together; the first group's backward hooks), and the other groups'
+backward hooks are wrapped here as the tracker wraps the first's, so the experts' parameters,
+gradients, gathers and reduce-scatters are classified like the rest.
+
 Storages created inside `host()` (the offloaded layer inputs, which on a GPU live in pinned host
 memory) are not the GPU's: they are left out of the peak and their own peak is `peak_host`.
 """
@@ -27,7 +34,9 @@ from typing import Any
 import torch
 from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType as Ref
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -54,16 +63,35 @@ class CategoryTracker(FSDPMemTracker):
         self._host_depth = 0  # > 0 inside `host()`
         self._host: WeakIdKeyDictionary = WeakIdKeyDictionary()  # host storage -> bytes
         self.peak_host = 0  # bytes
+        self._extra_groups: list[tuple[Any, Any, Any]] = []  # (group, its pre_backward, its post_backward)
 
     def __enter__(self) -> CategoryTracker:
         if self._depth == 0:
             ShardingPropagator._propagate_tensor_meta_non_cached = self._untracked_propagation()
+            FSDPState._fsdp_param_group = _GROUPS_VIEW
         return super().__enter__()
 
     def __exit__(self, *args) -> None:
         super().__exit__(*args)
         if self._depth == 0:
             ShardingPropagator._propagate_tensor_meta_non_cached = self._propagate
+            FSDPState._fsdp_param_group = _ONE_GROUP
+
+    def _instrument_fsdp_module(self) -> None:
+        """torch's instrumentation (the first group of each module), then the other groups' backward hooks."""
+        super()._instrument_fsdp_module()
+        for module in self._root_mod.modules():
+            if isinstance(module, FSDPModule):
+                for group in module._get_fsdp_state()._fsdp_param_groups[1:]:
+                    self._extra_groups.append((group, group.pre_backward, group.post_backward))
+                    group.pre_backward = self._fsdp_param_group_pre_backward(module, group.pre_backward)
+                    group.post_backward = self._fsdp_param_group_post_backward(module, group.post_backward)
+
+    def _deregister_module_and_optimizer_hooks(self) -> None:
+        super()._deregister_module_and_optimizer_hooks()
+        for group, pre_backward, post_backward in self._extra_groups:
+            group.pre_backward, group.post_backward = pre_backward, post_backward
+        self._extra_groups.clear()
 
     def _untracked_propagation(self) -> Callable[[ShardingPropagator, Any], Any]:
         """torch's propagation (a function of the propagator and the op's schema), its tensors untracked."""
@@ -156,3 +184,23 @@ class CategoryTracker(FSDPMemTracker):
             out[label] = size
             out["activations"] -= size
         return self._peak_mem[device], out
+
+
+class _Groups:
+    """All FSDP parameter groups of one module, as torch's tracker reads one: `fsdp_params` of them all,
+    `pre_backward` / `post_backward` the first's (the others are wrapped by `CategoryTracker`)."""
+
+    def __init__(self, groups: list) -> None:
+        object.__setattr__(self, "groups", groups)
+        object.__setattr__(self, "fsdp_params", [p for g in groups for p in g.fsdp_params])
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.groups[0], name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self.groups[0], name, value)
+
+
+_ONE_GROUP = FSDPState._fsdp_param_group  # torch's property: refuses a module with several groups
+_GROUPS_VIEW = property(lambda state: (_Groups(state._fsdp_param_groups) if len(state._fsdp_param_groups) > 1
+                                       else _ONE_GROUP.fget(state)))  # fmt: skip

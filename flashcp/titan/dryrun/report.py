@@ -10,6 +10,7 @@ import dataclasses
 from typing import Any
 
 from flashcp.costmodel.proxy import H100_BF16_TFLOPS
+from flashcp.titan.config.model import model_experts
 from flashcp.titan.dryrun.estimate import cast_bytes, GIB, Layout, layer_params, LowPrecision, ModelShape
 from flashcp.titan.models.offload import layer_input_bytes, offload_seconds, PCIE_GEN5_X16
 
@@ -22,7 +23,7 @@ def advice(category: str, cfg: dict[str, Any]) -> str:
     ac, loss = cfg["activation_checkpoint"], cfg["loss"]
     if category == "activations":
         levers = [] if ac["mode"] == "full" else ["set [activation_checkpoint] mode = 'full'"]
-        if ac["mlp_tiles"] in (0, 1):
+        if ac["mlp_tiles"] in (0, 1) and model_experts(cfg) is None:  # experts are not tiled (refused)
             levers.append("set [activation_checkpoint] mlp_tiles = 16 (the MLP's intermediate a tile at a time)")
         if not ac["offload"]:
             levers.append("set [activation_checkpoint] offload = true (full AC's layer inputs in host memory)")

@@ -36,6 +36,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from flashcp.attention import kernels
 from flashcp.titan.config import check_layout, ConfigError
 from flashcp.titan.config.converters import converted_linears
+from flashcp.titan.config.model import model_experts
 from flashcp.titan.dryrun.estimate import estimate, GIB, Layout, LowPrecision, ModelShape
 from flashcp.titan.dryrun.memtrack import CategoryTracker
 from flashcp.titan.dryrun.report import low_precision_report, offload_time, Report
@@ -52,8 +53,11 @@ def dry_run(cfg: dict[str, Any], world_size: int, gpu_gib: float = 80.0, reserve
     if cfg["model"]["attention"] != "flashcp":
         raise ConfigError("the dry run drives FlashCP's attention: model.attention must be 'flashcp'")
     degrees = check_layout(_cpu_checkable(cfg), world_size, has_cuda=False)
+    if model_experts(cfg) is not None and cfg["training"]["mixed_precision_param"] != "bfloat16":
+        raise ConfigError("the dry run sizes a mixture-of-experts job with [training] mixed_precision_param = "
+                          "'bfloat16' only: torch's fake grouped matmul (the experts) takes bfloat16")  # fmt: skip
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp, _fake_world(world_size), _fake_kernel():
+    with tempfile.TemporaryDirectory() as tmp, _fake_world(world_size), _fake_kernel(), _balanced_routing(cfg):
         trainer = _build(_dry_job(cfg, tmp))
         try:
             input_dict, labels = next(trainer.batch_generator(trainer.dataloader))
@@ -137,6 +141,31 @@ def _fake_kernel() -> Iterator[None]:
         del kernels.BACKENDS[KERNEL]
 
 
+@contextlib.contextmanager
+def _balanced_routing(cfg: dict[str, Any]) -> Iterator[None]:
+    """Expert parallelism's all-to-all splits as if the router spread tokens evenly over the EP ranks.
+
+    TorchTitan's dispatcher copies the exchanged token counts to the host to size the all-to-all,
+    values fake tensors lack; here every rank sends and receives tokens x top_k / EP rows to and
+    from each EP rank (the balance the router's bias update drives towards). A skewed step's
+    receive buffer is larger, up to EP times on one rank (`estimate.moe_bytes`)."""
+    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
+
+    exchange = AllToAllTokenDispatcher._sync_token_count_exchange
+
+    def balanced(self, local_counts: torch.Tensor, global_counts: torch.Tensor, ep: int):
+        rows = cfg["training"]["seq_len"] * cfg["training"]["local_batch_size"] // \
+            cfg["parallelism"]["context_parallel_degree"] * self.top_k  # fmt: skip
+        splits = [rows // ep + (i < rows % ep) for i in range(ep)]
+        return global_counts.reshape(-1), splits, splits
+
+    AllToAllTokenDispatcher._sync_token_count_exchange = balanced
+    try:
+        yield
+    finally:
+        AllToAllTokenDispatcher._sync_token_count_exchange = exchange
+
+
 def _build(cfg: dict[str, Any]):
     """The trainer with every tensor from parallelisation on fake (device meshes, built before, stay real)."""
     from flashcp.titan.launch.job import trainer_config
@@ -197,7 +226,8 @@ def _measure(trainer, input_dict: dict[str, Any], labels: torch.Tensor) -> tuple
             with tracker, _host_copies(tracker):
                 valid = (labels != IGNORE_INDEX).sum()
                 trainer.forward_backward_step(input_dict=input_dict, labels=labels, global_valid_tokens=valid)
-                dist_utils.clip_grad_norm_(params, trainer.config.training.max_norm, foreach=True)
+                dist_utils.clip_grad_norm_(params, trainer.config.training.max_norm, foreach=True,
+                                           ep_enabled=trainer.parallel_dims.ep_enabled)
                 optimizers.step()
                 optimizers.zero_grad(set_to_none=True)
         finally:
@@ -277,19 +307,23 @@ def _shape_and_layout(trainer, dispatch, job: dict[str, Any]) -> tuple[ModelShap
     tokens = cfg.training.seq_len // dims.cp
     rope_row = rotation(attention.rope, torch.zeros(1, dtype=torch.long))  # one position's RoPE row
     tables = hasattr(trainer.model_parts[0].layers["0"].attention.rope, "cache")  # TorchTitan's, else per step
+    moe = model.layers[0].moe
+    experts = {} if moe is None else dict(experts=moe.num_experts, top_k=moe.router.top_k,
+                                          expert_ffn=moe.routed_experts.inner_experts.hidden_dim)  # fmt: skip
     shape = ModelShape(
         dim=model.dim, layers=len(model.layers), heads=attention.n_heads,
         kv_heads=attention.n_kv_heads or attention.n_heads, head_dim=attention.head_dim or model.dim // attention.n_heads,
-        ffn=model.layers[0].feed_forward.w1.out_features, vocab=model.vocab_size,
+        ffn=0 if moe else model.layers[0].feed_forward.w1.out_features, vocab=model.vocab_size,
         rope_rows=len(model.layers) * attention.rope.max_seq_len if tables else tokens,
-        rope_row_bytes=rope_row.numel() * rope_row.element_size(),
+        rope_row_bytes=rope_row.numel() * rope_row.element_size(), **experts,
     )  # fmt: skip
     chunks = getattr(trainer.loss_fn, "num_chunks", 1)
     layout = Layout(
         fsdp=dims.dp_shard * dims.cp, tp=dims.tp, sequence_parallel=cfg.parallelism.enable_sequence_parallel,
         tokens=tokens, kv_rows=_kv_rows(dispatch), loss_tokens=tokens // chunks,
         full_ac=isinstance(cfg.activation_checkpoint, FullAC.Config),
-        mlp_tiles=max(1, tile_count(ac["mlp_tiles"], tokens, shape.ffn // dims.tp, 2)), offload=ac["offload"],
+        mlp_tiles=max(1, tile_count(ac["mlp_tiles"], tokens, shape.ffn // dims.tp, 2)) if shape.ffn else 1,
+        offload=ac["offload"], ep=dims.ep,
     )  # fmt: skip
     return shape, dataclasses.replace(layout, low_precision=_low_precision(job, model, layout, dims.tp))
 

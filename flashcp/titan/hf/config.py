@@ -4,8 +4,9 @@
     arch = architecture_from_hf(json_dict, where="...")  # the same from a parsed config.json
     to_hf_config(arch, torch_dtype="bfloat16", base=None) -> dict  # the config.json an export writes
 
-`Architecture` is FlashCP's description of a dense decoder (Llama 3.x: model_type "llama";
-Qwen3: "qwen3", with QK-norm and its own head_dim), the one value every consumer reads: the
+`Architecture` is FlashCP's description of a decoder (Llama 3.x: model_type "llama";
+Qwen3: "qwen3", with QK-norm and its own head_dim; Qwen3-MoE: "qwen3_moe", Qwen3 whose every
+feed-forward is a top-k routed mixture of experts, `experts`), the one value every consumer reads: the
 pre-launch checks (`flashcp.titan.config.model_dims`), the TorchTitan model config
 (`flashcp.titan.models.decoders.titan_config(arch, attn_backend, max_seq_len)`), the job's model
 (`flashcp.titan.models.decoders.job_architecture(model_cfg, tokenizer_vocab, seq_len)`, also for named
@@ -32,8 +33,9 @@ from flashcp.titan.hf.files import FolderFileError, read_member
 from flashcp.titan.models.rope import Rope, rope_from_hf, rope_to_hf, RopeError
 
 # HF model_type -> FlashCP / TorchTitan model name, and back with its HF class.
-MODEL_TYPES = {"llama": "llama3", "qwen3": "qwen3"}
+MODEL_TYPES = {"llama": "llama3", "qwen3": "qwen3", "qwen3_moe": "qwen3"}
 HF_NAMES = {"llama3": ("llama", "LlamaForCausalLM"), "qwen3": ("qwen3", "Qwen3ForCausalLM")}
+HF_MOE_NAME = ("qwen3_moe", "Qwen3MoeForCausalLM")  # a qwen3 architecture with experts
 HF_DEFAULT_THETA = 10000.0  # transformers' default rope_theta for both
 MAX_CONFIG_BYTES = 1 << 20
 
@@ -43,8 +45,18 @@ class HFConfigError(ValueError):
 
 
 @dataclass(frozen=True)
+class Experts:
+    """Every layer's feed-forward as routed experts (Qwen3-MoE: no shared expert, softmax router)."""
+
+    num_experts: int
+    top_k: int  # experts per token (HF num_experts_per_tok)
+    hidden_dim: int  # one expert's width (HF moe_intermediate_size)
+    route_norm: bool = True  # the top-k scores renormalised to sum to 1 (HF norm_topk_prob)
+
+
+@dataclass(frozen=True)
 class Architecture:
-    """A dense decoder: everything that fixes its parameters' shapes and its forward pass."""
+    """A decoder: everything that fixes its parameters' shapes and its forward pass."""
 
     name: str  # llama3 | qwen3 (qwen3: RMSNorm on q and k per head before RoPE)
     dim: int
@@ -58,6 +70,7 @@ class Architecture:
     rope: Rope
     tie_embeddings: bool = False
     max_position_embeddings: int = 8192  # the context the model is meant for (export writes the trained one)
+    experts: Experts | None = None  # None: a dense feed-forward of hidden_dim in every layer
 
     @property
     def qk_norm(self) -> bool:
@@ -98,7 +111,7 @@ def architecture_from_hf(hf: dict[str, Any], where: str = "config.json") -> Arch
     _check_numbers(hf, where)
     model_type = hf.get("model_type")
     if model_type not in MODEL_TYPES:
-        moe = " (mixture-of-experts models are not supported)" if "moe" in str(model_type) else ""
+        moe = " (of mixture-of-experts models, qwen3_moe only)" if "moe" in str(model_type) else ""
         raise HFConfigError(
             f"{where}: model_type {model_type!r} is not supported{moe}; supported: {', '.join(MODEL_TYPES)}"
         )
@@ -139,10 +152,11 @@ def architecture_from_hf(hf: dict[str, Any], where: str = "config.json") -> Arch
         rope = rope_from_hf(hf, HF_DEFAULT_THETA)
     except (RopeError, KeyError, TypeError, ValueError) as e:
         raise HFConfigError(f"{where}: {e}") from e
+    n_layers = value("num_hidden_layers", int)
     return Architecture(
         name=name,
         dim=dim,
-        n_layers=value("num_hidden_layers", int),
+        n_layers=n_layers,
         n_heads=n_heads,
         n_kv_heads=n_kv,
         head_dim=head_dim,
@@ -152,7 +166,28 @@ def architecture_from_hf(hf: dict[str, Any], where: str = "config.json") -> Arch
         rope=rope,
         tie_embeddings=value("tie_word_embeddings", bool, False),
         max_position_embeddings=value("max_position_embeddings", int, 8192),
+        experts=_experts(hf, value, n_layers, where) if model_type == "qwen3_moe" else None,
     )
+
+
+def _experts(hf: dict[str, Any], value, n_layers: int, where: str) -> Experts:
+    """A qwen3_moe config.json's experts; every layer must be sparse (TorchTitan builds no mix)."""
+    dense = [layer for layer in hf.get("mlp_only_layers") or [] if isinstance(layer, int) and layer < n_layers]
+    if dense or hf.get("decoder_sparse_step", 1) != 1:
+        raise HFConfigError(f"{where}: dense layers among the experts (mlp_only_layers = {hf.get('mlp_only_layers')}, "
+                            f"decoder_sparse_step = {hf.get('decoder_sparse_step', 1)}) are not supported: "
+                            "every layer must route through experts")  # fmt: skip
+    if hf.get("shared_expert_intermediate_size"):
+        raise HFConfigError(f"{where}: a shared expert (shared_expert_intermediate_size) is not supported")
+    experts = Experts(
+        num_experts=value("num_experts", int, hf.get("num_local_experts")),  # transformers 5 writes the latter
+        top_k=value("num_experts_per_tok", int),
+        hidden_dim=value("moe_intermediate_size", int),
+        route_norm=hf.get("norm_topk_prob", False) is True,
+    )
+    if experts.top_k > experts.num_experts:
+        raise HFConfigError(f"{where}: num_experts_per_tok = {experts.top_k} exceeds num_experts = {experts.num_experts}")
+    return experts
 
 
 def _check_numbers(hf: dict[str, Any], where: str) -> None:
@@ -186,7 +221,7 @@ def to_hf_config(
     arch: Architecture, torch_dtype: str = "bfloat16", base: dict[str, Any] | None = None
 ) -> dict:
     """config.json for `arch` (AutoModelForCausalLM loads it), over the base model's config.json if given."""
-    model_type, hf_class = HF_NAMES[arch.name]
+    model_type, hf_class = HF_MOE_NAME if arch.experts else HF_NAMES[arch.name]
     out = {k: v for k, v in (base or {}).items() if k not in ("rope_parameters", "transformers_version")}
     if base is not None and base.get("model_type") != model_type:
         out = {}  # another family's entries would not load
@@ -213,6 +248,12 @@ def to_hf_config(
         out["mlp_bias"] = False
     else:
         out["use_sliding_window"] = False
+    if arch.experts:
+        out |= {
+            "num_experts": arch.experts.num_experts, "num_experts_per_tok": arch.experts.top_k,
+            "moe_intermediate_size": arch.experts.hidden_dim, "norm_topk_prob": arch.experts.route_norm,
+            "decoder_sparse_step": 1, "mlp_only_layers": [], "output_router_logits": False,
+        }  # fmt: skip
     return out
 
 

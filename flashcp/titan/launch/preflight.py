@@ -75,9 +75,14 @@ def check_hf_import(cfg: dict[str, Any], tokenizer_vocab: int) -> None:
     try:
         if not path.is_dir():
             raise HFFolderError(f"{path} " + ("is not a folder" if path.exists() else "does not exist"))
-        read_hf_config(path)
-        model_config = titan_config(job_architecture(cfg["model"], tokenizer_vocab, cfg["training"]["seq_len"]),
-                                    attn_backend="flex", max_seq_len=cfg["training"]["seq_len"])  # fmt: skip
+        stored = read_hf_config(path)
+        arch = job_architecture(cfg["model"], tokenizer_vocab, cfg["training"]["seq_len"])
+        if (stored.experts is None) != (arch.experts is None):
+            kinds = ("a mixture-of-experts", "a dense") if stored.experts else ("a dense", "a mixture-of-experts")
+            raise HFFolderError(f"{path} holds {kinds[0]} {stored.name} model but the job's model ([model] flavor "
+                                f"{cfg['model']['flavor']!r}) is {kinds[1]} one: name the folder's flavor or "
+                                "leave flavor unset to train the folder's architecture")  # fmt: skip
+        model_config = titan_config(arch, attn_backend="flex", max_seq_len=cfg["training"]["seq_len"])
         with torch.device("meta"):
             state = model_config.build().state_dict()
         check_weights(path, {k: tuple(v.shape) for k, v in state_dict_adapter(model_config).to_hf(state).items()})

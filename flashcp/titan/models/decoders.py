@@ -34,8 +34,9 @@ from torchtitan.models.qwen3 import Qwen3Model
 from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
 from torchtitan.protocols.state_dict_adapter import BaseStateDictAdapter
 
-from flashcp.titan.config import ConfigError, TOKENIZER_SIZED_FLAVORS
+from flashcp.titan.config import ConfigError, custom_experts, TOKENIZER_SIZED_FLAVORS
 from flashcp.titan.hf.config import Architecture, HFConfigError, read_hf_config, with_rope
+from flashcp.titan.models.experts import use_param_dtype_experts
 from flashcp.titan.models.registry import family, flavor_architecture, TITAN_SCALING
 from flashcp.titan.models.rope import FAMILY_ROPE, rope_for_job, RopeError
 
@@ -85,6 +86,17 @@ def titan_config(arch: Architecture, attn_backend: str, max_seq_len: int) -> Dec
             n_kv_heads=None if arch.n_kv_heads == arch.n_heads else arch.n_kv_heads,
             attn_backend=attn_backend, fuse_qkv=True,
         )  # fmt: skip
+    elif arch.experts:
+        lib, cls, head_init = titan_qwen3, Qwen3Model.Config, titan_qwen3._LINEAR_INIT
+        layers = titan_qwen3._build_qwen3_moe_layers(
+            n_layers=arch.n_layers, dim=dim, n_heads=arch.n_heads, n_kv_heads=arch.n_kv_heads,
+            head_dim=arch.head_dim, moe_hidden_dim=arch.experts.hidden_dim, num_experts=arch.experts.num_experts,
+            top_k=arch.experts.top_k, rope=rope, attn_backend=attn_backend, moe_comm_backend="standard",
+            fuse_qkv=True,
+        )  # fmt: skip
+        for layer in layers:  # TorchTitan's flavors renormalise the top-k scores; a config.json may not
+            layer.moe.router.route_norm = arch.experts.route_norm
+        use_param_dtype_experts(layers)
     else:
         lib, cls, head_init = titan_qwen3, Qwen3Model.Config, titan_qwen3._LINEAR_INIT
         layers = titan_qwen3._build_qwen3_layers(
@@ -150,6 +162,7 @@ def _custom(model_cfg: dict[str, Any], tokenizer_vocab: int) -> Architecture:
         norm_eps=_NORM_EPS[name],
         rope=FAMILY_ROPE[name],
         tie_embeddings=False,
+        experts=custom_experts(model_cfg),
     )
 
 

@@ -1,14 +1,16 @@
 """TorchTitan's model registries read as FlashCP's architectures: which flavors a job may name, their sizes.
 
-    dense_flavors("qwen3")                  # ("debugmodel", "0.6B", ...), as TorchTitan registers them
+    dense_flavors("qwen3")                  # ("debugmodel", "0.6B", ..., "30B-A3B"), as TorchTitan registers them
     flavor_architecture("llama3", "8B")     # its Architecture: dims, heads, KV heads, head_dim, RoPE, ...
-    refusal("qwen3", "30B-A3B")             # why FlashCP does not train a registered flavor, else None
+    refusal("qwen3", "debugmodel_non_fused_qkv")  # why FlashCP does not train a registered flavor, else None
 
 The job-file checks (`flashcp.titan.config.model`) and the model builder (`decoders`) both read the
 flavors here, from TorchTitan's own configs (`llama3_configs`, `qwen3_configs`), so a flavor
 TorchTitan adds or changes needs no edit in FlashCP. A flavor is trained when FlashCP's one build
-path (`decoders.titan_config`: dense feed-forward, fused QKV) rebuilds it; one whose layers route
-through experts or keep Q, K and V apart is refused, recognised from its config, not its name.
+path (`decoders.titan_config`: fused QKV, a dense feed-forward or Qwen3-MoE's routed experts in every
+layer) rebuilds it; one that keeps Q, K and V apart, mixes dense and expert layers or adds shared
+experts is refused, recognised from its config, not its name. (`dense_flavors` is the historical name:
+the trained flavors, Qwen3-MoE's included.)
 Building every flavor's config takes milliseconds (dataclasses, no weights).
 """
 
@@ -22,7 +24,7 @@ from torchtitan.models.common.decoder import Decoder
 from torchtitan.models.llama3 import llama3_configs, Llama3Model
 from torchtitan.models.qwen3 import Qwen3Model, qwen3_configs
 
-from flashcp.titan.hf.config import Architecture
+from flashcp.titan.hf.config import Architecture, Experts
 from flashcp.titan.models.rope import Rope
 
 REGISTRIES: dict[str, dict[str, Callable[..., Decoder.Config]]] = {
@@ -43,9 +45,10 @@ def family(model_config: Decoder.Config) -> str:
 
 
 def architecture_of(model_config: Decoder.Config) -> Architecture:
-    """The architecture of a dense TorchTitan Llama 3 / Qwen3 config (e.g. a registry flavor)."""
+    """The architecture of a TorchTitan Llama 3 / Qwen3 config (e.g. a registry flavor)."""
     attention = model_config.first_attention
     rope = attention.rope
+    moe = model_config.layers[0].moe
     scaling = {titan: ours for ours, titan in TITAN_SCALING.items()}[rope.scaling]
     if scaling == "llama3":
         ours = Rope(
@@ -68,12 +71,18 @@ def architecture_of(model_config: Decoder.Config) -> Architecture:
         n_heads=attention.n_heads,
         n_kv_heads=attention.n_kv_heads or attention.n_heads,
         head_dim=attention.head_dim or model_config.dim // attention.n_heads,
-        hidden_dim=model_config.layers[0].feed_forward.w1.out_features,
+        # An MoE model's dense width is unused; HF's Qwen3-MoE configs give the active experts' (768 x 8 in 30B-A3B).
+        hidden_dim=(moe.routed_experts.inner_experts.hidden_dim * moe.router.top_k if moe
+                    else model_config.layers[0].feed_forward.w1.out_features),  # fmt: skip
         vocab_size=model_config.vocab_size,
         norm_eps=model_config.norm.eps,
         rope=ours,
         tie_embeddings=model_config.enable_weight_tying,
         max_position_embeddings=rope.max_seq_len,
+        experts=moe and Experts(
+            num_experts=moe.num_experts, top_k=moe.router.top_k,
+            hidden_dim=moe.routed_experts.inner_experts.hidden_dim, route_norm=moe.router.route_norm,
+        ),  # fmt: skip
     )
 
 
@@ -99,8 +108,11 @@ def _read(name: str) -> tuple[dict[str, Architecture], dict[str, str]]:
     for flavor, build in REGISTRIES[name].items():
         config = build(attn_backend="flex")
         layers = config.layers
-        if any(layer.moe is not None for layer in layers):
-            refused[flavor] = "is a mixture-of-experts model: FlashCP trains dense models only"
+        moe = [layer.moe is not None for layer in layers]
+        if any(moe) and not all(moe):
+            refused[flavor] = "mixes dense and mixture-of-experts layers: FlashCP builds one kind for all layers"
+        elif any(layer.moe.shared_experts is not None for layer in layers if layer.moe is not None):
+            refused[flavor] = "has shared experts: FlashCP builds routed experts only (Qwen3-MoE)"
         elif not all(isinstance(layer.attention.qkv_linear, FusedQKVLinear.Config) for layer in layers):
             refused[flavor] = "keeps Q, K and V as separate projections: FlashCP builds them fused only"
         else:

@@ -8,6 +8,14 @@ recipe for both families ("partial_dtensor" backend) without its own CP forward 
 FlashCP's attention op does the CP exchange itself. FSDP shards over dp_shard x cp (TorchTitan's
 "fsdp" mesh), TP splits heads; tied embeddings stay one parameter (TorchTitan's FSDP recipe puts the
 embedding, final norm and output projection in one group).
+
+Qwen3-MoE layers are TorchTitan's (router, token dispatcher, grouped experts computed in the
+weights' dtype: `flashcp.titan.models.experts`). With `expert_parallel_degree` > 1 the experts are
+laid out as in TorchTitan's `parallelize_qwen3`: sharded by expert over the "ep" mesh, which
+borrows its ranks from dp_shard x cp x tp, and FSDP-sharded over the rest ("efsdp"). Tokens are
+routed one by one, so CP needs nothing more of the MoE layer; the auxiliary-loss-free bias update
+is TorchTitan's optimizer pre-step hook, whose expert counts are summed over the "loss" mesh
+(dp_replicate x dp_shard x cp): the global batch, as at CP = 1 (docs/training.md, "Mixture of experts").
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ from functools import partial
 from typing import Any
 
 import torch
+from torchtitan.components.optimizer import register_moe_load_balancing_hook
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
 from torchtitan.models.llama3 import parallelize_llama
@@ -74,38 +83,43 @@ def model_spec(
         model=model,
         parallelize_fn=parallelize,
         pipelining_fn=None,
-        post_optimizer_build_fn=None,
+        # MoE: the aux-loss-free expert bias update (a no-op registration for dense models).
+        post_optimizer_build_fn=register_moe_load_balancing_hook,
         state_dict_adapter=ADAPTERS[arch.name],
     )
 
 
 def parallelize_flashcp(model: torch.nn.Module, *, parallel_dims, training, parallelism, compile_config,
                         ac_config, dump_folder: str) -> torch.nn.Module:  # fmt: skip
-    """TP, activation checkpointing, per-block compile and FSDP over dp_shard x cp.
+    """TP / EP, activation checkpointing, per-block compile and FSDP over dp_shard x cp (experts: efsdp).
 
     The same order as TorchTitan's `parallelize_llama` and `parallelize_qwen3` ("partial_dtensor"
-    backend, dense), minus their context-parallel forward hook: FlashCP's attention exchanges KV
-    itself, and every other layer is token-wise, so CP needs nothing else from the model.
+    backend), minus their context-parallel forward hook: FlashCP's attention exchanges KV itself,
+    and every other layer (MoE included) is token-wise, so CP needs nothing else from the model.
     """
-    if parallel_dims.tp_enabled:
+    if parallel_dims.tp_enabled or parallel_dims.ep_enabled:
         model.parallelize(parallel_dims)
     if ac_config is not None:
         ac_config.build(dump_folder=dump_folder).apply(model)
     if compile_config.enable and "model" in compile_config.components:
         # Per block like TorchTitan's apply_compile, each block one graph: FlashCP's attention is a
-        # registered op the compiler keeps whole (see flashcp.titan.models.attention).
+        # registered op the compiler keeps whole (see flashcp.titan.models.attention). As there, the
+        # MoE dispatch's data-dependent sizes are captured as symbolic scalars.
+        torch._dynamo.config.capture_scalar_outputs = True
         for block in model.layers.values():
             block.compile(backend=compile_config.backend, fullgraph=True)
-    names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
+    replicate = ["dp_replicate"] if parallel_dims.dp_replicate_enabled else []
     apply_fsdp_to_decoder(
         model,
-        parallel_dims.get_mesh(names),
+        parallel_dims.get_mesh([*replicate, "fsdp"]),
         param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param],
         reduce_dtype=TORCH_DTYPE_MAP[training.mixed_precision_reduce],
         pp_enabled=False,
         cpu_offload=training.enable_cpu_offload,
         reshard_after_forward_policy=parallelism.fsdp_reshard_after_forward,
         enable_symm_mem=parallelism.enable_fsdp_symm_mem,
+        ep_degree=parallel_dims.ep,
+        edp_mesh=parallel_dims.get_optional_mesh([*replicate, "efsdp"]) if parallel_dims.ep_enabled else None,
     )
     compat.force_sum_reduction_on_gloo(model)
     return model

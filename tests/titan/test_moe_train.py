@@ -1,0 +1,122 @@
+"""Qwen3-MoE trained with expert parallelism on FlashCP's mesh reproduces the one-rank run.
+
+A tiny custom Qwen3-MoE (4 experts, top-2) trains 20 steps of two windows from one seed checkpoint
+on one rank (CP = 1, EP = 1, two micro steps) and on 4 gloo ranks with FSDP 2 x CP 2 and EP 2: the
+experts split by EP over ranks borrowed from dp_shard x cp, tokens sent to them by TorchTitan's
+all-to-all dispatcher, the same two windows per step (`[data] balance = "mesh"` packs a step's
+documents over DP ranks x micro steps from their lengths alone). The losses must agree to TOLERANCE and
+each layer's aux-loss-free routing bias after the last step exactly: every step moves it by
+coeff x sign(mean - count) of the step's expert token counts, so one count summed over other ranks
+than the global batch's (DP x CP) moves it differently. Full activation checkpointing counts every
+token twice (forward and recompute), which TorchTitan's bias update halves.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from harness import single_rank, tiny_job, tiny_seed_checkpoint, train, train_on_pool_rank
+
+STEPS = 20
+TOLERANCE = 1e-5  # absolute, on losses of ~8 in float32
+MOE = {"name": "qwen3", "num_experts": 4, "num_experts_per_tok": 2, "moe_hidden_dim": 32}
+
+
+def moe_job(dump, checkpoint, **sections):
+    return tiny_job(dump, model=MOE, checkpoint=checkpoint, training={"steps": STEPS, "global_batch_size": 2},
+                    data={"balance": "mesh", "prefetch": 0}, **sections)  # fmt: skip
+
+
+def _pool_run(rank, group, cfg):
+    biases: list[torch.Tensor] = []
+    losses = train_on_pool_rank(rank, group, cfg, expert_biases=biases)
+    return losses, biases
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The seed checkpoint and the one-rank run's losses and final routing biases."""
+    root = tmp_path_factory.mktemp("moe")
+    with single_rank():
+        train(tiny_job(root / "seed", model=MOE, checkpoint={"enable": True, "create_seed_checkpoint": True}),
+              seed_checkpoint=True)  # fmt: skip
+    seed = {"enable": True, "initial_load_path": str(root / "seed/checkpoint/step-0")}
+    biases: list[torch.Tensor] = []
+    with single_rank():
+        losses = train(moe_job(root / "cp1", seed), expert_biases=biases)
+    assert losses[STEPS] < losses[1] - 0.1  # it trains
+    assert any(b.abs().sum() > 0 for b in biases)  # the routing bias moved
+    return seed, losses, biases
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["full AC", "full AC offloaded"])
+def test_ep2_cp2_reproduces_the_one_rank_run(reference, gloo_pool, tmp_path, offload):
+    """With `offload` the MoE blocks' checkpointed inputs wait in host memory: nothing else changes."""
+    seed, losses, biases = reference
+    cfg = moe_job(tmp_path, seed, parallelism={"context_parallel_degree": 2, "expert_parallel_degree": 2,
+                                               "data_parallel_shard_degree": 2},
+                  activation_checkpoint={"mode": "full", "offload": offload})  # fmt: skip
+    runs = gloo_pool(4).run(_pool_run, (cfg,))
+    for rank_losses, rank_biases in runs:
+        worst = max(abs(rank_losses[s] - losses[s]) for s in losses)
+        assert worst <= TOLERANCE, f"losses off by {worst:.2e}"
+        for layer, (ours, ref) in enumerate(zip(rank_biases, biases, strict=True)):
+            assert torch.equal(ours, ref), f"layer {layer}'s routing bias differs: {ours} vs {ref}"
+
+
+def test_ep2_cp2_resumes_bit_exactly(reference, gloo_pool, tmp_path):
+    """The 4-rank job stopped after step 10 and started again: its steps 11-20 are the uninterrupted
+    run's bit for bit (weights, optimizer, routing bias and data cursor all restored), and the
+    routing bias ends where the one-rank run's does."""
+    seed, losses, biases = reference
+
+    def job(name):
+        return moe_job(tmp_path / name, seed | {"interval": 10},
+                       parallelism={"context_parallel_degree": 2, "expert_parallel_degree": 2,
+                                    "data_parallel_shard_degree": 2},
+                       activation_checkpoint={"mode": "full"})  # fmt: skip
+
+    pool = gloo_pool(4)
+    whole = pool.run(_pool_run, (job("whole"),))
+    pool.run(train_on_pool_rank, (job("resumed"), None, None, 10))
+    resumed = pool.run(_pool_run, (job("resumed"),))
+    for (whole_losses, whole_biases), (resumed_losses, resumed_biases) in zip(whole, resumed, strict=True):
+        assert sorted(resumed_losses) == list(range(11, STEPS + 1))
+        assert all(resumed_losses[s] == whole_losses[s] for s in resumed_losses), (resumed_losses, whole_losses)
+        for ours, resumed_bias, ref in zip(whole_biases, resumed_biases, biases, strict=True):
+            assert torch.equal(ours, ref) and torch.equal(resumed_bias, ref)
+
+
+def test_the_balance_costs_a_token_by_its_active_parameters():
+    """The loader's window cost (`FlashCPTrainer._window_cost`) prices a token of Qwen3-MoE's
+    debugmodel_moe by what it runs through: every non-expert matrix and top_k of each layer's
+    experts, counted here from the built model's parameters, not all the experts."""
+    from types import SimpleNamespace
+
+    from torchtitan.distributed.activation_checkpoint import FullAC
+
+    from flashcp.costmodel.proxy import window_cost
+    from flashcp.titan.models.decoders import titan_config
+    from flashcp.titan.models.registry import flavor_architecture
+    from flashcp.titan.trainer import FlashCPTrainer
+
+    seq_len, arch = 4096, flavor_architecture("qwen3", "debugmodel_moe")
+    config = titan_config(arch, "flex", seq_len)
+    with torch.device("meta"):
+        model = config.build()
+    experts = sum(p.numel() for n, p in model.named_parameters() if "routed_experts" in n)
+    embedding = model.tok_embeddings.weight.numel()
+    active = sum(p.numel() for p in model.parameters()) - experts - embedding + \
+        experts * arch.experts.top_k // arch.experts.num_experts  # fmt: skip
+    assert experts > 0 and arch.experts.top_k < arch.experts.num_experts
+    metrics = SimpleNamespace(num_flops_per_token=config.get_nparams_and_flops(model, seq_len)[1])
+    trainer = SimpleNamespace(
+        metrics_processor=metrics, model_config=config, cp_ranks_per_node=1,
+        parallel_dims=SimpleNamespace(tp=1, cp=2),
+        config=SimpleNamespace(training=SimpleNamespace(steps=1, seq_len=seq_len, mixed_precision_param="bfloat16"),
+                               activation_checkpoint=FullAC.Config()),
+    )  # fmt: skip
+    FlashCPTrainer._configure_metrics(trainer)
+    assert metrics.dense_flops_per_token == 6 * active
+    cost = FlashCPTrainer._window_cost(trainer)
+    assert cost == window_cost(6 * active, metrics.attention_flops_per_pair, cp=2, full_ac=True)
