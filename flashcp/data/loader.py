@@ -67,7 +67,11 @@ not counted; inside a balanced step, the step's start and `in_step`, the batches
 handed out). Loading it continues with the next unseen
 window, also under a different dp_world / dp_rank / cp_size; a state whose packing differs
 (source, tokenizer, seq_len, overflow, BOS/EOS, seed, shuffle) raises DataError naming what differs.
-Bad data raises DataError (see `flashcp.data.sources`).
+Bad data raises DataError (see `flashcp.data.sources`). A token store whose bytes changed (or were
+cut short) under the job raises DataChanged at the batch that would have held them; `fault` holds
+it from the moment the producer found it, which may be batches earlier (the trainer then publishes
+no checkpoint). No batch ever holds a changed token: each is read as a copy and checked
+(`flashcp.data.store`).
 """
 
 from __future__ import annotations
@@ -87,7 +91,7 @@ from flashcp import plan_shards
 from flashcp.data.balance import WindowCost
 from flashcp.data.deferral import Deferral
 from flashcp.data.packing import balanced_step, deferred_step, IGNORE_INDEX, Window, WindowPacker
-from flashcp.data.errors import DataError
+from flashcp.data.errors import DataChanged, DataError
 from flashcp.data.mixture import build_data, MixedSource
 from flashcp.data.plan_worker import PlanWorker
 from flashcp.data.sources import DEFAULT_TOKENIZER, DataConfig
@@ -142,6 +146,9 @@ class WindowLoader:
         self._queue: queue.Queue | None = None
         self._stop = threading.Event()
         self._done = False
+        # Data found changed under the job (a token store's checksums), as soon as the producer found
+        # it, although the batches before it are still handed out: no checkpoint may be published then.
+        self.fault: DataChanged | None = None
 
     @property
     def source_name(self) -> str:
@@ -239,6 +246,8 @@ class WindowLoader:
             try:
                 items = self._produce()
             except BaseException as e:  # handed to the consumer, which re-raises it
+                if isinstance(e, DataChanged):
+                    self.fault = e
                 items = [e]
             for item in items or [None]:
                 self._queue.put(item)
@@ -267,7 +276,11 @@ class WindowLoader:
             raise StopIteration
         if self.prefetch == 0:
             if not self._ready:
-                self._ready.extend(self._produce() or [None])
+                try:
+                    self._ready.extend(self._produce() or [None])
+                except DataChanged as e:
+                    self.fault = e
+                    raise
             item = self._ready.popleft()
         else:
             if self._thread is None:
