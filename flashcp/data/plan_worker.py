@@ -17,6 +17,12 @@ of the pipes are processes FlashCP started; nothing else is unpickled. The child
 session and ignores SIGINT, so a Ctrl-C reaches only the ranks, which stop at a step boundary and
 then close the worker. The planner and the dispatcher are pickled by reference: they must be
 importable from `flashcp`'s directory and PYTHONPATH (not from a script's `__main__`).
+
+A worker that fails is a WorkerError naming it, its PID and how: how it ended (its exit code or the
+signal that killed it), stopped (SIGSTOP, a debugger: named within a second) or silent for longer
+than its time-out (`[flashcp] plan_worker_timeout_seconds`, default 60 s, below the 100 s after
+which the rank's peers would fail in a collective naming nothing); a stopped or silent worker is
+killed, so the rank ends at once with that line.
 """
 
 from __future__ import annotations
@@ -25,9 +31,11 @@ import gc
 import io
 import os
 import pickle
+import select
 import signal
 import subprocess
 import sys
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -38,6 +46,8 @@ import torch
 from flashcp.data.balance import gc_paused
 
 _ROOT = str(Path(__file__).resolve().parents[2])  # the directory holding the flashcp package
+TIMEOUT_S = 60.0  # default of [flashcp] plan_worker_timeout_seconds: below gloo's and NCCL's 100 s of the peers
+WATCH_S = 1.0  # how often a worker that has not answered yet is looked at (stopped?)
 
 
 class WorkerError(RuntimeError):
@@ -45,9 +55,11 @@ class WorkerError(RuntimeError):
 
 
 class PlanWorker:
-    """One child process planning windows one at a time."""
+    """One child process planning windows one at a time; `timeout_s`: how long a window's plan may take
+    before the worker counts as hung (its first, which includes the worker's start, too)."""
 
-    def __init__(self) -> None:
+    def __init__(self, timeout_s: float = TIMEOUT_S) -> None:
+        self.timeout_s = timeout_s
         path = os.pathsep.join(filter(None, [_ROOT, os.environ.get("PYTHONPATH")]))
         # Started in flashcp's directory: `-m` puts the working directory first on the path, and
         # another checkout there would answer with other code.
@@ -61,17 +73,42 @@ class PlanWorker:
         return self._proc.pid
 
     def run(self, planner: Callable, dispatcher: Callable | None, doc_lens: Sequence[int]) -> tuple[Any, Any]:
-        """(planner(doc_lens), dispatcher(plan)), computed in the worker; its exception is raised here."""
+        """(planner(doc_lens), dispatcher(plan)), computed in the worker; its exception is raised here.
+
+        WorkerError names the worker, its PID and how it failed: how it ended (its exit code or signal),
+        stopped (SIGSTOP or a debugger: named within WATCH_S) or silent for `timeout_s` (then it is killed)."""
         try:
             _send(self._proc.stdin, pickle.dumps((planner, dispatcher, [int(n) for n in doc_lens])))
-            data, buffers = _receive(self._proc.stdout)
-            ok, value = pickle.loads(data, buffers=buffers)
+            failure = self._await_reply()
+            if failure is None:
+                data, buffers = _receive(self._proc.stdout)
+                ok, value = pickle.loads(data, buffers=buffers)
         except (OSError, EOFError) as e:
-            raise WorkerError(f"the planning worker process (pid {self.pid}) {self._ended()} "
-                              f"({type(e).__name__}: {e})") from None  # fmt: skip
+            failure = f"{self._ended()} ({type(e).__name__}: {e})"
+        if failure is not None:  # raised outside the handler: the rank's reason is the worker's, not the pipe's
+            raise WorkerError(f"the planning worker process (pid {self.pid}) {failure}")
         if not ok:
             raise value
         return value
+
+    def _await_reply(self) -> str | None:
+        """Wait until the worker's reply (or its end) can be read; else why not, the worker killed.
+
+        Between two replies the reader's buffer is empty (one request, one reply), so the pipe's
+        descriptor says whether the next one has begun."""
+        deadline = time.monotonic() + self.timeout_s
+        out = self._proc.stdout.fileno()
+        while not select.select([out], [], [], max(0.0, min(WATCH_S, deadline - time.monotonic())))[0]:
+            if _state(self.pid) in ("T", "t"):
+                failure = "is stopped (SIGSTOP or a debugger) and does not answer"
+            elif time.monotonic() >= deadline:
+                failure = f"did not answer within {self.timeout_s:g} s ([flashcp] plan_worker_timeout_seconds)"
+            else:
+                continue
+            self._proc.kill()  # a stopped process dies of SIGKILL too: the rank does not wait for it to end
+            self._proc.wait()
+            return f"{failure}; it was killed"
+        return None
 
     def _ended(self) -> str:
         """How the worker ended, in words (its pipes close as it exits: give it a moment to be reaped)."""
@@ -82,6 +119,14 @@ class PlanWorker:
         if code < 0:
             return f"exited with code {code} (killed by {signal.Signals(-code).name})"
         return f"exited with code {code}"
+
+
+def _state(pid: int) -> str | None:
+    """The process's state letter in /proc (R, S, T: stopped, ...); None where it cannot be read."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
 
     def close(self) -> None:
         """End the worker (it exits at the end of its input) and wait for it."""

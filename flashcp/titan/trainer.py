@@ -66,6 +66,7 @@ from flashcp.attention import build_two_level_dispatch, group_ranks_per_node, No
 from flashcp.costmodel.proxy import window_cost
 from flashcp.data.balance import WindowCost
 from flashcp.data.errors import DataChanged, DataError
+from flashcp.data.plan_worker import TIMEOUT_S as PLAN_WORKER_TIMEOUT_S
 from flashcp.dispatch import build_dispatch
 from flashcp.titan.models.attention import CPStep, flashcp_ropes
 from flashcp.titan.components.checkpoint import CheckpointError, Checkpointer
@@ -89,6 +90,7 @@ class FlashCPSettings:
     backend: str = "auto"
     overlap: bool = False
     plan_worker: bool = True
+    plan_worker_timeout_seconds: float = PLAN_WORKER_TIMEOUT_S  # a worker silent this long: a WorkerError naming it
     ranks_per_node: int = 0  # comm = "two_level": the CP group's ranks per node; 0: from the launch
 
 
@@ -145,7 +147,8 @@ class FlashCPTrainer(Trainer):
         self._flashcp_ropes = flashcp_ropes(self.model_parts[0])  # RoPEs whose rows each step computes
         if self.flashcp.enable:
             worker = self.flashcp.plan_worker and dims.cp > 1
-            self.dataloader.loader.dispatch_with(self.window_dispatcher(), worker=worker, finish=self.pin_dispatch)
+            self.dataloader.loader.dispatch_with(self.window_dispatcher(), worker=worker, finish=self.pin_dispatch,
+                                                 worker_timeout_s=self.flashcp.plan_worker_timeout_seconds)  # fmt: skip
         if config.validator.enable:
             self.validator.connect(self, flashcp=self.flashcp.enable)
         self.probe = probe_loop.attach(self) if config.probe.enable else None

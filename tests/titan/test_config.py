@@ -173,6 +173,46 @@ def test_bad_files_name_the_key(tmp_path, sections, message):
 
 
 @pytest.mark.parametrize(
+    "sections, message",
+    [
+        ({"parallelism": {"context_parallel_degree": 4}, "flashcp": {"comm": "compact", "ranks_per_node": 2}},
+         "[flashcp] ranks_per_node = 2 has no effect with comm = 'compact': only comm = 'two_level' uses it"),
+        ({"flashcp": {"plan_worker": False, "plan_worker_timeout_seconds": 20.0}},
+         "[flashcp] plan_worker_timeout_seconds = 20.0 has no effect with plan_worker = false: only plan_worker = "
+         "true uses it"),
+        ({"data": {"balance": "mesh", "max_delay_steps": 4}},
+         "[data] max_delay_steps = 4 has no effect with balance = 'mesh': only balance = 'deferral' or "
+         "'deferral-cut' uses it"),
+        ({"data": {"balance": "off", "balance_target": 1.1}},
+         "[data] balance_target = 1.1 has no effect with balance = 'off': only balance = 'deferral' or "
+         "'deferral-cut' or 'mesh-cut' uses it"),
+        ({"data": {"synthetic_lengths": "pile"}},
+         "[data] synthetic_lengths = 'pile' has no effect with no synthetic source: only a \"synthetic\" source uses it"),
+        ({"data": {"hf_split": "test"}},
+         "[data] hf_split = 'test' has no effect with no hub source in [data]: only an \"hf:NAME\" source of [data] "
+         "uses it"),
+    ],
+)
+def test_a_setting_the_chosen_mode_does_not_read_is_refused(tmp_path, sections, message):
+    with pytest.raises(ConfigError) as e:
+        tiny_job(tmp_path, **sections)
+    assert str(e.value) == message + "; remove it or choose that mode"
+
+
+def test_settings_in_their_mode_are_accepted_and_the_worker_time_out_is_below_the_peers(tmp_path):
+    cfg = tiny_job(tmp_path, parallelism={"context_parallel_degree": 4}, data={"source": "synthetic",
+                   "synthetic_lengths": "pile", "balance": "deferral", "max_delay_steps": 4, "balance_target": 1.1},
+                   flashcp={"comm": "two_level", "ranks_per_node": 2, "plan_worker": True,
+                            "plan_worker_timeout_seconds": 20.0})  # fmt: skip
+    assert (cfg["flashcp"]["plan_worker_timeout_seconds"], cfg["data"]["max_delay_steps"]) == (20.0, 4)
+    assert tiny_job(tmp_path, flashcp={"plan_worker": True})["flashcp"]["plan_worker_timeout_seconds"] == 60.0
+    for bad in (0.0, 100.0):
+        with pytest.raises(ConfigError, match=rf"^\[flashcp\] plan_worker_timeout_seconds must be > 0 and below "
+                                              rf"\[comm\] train_timeout_seconds \(100\), got {bad}$"):
+            tiny_job(tmp_path, flashcp={"plan_worker": True, "plan_worker_timeout_seconds": bad})
+
+
+@pytest.mark.parametrize(
     "sections, world, message",
     [
         ({"parallelism": {"data_parallel_shard_degree": 2, "context_parallel_degree": 2}}, 6,

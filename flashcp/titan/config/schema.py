@@ -14,6 +14,7 @@ import typing
 
 from flashcp.attention.kernels import BACKENDS as KERNELS
 from flashcp.attention.two_level import EXCHANGES
+from flashcp.data.plan_worker import TIMEOUT_S as PLAN_WORKER_TIMEOUT_S
 from flashcp.data.sources import DataConfig
 from flashcp.plan import STRATEGIES
 from flashcp.titan.config.converters import CONVERTER_KEYS
@@ -22,6 +23,7 @@ from flashcp.titan.config.model import MODEL_KEYS
 from flashcp.titan.config.titan import class_keys, TITAN_KEYS
 
 BACKENDS = ("auto", *KERNELS)
+RANKS_PER_NODE_COMMS = ("two_level",)  # [flashcp] comm modes whose exchange reads [flashcp] ranks_per_node
 GPU_BACKENDS = tuple(name for name in KERNELS if name != "reference")
 
 
@@ -71,6 +73,9 @@ OWN_SECTIONS: dict[str, dict[str, Key]] = {
         "overlap": Key(bool, False, doc="compute all-local shards while the KV exchange is in flight"),
         "plan_worker": Key(bool, True, doc="with CP > 1, plan and dispatch each window in a child process, "
                            "off the training thread's GIL (flashcp.data.plan_worker)"),
+        "plan_worker_timeout_seconds": Key(float, PLAN_WORKER_TIMEOUT_S, doc="a planning worker that has not "
+                                           "answered for this long stops the run naming it (a stopped one at "
+                                           "once); below [comm] train_timeout_seconds"),
     },
 
     # TorchTitan's `validator` section, named as the job files name it.
