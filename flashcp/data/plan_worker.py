@@ -48,6 +48,7 @@ from flashcp.data.balance import gc_paused
 _ROOT = str(Path(__file__).resolve().parents[2])  # the directory holding the flashcp package
 TIMEOUT_S = 60.0  # default of [flashcp] plan_worker_timeout_seconds: below gloo's and NCCL's 100 s of the peers
 WATCH_S = 1.0  # how often a worker that has not answered yet is looked at (stopped?)
+START_S = 300.0  # the longest a worker's start may take (importing torch on a loaded machine), if longer than the above
 
 
 class WorkerError(RuntimeError):
@@ -59,7 +60,7 @@ class PlanWorker:
     before the worker counts as hung (its first, which includes the worker's start, too)."""
 
     def __init__(self, timeout_s: float = TIMEOUT_S) -> None:
-        self.timeout_s = timeout_s
+        self.timeout_s, self._started = timeout_s, False
         path = os.pathsep.join(filter(None, [_ROOT, os.environ.get("PYTHONPATH")]))
         # Started in flashcp's directory: `-m` puts the working directory first on the path, and
         # another checkout there would answer with other code.
@@ -76,10 +77,18 @@ class PlanWorker:
         """(planner(doc_lens), dispatcher(plan)), computed in the worker; its exception is raised here.
 
         WorkerError names the worker, its PID and how it failed: how it ended (its exit code or signal),
-        stopped (SIGSTOP or a debugger: named within WATCH_S) or silent for `timeout_s` (then it is killed)."""
+        stopped (SIGSTOP or a debugger: named within WATCH_S) or silent for `timeout_s` (then it is
+        killed; its start, up to START_S, is not counted)."""
         try:
-            _send(self._proc.stdin, pickle.dumps((planner, dispatcher, [int(n) for n in doc_lens])))
-            failure = self._await_reply()
+            failure = None
+            if not self._started:  # its start (a Python with torch) is not an answer's time: a message says it is up
+                limit = max(self.timeout_s, START_S)
+                failure = self._await_reply(limit, f"did not start within {limit:g} s")
+                self._started = failure is None and _receive(self._proc.stdout) is not None
+            if failure is None:
+                _send(self._proc.stdin, pickle.dumps((planner, dispatcher, [int(n) for n in doc_lens])))
+                failure = self._await_reply(self.timeout_s, f"did not answer within {self.timeout_s:g} s ([flashcp] "
+                                                            "plan_worker_timeout_seconds)")  # fmt: skip
             if failure is None:
                 data, buffers = _receive(self._proc.stdout)
                 ok, value = pickle.loads(data, buffers=buffers)
@@ -91,18 +100,18 @@ class PlanWorker:
             raise value
         return value
 
-    def _await_reply(self) -> str | None:
-        """Wait until the worker's reply (or its end) can be read; else why not, the worker killed.
+    def _await_reply(self, limit_s: float, silent: str) -> str | None:
+        """Wait until the worker's next message (or its end) can be read; else why not, the worker killed.
 
-        Between two replies the reader's buffer is empty (one request, one reply), so the pipe's
+        Between two messages the reader's buffer is empty (one request, one reply), so the pipe's
         descriptor says whether the next one has begun."""
-        deadline = time.monotonic() + self.timeout_s
+        deadline = time.monotonic() + limit_s
         out = self._proc.stdout.fileno()
         while not select.select([out], [], [], max(0.0, min(WATCH_S, deadline - time.monotonic())))[0]:
             if _state(self.pid) in ("T", "t"):
                 failure = "is stopped (SIGSTOP or a debugger) and does not answer"
             elif time.monotonic() >= deadline:
-                failure = f"did not answer within {self.timeout_s:g} s ([flashcp] plan_worker_timeout_seconds)"
+                failure = silent
             else:
                 continue
             self._proc.kill()  # a stopped process dies of SIGKILL too: the rank does not wait for it to end
@@ -121,13 +130,6 @@ class PlanWorker:
         return f"exited with code {code}"
 
 
-def _state(pid: int) -> str | None:
-    """The process's state letter in /proc (R, S, T: stopped, ...); None where it cannot be read."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None
-
     def close(self) -> None:
         """End the worker (it exits at the end of its input) and wait for it."""
         if self._proc.poll() is None:
@@ -137,7 +139,19 @@ def _state(pid: int) -> str | None:
             except (OSError, subprocess.TimeoutExpired):
                 self._proc.kill()
                 self._proc.wait()
-        self._proc.stdout.close()
+        for pipe in (self._proc.stdin, self._proc.stdout):
+            try:  # a request left unsent to a dead worker fails to flush: nothing to report beyond its end
+                pipe.close()
+            except OSError:
+                pass
+
+
+def _state(pid: int) -> str | None:
+    """The process's state letter in /proc (R, S, T: stopped, ...); None where it cannot be read."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
 
 
 class _ReplyPickler(pickle.Pickler):
@@ -235,6 +249,7 @@ def main() -> None:
     os.dup2(2, 1)  # anything the planner prints goes to stderr, not into the replies
     torch.set_num_threads(1)  # index building on small tensors: threads only add synchronisation
     gc.freeze()  # what the imports made lives as long as the process: collections need not scan it
+    _send(replies, b"")  # up: from here on, every request is answered within the parent's time-out
     _serve(sys.stdin.buffer, replies)
 
 
