@@ -66,6 +66,7 @@ def test_a_killed_worker_is_one_line_naming_it_its_pid_and_the_signal() -> None:
         next(loader)
         pid = loader._worker.pid
         os.kill(pid, signal.SIGKILL)
+        assert wait_gone(pid)  # dead before the next request: its write finds the pipe broken
         with pytest.raises(WorkerError) as raised:
             next(loader)
     message = root_cause(raised.value)
