@@ -20,7 +20,7 @@ importable from `flashcp`'s directory and PYTHONPATH (not from a script's `__mai
 
 A worker that fails is a WorkerError naming it, its PID and how: how it ended (its exit code or the
 signal that killed it), stopped (SIGSTOP, a debugger: named within a second) or silent for longer
-than its time-out (`[flashcp] plan_worker_timeout_seconds`, default 60 s, below the 100 s after
+than its time-out (`[flashcp] plan_worker_timeout_seconds`, by default half of the 100 s after
 which the rank's peers would fail in a collective naming nothing); a stopped or silent worker is
 killed, so the rank ends at once with that line.
 """
@@ -46,7 +46,7 @@ import torch
 from flashcp.data.balance import gc_paused
 
 _ROOT = str(Path(__file__).resolve().parents[2])  # the directory holding the flashcp package
-TIMEOUT_S = 60.0  # default of [flashcp] plan_worker_timeout_seconds: below gloo's and NCCL's 100 s of the peers
+TIMEOUT_S = 50.0  # a library default; the trainer's is [flashcp] plan_worker_timeout_seconds
 WATCH_S = 1.0  # how often a worker that has not answered yet is looked at (stopped?)
 START_S = 300.0  # the longest a worker's start may take (importing torch on a loaded machine), if longer than the above
 

@@ -205,10 +205,13 @@ def test_settings_in_their_mode_are_accepted_and_the_worker_time_out_is_below_th
                    flashcp={"comm": "two_level", "ranks_per_node": 2, "plan_worker": True,
                             "plan_worker_timeout_seconds": 20.0})  # fmt: skip
     assert (cfg["flashcp"]["plan_worker_timeout_seconds"], cfg["data"]["max_delay_steps"]) == (20.0, 4)
-    assert tiny_job(tmp_path, flashcp={"plan_worker": True})["flashcp"]["plan_worker_timeout_seconds"] == 60.0
-    for bad in (0.0, 100.0):
-        with pytest.raises(ConfigError, match=rf"^\[flashcp\] plan_worker_timeout_seconds must be > 0 and below "
-                                              rf"\[comm\] train_timeout_seconds \(100\), got {bad}$"):
+    assert tiny_job(tmp_path, flashcp={"plan_worker": True})["flashcp"]["plan_worker_timeout_seconds"] == 50.0
+    short = tiny_job(tmp_path, flashcp={"plan_worker": True}, comm={"train_timeout_seconds": 5})
+    assert short["flashcp"]["plan_worker_timeout_seconds"] == 2.5
+    for bad in (-1.0, 100.0):
+        with pytest.raises(ConfigError, match=rf"^\[flashcp\] plan_worker_timeout_seconds must be 0 \(half of \[comm\] "
+                                              rf"train_timeout_seconds\) or > 0 and below \[comm\] "
+                                              rf"train_timeout_seconds \(100\), got {bad}$"):
             tiny_job(tmp_path, flashcp={"plan_worker": True, "plan_worker_timeout_seconds": bad})
 
 
@@ -338,5 +341,6 @@ def test_check_cli_refuses_a_deeply_nested_file_with_one_line(tmp_path):
 
 def test_validate_fills_defaults():
     cfg = validate({})
-    assert cfg["flashcp"] == {key: SCHEMA["flashcp"][key].default for key in SCHEMA["flashcp"]}
+    resolved = {"plan_worker_timeout_seconds": cfg["comm"]["train_timeout_seconds"] / 2}  # 0: half of it
+    assert cfg["flashcp"] == {key: SCHEMA["flashcp"][key].default for key in SCHEMA["flashcp"]} | resolved
     assert cfg["training"]["seq_len"] == 2048

@@ -133,12 +133,16 @@ def _check_ranks_per_node(cfg: dict) -> None:
 
 
 def _check_plan_worker(cfg: dict) -> None:
-    """The planning worker's time-out is positive and below the peers' collective time-out, so that a
-    hung worker is named by its own rank before the peers fail in a collective naming nothing."""
-    timeout, train = cfg["flashcp"]["plan_worker_timeout_seconds"], cfg["comm"]["train_timeout_seconds"]
-    if not 0 < timeout < train:
-        raise ConfigError(f"[flashcp] plan_worker_timeout_seconds must be > 0 and below [comm] train_timeout_seconds "
-                          f"({train}), got {timeout}")  # fmt: skip
+    """The planning worker's time-out is below the peers' collective time-out, so that a hung worker
+    is named by its own rank before the peers fail in a collective naming nothing; 0 (the default)
+    resolves to half of it."""
+    fcp, train = cfg["flashcp"], cfg["comm"]["train_timeout_seconds"]
+    timeout = fcp["plan_worker_timeout_seconds"]
+    if timeout == 0:
+        fcp["plan_worker_timeout_seconds"] = train / 2
+    elif not 0 < timeout < train:
+        raise ConfigError(f"[flashcp] plan_worker_timeout_seconds must be 0 (half of [comm] train_timeout_seconds) or "
+                          f"> 0 and below [comm] train_timeout_seconds ({train}), got {timeout}")  # fmt: skip
 
 
 def _quoted(values: tuple[str, ...]) -> str:

@@ -14,7 +14,6 @@ import typing
 
 from flashcp.attention.kernels import BACKENDS as KERNELS
 from flashcp.attention.two_level import EXCHANGES
-from flashcp.data.plan_worker import TIMEOUT_S as PLAN_WORKER_TIMEOUT_S
 from flashcp.data.sources import DataConfig
 from flashcp.plan import STRATEGIES
 from flashcp.titan.config.converters import CONVERTER_KEYS
@@ -73,9 +72,9 @@ OWN_SECTIONS: dict[str, dict[str, Key]] = {
         "overlap": Key(bool, False, doc="compute all-local shards while the KV exchange is in flight"),
         "plan_worker": Key(bool, True, doc="with CP > 1, plan and dispatch each window in a child process, "
                            "off the training thread's GIL (flashcp.data.plan_worker)"),
-        "plan_worker_timeout_seconds": Key(float, PLAN_WORKER_TIMEOUT_S, doc="a planning worker that has not "
-                                           "answered for this long stops the run naming it (a stopped one at "
-                                           "once); below [comm] train_timeout_seconds"),
+        "plan_worker_timeout_seconds": Key(float, 0.0, doc="a planning worker that has not answered for this "
+                                           "long stops the run naming it (a stopped one at once); below [comm] "
+                                           "train_timeout_seconds; 0: half of that"),
     },
 
     # TorchTitan's `validator` section, named as the job files name it.
