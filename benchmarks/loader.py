@@ -78,11 +78,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step-ms", type=float, default=50.0, help="the training step simulated between next() calls")
     parser.add_argument("--balance", choices=("off", *TARGETS), default="off")
     parser.add_argument("--no-verify", action="store_true",
-                        help="read a token store without its chunk checksums (to measure what they cost)")
+                        help="read a token store through its memory map, unchecked (to measure what the checks cost)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # as the launcher does: 2 threads on a loaded machine slowed a dispatch 10-30x
-    if args.no_verify:  # the training path reads through TokenStore.read, which checks each chunk once
+    if args.no_verify:  # the training path reads through TokenStore.read: a copy, its 4 KiB blocks checked
         TokenStore.read = TokenStore.document
     if min(args.dp, args.context, args.cp, args.windows) < 1 or args.context % args.cp or args.step_ms < 0:
         parser.error("--dp, --context, --cp, --windows must be >= 1, --context divisible by --cp, --step-ms >= 0")

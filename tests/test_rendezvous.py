@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -185,9 +186,74 @@ def test_node_0_whose_port_is_taken_is_told_to_choose_another_port(tmp_path, mon
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", port + 1))
         taken.listen(1)
-        with pytest.raises(rendezvous.JobMismatch, match=f"^port {port + 1} on 127.0.0.1 cannot be used: .*; "
-                                                         "choose another MASTER_PORT$"):  # fmt: skip
+        with pytest.raises(rendezvous.JobMismatch, match=f"^port {port + 1} on 127.0.0.1 cannot be used: .* \\(another "
+                                                         "program listens there\\): .*choose another MASTER_PORT$"):
             rendezvous.meet(rendezvous.JobCard("job", {}, "code"), str(tmp_path), 2, 0, 30, lambda: lambda: None)
+
+
+def test_a_second_node_0_of_a_running_job_is_named_as_such_not_sent_to_another_port(job):
+    shared, card, port = job
+    with pytest.raises(rendezvous.JobMismatch) as refused:
+        rendezvous.meet(card, str(shared), 3, 0, 30, lambda: lambda: None)
+    assert str(refused.value) == (
+        f"node 0 of job job is already running: its launcher holds the meeting at 127.0.0.1:{port} and the dump "
+        f"folder {shared}; a second node 0 is refused (another node takes NODE_RANK 1..NNODES-1; to restart node 0, "
+        "stop the running one first)")
+    assert (shared / rendezvous.TOKEN_NAME).is_file()  # the running node 0's secret is left alone
+
+
+def test_node_0_of_another_job_on_the_port_is_named(job, tmp_path):
+    other = rendezvous.JobCard("other", {"job.dump_folder": str(tmp_path / "other")}, "code")
+    with pytest.raises(rendezvous.JobMismatch, match=rf"^the meeting port 127.0.0.1:{job[2]} \(the rendezvous port "
+                                                     rf"\+ 1\) is held by the coordinator of another job, job \(dump "
+                                                     rf"folder {job[0]}\): choose another MASTER_PORT for this job$"):
+        rendezvous.meet(other, str(tmp_path / "other"), 3, 0, 30, lambda: lambda: None)
+
+
+def test_node_0_whose_master_addr_is_not_an_address_of_its_host_is_told_so(tmp_path, monkeypatch):
+    monkeypatch.delenv("RDZV_ENDPOINT", raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "192.0.2.1")  # TEST-NET-1: documentation only, no host's address
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    with pytest.raises(rendezvous.JobMismatch) as refused:
+        rendezvous.meet(rendezvous.JobCard("job", {}, "code"), str(tmp_path), 2, 0, 30, lambda: lambda: None)
+    assert str(refused.value) == (
+        "the rendezvous host 192.0.2.1 (192.0.2.1) is not an address of this host, so this node cannot be node 0: "
+        "start node 0 on that host, or set MASTER_ADDR / RDZV_ENDPOINT to an address of this node that the other "
+        "nodes reach")
+
+
+def test_the_node_token_is_readable_by_its_owner_only_and_removed_when_the_job_ends(tmp_path, monkeypatch):
+    monkeypatch.delenv("RDZV_ENDPOINT", raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    shared = tmp_path / "shared"
+    card = rendezvous.JobCard("job", {"job.dump_folder": str(shared)}, "code")
+    coordinator = rendezvous.meet(card, str(shared), 3, 0, 30, lambda: lambda: None)
+    token = shared / rendezvous.TOKEN_NAME
+    try:
+        assert token.stat().st_mode & 0o777 == 0o600
+        token.chmod(0o644)
+        with pytest.raises(rendezvous.JobMismatch) as refused:
+            join(card, shared)
+        assert str(refused.value) == (
+            f"the node token {token} is mode 0644, not 0600: others may have read the job's secret and could sign a "
+            "job card; this node refuses to join (restart node 0, which writes a fresh one readable by its owner only)")
+        token.chmod(0o600)
+        join(card, shared).close()
+    finally:
+        coordinator.close()
+    assert not token.exists()
+    assert sorted(p.name for p in shared.iterdir()) == []
+
+
+def test_a_file_system_that_shows_the_token_readable_by_others_is_refused(tmp_path, monkeypatch):
+    real = rendezvous.os.fstat
+    monkeypatch.setattr(rendezvous.os, "fstat", lambda fd: os.stat_result((real(fd).st_mode | 0o777, *real(fd)[1:])))
+    with pytest.raises(rendezvous.JobMismatch, match=rf"^the dump folder's file system shows the node token "
+                                                     rf"{tmp_path}/.flashcp-node-token as mode 0777 although it was "
+                                                     "written 0600: it does not keep permissions"):  # fmt: skip
+        rendezvous._write_token(tmp_path, "secret")
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("nnodes, node_rank", [(1, "0"), (2, "0"), (2, "1")])

@@ -67,7 +67,11 @@ not counted; inside a balanced step, the step's start and `in_step`, the batches
 handed out). Loading it continues with the next unseen
 window, also under a different dp_world / dp_rank / cp_size; a state whose packing differs
 (source, tokenizer, seq_len, overflow, BOS/EOS, seed, shuffle) raises DataError naming what differs.
-Bad data raises DataError (see `flashcp.data.sources`).
+Bad data raises DataError (see `flashcp.data.sources`). A token store whose bytes changed (or were
+cut short) under the job raises DataChanged at the batch that would have held them; `fault` holds
+it from the moment the producer found it, which may be batches earlier (the trainer then publishes
+no checkpoint). No batch ever holds a changed token: each is read as a copy and checked
+(`flashcp.data.store`).
 """
 
 from __future__ import annotations
@@ -87,9 +91,9 @@ from flashcp import plan_shards
 from flashcp.data.balance import WindowCost
 from flashcp.data.deferral import Deferral
 from flashcp.data.packing import balanced_step, deferred_step, IGNORE_INDEX, Window, WindowPacker
-from flashcp.data.errors import DataError
+from flashcp.data.errors import DataChanged, DataError
 from flashcp.data.mixture import build_data, MixedSource
-from flashcp.data.plan_worker import PlanWorker
+from flashcp.data.plan_worker import PlanWorker, TIMEOUT_S as WORKER_TIMEOUT_S
 from flashcp.data.sources import DEFAULT_TOKENIZER, DataConfig
 from flashcp.data.store import file_fingerprint
 from flashcp.data.tokenizer import Tokenizer, load_tokenizer
@@ -129,7 +133,7 @@ class WindowLoader:
         self._packer, self._planner = packer, planner
         self._dispatcher: Callable[[Any], Any] | None = None
         self._finish: Callable[[Any], Any] | None = None  # applied to each dispatch in the producer's thread
-        self._use_worker = False
+        self._use_worker, self._worker_timeout_s = False, WORKER_TIMEOUT_S
         self._worker: PlanWorker | None = None  # started on first use, stopped by close()
         self._balance: StepBalance | None = None
         self._fingerprint = dict(fingerprint)
@@ -142,6 +146,9 @@ class WindowLoader:
         self._queue: queue.Queue | None = None
         self._stop = threading.Event()
         self._done = False
+        # Data found changed under the job (a token store's checksums), as soon as the producer found
+        # it, although the batches before it are still handed out: no checkpoint may be published then.
+        self.fault: DataChanged | None = None
 
     @property
     def source_name(self) -> str:
@@ -207,7 +214,7 @@ class WindowLoader:
         """A window as a batch, planned (and dispatched for this rank)."""
         t1 = time.perf_counter()
         if self._use_worker:
-            self._worker = self._worker or PlanWorker()
+            self._worker = self._worker or PlanWorker(self._worker_timeout_s)
             plan, dispatch = self._worker.run(self._planner, self._dispatcher, window.doc_lens)
         else:
             plan = self._planner(window.doc_lens)
@@ -239,6 +246,8 @@ class WindowLoader:
             try:
                 items = self._produce()
             except BaseException as e:  # handed to the consumer, which re-raises it
+                if isinstance(e, DataChanged):
+                    self.fault = e
                 items = [e]
             for item in items or [None]:
                 self._queue.put(item)
@@ -267,7 +276,11 @@ class WindowLoader:
             raise StopIteration
         if self.prefetch == 0:
             if not self._ready:
-                self._ready.extend(self._produce() or [None])
+                try:
+                    self._ready.extend(self._produce() or [None])
+                except DataChanged as e:
+                    self.fault = e
+                    raise
             item = self._ready.popleft()
         else:
             if self._thread is None:
@@ -293,14 +306,17 @@ class WindowLoader:
         return batch
 
     def dispatch_with(self, dispatcher: Callable[[Any], Any] | None, worker: bool = False,
-                      finish: Callable[[Any], Any] | None = None) -> None:  # fmt: skip
+                      finish: Callable[[Any], Any] | None = None,
+                      worker_timeout_s: float = WORKER_TIMEOUT_S) -> None:  # fmt: skip
         """Build each window's dispatch with `dispatcher(plan)` in the producer (before iterating).
 
         With `worker`, planning and the dispatch run in a worker process (`flashcp.data.plan_worker`:
-        the planner and `dispatcher` must then be picklable), off the GIL of the training thread.
-        `finish(dispatch)` (e.g. pinning its memory) runs in the producer's thread either way."""
+        the planner and `dispatcher` must then be picklable), off the GIL of the training thread; a
+        worker silent for `worker_timeout_s` is a WorkerError. `finish(dispatch)` (e.g. pinning its
+        memory) runs in the producer's thread either way."""
         self._stop_producer()
         self._dispatcher, self._use_worker, self._finish = dispatcher, worker, finish
+        self._worker_timeout_s = worker_timeout_s
 
     def balance_with(self, micro: int, cost: WindowCost, cut_target: float | None = None,
                      max_delay: int | None = None, target: float = 1.05) -> None:  # fmt: skip

@@ -17,6 +17,12 @@ of the pipes are processes FlashCP started; nothing else is unpickled. The child
 session and ignores SIGINT, so a Ctrl-C reaches only the ranks, which stop at a step boundary and
 then close the worker. The planner and the dispatcher are pickled by reference: they must be
 importable from `flashcp`'s directory and PYTHONPATH (not from a script's `__main__`).
+
+A worker that fails is a WorkerError naming it, its PID and how: how it ended (its exit code or the
+signal that killed it), stopped (SIGSTOP, a debugger: named within a second) or silent for longer
+than its time-out (`[flashcp] plan_worker_timeout_seconds`, by default half of the 100 s after
+which the rank's peers would fail in a collective naming nothing); a stopped or silent worker is
+killed, so the rank ends at once with that line.
 """
 
 from __future__ import annotations
@@ -26,9 +32,11 @@ import gc
 import io
 import os
 import pickle
+import select
 import signal
 import subprocess
 import sys
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -39,6 +47,9 @@ import torch
 from flashcp.data.balance import gc_paused
 
 _ROOT = str(Path(__file__).resolve().parents[2])  # the directory holding the flashcp package
+TIMEOUT_S = 50.0  # a library default; the trainer's is [flashcp] plan_worker_timeout_seconds
+WATCH_S = 1.0  # how often a worker that has not answered yet is looked at (stopped?)
+START_S = 300.0  # the longest a worker's start may take (importing torch on a loaded machine), if longer than the above
 
 
 class WorkerError(RuntimeError):
@@ -46,9 +57,11 @@ class WorkerError(RuntimeError):
 
 
 class PlanWorker:
-    """One child process planning windows one at a time."""
+    """One child process planning windows one at a time; `timeout_s`: how long a window's plan may take
+    before the worker counts as hung (its first, which includes the worker's start, too)."""
 
-    def __init__(self) -> None:
+    def __init__(self, timeout_s: float = TIMEOUT_S) -> None:
+        self.timeout_s, self._started = timeout_s, False
         path = os.pathsep.join(filter(None, [_ROOT, os.environ.get("PYTHONPATH")]))
         # Started in flashcp's directory: `-m` puts the working directory first on the path, and
         # another checkout there would answer with other code.
@@ -62,17 +75,50 @@ class PlanWorker:
         return self._proc.pid
 
     def run(self, planner: Callable, dispatcher: Callable | None, doc_lens: Sequence[int]) -> tuple[Any, Any]:
-        """(planner(doc_lens), dispatcher(plan)), computed in the worker; its exception is raised here."""
+        """(planner(doc_lens), dispatcher(plan)), computed in the worker; its exception is raised here.
+
+        WorkerError names the worker, its PID and how it failed: how it ended (its exit code or signal),
+        stopped (SIGSTOP or a debugger: named within WATCH_S) or silent for `timeout_s` (then it is
+        killed; its start, up to START_S, is not counted)."""
         try:
-            _send(self._proc.stdin, pickle.dumps((planner, dispatcher, [int(n) for n in doc_lens])))
-            data, buffers = _receive(self._proc.stdout)
-            ok, value = pickle.loads(data, buffers=buffers)
+            failure = None
+            if not self._started:  # its start (a Python with torch) is not an answer's time: a message says it is up
+                limit = max(self.timeout_s, START_S)
+                failure = self._await_reply(limit, f"did not start within {limit:g} s")
+                self._started = failure is None and _receive(self._proc.stdout) is not None
+            if failure is None:
+                _send(self._proc.stdin, pickle.dumps((planner, dispatcher, [int(n) for n in doc_lens])))
+                failure = self._await_reply(self.timeout_s, f"did not answer within {self.timeout_s:g} s ([flashcp] "
+                                                            "plan_worker_timeout_seconds)")  # fmt: skip
+            if failure is None:
+                data, buffers = _receive(self._proc.stdout)
+                ok, value = pickle.loads(data, buffers=buffers)
         except (OSError, EOFError) as e:
-            raise WorkerError(f"the planning worker process (pid {self.pid}) {self._ended()} "
-                              f"({type(e).__name__}: {e})") from None  # fmt: skip
+            failure = f"{self._ended()} ({type(e).__name__}: {e})"
+        if failure is not None:  # raised outside the handler: the rank's reason is the worker's, not the pipe's
+            raise WorkerError(f"the planning worker process (pid {self.pid}) {failure}")
         if not ok:
             raise value
         return value
+
+    def _await_reply(self, limit_s: float, silent: str) -> str | None:
+        """Wait until the worker's next message (or its end) can be read; else why not, the worker killed.
+
+        Between two messages the reader's buffer is empty (one request, one reply), so the pipe's
+        descriptor says whether the next one has begun."""
+        deadline = time.monotonic() + limit_s
+        out = self._proc.stdout.fileno()
+        while not select.select([out], [], [], max(0.0, min(WATCH_S, deadline - time.monotonic())))[0]:
+            if _state(self.pid) in ("T", "t"):
+                failure = "is stopped (SIGSTOP or a debugger) and does not answer"
+            elif time.monotonic() >= deadline:
+                failure = silent
+            else:
+                continue
+            self._proc.kill()  # a stopped process dies of SIGKILL too: the rank does not wait for it to end
+            self._proc.wait()
+            return f"{failure}; it was killed"
+        return None
 
     def _ended(self) -> str:
         """How the worker ended, in words (its pipes close as it exits: give it a moment to be reaped)."""
@@ -84,6 +130,7 @@ class PlanWorker:
             return f"exited with code {code} (killed by {signal.Signals(-code).name})"
         return f"exited with code {code}"
 
+
     def close(self) -> None:
         """End the worker (it exits at the end of its input) and wait for it."""
         if self._proc.poll() is None:
@@ -93,7 +140,19 @@ class PlanWorker:
             except (OSError, subprocess.TimeoutExpired):
                 self._proc.kill()
                 self._proc.wait()
-        self._proc.stdout.close()
+        for pipe in (self._proc.stdin, self._proc.stdout):
+            try:  # a request left unsent to a dead worker fails to flush: nothing to report beyond its end
+                pipe.close()
+            except OSError:
+                pass
+
+
+def _state(pid: int) -> str | None:
+    """The process's state letter in /proc (R, S, T: stopped, ...); None where it cannot be read."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
 
 
 class _ReplyPickler(pickle.Pickler):
@@ -194,6 +253,7 @@ def main(argv: list[str] | None = None) -> None:
     os.dup2(2, 1)  # anything the planner prints goes to stderr, not into the replies
     torch.set_num_threads(1)  # index building on small tensors: threads only add synchronisation
     gc.freeze()  # what the imports made lives as long as the process: collections need not scan it
+    _send(replies, b"")  # up: from here on, every request is answered within the parent's time-out
     _serve(sys.stdin.buffer, replies)
 
 

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import numpy as np
 
-from flashcp.data.store import file_fingerprint, open_store, StoreError, TokenStore
-from flashcp.data.errors import DataError
+from flashcp.data.store import file_fingerprint, open_store, StoreChanged, StoreError, TokenStore
+from flashcp.data.errors import DataChanged, DataError
 
 
 class StoreDoc:
-    """One stored document framed by BOS / EOS, whose tokens are read (and their chunks verified,
+    """One stored document framed by BOS / EOS, whose tokens are read (a checked copy,
     `TokenStore.read`) at the first slice."""
 
     __slots__ = ("_store", "_index", "_bos", "_eos", "_tokens")
@@ -36,6 +36,8 @@ class StoreDoc:
             parts = [[self._bos]] if self._bos is not None else []
             try:
                 parts.append(self._store.read(self._index))
+            except StoreChanged as e:
+                raise DataChanged(str(e)) from e
             except StoreError as e:
                 raise DataError(str(e)) from e
             if self._eos is not None:

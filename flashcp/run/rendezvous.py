@@ -17,13 +17,20 @@ meet first, on a small store of their own at the rendezvous port + 1 (`meet`):
   launcher holds. A node claims its slot last, so a refused node holds none, frees it when its
   launcher ends, and beats while it runs, so the slot of a SIGKILLed launcher is taken over;
 - a node waiting for its coordinator stops on Ctrl-C / SIGTERM within seconds, and gives up after
-  `comm.init_timeout_seconds` naming the address it waited for.
+  `comm.init_timeout_seconds` naming the address it waited for;
+- a node 0 that cannot serve says why: the address is not one of its host's, the job's node 0 is
+  already running (its card signed with the secret in this dump folder), another job's
+  coordinator holds the port, or another program does (only the last two ask for another port);
+- the secret is written readable by its owner only (a file system that shows it readable by others
+  is refused), a node refuses to join with a secret others may have read, and the coordinator
+  removes it from the dump folder when its launcher ends.
 
 The store listens on the rendezvous host's own address only (`listen`), not on every interface.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import ipaddress
@@ -54,6 +61,10 @@ class JobMismatch(RuntimeError):
 class BadAddress(JobMismatch):
     """The rendezvous host is not an address of this node that the other nodes reach; the message
     names the fix (another port would not help)."""
+
+
+class PortTaken(JobMismatch):
+    """Something on this host already listens on the port (`holder` says what)."""
 
 
 @dataclass(frozen=True)
@@ -150,7 +161,12 @@ def listen(host: str, port: int) -> socket.socket:
         except OSError as e:
             sock.close()
             error = e
-    raise JobMismatch(f"port {port} on {host} cannot be used: {error.strerror or error}")
+    if error.errno == errno.EADDRNOTAVAIL:
+        raise BadAddress(f"the rendezvous host {host} ({infos[0][4][0]}) is not an address of this host, so this "
+                         "node cannot be node 0: start node 0 on that host, or set MASTER_ADDR / RDZV_ENDPOINT to an "
+                         "address of this node that the other nodes reach") from None  # fmt: skip
+    kind = PortTaken if error.errno == errno.EADDRINUSE else JobMismatch
+    raise kind(f"port {port} on {host} cannot be used: {error.strerror or error}")
 
 
 def serve(host: str, port: int, timeout_s: float, multi_tenant: bool = False) -> Any:
@@ -200,6 +216,11 @@ def meet(card: JobCard, dump_folder: str, nnodes: int, node_rank: int | None, ti
         except BadAddress:
             if node_rank == 0:  # its line names the fix: the address, not the port
                 raise
+        except PortTaken as e:
+            if node_rank == 0:
+                raise JobMismatch(_port_holder(card, Path(dump_folder), host, port) or
+                                  f"{e} (another program listens there): the job's launchers meet on the rendezvous "
+                                  "port + 1; choose another MASTER_PORT") from None  # fmt: skip
         except (JobMismatch, RuntimeError) as e:
             if node_rank == 0:
                 raise JobMismatch(f"{e}: the job's launchers meet on the rendezvous port + 1; "
@@ -219,20 +240,73 @@ def meet(card: JobCard, dump_folder: str, nnodes: int, node_rank: int | None, ti
     raise JobMismatch(f"job {card.run_id} already has all its NNODES={nnodes} nodes")
 
 
-def _coordinate(store: Any, card: JobCard, folder: Path, take_lock: Callable[[], Callable[[], None]]) -> Meeting:
-    """Hold the lock, write a fresh secret into the dump folder, publish the card signed with it."""
-    release = take_lock()
+def _port_holder(mine: JobCard, folder: Path, host: str, port: int) -> str | None:
+    """Who holds the meeting port on this host, in words, when it is a FlashCP coordinator: this job's
+    node 0 (its card signed with the secret in this node's dump folder) or another job's; else None."""
+    store = _client_or_none(host, port)
+    if store is None:
+        return None
     try:
-        token = secrets.token_hex(32)
+        published, token_id = store.get("flashcp/card"), store.get("flashcp/token").decode()
+        theirs = json.loads(published)
+        run, dump = theirs["run_id"], theirs["settings"].get("job.dump_folder")
+    except (RuntimeError, OSError, TimeoutError, ValueError, TypeError, KeyError, AttributeError):
+        return None
+    if run != mine.run_id:
+        return (f"the meeting port {host}:{port} (the rendezvous port + 1) is held by the coordinator of another job, "
+                f"{run} (dump folder {dump}): choose another MASTER_PORT for this job")  # fmt: skip
+    token = _read_token(folder, check_mode=False)
+    signed = token is not None and _token_id(token) == token_id and hmac.compare_digest(
+        _sign(token, published, token_id), store.get("flashcp/signature").decode())  # fmt: skip
+    if not signed:
+        return None
+    return (f"node 0 of job {run} is already running: its launcher holds the meeting at {host}:{port} and the dump "
+            f"folder {folder}; a second node 0 is refused (another node takes NODE_RANK 1..NNODES-1; to restart "
+            "node 0, stop the running one first)")  # fmt: skip
+
+
+def _client_or_none(host: str, port: int) -> Any:
+    """A client of the TCPStore at host:port, or None when none answers within 2 x CONNECT_TRY_S: torch's
+    client waits forever on a listener that accepts and never speaks its protocol, so it is made in a
+    daemon thread that is left behind in that case."""
+    from torch.distributed import TCPStore
+
+    made: list[Any] = []
+
+    def connect() -> None:
+        try:
+            made.append(TCPStore(host, port, is_master=False, timeout=timedelta(seconds=CONNECT_TRY_S)))
+        except (RuntimeError, OSError, TimeoutError):
+            pass
+
+    thread = threading.Thread(target=connect, daemon=True, name="flashcp-port-holder")
+    thread.start()
+    thread.join(2 * CONNECT_TRY_S)
+    return made[0] if made else None
+
+
+def _coordinate(store: Any, card: JobCard, folder: Path, take_lock: Callable[[], Callable[[], None]]) -> Meeting:
+    """Hold the lock, write a fresh secret into the dump folder, publish the card signed with it; the
+    meeting's release removes the secret, then the lock."""
+    release = take_lock()
+    token = secrets.token_hex(32)
+
+    def end() -> None:
+        try:
+            _remove_token(folder, token)
+        finally:
+            release()
+
+    try:
         _write_token(folder, token)
         published, token_id = json.dumps(asdict(card)).encode(), _token_id(token)
         store.set("flashcp/token", token_id)
         store.set("flashcp/signature", _sign(token, published, token_id))
         store.set("flashcp/card", published)  # last: a node that sees the card sees the rest
     except BaseException:
-        release()
+        end()
         raise
-    return Meeting(store, release)
+    return Meeting(store, end)
 
 
 def _token_id(token: str) -> str:
@@ -392,16 +466,39 @@ def _connect(host: str, port: int, timeout_s: float) -> Any:
 
 
 def _write_token(folder: Path, token: str) -> None:
+    """The secret, readable by its owner only; JobMismatch where the file system shows it readable by
+    others (one that does not keep permissions would hand the secret to anyone who can read the folder)."""
     folder.mkdir(parents=True, exist_ok=True)
     partial = folder / f"{TOKEN_NAME}.partial"
     partial.unlink(missing_ok=True)
     with os.fdopen(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:  # a secret
         f.write(token)
+        mode = os.fstat(f.fileno()).st_mode & 0o777
+    if mode & 0o077:
+        partial.unlink(missing_ok=True)
+        raise JobMismatch(f"the dump folder's file system shows the node token {folder / TOKEN_NAME} as mode "
+                          f"{mode:04o} although it was written 0600: it does not keep permissions, so others could "
+                          "read the job's secret; use a dump folder on a file system that keeps them")  # fmt: skip
     os.replace(partial, folder / TOKEN_NAME)
 
 
-def _read_token(folder: Path) -> str | None:
+def _read_token(folder: Path, check_mode: bool = True) -> str | None:
+    """The secret in the dump folder (None: no token); JobMismatch when others may have read it."""
+    path = folder / TOKEN_NAME
     try:
-        return (folder / TOKEN_NAME).read_text().strip()
+        with open(path) as f:
+            mode = os.fstat(f.fileno()).st_mode & 0o777
+            token = f.read().strip()
     except OSError:
         return None
+    if check_mode and mode & 0o077:
+        raise JobMismatch(f"the node token {path} is mode {mode:04o}, not 0600: others may have read the job's "
+                          "secret and could sign a job card; this node refuses to join (restart node 0, which writes "
+                          "a fresh one readable by its owner only)")  # fmt: skip
+    return token
+
+
+def _remove_token(folder: Path, token: str) -> None:
+    """Remove the secret when the job ends, unless the file holds another one by now."""
+    if _read_token(folder, check_mode=False) == token:
+        (folder / TOKEN_NAME).unlink(missing_ok=True)

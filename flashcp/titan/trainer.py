@@ -68,7 +68,8 @@ from flashcp.attention import build_two_level_dispatch, group_ranks_per_node, No
 from flashcp.attention.ring import build_ring_dispatch
 from flashcp.costmodel.proxy import window_cost
 from flashcp.data.balance import WindowCost
-from flashcp.data.errors import DataError
+from flashcp.data.errors import DataChanged, DataError
+from flashcp.data.plan_worker import TIMEOUT_S as PLAN_WORKER_TIMEOUT_S
 from flashcp.dispatch import build_dispatch
 from flashcp.titan.models.attention import CPStep, flashcp_ropes
 from flashcp.titan.components.checkpoint import CheckpointError, Checkpointer
@@ -92,6 +93,7 @@ class FlashCPSettings:
     backend: str = "auto"
     overlap: bool = False
     plan_worker: bool = True
+    plan_worker_timeout_seconds: float = PLAN_WORKER_TIMEOUT_S  # a worker silent this long: a WorkerError naming it
     ranks_per_node: int = 0  # comm = "two_level": the CP group's ranks per node; 0: from the launch
 
 
@@ -148,7 +150,8 @@ class FlashCPTrainer(Trainer):
         self._flashcp_ropes = flashcp_ropes(self.model_parts[0])  # RoPEs whose rows each step computes
         if self.flashcp.enable:
             worker = self.flashcp.plan_worker and dims.cp > 1
-            self.dataloader.loader.dispatch_with(self.window_dispatcher(), worker=worker, finish=self.pin_dispatch)
+            self.dataloader.loader.dispatch_with(self.window_dispatcher(), worker=worker, finish=self.pin_dispatch,
+                                                 worker_timeout_s=self.flashcp.plan_worker_timeout_seconds)  # fmt: skip
         if config.validator.enable:
             self.validator.connect(self, flashcp=self.flashcp.enable)
         self.probe = probe_loop.attach(self) if config.probe.enable else None
@@ -158,7 +161,7 @@ class FlashCPTrainer(Trainer):
             self.dataloader.loader.balance_with(self.gradient_accumulation_steps, self._window_cost(), **balance)
         self.stop_request.connect()
         self.checkpointer.on_restore = self._after_restore
-        self.checkpointer.loss_problem = self._loss_problem
+        self.checkpointer.save_problem = self._save_problem
         self._load_schedule = self.lr_schedulers.load_state_dict
         self.lr_schedulers.load_state_dict = self._load_schedule_before_the_end
 
@@ -387,13 +390,23 @@ class FlashCPTrainer(Trainer):
         self._losses_finite = finite if self._losses_finite is None else self._losses_finite & finite
         return loss
 
-    def _loss_problem(self) -> str | None:
-        """Why this state must not be saved, the same verdict on every rank (a collective: all ranks save)."""
+    def _save_problem(self) -> Exception | None:
+        """Why this state must not be saved, the same verdict on every rank (a collective: all ranks save):
+        a loss that was not finite since the last save, or data that any rank's loader found changed."""
         flag = self._losses_finite
         finite = torch.ones((), device=self.device) if flag is None else flag.to(self.device, torch.float32)
-        torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
+        fault = self.dataloader.loader.fault
+        sound = torch.stack([finite.reshape(()), torch.tensor(float(fault is None), device=self.device)])
+        torch.distributed.all_reduce(sound, op=torch.distributed.ReduceOp.MIN)
         self._losses_finite = None
-        return None if finite.item() else f"the loss was not finite (inf or NaN) at some step up to {self.step}"
+        finite_everywhere, data_unchanged = sound.tolist()
+        if not data_unchanged:
+            faults: list[str | None] = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(faults, None if fault is None else str(fault))
+            return DataChanged(next(f for f in faults if f is not None))
+        if not finite_everywhere:
+            return CheckpointError(f"the loss was not finite (inf or NaN) at some step up to {self.step}")
+        return None
 
     def _window_inputs(self, batch: dict[str, Any]) -> tuple[dict[str, Any], torch.Tensor]:
         self.metrics_processor.record_window(batch["plan"], batch["plan_ms"], batch.get("deferral"),

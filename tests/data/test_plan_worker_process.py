@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -55,15 +56,79 @@ def test_close_ends_the_worker_and_iteration_continues_with_a_new_one(prefetch: 
     assert second["window"] == first["window"] + 1
 
 
-def test_a_killed_worker_is_one_line_naming_its_exit() -> None:
+def test_a_killed_worker_is_one_line_naming_it_its_pid_and_the_signal() -> None:
+    """The rank's reason (what the launcher prints last, `root_cause`) is the worker's death, not the
+    broken pipe it was found by."""
+    from flashcp.run.publish import root_cause
+
     loader = worker_loader(0)
     with loader:
         next(loader)
-        os.kill(loader._worker.pid, signal.SIGKILL)
+        pid = loader._worker.pid
+        os.kill(pid, signal.SIGKILL)
+        assert wait_gone(pid)  # dead before the next request: its write finds the pipe broken
         with pytest.raises(WorkerError) as raised:
             next(loader)
-    message = str(raised.value)
-    assert "\n" not in message and "planning worker process" in message and "exited with code -9" in message
+    message = root_cause(raised.value)
+    assert "\n" not in message
+    assert message.startswith(f"WorkerError: the planning worker process (pid {pid}) exited with code -9 (killed by "
+                              "SIGKILL)")  # fmt: skip
+
+
+def next_or_hang(loader, limit: float = 120.0):
+    """next(loader) in a thread, the exception it raised; a hang (no answer within `limit`, far more
+    than the worker's time-out) fails the test and kills the worker, which ends the thread's wait."""
+    outcome: list = []
+
+    def pull() -> None:
+        try:
+            outcome.append(next(loader))
+        except BaseException as e:
+            outcome.append(e)
+
+    thread = threading.Thread(target=pull, daemon=True)
+    thread.start()
+    thread.join(limit)
+    if thread.is_alive():
+        os.kill(loader._worker.pid, signal.SIGKILL)
+        thread.join()
+        pytest.fail(f"next() still waited for the stopped planning worker after {limit:g} s")
+    return outcome[0]
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_stopped_worker_is_named_and_killed_not_waited_for(prefetch: int) -> None:
+    loader = worker_loader(prefetch)
+    with loader:
+        next(loader)
+        pid = loader._worker.pid
+        os.kill(pid, signal.SIGSTOP)
+        for _ in range(prefetch + 2):  # the batches prefetched before the stop, then the error
+            error = next_or_hang(loader)
+            if isinstance(error, BaseException):
+                break
+    assert isinstance(error, WorkerError)
+    assert str(error) == f"the planning worker process (pid {pid}) is stopped (SIGSTOP or a debugger) and does not " \
+                         "answer; it was killed"  # fmt: skip
+    assert wait_gone(pid)
+
+
+def test_a_worker_silent_past_its_time_out_is_named_and_killed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker that runs but never answers (played by a stopped one that /proc is made to show running)."""
+    from flashcp.data import plan_worker
+
+    monkeypatch.setattr(plan_worker, "_state", lambda pid: "S")
+    loader = worker_loader(0)
+    loader.dispatch_with(functools.partial(build_dispatch, rank=1, comm="compact"), worker=True, worker_timeout_s=2.0)
+    with loader:
+        next(loader)
+        pid = loader._worker.pid
+        os.kill(pid, signal.SIGSTOP)
+        error = next_or_hang(loader)
+    assert isinstance(error, WorkerError)
+    assert str(error) == (f"the planning worker process (pid {pid}) did not answer within 2 s ([flashcp] "
+                          "plan_worker_timeout_seconds); it was killed")  # fmt: skip
+    assert wait_gone(pid)
 
 
 def test_the_worker_plans_with_the_collector_paused(monkeypatch: pytest.MonkeyPatch) -> None:

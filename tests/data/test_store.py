@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import subprocess
+import sys
+import textwrap
 import zlib
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from flashcp.data.store import file_fingerprint, is_store, open_store, StoreError
+from flashcp.data.store import file_fingerprint, is_store, open_store, StoreChanged, StoreError
 
 DOCS = [[5, 6, 7], [8], [9, 10, 11, 65535]]
 
@@ -19,16 +22,17 @@ DOCS = [[5, 6, 7], [8], [9, 10, 11, 65535]]
 CHUNK = 4  # bytes per checksummed chunk: two uint16 ids, so documents span chunks
 
 
-def write_store(path: Path, docs: list[list[int]] = DOCS, dtype: str = "uint16", **manifest) -> Path:
+def write_store(path: Path, docs: list[list[int]] = DOCS, dtype: str = "uint16", chunk: int = CHUNK,
+                **manifest) -> Path:  # fmt: skip
     """A store as `prepare` lays it out, written directly (the reader must not need prepare)."""
     path.mkdir(parents=True)
     data = np.concatenate([np.asarray(d, dtype=dtype) for d in docs]).tobytes()
     (path / "tokens.bin").write_bytes(data)
-    np.save(path / "checksums.npy", np.array([zlib.crc32(data[i : i + CHUNK]) for i in range(0, len(data), CHUNK)],
+    np.save(path / "checksums.npy", np.array([zlib.crc32(data[i : i + chunk]) for i in range(0, len(data), chunk)],
                                              dtype=np.uint32))  # fmt: skip
     np.save(path / "offsets.npy", np.concatenate([[0], np.cumsum([len(d) for d in docs])]).astype(np.int64))
     fields = {"format": "flashcp-token-store", "version": 2, "n_docs": len(docs), "n_tokens": sum(map(len, docs)),
-              "dtype": dtype, "tokenizer": {}, "source": {}, "chunk_bytes": CHUNK,
+              "dtype": dtype, "tokenizer": {}, "source": {}, "chunk_bytes": chunk,
               "offsets_crc32": zlib.crc32((path / "offsets.npy").read_bytes())}  # fmt: skip
     (path / "manifest.json").write_text(json.dumps({**fields, **manifest}))
     return path
@@ -161,3 +165,63 @@ def test_an_id_beyond_the_vocabulary_is_named_with_store_and_position(tmp_path):
     with pytest.raises(StoreError, match=rf"token store {path}: token 7 \(document 2\) is id 65535, beyond the "
                                          "tokenizer's vocabulary of 1000"):
         store.read(2)
+
+
+def write_token(path: Path, at: int, value: int) -> None:
+    """Overwrite token `at` of a uint16 store in place (same size, as an edit under a running job would)."""
+    with open(path / "tokens.bin", "r+b") as f:
+        f.seek(2 * at)
+        f.write(np.array([value], dtype=np.uint16).tobytes())
+
+
+def test_a_token_changed_after_its_first_read_is_caught_on_every_later_read(tmp_path):
+    path = write_store(tmp_path / "s")
+    store = open_store(path)
+    assert [store.read(i).tolist() for i in range(3)] == DOCS  # every chunk verified
+    write_token(path, 5, 12)  # document 2, chunk [4, 6)
+    assert store.read(0).tolist() == [5, 6, 7] and store.read(1).tolist() == [8]  # other blocks read fine
+    for _ in range(2):
+        with pytest.raises(StoreChanged, match=rf"^token store {path}: tokens.bin changed under the job: tokens "
+                                               r"\[4, 6\) \(bytes \[8, 12\) of tokens.bin\) no longer hold what was "
+                                               r"verified when the job first read them \(document 2\)"):
+            store.read(2)
+    write_token(path, 5, 10)  # changed back: the verified bytes again
+    assert store.read(2).tolist() == DOCS[2]
+
+
+def test_a_read_checks_the_4_kib_blocks_it_copies_not_the_whole_mib(tmp_path):
+    """With MiB chunks, a later read checks only its 4 KiB blocks against the CRCs kept at the first read."""
+    docs = [list(range(1000 + i, 1000 + i + 3000)) for i in range(8)]  # 6,000 bytes each, 48,000 in all
+    path = write_store(tmp_path / "s", docs, chunk=1 << 20)
+    store = open_store(path)
+    assert store.block_bytes == 4096 and [store.read(i).tolist() for i in range(8)] == docs
+    write_token(path, 3 * 3000 + 10, 7)  # document 3, byte 18,020: block [16,384, 20,480)
+    assert store.read(1).tolist() == docs[1] and store.read(5).tolist() == docs[5]  # their blocks are intact
+    with pytest.raises(StoreChanged, match=r"tokens \[8,192, 10,240\) \(bytes \[16,384, 20,480\) of tokens.bin\)"):
+        store.read(3)
+
+
+TRUNCATED = """
+import os, sys
+from flashcp.data.store import open_store, StoreError
+store = open_store(sys.argv[1])
+store.read(0)  # verified, then the file is cut short under the job
+os.truncate(os.path.join(sys.argv[1], "tokens.bin"), 4)
+for i in (0, 2):
+    try:
+        store.read(i).tolist()
+    except StoreError as e:
+        print(type(e).__name__, e)
+"""
+
+
+def test_a_store_cut_short_under_the_job_is_one_line_naming_it_not_sigbus(tmp_path):
+    """Run in a child: reading a memory map past a file's new end kills the process with SIGBUS."""
+    path = write_store(tmp_path / "s", [list(range(1, 5000)), list(range(5000, 9000)), list(range(9000, 12000))],
+                       chunk=4096)  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", TRUNCATED, str(path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines == [f"StoreChanged token store {path}: tokens.bin is 4 bytes now, not the 23,998 it was opened "
+                     f"with (cut short under the job): tokens [{a:,}, {b:,}) (bytes [{2 * a:,}, {2 * b:,}) of "
+                     "tokens.bin) cannot be read" for a, b in ((0, 6144), (8192, 10240))]  # fmt: skip

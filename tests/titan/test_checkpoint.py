@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import pickle
 import shutil
+import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch.distributed.checkpoint as dcp
 from harness import single_rank, tiny_job, train
@@ -294,4 +296,40 @@ def test_a_state_whose_loss_is_not_finite_is_not_published(tmp_path, rank, monke
     dump = tmp_path / "run"
     with pytest.raises(CheckpointError, match=r"not saving step-6: the loss was not finite .* up to 6"):
         train(job(dump) | {"metrics": {"log_freq": 100}})  # no logging step catches it first
+    assert sorted(p.name for p in (dump / "checkpoint").iterdir()) == ["step-3"]
+
+
+def test_no_checkpoint_is_published_once_the_data_changed_under_the_job(tmp_path, rank, monkeypatch):
+    """Every token of the store XOR 1 after step 4. The loader's thread, reading ahead, finds it while
+    step 5 trains (the test waits for that, so the verdict does not depend on timing); steps 5 and 6
+    still train the unchanged tokens they read before, but step 6's checkpoint is refused with the
+    store and the span, and nothing after step 3 is published."""
+    from flashcp.data.errors import DataChanged
+    from flashcp.data.prepare import prepare
+    from flashcp.titan.trainer import FlashCPTrainer
+
+    corpus = tmp_path / "docs.jsonl"
+    texts = [f"document {i}: " + " ".join(f"w{(i * 7 + j) % 97}" for j in range(20 + i % 60)) for i in range(300)]
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    store = prepare(str(corpus), "default", tmp_path / "tokens", progress=False)
+    real = FlashCPTrainer.train_step
+
+    def changing_store(self, data_iterator):
+        real(self, data_iterator)
+        if self.step == 4:
+            tokens = np.fromfile(store / "tokens.bin", dtype=np.uint16)
+            (tokens ^ 1).tofile(store / "tokens.bin")
+        if self.step == 5:  # only catches a hang: the thread reads the next window once step 5 took its batch
+            deadline = time.monotonic() + 120
+            while self.dataloader.loader.fault is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+
+    monkeypatch.setattr(FlashCPTrainer, "train_step", changing_store)
+    dump = tmp_path / "run"
+    cfg = tiny_job(dump, training={"steps": 6}, checkpoint={"enable": True, "interval": 3, "keep_latest_k": 0},
+                   data={"source": str(store), "prefetch": 2})  # fmt: skip
+    with pytest.raises(DataChanged, match=rf"^not saving step-6: token store {store}: tokens.bin changed under the "
+                                          r"job: tokens \[[\d,]+, [\d,]+\) \(bytes .*the newest checkpoint is the "
+                                          "last sound state$"):  # fmt: skip
+        train(cfg)
     assert sorted(p.name for p in (dump / "checkpoint").iterdir()) == ["step-3"]

@@ -176,6 +176,49 @@ def test_bad_files_name_the_key(tmp_path, sections, message):
 
 
 @pytest.mark.parametrize(
+    "sections, message",
+    [
+        ({"parallelism": {"context_parallel_degree": 4}, "flashcp": {"comm": "compact", "ranks_per_node": 2}},
+         "[flashcp] ranks_per_node = 2 has no effect with comm = 'compact': only comm = 'two_level' uses it"),
+        ({"flashcp": {"plan_worker": False, "plan_worker_timeout_seconds": 20.0}},
+         "[flashcp] plan_worker_timeout_seconds = 20.0 has no effect with plan_worker = false: only plan_worker = "
+         "true uses it"),
+        ({"data": {"balance": "mesh", "max_delay_steps": 4}},
+         "[data] max_delay_steps = 4 has no effect with balance = 'mesh': only balance = 'deferral' or "
+         "'deferral-cut' uses it"),
+        ({"data": {"balance": "off", "balance_target": 1.1}},
+         "[data] balance_target = 1.1 has no effect with balance = 'off': only balance = 'deferral' or "
+         "'deferral-cut' or 'mesh-cut' uses it"),
+        ({"data": {"synthetic_lengths": "pile"}},
+         "[data] synthetic_lengths = 'pile' has no effect with no synthetic source: only a \"synthetic\" source uses it"),
+        ({"data": {"hf_split": "test"}},
+         "[data] hf_split = 'test' has no effect with no hub source in [data]: only an \"hf:NAME\" source of [data] "
+         "uses it"),
+    ],
+)
+def test_a_setting_the_chosen_mode_does_not_read_is_refused(tmp_path, sections, message):
+    with pytest.raises(ConfigError) as e:
+        tiny_job(tmp_path, **sections)
+    assert str(e.value) == message + "; remove it or choose that mode"
+
+
+def test_settings_in_their_mode_are_accepted_and_the_worker_time_out_is_below_the_peers(tmp_path):
+    cfg = tiny_job(tmp_path, parallelism={"context_parallel_degree": 4}, data={"source": "synthetic",
+                   "synthetic_lengths": "pile", "balance": "deferral", "max_delay_steps": 4, "balance_target": 1.1},
+                   flashcp={"comm": "two_level", "ranks_per_node": 2, "plan_worker": True,
+                            "plan_worker_timeout_seconds": 20.0})  # fmt: skip
+    assert (cfg["flashcp"]["plan_worker_timeout_seconds"], cfg["data"]["max_delay_steps"]) == (20.0, 4)
+    assert tiny_job(tmp_path, flashcp={"plan_worker": True})["flashcp"]["plan_worker_timeout_seconds"] == 50.0
+    short = tiny_job(tmp_path, flashcp={"plan_worker": True}, comm={"train_timeout_seconds": 5})
+    assert short["flashcp"]["plan_worker_timeout_seconds"] == 2.5
+    for bad in (-1.0, 100.0):
+        with pytest.raises(ConfigError, match=rf"^\[flashcp\] plan_worker_timeout_seconds must be 0 \(half of \[comm\] "
+                                              rf"train_timeout_seconds\) or > 0 and below \[comm\] "
+                                              rf"train_timeout_seconds \(100\), got {bad}$"):
+            tiny_job(tmp_path, flashcp={"plan_worker": True, "plan_worker_timeout_seconds": bad})
+
+
+@pytest.mark.parametrize(
     "sections, world, message",
     [
         ({"parallelism": {"data_parallel_shard_degree": 2, "context_parallel_degree": 2}}, 6,
@@ -321,5 +364,6 @@ def test_check_cli_refuses_a_deeply_nested_file_with_one_line(tmp_path):
 
 def test_validate_fills_defaults():
     cfg = validate({})
-    assert cfg["flashcp"] == {key: SCHEMA["flashcp"][key].default for key in SCHEMA["flashcp"]}
+    resolved = {"plan_worker_timeout_seconds": cfg["comm"]["train_timeout_seconds"] / 2}  # 0: half of it
+    assert cfg["flashcp"] == {key: SCHEMA["flashcp"][key].default for key in SCHEMA["flashcp"]} | resolved
     assert cfg["training"]["seq_len"] == 2048

@@ -23,8 +23,9 @@ ROOT = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
 
 
-def ranks_of(launcher_pid: int) -> list[int]:
-    """PIDs of train.py processes started by the launcher `launcher_pid` (found by their environment)."""
+def ranks_of(launcher_pid: int, marker: bytes = b"train.py") -> list[int]:
+    """PIDs of train.py processes (or others whose command line holds `marker`) started by the launcher
+    `launcher_pid` (found by their environment)."""
     found = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
@@ -34,7 +35,7 @@ def ranks_of(launcher_pid: int) -> list[int]:
             cmdline = (proc / "cmdline").read_bytes()
         except OSError:
             continue
-        if b"train.py" in cmdline and f"FLASHCP_LAUNCHER={launcher_pid}".encode() in env:
+        if marker in cmdline and f"FLASHCP_LAUNCHER={launcher_pid}".encode() in env:
             found.append(int(proc.name))
     return found
 
@@ -69,6 +70,36 @@ def test_ranks_die_when_the_launcher_is_sigkilled(tmp_path):
             os.kill(pid, signal.SIGKILL)
         if launcher.poll() is None:
             launcher.kill()
+
+
+@pytest.mark.parametrize("sig, how", [(signal.SIGKILL, r"exited with code -9 \(killed by SIGKILL\) \(.*\)"),
+                                      (signal.SIGSTOP, r"is stopped \(SIGSTOP or a debugger\) and does not answer; "
+                                                       "it was killed")])  # fmt: skip
+def test_a_planning_worker_killed_or_stopped_is_the_launchers_last_line(tmp_path, sig, how):
+    """CP = 2 with the planning worker (the default): one rank's worker SIGKILLed or SIGSTOPped mid-run
+    ends the run with its rank's line naming the worker, its PID and what happened, not a broken
+    pipe, nor a collective's time-out 100 s later."""
+    launcher = subprocess.Popen(
+        [PYTHON, "-m", "flashcp.titan.launch", "--config", "debug_cpu", "--training.steps", "100000",
+         "--parallelism.data_parallel_shard_degree", "1", "--checkpoint.enable", "false",
+         "--validation.enable", "false", "--job.dump_folder", str(tmp_path / "out")],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "NGPU": "2"}, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert wait_for(lambda: len(ranks_of(launcher.pid, b"flashcp.data.plan_worker")) == 2, 600), "no workers"
+        worker = ranks_of(launcher.pid, b"flashcp.data.plan_worker")[0]
+        os.kill(worker, sig)
+        _, stderr = launcher.communicate(timeout=600)  # only catches a hang
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        for pid in ranks_of(launcher.pid) + ranks_of(launcher.pid, b"flashcp.data.plan_worker"):
+            os.kill(pid, signal.SIGKILL)
+    last = stderr.strip().splitlines()[-1]
+    assert launcher.returncode == 1, stderr[-2000:]
+    assert re.fullmatch(rf"error: rank [01] failed \(exit code 1\): WorkerError: the planning worker process "
+                        rf"\(pid {worker}\) {how}", last), last
 
 
 def test_a_second_launch_into_a_held_folder_is_refused_naming_the_holder(tmp_path, capsys):

@@ -30,8 +30,8 @@ def train_watching_workers(
     calls = [0]
     start, run = PlanWorker.__init__, PlanWorker.run
 
-    def recording(self: PlanWorker) -> None:
-        start(self)
+    def recording(self: PlanWorker, *args: Any) -> None:
+        start(self, *args)
         pids.append(self.pid)
 
     def killing(self: PlanWorker, *args: Any) -> Any:

@@ -28,7 +28,9 @@ TorchTitan's CheckpointManager writes a step straight into `step-N/`: a save ove
   `last_save_in_hf` keeps the final checkpoint a full, resumable DCP checkpoint (TorchTitan would
   write safetensors into `step-N` instead, a folder no resume could load); the trainer exports it
   to `step-N-hf` beside it once the run has ended.
-- Save: a state whose loss went non-finite since the last save is not published (`loss_problem`).
+- Save: a state whose loss went non-finite since the last save, or saved after the data loader of
+  any rank found its token store changed under the job (which it may find batches before the step
+  that would read the change), is not published (`save_problem`): the run stops with that line.
 - Rewind: an explicit `load_step` older than the newest checkpoint starts a new branch: the newer
   checkpoints are moved aside into `set-aside/after-step-N.<id>/` (never deleted), so retention and a
   later plain resume see only the new branch.
@@ -108,7 +110,8 @@ class Checkpointer(CheckpointManager):
                 self.last_save_in_hf = in_hf
 
     on_restore: Callable[[], None] | None = None  # called after a checkpoint of this run was loaded
-    loss_problem: Callable[[], str | None] | None = None  # why the state must not be saved (all ranks agree)
+    # Why the state must not be saved (every rank gets the same verdict): raised as its type, naming the step.
+    save_problem: Callable[[], Exception | None] | None = None
     _loaded: bool | None = None  # what the run's one load returned
     _last_saved: int | None = None
     _pending: tuple[Path, Path, str] | None = None  # an asynchronous save in flight: (partial, target, id)
@@ -156,9 +159,9 @@ class Checkpointer(CheckpointManager):
         (at the next save, which every rank reaches at the same step).
         """
         target = Path(checkpoint_id)
-        problem = self.loss_problem() if self.loss_problem is not None else None
+        problem = self.save_problem() if self.save_problem is not None else None
         if problem is not None:
-            raise CheckpointError(f"not saving {target.name}: {problem}; the newest checkpoint is the last sound state")
+            raise type(problem)(f"not saving {target.name}: {problem}; the newest checkpoint is the last sound state")
         save_id = agreed_token()
         partial = target.with_name(f"{target.name}.partial-{save_id}")
         with full_disk_named(partial):

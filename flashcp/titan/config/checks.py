@@ -17,7 +17,7 @@ from flashcp.titan.config.keys import check_value, ConfigError
 from flashcp.data.errors import DataError
 from flashcp.data.sources import DataConfig
 from flashcp.titan.config.model import check_model, model_experts
-from flashcp.titan.config.schema import RENAMED_SECTIONS, SCHEMA
+from flashcp.titan.config.schema import RANKS_PER_NODE_COMMS, RENAMED_SECTIONS, SCHEMA
 from flashcp.titan.config.titan import ac_keys, section_config, TITAN_KEYS
 
 MAX_SEQ_LEN = 2**31 - 1  # cu_seqlens (flashcp.dispatch, the varlen kernels) are int32
@@ -117,6 +117,8 @@ def _check_semantics(cfg: dict) -> None:
     _check_attention(cfg)
     _check_ranks_per_node(cfg)  # after [flashcp] is reset for TorchTitan's attention
     _check_ring(cfg)
+    _check_plan_worker(cfg)
+    _check_settings_in_effect(cfg)
     _check_unsupported(cfg)
 
 
@@ -129,9 +131,52 @@ def _check_ranks_per_node(cfg: dict) -> None:
             f"[flashcp] ranks_per_node must be 0 (from the launch) or a divisor of context_parallel_degree "
             f"({cp}): the CP group's ranks per node, got {g}"
         )
-    if g and fcp["comm"] != "two_level":
-        cfg["_warnings"].append(f"[flashcp] ranks_per_node = {g} is ignored: only comm = 'two_level' uses it, "
-                                f"not {fcp['comm']!r}")  # fmt: skip
+
+
+def _check_plan_worker(cfg: dict) -> None:
+    """The planning worker's time-out is below the peers' collective time-out, so that a hung worker
+    is named by its own rank before the peers fail in a collective naming nothing; 0 (the default)
+    resolves to half of it."""
+    fcp, train = cfg["flashcp"], cfg["comm"]["train_timeout_seconds"]
+    timeout = fcp["plan_worker_timeout_seconds"]
+    if timeout == 0:
+        fcp["plan_worker_timeout_seconds"] = train / 2
+    elif not 0 < timeout < train:
+        raise ConfigError(f"[flashcp] plan_worker_timeout_seconds must be 0 (half of [comm] train_timeout_seconds) or "
+                          f"> 0 and below [comm] train_timeout_seconds ({train}), got {timeout}")  # fmt: skip
+
+
+def _quoted(values: tuple[str, ...]) -> str:
+    return " or ".join(repr(v) for v in values)
+
+
+def _check_settings_in_effect(cfg: dict) -> None:
+    """A key set in the job that the chosen mode does not read is refused, naming the mode: a setting
+    that silently does nothing is a mistake the user believes was applied."""
+    fcp, data = cfg["flashcp"], cfg["data"]
+    trained = [data["source"], *(entry.get("source", "") for entry in data["mix"].values())]
+    sources = [*trained, cfg["validation"]["source"] or ""]  # held-out data reads [data]'s settings but hf_split
+    deferring, targeted = ("deferral", "deferral-cut"), ("deferral", "deferral-cut", "mesh-cut")
+    rules = [  # (section, key, whether it takes effect, the mode that ignores it, the modes that use it)
+        ("data", "max_delay_steps", data["balance"] in deferring, f"balance = {data['balance']!r}",
+         f"balance = {_quoted(deferring)}"),
+        ("data", "balance_target", data["balance"] in targeted, f"balance = {data['balance']!r}",
+         f"balance = {_quoted(targeted)}"),
+        ("data", "synthetic_lengths", "synthetic" in sources, "no synthetic source", 'a "synthetic" source'),
+        ("data", "hf_config", any(s.startswith("hf:") for s in sources), "no hub source", 'an "hf:NAME" source'),
+        ("data", "hf_split", any(s.startswith("hf:") for s in trained), "no hub source in [data]",
+         'an "hf:NAME" source of [data]'),
+    ]  # fmt: skip
+    if cfg["model"]["attention"] == "flashcp":  # else [flashcp] is ignored whole (_check_attention warns)
+        rules += [
+            ("flashcp", "ranks_per_node", fcp["comm"] in RANKS_PER_NODE_COMMS, f"comm = {fcp['comm']!r}",
+             f"comm = {_quoted(RANKS_PER_NODE_COMMS)}"),
+            ("flashcp", "plan_worker_timeout_seconds", fcp["plan_worker"], "plan_worker = false", "plan_worker = true"),
+        ]  # fmt: skip
+    for section, key, in_effect, mode, users in rules:
+        if key in _given(cfg, section) and not in_effect:
+            raise ConfigError(f"[{section}] {key} = {cfg[section][key]!r} has no effect with {mode}: only {users} "
+                              "uses it; remove it or choose that mode")  # fmt: skip
 
 
 def _check_ring(cfg: dict) -> None:

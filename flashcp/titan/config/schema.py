@@ -22,6 +22,7 @@ from flashcp.titan.config.model import MODEL_KEYS
 from flashcp.titan.config.titan import class_keys, TITAN_KEYS
 
 BACKENDS = ("auto", *KERNELS)
+RANKS_PER_NODE_COMMS = ("two_level",)  # [flashcp] comm modes whose exchange reads [flashcp] ranks_per_node
 GPU_BACKENDS = tuple(name for name in KERNELS if name != "reference")
 
 
@@ -73,6 +74,9 @@ OWN_SECTIONS: dict[str, dict[str, Key]] = {
         "overlap": Key(bool, False, doc="compute all-local shards while the KV exchange is in flight"),
         "plan_worker": Key(bool, True, doc="with CP > 1, plan and dispatch each window in a child process, "
                            "off the training thread's GIL (flashcp.data.plan_worker)"),
+        "plan_worker_timeout_seconds": Key(float, 0.0, doc="a planning worker that has not answered for this "
+                                           "long stops the run naming it (a stopped one at once); below [comm] "
+                                           "train_timeout_seconds; 0: half of that"),
     },
 
     # TorchTitan's `validator` section, named as the job files name it.
