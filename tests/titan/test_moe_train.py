@@ -111,7 +111,7 @@ def test_the_balance_costs_a_token_by_its_active_parameters():
     assert experts > 0 and arch.experts.top_k < arch.experts.num_experts
     metrics = SimpleNamespace(num_flops_per_token=config.get_nparams_and_flops(model, seq_len)[1])
     trainer = SimpleNamespace(
-        metrics_processor=metrics, model_config=config, cp_ranks_per_node=1,
+        metrics_processor=metrics, model_config=config, cp_ranks_per_node=1, flashcp=SimpleNamespace(comm="compact"),
         parallel_dims=SimpleNamespace(tp=1, cp=2),
         config=SimpleNamespace(training=SimpleNamespace(steps=1, seq_len=seq_len, mixed_precision_param="bfloat16"),
                                activation_checkpoint=FullAC.Config()),

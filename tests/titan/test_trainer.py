@@ -65,7 +65,7 @@ def test_chosen_missing_incomplete_and_mismatched_checkpoints(tmp_path, rank):
         ("empty dataset", ["--data.source", "{tmp}/empty.jsonl"], "DataError: empty dataset"),
         ("document too long", ["--data.max_doc_tokens", "50"], "DataError: .* more than .*max_doc_tokens=50"),
         ("missing tokenizer", ["--data.tokenizer", "{tmp}/no.json"], "TokenizerError: tokenizer file not"),
-        ("bad override", ["--flashcp.comm", "ring"], r"ConfigError: \[flashcp\] comm must be one of"),
+        ("bad override", ["--flashcp.comm", "zigzag"], r"ConfigError: \[flashcp\] comm must be one of"),
     ],
 )
 def test_bad_data_and_config_end_with_one_line(tmp_path, capsys, case, args, message):
