@@ -45,8 +45,7 @@ def headline(runs: dict[str, dict[str, Any]], measured: dict[str, float] | None)
 def run(out: Path, device: str, quick: bool, deadline: float) -> int:
     """Part d: train the stacks the budget allows; 1 if one failed."""
     results = Results(out, "frontier", device, quick)
-    work = out / "work" / "frontier"
-    work.mkdir(parents=True, exist_ok=True)
+    work = results.work
     gpu_gib = gpu_memory_gib()
     jobs = frontier_jobs(gpu_gib, quick)
     runs: dict[str, dict[str, Any]] = {}

@@ -80,8 +80,7 @@ def headline(comparisons: dict[str, Any], frontier: dict[str, Any], predictions:
 def run(out: Path, device: str, quick: bool, deadline: float) -> int:
     """Part c: predict every job, wait for the GPU parts, then compare; 1 if a dry run failed."""
     results = Results(out, "dryrun", device, quick)
-    work = out / "work" / "dryrun"
-    work.mkdir(parents=True, exist_ok=True)
+    work = results.work
     gpu_gib = gpu_memory_gib()
     trained, stacks = train_jobs(quick), frontier_jobs(gpu_gib, quick)
     predictions: dict[str, Any] = {}

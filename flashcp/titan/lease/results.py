@@ -18,6 +18,8 @@ class Results:
 
     def __init__(self, out: Path, part: str, device: str, quick: bool) -> None:
         self.path = out / f"{part}.json"
+        self.work = out / "work" / part  # the part's runs' own folders
+        self.work.mkdir(parents=True, exist_ok=True)
         self.data: dict[str, Any] = {"part": part, "device": device, "quick": quick, "headline": "", "done": False,
                                      "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}  # fmt: skip
         self.save()

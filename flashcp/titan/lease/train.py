@@ -151,8 +151,7 @@ def time_left(deadline: float) -> float:
 def run(out: Path, device: str, quick: bool, deadline: float) -> int:
     """Part b: train every variant that the budget and the machine allow; 1 if any failed or a check did."""
     results = Results(out, "train", device, quick)
-    work = out / "work" / "train"
-    work.mkdir(parents=True, exist_ok=True)
+    work = results.work
     jobs = train_jobs(quick)
     runs: dict[str, dict[str, Any]] = {}
     for job in jobs:
