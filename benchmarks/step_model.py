@@ -1,10 +1,14 @@
 """Predicted training-step time of Llama 3 on a DP x CP mesh, per CP system (MODELLED, not measured).
 
-    python benchmarks/step_model.py [--models 8b 70b 30b-a3b] [--ep 8] [--contexts 131072 524288] [--dp 1 8 64]
+    python benchmarks/step_model.py [--models 8b 70b 30b-a3b dsv3-16b ...] [--ep 8] [--contexts 131072 524288] [--dp 1 8 64]
                                     [--datasets wlbllm pile] [--cp 8] [--steps S] [--seed X]
                                     [--dense-tflops T] [--inter-node-gbps B] [--no-ac]
                                     [--no-paper-ratio] [--ratio-windows W] [--json]
     python benchmarks/step_model.py validate [the same calibration options]
+
+Models: Llama 3 8B / 70B (the default), Qwen3-30B-A3B, and the MLA models of TorchTitan's
+deepseek_v3 flavors (`dsv3-16b`, `dsv3-671b`: every system exchanging latent rows, as
+`flashcp.attention.latent` does; `dsv3-16b-kv`, `dsv3-671b-kv`: the same models exchanging K/V).
 
 Each step is stream packing's next dp x C tokens of documents drawn from the length distribution
 (`prolong`: benchmarks/balance.py's ProLong-like mix), the last one carried into the next step:
@@ -63,6 +67,8 @@ from flashcp.costmodel.step import (  # noqa: E402
     LLAMA3_8B,
     LLAMA3_70B,
     MeshAssumptions,
+    DEEPSEEK_V3_16B,
+    DEEPSEEK_V3_671B,
     QWEN3_30B_A3B,
     StepModel,
     paper_ratio_scales,
@@ -72,7 +78,10 @@ from flashcp.data.deferral import Deferral  # noqa: E402
 from flashcp.data.settings import DataConfig  # noqa: E402
 
 SHARED_PROFILES = ROOT.parent / "shared" / "data" / "gpu_profiles"
-MODELS = {"8b": LLAMA3_8B, "70b": LLAMA3_70B, "30b-a3b": QWEN3_30B_A3B}  # 30b-a3b: not in the default --models
+MODELS = {"8b": LLAMA3_8B, "70b": LLAMA3_70B, "30b-a3b": QWEN3_30B_A3B, "dsv3-16b": DEEPSEEK_V3_16B,
+          "dsv3-671b": DEEPSEEK_V3_671B}  # fmt: skip
+# the MLA models again, every system exchanging up-projected K/V rows instead of latent rows
+MODELS |= {f"{k}-kv": replace(MODELS[k], name=MODELS[k].name + " K/V", kv_lora_rank=None) for k in ("dsv3-16b", "dsv3-671b")}
 SYSTEMS = ("llama3", "per_doc", "flashcp")
 PARTS = ("dense", "attention", "recompute", "fsdp_exposed")
 LAYOUTS = ("", "+mesh", "+default")  # stream packing, "mesh", the trainer's default balance

@@ -5,6 +5,7 @@ attention model of test_costmodel; balance in the model; `benchmarks/step_model.
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +25,8 @@ from flashcp.costmodel.proxy import (
     window_cost,
 )
 from flashcp.costmodel.step import (
+    DEEPSEEK_V3_16B,
+    DEEPSEEK_V3_671B,
     LLAMA3_8B,
     LLAMA3_70B,
     LlamaShape,
@@ -203,6 +206,25 @@ def test_a_mixture_of_experts_costs_its_active_parameters_and_its_all_to_all():
     assert ep.fsdp_ms() < local.fsdp_ms()
     with pytest.raises(ValueError, match="ep = 8 needs a mixture of experts"):
         StepModel(attention, TINY, cp=8, dp=1, ep=8)
+
+
+def test_mla_models_count_their_published_parameters_and_price_the_latent_exchange():
+    """DeepSeek-V3 (671B, 37B active as published; 37.6e9 here with the untied output head) and
+    TorchTitan's 16B flavor (DeepSeek-V2-Lite's 15.7B); the same plan and model priced with latent
+    rows on the wire moves 576 values per token where K/V moves heads x 320, the step model
+    passing the MLA dims through to the attention layer's shape."""
+    assert DEEPSEEK_V3_671B.params == pytest.approx(671e9, rel=2e-3)
+    assert DEEPSEEK_V3_671B.active_params == pytest.approx(37.55e9, rel=2e-3)
+    assert DEEPSEEK_V3_16B.params == pytest.approx(15.7e9, rel=2e-3)
+    shape = DEEPSEEK_V3_671B.attention
+    assert (shape.head_dim, shape.v_dim, shape.kernel_head_dim) == (192, 128, 192)
+    assert shape.exchange_row_bytes == 576 * 2 and shape.kv_row_bytes == 128 * 320 * 2
+    kv = replace(DEEPSEEK_V3_671B, kv_lora_rank=None)
+    assert kv.attention.exchange_row_bytes == kv.attention.kv_row_bytes
+    model = synthetic_model()
+    latent_ms = StepModel(model, DEEPSEEK_V3_671B, cp=8, dp=1).attention_ms("flashcp", LONG)[0]
+    kv_ms = StepModel(model, kv, cp=8, dp=1).attention_ms("flashcp", LONG)[0]
+    assert 0 < latent_ms < kv_ms
 
 
 def test_windows_must_give_every_dp_rank_the_same_micro_steps():

@@ -39,6 +39,10 @@ standard dispatcher waits for it), counted in `dense` (and its forward again in 
 FSDP gathers a rank's experts only (expert parameters / ep) over the remaining ranks. Balanced
 routing is assumed: a skewed step waits for its busiest expert rank.
 
+An MLA model (DeepSeek-V3 family) prices its attention layer at Q/K head dim nope + rope and V's
+own head dim (`AttentionShape`: the kernel at the larger, V padded) and, with `kv_lora_rank`, the
+latent exchange: latent rows on the wire and each rank's up-projection of its key rows.
+
 Memory is not modelled: Llama 3 70B on one node at DP = 1 would not fit without TP.
 """
 
@@ -68,6 +72,9 @@ class LlamaShape:
     expert_params: float = 0.0  # routed experts' parameters, all layers (0: a dense model)
     experts: int = 0
     top_k: int = 0
+    v_head_dim: int | None = None  # MLA: V's head dim (head_dim is Q's and K's, nope + rope)
+    kv_lora_rank: int | None = None  # MLA with the latent exchange (None: K/V rows are exchanged)
+    rope_dim: int = 0  # MLA: the RoPE part of head_dim
 
     @property
     def active_params(self) -> float:
@@ -82,7 +89,26 @@ class LlamaShape:
 
     @property
     def attention(self) -> AttentionShape:
-        return AttentionShape(heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim)
+        return AttentionShape(heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim,
+                              v_head_dim=self.v_head_dim, kv_lora_rank=self.kv_lora_rank, rope_dim=self.rope_dim)  # fmt: skip
+
+
+def mla_moe_shape(name: str, *, dim: int, n_layers: int, dense_layers: int, vocab: int, heads: int, q_lora_rank: int,
+                  kv_lora_rank: int, nope: int, rope: int, v: int, dense_hidden: int, moe_hidden: int, experts: int,
+                  shared: int, top_k: int) -> LlamaShape:  # fmt: skip
+    """A DeepSeek-V3-family model (MLA attention, `dense_layers` dense then MoE layers with `shared`
+    always-on experts), its parameters counted from its dimensions as TorchTitan builds it (untied
+    output, no MTP head), exchanging latent rows (`dataclasses.replace(..., kv_lora_rank=None)`
+    prices the same model exchanging K/V)."""
+    q = (dim + 1 + heads * (nope + rope)) * q_lora_rank if q_lora_rank else dim * heads * (nope + rope)
+    attention = q + dim * (kv_lora_rank + rope) + kv_lora_rank + kv_lora_rank * heads * (nope + v) + heads * v * dim
+    routed = experts * 3 * dim * moe_hidden
+    moe_rest = dim * experts + shared * 3 * dim * moe_hidden
+    params = 2 * vocab * dim + dim + n_layers * (attention + 2 * dim) + dense_layers * 3 * dim * dense_hidden
+    params += (n_layers - dense_layers) * (routed + moe_rest)
+    return LlamaShape(name, float(params), dim, n_layers, heads, heads, vocab, head_dim=nope + rope,
+                      expert_params=float((n_layers - dense_layers) * routed), experts=experts, top_k=top_k,
+                      v_head_dim=v, kv_lora_rank=kv_lora_rank, rope_dim=rope)  # fmt: skip
 
 
 LLAMA3_8B = LlamaShape("Llama 3 8B", 8.03e9, 4096, 32, 32, 8, 128256)
@@ -90,6 +116,14 @@ LLAMA3_70B = LlamaShape("Llama 3 70B", 70.6e9, 8192, 80, 64, 8, 128256)
 # TorchTitan's 30B-A3B flavor: 48 layers of 128 experts (768 wide), 8 per token; 3.35e9 active.
 QWEN3_30B_A3B = LlamaShape("Qwen3 30B-A3B", 30.532e9, 2048, 48, 32, 4, 151936, expert_params=48 * 128 * 3 * 2048 * 768,
                            experts=128, top_k=8)  # fmt: skip
+# TorchTitan's deepseek_v3 flavors: 16B (DeepSeek-V2-Lite's shape; 15.7e9 parameters, 2.66e9 active)
+# and 671B (DeepSeek-V3; 671e9, 37.6e9 active), both kv_lora_rank 512, rope 64, qk_nope 128, v 128.
+DEEPSEEK_V3_16B = mla_moe_shape("DeepSeek-V3 16B", dim=2048, n_layers=27, dense_layers=1, vocab=102400, heads=16,
+                                q_lora_rank=0, kv_lora_rank=512, nope=128, rope=64, v=128, dense_hidden=10944,
+                                moe_hidden=1408, experts=64, shared=2, top_k=6)  # fmt: skip
+DEEPSEEK_V3_671B = mla_moe_shape("DeepSeek-V3 671B", dim=7168, n_layers=61, dense_layers=3, vocab=129280, heads=128,
+                                 q_lora_rank=1536, kv_lora_rank=512, nope=128, rope=64, v=128, dense_hidden=18432,
+                                 moe_hidden=2048, experts=256, shared=1, top_k=8)  # fmt: skip
 
 
 @dataclass(frozen=True)
