@@ -155,6 +155,20 @@ def test_metrics_count_document_masked_flops_and_plan_figures():
     assert m["flashcp/kv_recv_bytes_per_layer_compact"] == 8 * sum(e["comm_compact_tokens"] for e in expected) / 2
     assert m["flashcp/split_docs"] == sum(e["split_docs"] for e in expected) / 2
     assert m["flashcp/planning_ms"] == 2.0 and "loss_metrics/global_max_loss" not in m  # CP > 1
+    compact, full = (sum(e[f"comm_{mode}_tokens"] for e in expected) for mode in ("compact", "full"))
+    assert m["flashcp/comm_compact_over_full"] == pytest.approx(compact / full)
+
+    # MLA: the exchange moves latent rows (here 2 bytes against K/V's 8), `kv: x full` is still
+    # against the K/V all-gather of the same plans
+    metrics.exchange_row_bytes = 2
+    for plan in plans:
+        metrics.record_window(plan, plan_ms=2.0)
+        metrics.ntokens_since_last_log += plan.context
+    metrics.log(step=2, global_avg_loss=5.0, global_max_loss=6.0, grad_norm=1.0)
+    m = logged[1]
+    assert m["flashcp/kv_recv_bytes_per_layer_compact"] == 2 * compact / 2
+    assert m["flashcp/kv_recv_bytes_per_layer_full"] == 2 * full / 2
+    assert m["flashcp/comm_compact_over_full"] == pytest.approx(2 * compact / (8 * full))
 
 
 def test_metrics_log_a_mixtures_shares_of_the_steps_since_the_last_log_and_so_far():

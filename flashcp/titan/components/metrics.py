@@ -47,6 +47,7 @@ class WindowStats:
     plan_ms: float = 0.0
     imbalance: list[float] = field(default_factory=list)
     recv_bytes: dict[str, float] = field(default_factory=dict)  # comm mode -> bytes per layer
+    kv_full_bytes: float = 0.0  # what the K/V all-gather of the same plans receives per layer
     fabric_bytes: dict[str, float] = field(default_factory=dict)  # needed / two_level -> busiest NIC's bytes per layer
     nvlink_bytes: float = 0.0  # two_level's second stage: the busiest rank's bytes per layer
     split_docs: int = 0
@@ -98,7 +99,9 @@ class FlashCPMetrics(MetricsProcessor):
     """MetricsProcessor whose `log` reports document-masked MFU, FlashCP plan figures and an ETA.
 
     The trainer sets `total_steps`, `dense_flops_per_token`, `attention_flops_per_pair` and
-    `kv_row_bytes` after building the model, and calls `record_window` for every window.
+    `kv_row_bytes` (an MLA model's latent rows also `exchange_row_bytes`: bytes are counted in the
+    rows the exchange moves, `kv: x full` against the K/V all-gather) after building the model, and
+    calls `record_window` for every window.
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -116,6 +119,7 @@ class FlashCPMetrics(MetricsProcessor):
         self.dense_flops_per_token = 0
         self.attention_flops_per_pair = 0
         self.kv_row_bytes = 0  # bytes of one token's K and V on one rank (heads / tp)
+        self.exchange_row_bytes = 0  # bytes of one row the exchange moves (MLA: a latent row); 0: K/V's
         self.kv_dtype_bytes = 2  # bytes of one of their elements
         self.ranks_per_node = 0  # comm = "two_level": the CP group's ranks per node (fabric figures); 0: none
         self.comm = "compact"  # the job's KV exchange: "ring" adds the ring's bytes and its ratio on the log line
@@ -164,16 +168,18 @@ class FlashCPMetrics(MetricsProcessor):
             m = plan.metrics(num_kv_heads=1, head_dim=1, dtype_bytes=1)
             s.imbalance.append(m["imbalance"])
             s.split_docs += m["split_docs"]
+            row = self.exchange_row_bytes or self.kv_row_bytes
             for mode in ("full", "compact", "needed"):
                 rows = m[f"comm_{mode}_tokens"]
-                s.recv_bytes[mode] = s.recv_bytes.get(mode, 0.0) + rows * self.kv_row_bytes
+                s.recv_bytes[mode] = s.recv_bytes.get(mode, 0.0) + rows * row
+            s.kv_full_bytes += m["comm_full_tokens"] * self.kv_row_bytes
             if self.comm == "ring":  # KV blocks both ways, and the dK/dV sums (float32: twice bf16's bytes)
                 sums_row = self.kv_row_bytes // self.kv_dtype_bytes * max(self.kv_dtype_bytes, 4)
                 fwd, bwd = ring_transfers(plan.tokens_per_rank, plan.cp_size, self.kv_row_bytes, sums_row)
                 s.recv_bytes["ring"] = s.recv_bytes.get("ring", 0.0) + sum(fwd)
                 s.recv_bytes["ring_backward"] = s.recv_bytes.get("ring_backward", 0.0) + sum(bwd)
             if 0 < self.ranks_per_node < plan.cp_size:  # a CP group across nodes: what crosses the fabric
-                nodes = node_metrics(plan, self.ranks_per_node, self.kv_row_bytes)
+                nodes = node_metrics(plan, self.ranks_per_node, row)
                 for mode, key in (("needed", "flat_inter_bytes"), ("two_level", "two_level_inter_bytes")):
                     s.fabric_bytes[mode] = s.fabric_bytes.get(mode, 0.0) + nodes[key]
                 s.nvlink_bytes += nodes["two_level_intra_bytes"]
@@ -199,11 +205,11 @@ class FlashCPMetrics(MetricsProcessor):
             }
             for mode, total in s.recv_bytes.items():
                 out[f"flashcp/kv_recv_bytes_per_layer_{mode}"] = total / s.windows
-            if s.recv_bytes["full"]:
-                out["flashcp/comm_compact_over_full"] = s.recv_bytes["compact"] / s.recv_bytes["full"]
+            if s.kv_full_bytes:  # `kv: x full` is against the K/V all-gather, latent rows or not
+                out["flashcp/comm_compact_over_full"] = s.recv_bytes["compact"] / s.kv_full_bytes
                 if "ring" in s.recv_bytes:  # forward + backward over the all-gather's + reduce-scatter's
                     ring = s.recv_bytes["ring"] + s.recv_bytes["ring_backward"]
-                    out["flashcp/comm_ring_over_full"] = ring / (2 * s.recv_bytes["full"])
+                    out["flashcp/comm_ring_over_full"] = ring / (2 * s.kv_full_bytes)
             for mode, total in s.fabric_bytes.items():
                 out[f"flashcp/kv_fabric_bytes_per_layer_{mode}"] = total / s.windows
             if s.fabric_bytes:
