@@ -32,7 +32,10 @@ configs), the attention-layer model calibrated from the shared H100 FlashAttenti
 H200 nccl-tests tables (or --kernel / --collectives), each system's attention scaled to the
 paper's measured speedups (`paper_ratio_scales`, evaluated here on the paper's setting with
 --ratio-windows windows per dataset; --no-paper-ratio once a GPU check's per-rank timings
-calibrate the kernel model), FSDP traffic and the slowest DP group.
+calibrate the kernel model), FSDP traffic and the slowest DP group. A CP group larger than a
+node (--cp > 8) is priced by `flashcp.costmodel.fabric`'s many-node model (NVLink inside a node,
+the inter-node fabric between) with the layer model's own times, as step_model_multinode.py does
+(the paper's ratios calibrate one node).
 Results: benchmarks/results/step_model.json.
 
 `validate` prints the model's prediction next to every public measurement it can predict, with
@@ -62,6 +65,7 @@ from balance import pairs, sampler, Stream, window_lengths  # noqa: E402
 from costmodel import PAPER_SPEEDUP, evaluate as layer_times  # noqa: E402
 
 from flashcp.costmodel import load_cost_model, CostModel, ProfileError  # noqa: E402
+from flashcp.costmodel.fabric import multinode_model  # noqa: E402
 from flashcp.costmodel.proxy import window_cost  # noqa: E402
 from flashcp.costmodel.step import (  # noqa: E402
     LLAMA3_8B,
@@ -270,6 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     times = paper_layer_times(attention, args.ratio_windows, args.seed)
     raw = modelled_speedups(times)
     scales = {} if args.no_paper_ratio else paper_ratio_scales(raw, PAPER_SPEEDUP)
+    if args.cp > MeshAssumptions.gpus_per_node:  # across nodes: the paper's ratios calibrate one node only
+        attention, scales = multinode_model(attention), {}
     assume = MeshAssumptions(dense_tflops=args.dense_tflops, full_ac=not args.no_ac, attention_scale=scales,
                              inter_node_busbw_gbps=args.inter_node_gbps)  # fmt: skip
     payload = {
