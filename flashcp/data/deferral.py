@@ -22,9 +22,10 @@ least `min_kept` (`[data] min_pairs_kept`, 99 %) of the attended pairs stream pa
 that step's documents (`Deferral.layout`). "That step's documents" are the spans it trains: whole
 documents, window-long pieces of longer ones, and the one the step's end cuts, each at the stream
 offset stream packing would give it; their reference is what stream packing's windows keep of
-those tokens (cut where its windows end, `stream_pairs`). With `loop = false` the data's end flushes the queue
-(`final_step`): the remaining steps hold the pending documents, oldest first, then the rest of the
-stream, and only the last incomplete step is dropped, as stream packing drops it.
+those tokens (cut where its windows end, `stream_pairs`). With `loop = false` the data's end
+flushes the queue (`final_step`): the remaining steps hold the pending documents, oldest first,
+then the rest of the stream, and only the last incomplete step is dropped, as stream packing drops
+it.
 """
 
 from __future__ import annotations

@@ -319,7 +319,8 @@ class WindowLoader:
         self._worker_timeout_s = worker_timeout_s
 
     def balance_with(self, micro: int, cost: WindowCost, cut_target: float | None = None,
-                     max_delay: int | None = None, target: float = 1.05, min_kept: float = MIN_KEPT) -> None:  # fmt: skip
+                     max_delay: int | None = None, target: float = 1.05,
+                     min_kept: float = MIN_KEPT) -> None:  # fmt: skip
         """Balance each optimizer step (`micro` windows per DP rank) over the mesh by `cost`, moving
         the stream's pieces (`cut_target` None) or cutting documents to reach `cut_target`; with
         `max_delay`, long documents wait up to that many steps so that the step's windows stay
@@ -338,7 +339,8 @@ class WindowLoader:
         self._stop_producer()
         deferral = None
         if max_delay is not None:
-            deferral = Deferral(self._packer.seq_len, self.dp_world * micro, max_delay, cost, target, min_kept=min_kept)
+            deferral = Deferral(self._packer.seq_len, self.dp_world * micro, max_delay, cost, target,
+                                min_kept=min_kept)  # fmt: skip
         self._balance = StepBalance(micro, cost, cut_target, deferral)
         self._restore(self._state)
 

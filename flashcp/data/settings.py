@@ -83,7 +83,8 @@ class DataConfig:
             return None
         cut = self.balance_target if self.balance.endswith("-cut") else None
         delay = self.max_delay_steps if self.balance.startswith("deferral") else None
-        return {"cut_target": cut, "max_delay": delay, "target": self.balance_target, "min_kept": self.min_pairs_kept}
+        return {"cut_target": cut, "max_delay": delay, "target": self.balance_target,
+                "min_kept": self.min_pairs_kept}  # fmt: skip
 
     def __post_init__(self) -> None:
         choices = {"overflow": ("carry", "truncate"), "txt_sample_by": ("document", "paragraph", "line"),

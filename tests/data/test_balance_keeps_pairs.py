@@ -81,5 +81,6 @@ def ratio(layout, cost, window: int) -> float:
 @example(HeavyTailed(1900.0, 1.0, 0.002, 32768, 340_000), 131072, 64, 8, 6, 16)  # the held-out ProLong-style pool
 @example(HeavyTailed(1500.0, 1.2, 0.05, 20_000, 400_000, 1.2), 65536, 8, 4, 1, 8)  # 5 % long, 6x the window
 @example(HeavyTailed(800.0, 0.8, 0.0005, 2_000, 10_000), 32768, 16, 16, 2, 8)  # short tail, no window-long pieces
-def test_every_step_keeps_99_percent_of_stream_packings_pairs_of_its_documents(pool, context, dp, cp, seed, max_delay):
+def test_every_step_keeps_99_percent_of_stream_packings_pairs_of_its_documents(pool, context, dp, cp, seed,
+                                                                               max_delay):  # fmt: skip
     check(pool, context, dp, cp, seed, max_delay)

@@ -190,7 +190,8 @@ def test_bad_files_name_the_key(tmp_path, sections, message):
          "[data] max_delay_steps = 4 has no effect with balance = 'mesh': only balance = 'deferral' or "
          "'deferral-cut' uses it"),
         ({"data": {"balance": "mesh-cut", "min_pairs_kept": 0.9}},
-         "[data] min_pairs_kept = 0.9 has no effect with balance = 'mesh-cut': only balance = 'deferral-cut' uses it"),
+         "[data] min_pairs_kept = 0.9 has no effect with balance = 'mesh-cut': only balance = 'deferral-cut' "
+         "uses it"),
         ({"data": {"balance": "off", "balance_target": 1.1}},
          "[data] balance_target = 1.1 has no effect with balance = 'off': only balance = 'deferral' or "
          "'deferral-cut' or 'mesh-cut' uses it"),
