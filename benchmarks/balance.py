@@ -24,7 +24,9 @@ waited) and the share of tokens that waited; balancing time per step (wall and C
 core: what one rank does, deferral's selection, the step's layout and its own windows' pieces;
 drawing the stream's lengths is not counted: the loader reads them from a store's offsets in every
 mode). The JSON keeps `{"off", "balanced", "plan_ms",
-"plan_cpu_ms", "attention_pairs_kept_vs_off"}` plus `delay_steps`, `delayed_token_share`,
+"plan_cpu_ms", "attention_pairs_kept_vs_off"}` plus `step_pairs_kept_min` (the worst step's pairs
+kept vs stream packing of its own documents), `steps_over_target` (the share of steps above the
+default `balance_target`, 1.05), `balanced.max`, `delay_steps`, `delayed_token_share`,
 `pieces_bound` and, with --all-modes, `modes`: the same figures for every mode.
 
     python benchmarks/balance.py --rule benchmarks/results/balance_modes.jsonl
@@ -146,8 +148,10 @@ def run(distribution: str, context: int, dp: int, cp: int, n_steps: int, micro: 
     warm = Stream(sampler(distribution, seed + 1)).step(n_windows * context)[0]
     layout_step(warm, dp, micro, context, cost, target).rank(0)  # untimed: numpy's first-call costs are not a step's
     stream = Stream(sampler(distribution, seed))
-    deferral = Deferral(context, n_windows, max_delay, cost, settings["target"]) if mode.startswith("deferral") else None
+    deferral = (Deferral(context, n_windows, max_delay, cost, settings["target"], min_kept=settings["min_kept"])
+                if mode.startswith("deferral") else None)  # fmt: skip
     off, balanced, bound, wall, cpu, kept, ref, delays, waited, tokens = [], [], [], [], [], 0.0, 0.0, [], 0, 0
+    step_kept = []  # each step's pairs kept vs stream packing of its own documents
     reading = [0.0, 0.0]  # wall, CPU seconds drawing the stream's lengths inside a step (not balancing)
 
     def read(tokens: int) -> DocSpan:
@@ -180,21 +184,23 @@ def run(distribution: str, context: int, dp: int, cp: int, n_steps: int, micro: 
             delay = np.asarray(step.delay)
             delays += delay[delay > 0].tolist()
             waited += int(np.asarray(step.length)[delay > 0].sum())
-            ref += float(stream_pairs(np.asarray(step.offset), np.asarray(step.length), context).sum())
+            step_ref = float(stream_pairs(np.asarray(step.offset), np.asarray(step.length), context).sum())
+        else:
+            step_ref = pairs([n for w in seq for n in w])
         tokens += n_windows * context
         per_group = [sum(planned_cost(w, cost) for w in rank) for rank in groups]
         balanced.append(ratio(per_group))
-        trained = [n for rank in groups for w in rank for n in w]
-        kept += pairs(trained)
+        trained = pairs([n for rank in groups for w in rank for n in w])
+        kept, ref = kept + trained, ref + step_ref
+        step_kept.append(trained / step_ref)
         if deferral is None:
-            ref += pairs([n for w in seq for n in w])
             windows = stream_windows(lens, context)
             off.append(ratio([sum(planned_cost(windows[m * dp + r], cost) for m in range(micro)) for r in range(dp)]))
             bound.append((cost.dense_per_token * context + cost.attn_per_pair * max(pairs([n]) for n in docs))
                          / cost.cp / (sum(per_group) / dp) if mode == "mesh" else 1.0)  # fmt: skip
 
     def summary(values: list[float]) -> dict[str, float]:
-        return {"mean": float(np.mean(values)), "p95": float(np.percentile(values, 95))}
+        return {"mean": float(np.mean(values)), "p95": float(np.percentile(values, 95)), "max": float(max(values))}
 
     def pct(values: list[float]) -> dict[str, float]:
         return {"p50": float(np.percentile(values, 50)), "p99": float(np.percentile(values, 99))}
@@ -204,6 +210,8 @@ def run(distribution: str, context: int, dp: int, cp: int, n_steps: int, micro: 
         "plan_ms": pct(wall),
         "plan_cpu_ms": pct(cpu),
         "attention_pairs_kept_vs_off": kept / ref,
+        "step_pairs_kept_min": float(min(step_kept)),
+        "steps_over_target": float(np.mean(np.asarray(balanced) > DataConfig.balance_target)),
         "delay_steps": {"p50": float(np.percentile(delays, 50)) if delays else 0.0,
                         "p90": float(np.percentile(delays, 90)) if delays else 0.0,
                         "max": float(max(delays, default=0))},  # fmt: skip

@@ -86,7 +86,9 @@ def run_json(*args: str) -> dict:
 def check_keys(result: dict) -> None:
     assert {"off", "balanced", "plan_ms", "plan_cpu_ms", "attention_pairs_kept_vs_off", "delay_steps"} <= set(result)
     for key in ("off", "balanced"):
-        assert set(result[key]) == {"mean", "p95"} and min(result[key].values()) >= 1.0  # max / mean
+        assert set(result[key]) == {"mean", "p95", "max"} and min(result[key].values()) >= 1.0  # max / mean
+    assert 0.0 < result["step_pairs_kept_min"] <= result["attention_pairs_kept_vs_off"] + 1e-12  # the worst step
+    assert 0.0 <= result["steps_over_target"] <= 1.0
     assert {"p50", "p99"} <= set(result["plan_ms"]) and {"p50", "p99"} <= set(result["plan_cpu_ms"])
     assert {"p50", "p90"} <= set(result["delay_steps"]) and result["attention_pairs_kept_vs_off"] > 0
 
@@ -95,6 +97,7 @@ def test_json_reports_the_trainers_default_mode_unless_one_is_named(tmp_path):
     default = run_json("--distribution", "wlbllm")
     check_keys(default)
     assert default["setting"]["mode"] == bench.default_mode()[0]  # the trainer's [data] balance
+    assert default["step_pairs_kept_min"] >= 0.99  # deferral-cut's floor, step by step
     lengths = tmp_path / "lengths.json"
     lengths.write_text(json.dumps([100, 700, 3000, 8000, 20000]))
     named = run_json("--lengths-file", str(lengths), "--mode", "deferral", "--max-delay", "4")

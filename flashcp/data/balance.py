@@ -30,8 +30,8 @@ between the step's windows so that every window's predicted cost is close to the
    once more with a cap halfway to the longest document (the cap's estimate assumes every long
    document cut, which then lowers the mean it aims at, so it can fall far too low).
    Given the least attended pairs the step must keep (`min_pairs`: deferral-cut's floor of stream
-   packing's pairs), a step whose cuts keep fewer is packed at the lowest cap that keeps them
-   (`keep_pairs`), however unbalanced that leaves it.
+   packing's pairs), a step whose cuts keep fewer is packed at the most balanced of the caps that
+   keep them (`keep_pairs`), however unbalanced that leaves it.
 4. Windows go to (micro step, DP rank) from the most to the least expensive, snaking over the
    ranks, so that each micro step and each rank's sum are balanced.
 
@@ -235,13 +235,16 @@ def _kept(packed: tuple[np.ndarray, ...]) -> float:
     return _pairs(packed[3].astype(np.float64))
 
 
-def keep_pairs(lens: np.ndarray, cap: int, n_windows: int, window: int,
-               need: float) -> tuple[tuple[np.ndarray, ...], int]:  # fmt: skip
-    """The packing at about the lowest cap above `cap` whose pieces keep at least `need` attended
+def keep_pairs(lens: np.ndarray, cap: int, n_windows: int, window: int, need: float,
+               dense: float) -> tuple[tuple[np.ndarray, ...], int]:  # fmt: skip
+    """The most balanced packing at a cap above `cap` whose pieces keep at least `need` attended
     pairs (the uncapped one where none does), and that cap. The packing cuts more than the cap
     predicts (a capped piece that fits no window whole, short pieces where a window ends), so the
     cap is bisected on the pairs of actual packings, from the lowest the cut alone allows (the
-    pairs it keeps never fall as the cap grows) to within `KEEP_STEP` of a window."""
+    pairs it keeps never fall as the cap grows) to within `KEEP_STEP` of a window; every packing
+    tried that keeps `need`, and the uncapped one, is a candidate. The lowest such cap is not
+    always the most balanced: where its pieces outnumber the windows, a window holding two of them
+    can be worse than the step with only window-long cuts."""
     top, long = int(min(window, lens.max())), lens[lens > cap].astype(np.float64)
     short = _pairs(lens[lens <= cap].astype(np.float64))
 
@@ -253,16 +256,17 @@ def keep_pairs(lens: np.ndarray, cap: int, n_windows: int, window: int,
     while hi - lo > 1:  # the lowest cap the cut alone allows: no packing keeps more there
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if cut_kept(mid) >= need else (mid, hi)
-    lo, found = hi - 1, None
+    lo, kept = hi - 1, {top: pack(lens, top, n_windows, window)}
     while True:
-        packed = pack(lens, hi, n_windows, window)
-        if _kept(packed) >= need or hi == top:  # the uncapped packing where none keeps enough
-            found, top = (packed, hi), hi
-        else:
-            lo = hi
+        if hi not in kept:
+            kept[hi] = pack(lens, hi, n_windows, window)
+        top, lo = (hi, lo) if _kept(kept[hi]) >= need else (top, hi)
         if top - lo <= KEEP_STEP * window:
-            return found or (pack(lens, top, n_windows, window), top)
+            break
         hi = (lo + top) // 2
+    found = [(_ratio(p, n_windows, dense), -c, c) for c, p in kept.items() if _kept(p) >= need]
+    c = min(found)[2] if found else max(kept)
+    return kept[c], c
 
 
 def _ratio(packed: tuple[np.ndarray, ...], n_windows: int, dense: float) -> float:
@@ -416,7 +420,7 @@ def layout_step(
             if ratio <= bound:
                 best = (ratio, packed, mid)
         if min_pairs is not None and _kept(best[1]) < min_pairs:
-            best = (0.0, *keep_pairs(lens, best[2], n_windows, window, min_pairs))
+            best = (0.0, *keep_pairs(lens, best[2], n_windows, window, min_pairs, dense))
         win, doc, start, length = best[1]
 
     # 4. Most expensive windows first, snaking over the ranks micro step by micro step.

@@ -17,11 +17,15 @@ Guarantees, from the lengths alone (every rank computes the same): a step holds 
 `n_windows * window` tokens; a document is trained whole in the step it is released in, at most
 `max_delay` steps after the stream reached it (the forced ones of a step arrived in one step, and
 forced documents always fit: each step queues at most one step's tokens); every document of the
-stream is trained exactly once; with a cut target (`deferral-cut`), after every step the run's
-windows hold at least `MIN_KEPT` (99 %) of the attended pairs stream packing keeps of the same
-documents (`Deferral.layout`). With `loop = false` the data's end flushes the queue
-(`final_step`): the remaining steps hold the pending documents, oldest first, then the rest of the
-stream, and only the last incomplete step is dropped, as stream packing drops it.
+stream is trained exactly once; with a cut target (`deferral-cut`), every step's windows hold at
+least `min_kept` (`[data] min_pairs_kept`, 99 %) of the attended pairs stream packing keeps of
+that step's documents (`Deferral.layout`). "That step's documents" are the spans it trains: whole
+documents, window-long pieces of longer ones, and the one the step's end cuts, each at the stream
+offset stream packing would give it; their reference is what stream packing's windows keep of
+those tokens (cut where its windows end, `stream_pairs`). With `loop = false` the data's end
+flushes the queue (`final_step`): the remaining steps hold the pending documents, oldest first,
+then the rest of the stream, and only the last incomplete step is dropped, as stream packing drops
+it.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from flashcp.data.balance import layout_step, StepLayout, WindowCost
 from flashcp.data.release import choose_release, StepAim
 
 AIM_SHARE = 1.0  # the release aims at this share of the tolerated imbalance (deferral-cut cuts the rest)
-MIN_KEPT = 0.99  # the run's windows keep at least this share of the pairs stream packing keeps, at every step
+MIN_KEPT = 0.99  # each step keeps at least this share of the pairs stream packing keeps of its documents
 
 
 class DocSpan(NamedTuple):
@@ -145,11 +149,12 @@ class Deferral:
     cost: WindowCost
     target: float = 1.05
     threshold: int = 0  # 0: window // 16
+    min_kept: float = MIN_KEPT  # `[data] min_pairs_kept`
     pending: list[Pending] = field(default_factory=list)
     tokens: dict[tuple[int, int], Any] = field(default_factory=dict)  # pending documents' tokens, when read
     step: int = 0
     stream_tokens: int = 0  # tokens of the stream passed so far (trained or pending)
-    kept: int = 0  # attended pairs of the steps laid out so far
+    kept: int = 0  # attended pairs of the steps laid out so far (the run's figure)
     reference: int = 0  # and those stream packing keeps of the same documents
 
     def state(self) -> dict[str, Any]:
@@ -166,14 +171,13 @@ class Deferral:
 
     def layout(self, step: StepDocs, dp: int, micro: int, cut_target: float | None) -> StepLayout:
         """The step's windows (`layout_step`), counted into the run's pairs. Cuts made for
-        `cut_target` never take the run's pairs below `MIN_KEPT` of those stream packing keeps of
-        the same documents, checked after every step: the pairs this step's own documents gain
-        over stream packing's cuts (trained whole where its windows would cut them) and those
-        earlier steps gained may be spent on balance, no more."""
+        `cut_target` keep at least `min_kept` of the attended pairs stream packing keeps of this
+        step's own documents (`stream_pairs` of the spans it trains, at their stream offsets): a
+        step may spend what its documents gain over stream packing's cuts (trained whole where its
+        windows end), never another step's."""
         reference = int(stream_pairs(step.offset, step.length, self.window).sum())
-        need = MIN_KEPT * (self.reference + reference) - self.kept
         layout = layout_step(step.length, dp, micro, self.window, self.cost, cut_target,
-                             None if cut_target is None else need)  # fmt: skip
+                             None if cut_target is None else self.min_kept * reference)  # fmt: skip
         self.kept += int((layout.length * (layout.length + 1) // 2).sum())
         self.reference += reference
         return layout

@@ -89,7 +89,7 @@ import torch
 
 from flashcp import plan_shards
 from flashcp.data.balance import WindowCost
-from flashcp.data.deferral import Deferral
+from flashcp.data.deferral import Deferral, MIN_KEPT
 from flashcp.data.packing import balanced_step, deferred_step, IGNORE_INDEX, Window, WindowPacker
 from flashcp.data.errors import DataChanged, DataError
 from flashcp.data.mixture import build_data, MixedSource
@@ -319,11 +319,13 @@ class WindowLoader:
         self._worker_timeout_s = worker_timeout_s
 
     def balance_with(self, micro: int, cost: WindowCost, cut_target: float | None = None,
-                     max_delay: int | None = None, target: float = 1.05) -> None:  # fmt: skip
+                     max_delay: int | None = None, target: float = 1.05,
+                     min_kept: float = MIN_KEPT) -> None:  # fmt: skip
         """Balance each optimizer step (`micro` windows per DP rank) over the mesh by `cost`, moving
         the stream's pieces (`cut_target` None) or cutting documents to reach `cut_target`; with
         `max_delay`, long documents wait up to that many steps so that the step's windows stay
-        within `target` x the mean (`flashcp.data.deferral`), and only what cannot wait is cut.
+        within `target` x the mean (`flashcp.data.deferral`), and only what cannot wait is cut, each
+        step keeping `min_kept` of the attended pairs stream packing keeps of its documents.
 
         Call at a step boundary (before iterating, or after a checkpoint's state was loaded)."""
         if micro < 1:
@@ -332,10 +334,13 @@ class WindowLoader:
             raise DataError(f"the balance target must be >= 1.0, got {cut_target}")
         if max_delay is not None and max_delay < 0:
             raise DataError(f"data.max_delay_steps must be >= 0, got {max_delay}")
+        if not 0.0 <= min_kept <= 1.0:
+            raise DataError(f"data.min_pairs_kept must be within [0, 1], got {min_kept}")
         self._stop_producer()
         deferral = None
         if max_delay is not None:
-            deferral = Deferral(self._packer.seq_len, self.dp_world * micro, max_delay, cost, target)
+            deferral = Deferral(self._packer.seq_len, self.dp_world * micro, max_delay, cost, target,
+                                min_kept=min_kept)  # fmt: skip
         self._balance = StepBalance(micro, cost, cut_target, deferral)
         self._restore(self._state)
 

@@ -22,8 +22,9 @@ TorchTitan's; this subclass only changes how a batch reaches the model:
    count and the reported loss is the sum over DP x CP ranks. CP = 1 and CP = N therefore give
    the same loss and gradients on the same data.
 
-With `[data] balance` (default "deferral-cut" with max_delay_steps 8, chosen by
-`benchmarks/balance.py --rule`; "deferral", "mesh-cut", "mesh") the loader spreads each optimizer step's documents over all DP ranks x
+With `[data] balance` (default "deferral-cut" with max_delay_steps 16 and every step keeping
+min_pairs_kept of stream packing's attended pairs, docs/results.md; "deferral", "mesh-cut",
+"mesh") the loader spreads each optimizer step's documents over all DP ranks x
 micro steps by the model's predicted time per window (`flashcp.data.balance`, `flashcp.data.deferral`): the MFU's FLOPs per token and per attended
 pair at measured dense and attention efficiencies (`flashcp.costmodel.proxy`).
 

@@ -166,6 +166,9 @@ def test_shipped_gpu_configs_pick_the_kernel_that_is_installed():
         ({"comm": {"init_timeout_seconds": 0}}, r"^\[comm\] init_timeout_seconds must be >= 1, got 0$"),
         ({"comm": {"train_timeout_seconds": -5}}, r"^\[comm\] train_timeout_seconds must be >= 1, got -5$"),
         ({"activation_checkpoint": {"mlp_tiles": -2}}, r"^\[activation_checkpoint\] mlp_tiles must be >= -1, got -2$"),
+        ({"data": {"min_pairs_kept": 1.5}}, r"^data\.min_pairs_kept must be within \[0, 1\] \(the share of stream "
+                                            r"packing's attended pairs each step keeps\), got 1\.5$"),
+        ({"data": {"min_pairs_kept": float("nan")}}, r"^\[data\] min_pairs_kept must be finite, got nan$"),
         ({"data": {"prefetch": 1000000}}, r"^\[data\] prefetch must be in \[0, 64\] \(windows the loader builds "
                                           r"ahead; more only holds memory\), got 1000000$"),
     ],
@@ -186,6 +189,9 @@ def test_bad_files_name_the_key(tmp_path, sections, message):
         ({"data": {"balance": "mesh", "max_delay_steps": 4}},
          "[data] max_delay_steps = 4 has no effect with balance = 'mesh': only balance = 'deferral' or "
          "'deferral-cut' uses it"),
+        ({"data": {"balance": "mesh-cut", "min_pairs_kept": 0.9}},
+         "[data] min_pairs_kept = 0.9 has no effect with balance = 'mesh-cut': only balance = 'deferral-cut' "
+         "uses it"),
         ({"data": {"balance": "off", "balance_target": 1.1}},
          "[data] balance_target = 1.1 has no effect with balance = 'off': only balance = 'deferral' or "
          "'deferral-cut' or 'mesh-cut' uses it"),
@@ -208,6 +214,7 @@ def test_settings_in_their_mode_are_accepted_and_the_worker_time_out_is_below_th
                    flashcp={"comm": "two_level", "ranks_per_node": 2, "plan_worker": True,
                             "plan_worker_timeout_seconds": 20.0})  # fmt: skip
     assert (cfg["flashcp"]["plan_worker_timeout_seconds"], cfg["data"]["max_delay_steps"]) == (20.0, 4)
+    assert tiny_job(tmp_path, data={"min_pairs_kept": 0.95})["data"]["min_pairs_kept"] == 0.95  # deferral-cut's
     assert tiny_job(tmp_path, flashcp={"plan_worker": True})["flashcp"]["plan_worker_timeout_seconds"] == 50.0
     short = tiny_job(tmp_path, flashcp={"plan_worker": True}, comm={"train_timeout_seconds": 5})
     assert short["flashcp"]["plan_worker_timeout_seconds"] == 2.5

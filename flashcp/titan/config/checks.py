@@ -162,6 +162,8 @@ def _check_settings_in_effect(cfg: dict) -> None:
          f"balance = {_quoted(deferring)}"),
         ("data", "balance_target", data["balance"] in targeted, f"balance = {data['balance']!r}",
          f"balance = {_quoted(targeted)}"),
+        ("data", "min_pairs_kept", data["balance"] == "deferral-cut", f"balance = {data['balance']!r}",
+         "balance = 'deferral-cut'"),
         ("data", "synthetic_lengths", "synthetic" in sources, "no synthetic source", 'a "synthetic" source'),
         ("data", "hf_config", any(s.startswith("hf:") for s in sources), "no hub source", 'an "hf:NAME" source'),
         ("data", "hf_split", any(s.startswith("hf:") for s in trained), "no hub source in [data]",
