@@ -3,9 +3,18 @@
 No test's verdict depends on how fast the machine is: Hypothesis' per-example deadline and its
 too-slow health check judge the machine's speed, not the code, and CI machines are loaded, so
 both are off for every property test.
+
+pytest-xdist's workers (and the processes they start, through OMP_NUM_THREADS) share the cores
+instead of each taking all of them: with more threads than cores every small op's
+parallel region waits for a descheduled thread, and the tests' toy tensors are all small ops (the
+quick GPU check's CP section took 563 s with 2 threads a process on a loaded 2-core machine, 22 s
+with 1). A user's OMP_NUM_THREADS is kept.
 """
 
+import os
+
 import pytest
+import torch
 from distributed_pool import close_shared, shared
 from hypothesis import HealthCheck, settings
 
@@ -13,6 +22,11 @@ from flashcp.data import store_source
 
 settings.register_profile("flashcp", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("flashcp")
+
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ and "OMP_NUM_THREADS" not in os.environ:
+    _threads = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    os.environ["OMP_NUM_THREADS"] = str(_threads)
+    torch.set_num_threads(_threads)
 
 
 @pytest.fixture

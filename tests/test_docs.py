@@ -78,7 +78,8 @@ ELSEWHERE = {  # command -> (the test that runs it, what that test changes)
         "tests/titan/test_probe_oracle.py::test_probe_matches_transformers_on_each_prompt_alone",
         "a tiny random HF Llama and a tiny job"),
     ".venv/bin/python -m flashcp.gpucheck --device cpu --quick --out outputs/gpucheck": (
-        "tests/test_gpucheck.py::test_quick_check_runs_every_section", "--no-budgets, its own folder"),
+        "tests/test_gpu_lease.py::test_quick_check_runs_every_section",
+        "as the lease rehearsal's part a: --no-budgets, its own folder"),
     "bash scripts/gpu_lease.sh outputs/lease --device cpu --quick": (
         "tests/test_gpu_lease.py::test_the_lease_rehearses_every_part_on_the_cpu", "its own folder and wheel site"),
     ".venv/bin/python -m flashcp.titan.config --check default --model.attention flex": (

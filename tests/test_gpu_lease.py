@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from flashcp.gpucheck import lease
+from test_gpucheck import check_quick_output
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -72,18 +73,25 @@ def test_the_output_is_packed_into_few_small_files(tmp_path) -> None:
         assert "gpucheck/kernel_calls.csv" in tar.getnames()
 
 
-def test_the_lease_rehearses_every_part_on_the_cpu(tmp_path) -> None:
-    """`bash scripts/gpu_lease.sh OUTDIR --device cpu --quick`: every part ends passed, at most 8 files of
-    at most 16 MiB, every trained variant's figures and checks, the dry run's predictions with the CUDA
-    comparisons said to be unavailable, and the frontier's stacks (Float8 needs torchao: skipped, saying
-    so, where neither this venv nor the carried wheels have it)."""
-    out = tmp_path / "lease"
-    env = {**os.environ, "PYTHON": sys.executable, "FLASHCP_LEASE_SITE": str(tmp_path / "site"),
-           "PYTHONPATH": str(ROOT)}  # fmt: skip
+@pytest.fixture(scope="module")
+def rehearsal(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    """`bash scripts/gpu_lease.sh OUTDIR --device cpu --quick`, once for the tests below: its process and OUTDIR."""
+    tmp = tmp_path_factory.mktemp("rehearsal")
+    out = tmp / "lease"
+    env = {**os.environ, "PYTHON": sys.executable, "FLASHCP_LEASE_SITE": str(tmp / "site"), "PYTHONPATH": str(ROOT)}
     # The parts' budgets are sized for a GPU's time; here, scaled up, they only catch hangs (a loaded CI
     # machine runs the toy parts several times slower than an idle one).
     proc = subprocess.run(["bash", "scripts/gpu_lease.sh", str(out), "--device", "cpu", "--quick", "--budget-scale", "6"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=6000)  # fmt: skip
+    return proc, out
+
+
+def test_the_lease_rehearses_every_part_on_the_cpu(rehearsal) -> None:
+    """`bash scripts/gpu_lease.sh OUTDIR --device cpu --quick`: every part ends passed, at most 8 files of
+    at most 16 MiB, every trained variant's figures and checks, the dry run's predictions with the CUDA
+    comparisons said to be unavailable, and the frontier's stacks (Float8 needs torchao: skipped, saying
+    so, where neither this venv nor the carried wheels have it)."""
+    proc, out = rehearsal
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     files = sorted(out.iterdir())
     assert len(files) <= 8 and all(f.stat().st_size <= 16 * 2**20 for f in files)
@@ -124,3 +132,16 @@ def test_the_lease_rehearses_every_part_on_the_cpu(tmp_path) -> None:
     assert all(r["status"] == "trained" for r in frontier["variants"].values())
     with tarfile.open(out / "gpucheck.tar.gz") as tar:
         assert {"gpucheck/summary.md", "gpucheck/kernel_calls.csv"} <= set(tar.getnames())
+
+
+def test_quick_check_runs_every_section(rehearsal, tmp_path) -> None:
+    """Part a is `python -m flashcp.gpucheck --device cpu --quick --no-budgets` as a user runs it (a
+    subprocess from the repository root): every section's results, as tests/test_gpucheck.py requires."""
+    proc, out = rehearsal
+    parts = {p["part"]: p for p in json.loads((out / "lease.json").read_text())["parts"]}
+    assert parts["gpucheck"]["status"] == "passed", proc.stdout[-6000:]
+    with tarfile.open(out / "gpucheck.tar.gz") as tar:
+        tar.extractall(tmp_path, filter="data")
+    with tarfile.open(out / "logs.tar.gz") as tar:
+        log = tar.extractfile("gpucheck.log").read().decode()
+    check_quick_output(tmp_path / "gpucheck", log.strip().splitlines()[-1])

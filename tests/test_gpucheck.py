@@ -1,11 +1,12 @@
-"""`python -m flashcp.gpucheck --device cpu --quick`: every section runs and writes its results, the
-checks catch a wrong kernel and a broken exchange, and a failing section does not stop the rest."""
+"""`python -m flashcp.gpucheck --device cpu --quick`: what every section writes (`check_quick_output`, on
+the lease rehearsal's run of that command), the checks catch a wrong kernel and a broken exchange, and
+a failing section does not stop the rest."""
 
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,9 +23,15 @@ from flashcp.gpucheck.efficiency import sweep_calls
 from flashcp.gpucheck.report import Table
 from flashcp.gpucheck.sizes import GPU, QUICK
 
-ROOT = Path(__file__).resolve().parents[1]
 FILES = ["summary.md", "env.json", "exactness.csv", "cp.csv", "critical_path.csv", "efficiency.csv",
          "decoder.json", "kernel_calls.csv"]  # fmt: skip
+
+
+def fewer_cp_sizes(monkeypatch, *sizes: int) -> None:
+    """The quick check's CP section on these group sizes only: a test of one failure mode needs not all."""
+    import flashcp.gpucheck.__main__ as entry
+
+    monkeypatch.setattr(entry, "QUICK", dataclasses.replace(QUICK, cp_sizes=sizes))
 
 
 def _rows(path: Path) -> list[dict]:
@@ -32,14 +39,11 @@ def _rows(path: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
-def test_quick_check_runs_every_section(tmp_path):
-    """As a user runs it: a subprocess from the repository root, no test imports. Without budgets,
-    so that a loaded machine runs every case too (the timeout only catches a hang)."""
-    out = tmp_path / "check"
-    cmd = [sys.executable, "-m", "flashcp.gpucheck", "--out", str(out), "--device", "cpu", "--quick", "--no-budgets"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "sections passed or measured" in proc.stdout.splitlines()[-1]
+def check_quick_output(out: Path, last_line: str) -> None:
+    """What `python -m flashcp.gpucheck --device cpu --quick --no-budgets` must leave in `out` and print
+    last: every section's file and status, every case of the two correctness sections passed. The
+    suite's run of it is the lease rehearsal's part a (tests/test_gpu_lease.py), which calls this."""
+    assert "sections passed or measured" in last_line, last_line
     assert sorted(p.name for p in out.iterdir()) == sorted(FILES)
     summary = (out / "summary.md").read_text()
     for title, _ in SECTIONS.values():
@@ -82,6 +86,7 @@ def test_a_wrong_kernel_fails_the_exactness_section(tmp_path, monkeypatch):
 def test_a_broken_exchange_fails_the_cp_section(tmp_path, monkeypatch):
     """Gradients of rows another rank used never come back: only the CP check can see this."""
     monkeypatch.setattr(SimulatedGroup, "reduce_scatter", lambda self, out, inp: out.zero_())
+    fewer_cp_sizes(monkeypatch, 4)
     assert main(["--out", str(tmp_path), "--device", "cpu", "--quick", "--no-budgets", "--sections", "cp"]) == 1
     failed = {r["tensor"] for r in _rows(tmp_path / "cp.csv") if r["ok"] == "False"}
     assert failed == {"dk", "dv"}
@@ -141,6 +146,7 @@ def test_without_scipy_the_cp_section_skips_the_ilp_plan_and_says_so(tmp_path, m
         monkeypatch.delitem(sys.modules, name, raising=False)
     monkeypatch.setitem(sys.modules, "scipy", None)  # import scipy -> ImportError
     planning._strategy.cache_clear()  # an earlier test may have looked the ILP strategy up already
+    fewer_cp_sizes(monkeypatch, QUICK.cp_sizes[0])  # the one group size the ILP plan is checked at
     try:
         assert main(["--out", str(tmp_path), "--device", "cpu", "--quick", "--no-budgets", "--sections", "cp"]) == 0
     finally:

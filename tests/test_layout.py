@@ -40,8 +40,9 @@ TITAN_ROOMS = {
     # builds a job as train.py does (config, launch) and checks a checkpoint as the export does (hf).
     "flashcp.titan.probe": {"flashcp.titan.components", "flashcp.titan.config", "flashcp.titan.hf",
                             "flashcp.titan.launch"},
-    # The GPU lease's TorchTitan parts: jobs for the launcher, and the dry runs they are checked against.
-    "flashcp.titan.lease": {"flashcp.titan.config", "flashcp.titan.dryrun"},
+    # The GPU lease's TorchTitan parts: jobs for the launcher (forked on a CPU), and the dry runs they
+    # are checked against.
+    "flashcp.titan.lease": {"flashcp.titan.config", "flashcp.titan.dryrun", "flashcp.titan.launch"},
 }
 ALLOWED.update({name: TITAN | rooms | {name} for name, rooms in TITAN_ROOMS.items()})
 TORCHTITAN_ALLOWED = set(TITAN_ROOMS)

@@ -97,6 +97,11 @@ def _start(part: str, out: Path, device: str, quick: bool, budget: float) -> tup
     env = dict(os.environ)
     if part == "dryrun":  # the CPU path of the dry run, and the GPU left to the runs it is compared with
         env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "4"))
+    if device == "cpu":
+        # Two parts at a time (the dry run beside the others) share the cores: half each. More threads
+        # than cores make each small op's parallel region wait for a descheduled thread; the CP
+        # check's toy sizes ran 25x slower so on a loaded 2-core machine (563 s against 22 s).
+        env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // 2)))
     proc = subprocess.Popen(_command(part, out, device, quick, budget), stdout=log, stderr=subprocess.STDOUT,
                             env=env, start_new_session=True)  # fmt: skip
     return proc, log, time.monotonic()

@@ -73,6 +73,7 @@ from flashcp.data.errors import DataChanged, DataError
 from flashcp.data.plan_worker import TIMEOUT_S as PLAN_WORKER_TIMEOUT_S
 from flashcp.dispatch import build_dispatch
 from flashcp.titan.models.attention import CPStep, flashcp_ropes
+from flashcp.titan import compat
 from flashcp.titan.components.checkpoint import CheckpointError, Checkpointer
 from flashcp.titan.components.data import PipelineTokenizer, WindowDataLoader
 from flashcp.titan.hf.export import export, ExportError
@@ -251,7 +252,8 @@ class FlashCPTrainer(Trainer):
         steps = self.config.training.steps
         complete = self.step >= steps
         if not complete:
-            super().train()
+            with compat.no_final_wait_alone():
+                super().train()
         self._export_hf()
         if complete and torch.distributed.get_rank() == 0:
             folder = Path(self.checkpointer.folder).resolve()

@@ -1,10 +1,13 @@
 """TorchTitan's own varlen attention (model.attention = "varlen", the comparison path) on an H100 or
 newer: FA3 / FA4 only when torch can activate them, else torch's built-in FlashAttention-2. The GPU
-is simulated by monkeypatching TorchTitan's capability probe."""
+is simulated by monkeypatching TorchTitan's capability probe. And a run of one rank does not wait for
+other ranks at its end."""
 
 from __future__ import annotations
 
 import sys
+import time
+import types
 
 import flashcp.titan  # noqa: F401  (TorchTitan shims before TorchTitan is imported)
 import pytest
@@ -72,3 +75,22 @@ def test_an_implementation_torch_accepts_is_used_and_activated_once(gpu, monkeyp
     _build_layers(3)
     assert current_flash_attention_impl() == "FA3"
     assert activations == ["FA3"]
+
+
+def test_one_rank_skips_the_wait_for_other_ranks_and_more_ranks_keep_it(monkeypatch):
+    """TorchTitan's `Trainer.train` ends with `time.sleep(2)` on rank 0 (its module's only sleep)."""
+    import torch.distributed as dist
+    import torchtitan.trainer as titan_trainer
+
+    slept: list[float] = []
+    monkeypatch.setattr(titan_trainer, "time", types.SimpleNamespace(sleep=slept.append, monotonic=time.monotonic))
+    with compat.no_final_wait_alone():
+        titan_trainer.time.sleep(2)
+        assert titan_trainer.time.monotonic is time.monotonic  # the rest of the module is the same
+    titan_trainer.time.sleep(2)
+    assert slept == [2]  # only outside
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    with compat.no_final_wait_alone():
+        titan_trainer.time.sleep(2)
+    assert slept == [2, 2]

@@ -1,15 +1,21 @@
 """The lease's verdicts on its runs: losses finite, a variant reproducing another within its tolerance,
-and the per-layer / fixed memory terms from two stack heights."""
+and the per-layer / fixed memory terms from two stack heights; and a CPU run's launcher, forked from
+the part's process, failing or hanging as a process of its own would."""
 
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+import time
 
 import pytest
 
 from flashcp.titan.lease.frontier import terms
 from flashcp.titan.lease.jobs import frontier_jobs, frontier_layers, Job, train_jobs
-from flashcp.titan.lease.train import check
+from flashcp.titan.lease import train
+from flashcp.titan.lease.train import check, launch
 
 
 def runs(**losses: list[float]) -> dict:
@@ -51,3 +57,38 @@ def test_every_variant_is_in_the_rehearsal_and_on_the_gpu() -> None:
     names = [j.name for j in frontier_jobs(79.1, quick=False)]
     top = frontier_layers(79.1, quick=False)
     assert names == [f"layers{top}", f"layers{top}_offload"] + (["layers1"] if top > 1 else [])
+
+
+def test_a_forked_launcher_s_exit_and_output_are_the_run_s(tmp_path, monkeypatch) -> None:
+    def refuse(argv: list[str]) -> int:
+        print(f"error: refused {argv[:2]} with NGPU={os.environ['NGPU']}")
+        return 2
+
+    monkeypatch.setattr(train, "launcher", refuse)
+    run = launch(JOBS[0], tmp_path, "cpu", timeout=300)
+    assert run["status"] == "failed (exit 2)"
+    assert run["last_line"] == "error: refused ['--config', 'debug_cpu'] with NGPU=1"
+    assert run["command"] == f"python -m flashcp.titan.launch --config debug_cpu --job.dump_folder {tmp_path / 'eager'}"
+
+
+def test_a_forked_launcher_that_hangs_is_killed_with_what_it_started(tmp_path, monkeypatch) -> None:
+    pid_file = tmp_path / "rank.pid"
+
+    def hang(argv: list[str]) -> int:  # a launcher whose rank never ends
+        rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        pid_file.write_text(str(rank.pid))
+        time.sleep(600)
+        return 0
+
+    monkeypatch.setattr(train, "launcher", hang)
+    run = launch(JOBS[0], tmp_path, "cpu", timeout=5)
+    assert run["status"] == "timed out (5 s)"
+    rank = int(pid_file.read_text())
+    for _ in range(100):  # killed: gone once its parent, init, has reaped it
+        try:
+            os.kill(rank, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the rank {rank} outlived its launcher's timeout")

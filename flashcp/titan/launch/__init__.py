@@ -6,5 +6,6 @@
 - `job`: a validated job as TorchTitan's `Trainer.Config`, which `train.py` runs.
 
 May import: torch, TorchTitan, `flashcp.data`, `flashcp.run`, and every other room of flashcp.titan
-(it assembles them); only the dry run and the probe's CLI import it, to build a job as `train.py` does.
+(it assembles them); only the dry run and the probe's CLI import it, to build a job as `train.py` does,
+and the GPU lease's trainer part, to run the launcher in a forked child on a CPU.
 """

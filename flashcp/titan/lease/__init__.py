@@ -7,5 +7,6 @@
 - `results`: one part's JSON file, rewritten as each result arrives.
 
 May import: torch, TorchTitan, the core, `flashcp.data`, `flashcp.run`, and `flashcp.titan.config`,
-`flashcp.titan.dryrun` (the dry runs it compares against); no other room imports it.
+`flashcp.titan.dryrun` (the dry runs it compares against), `flashcp.titan.launch` (the launcher, run in
+a forked child on a CPU); no other room imports it.
 """

@@ -1,7 +1,7 @@
 """Part b of the lease: the trainer on one GPU through the launcher, variant by variant.
 
 Each variant of `jobs.train_jobs` is one `python -m flashcp.titan.launch` (what `./run_train.sh` runs
-once its venv exists) on one rank, within what is left of the part's budget; its figures come from the
+once its venv exists; without a GPU its `main` in a forked child, see `launch`) on one rank, within what is left of the part's budget; its figures come from the
 run's TensorBoard events (loss, step time, tokens/s, MFU, the allocator's peaks per step) and are
 written to OUTDIR/train.json as soon as the run ends. Then the checks: every loss finite, the offload
 and the MLP tiles reproduce eager's losses, compile stays close to them (`Job.tolerance`).
@@ -10,6 +10,7 @@ and the MLP tiles reproduce eager's losses, compile stays close to them (`Job.to
 from __future__ import annotations
 
 import math
+import multiprocessing
 import os
 import signal
 import statistics
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from flashcp.titan.config.converters import converter_problem
+from flashcp.titan.launch.node import main as launcher
 from flashcp.titan.lease.jobs import Job, train_jobs
 from flashcp.titan.lease.results import gpu_query, Results
 
@@ -41,27 +43,57 @@ def unavailable(job: Job, device: str) -> str | None:
                              capability=capability)  # fmt: skip
 
 
-def launch(job: Job, work: Path, timeout: float) -> dict[str, Any]:
-    """Train `job` on one rank through the launcher; its status, wall time and last output line."""
+def launch(job: Job, work: Path, device: str, timeout: float) -> dict[str, Any]:
+    """Train `job` on one rank through the launcher; its status, wall time and last output line.
+
+    With a GPU the launcher is a process of its own, `python -m flashcp.titan.launch`. Without one it
+    is the same `main` in a child forked from this process, which has imported all the launcher
+    imports: a new interpreter would spend seconds of a CPU's time importing torch and TorchTitan
+    again, each run. (Forking after CUDA's driver started, as TorchTitan's import does on a GPU
+    machine, is not safe.)"""
     dump = work / job.name
     log = work / f"{job.name}.log"
-    cmd = [sys.executable, "-m", "flashcp.titan.launch", *job.args(dump)]
-    env = {**os.environ, "NGPU": "1"}
+    args = job.args(dump)
+    cmd = [sys.executable, "-m", "flashcp.titan.launch", *args]
     start = time.monotonic()
     with log.open("w") as f:
         f.write(" ".join(cmd) + "\n")
         f.flush()
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            code = proc.wait(timeout=timeout)
-            status = "trained" if code == 0 else f"failed (exit {code})"
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        if device == "cpu":
+            proc: Any = multiprocessing.get_context("fork").Process(target=_forked_launcher, args=(args, f.fileno()))
+            proc.start()
+            proc.join(timeout)
+            code = proc.exitcode
+        else:
+            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "NGPU": "1"},
+                                    start_new_session=True)  # fmt: skip
+            try:
+                code = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                code = None
+        if code is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its rank
+            except ProcessLookupError:  # it ended meanwhile
+                pass
+            (proc.join if device == "cpu" else proc.wait)()
             status = f"timed out ({timeout:.0f} s)"
+        else:
+            status = "trained" if code == 0 else f"failed (exit {code})"
     lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
     return {"status": status, "seconds": time.monotonic() - start, "last_line": lines[-1] if lines else "",
-            "command": "python -m flashcp.titan.launch " + " ".join(job.args(dump))}  # fmt: skip
+            "command": "python -m flashcp.titan.launch " + " ".join(args)}  # fmt: skip
+
+
+def _forked_launcher(argv: list[str], log_fd: int) -> None:
+    """`python -m flashcp.titan.launch ARGV` on one rank, in a forked child: its own session (so that
+    a timeout kills it with its rank) and its output into the run's log."""
+    os.setsid()
+    os.dup2(log_fd, 1)
+    os.dup2(log_fd, 2)
+    sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__  # the interpreter's own, on those descriptors
+    os.environ["NGPU"] = "1"
+    sys.exit(launcher(argv))
 
 
 def read_steps(dump: Path) -> dict[int, dict[str, float]]:
@@ -104,7 +136,7 @@ def summarise(steps: dict[int, dict[str, float]], device: str) -> dict[str, Any]
 
 
 def train_and_measure(job: Job, work: Path, device: str, timeout: float) -> dict[str, Any]:
-    run = launch(job, work, timeout)
+    run = launch(job, work, device, timeout)
     steps = read_steps(work / job.name)
     return {**run, **summarise(steps, device), "steps": steps}
 
