@@ -6,6 +6,7 @@
     losses = train(cfg, grad_norms=norms)    # also fills norms: {step: gradient norm}
     losses = train(cfg, validations=results) # also fills results: [ValidationResult] of [validation]
     losses = train(cfg, expert_biases=biases)  # also fills biases: each MoE layer's routing bias at the end
+    losses = train(cfg, expert_counts=counts)  # also fills counts: each step's expert token counts, as accumulated
 
 In the pytest process `single_rank()` provides a world of one gloo rank; in a DistributedPool
 worker the pool's process group is reused (TorchTitan skips its own init when one exists).
@@ -120,13 +121,17 @@ def train(
     grad_norms: dict[int, float] | None = None,
     validations: list[Any] | None = None,
     expert_biases: list[torch.Tensor] | None = None,
+    expert_counts: list[torch.Tensor] | None = None,
 ) -> dict[int, float]:
     """Train `cfg` on the current world; {step: loss} of the steps this run logged.
 
     `grad_norms`, when given, receives {step: total gradient norm before clipping}; `validations`
     the `flashcp.titan.components.validate.ValidationResult` of every validation, in order;
     `expert_biases` each MoE layer's aux-loss-free routing bias after the last step (it moves by
-    the sign of every step's global expert counts, so it records the router's load statistics).
+    the sign of every step's global expert counts, so it records the router's load statistics);
+    `expert_counts` one [MoE layers, experts] tensor per step: this rank's `tokens_per_expert_E` as
+    the forward passes (and any recompute) accumulated them, read just before TorchTitan's bias
+    update sums them over the ranks and clears them.
     """
     from flashcp.titan.launch.job import trainer_config
     from flashcp.titan.trainer import FlashCPTrainer
@@ -151,6 +156,16 @@ def train(
             log_validation(result)
 
         trainer.validator.log = record_validation
+    if expert_counts is not None:
+        moes = [block.moe for block in trainer.model_parts[0].layers.values() if getattr(block, "moe_enabled", False)]
+
+        def record_counts(*args: Any) -> None:
+            counts = [moe.tokens_per_expert_E for moe in moes]  # this rank's share (a DTensor's local part)
+            expert_counts.append(torch.stack([c.to_local() if hasattr(c, "to_local") else c for c in counts]).clone())
+
+        # Ahead of the bias update, which TorchTitan registered when it built the optimizer.
+        handle = trainer.optimizers.register_step_pre_hook(record_counts)
+        trainer.optimizers._optimizer_step_pre_hooks.move_to_end(handle.id, last=False)
     if stop_after is not None:
         trainer.should_continue_training = lambda: trainer.step < stop_after
     try:
@@ -170,12 +185,12 @@ def train(
 def train_on_pool_rank(
     rank: int, group: Any, cfg: dict, grad_norms: dict[int, float] | None = None,
     validations: list[Any] | None = None, stop_after: int | None = None,
-    expert_biases: list[torch.Tensor] | None = None,
+    expert_biases: list[torch.Tensor] | None = None, expert_counts: list[torch.Tensor] | None = None,
 ) -> dict[int, float]:
     """DistributedPool task: one rank of a multi-rank run of `cfg`."""
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(dist.get_world_size())})
     return train(cfg, stop_after=stop_after, grad_norms=grad_norms, validations=validations,
-                 expert_biases=expert_biases)  # fmt: skip
+                 expert_biases=expert_biases, expert_counts=expert_counts)  # fmt: skip
 
 
 def train_counting_exchanges(

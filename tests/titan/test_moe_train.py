@@ -28,9 +28,35 @@ def moe_job(dump, checkpoint, **sections):
 
 
 def _pool_run(rank, group, cfg):
+    """A rank's losses, final routing biases, expert counts per step, and the graphs dynamo compiled
+    and its graph breaks (the pool's workers are reused: compiled code and counters start empty)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
     biases: list[torch.Tensor] = []
-    losses = train_on_pool_rank(rank, group, cfg, expert_biases=biases)
-    return losses, biases
+    counts: list[torch.Tensor] = []
+    losses = train_on_pool_rank(rank, group, cfg, expert_biases=biases, expert_counts=counts)
+    return losses, biases, counts, (counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()))
+
+
+def check_run(runs: list, reference: tuple, recounted: int) -> float:
+    """Every rank's losses within TOLERANCE of the one-rank run's and its routing biases equal to
+    them; the ranks' expert counts, summed, `recounted` times the one-rank run's at every step
+    (a recompute that runs the router again counts its tokens again). Returns the worst loss gap."""
+    _, losses, biases, counts = reference
+    worst = 0.0
+    for rank_losses, rank_biases, _, _ in runs:
+        worst = max(worst, *(abs(rank_losses[s] - losses[s]) for s in losses))
+        assert worst <= TOLERANCE, f"losses off by {worst:.2e}"
+        for layer, (ours, ref) in enumerate(zip(rank_biases, biases, strict=True)):
+            assert torch.equal(ours, ref), f"layer {layer}'s routing bias differs: {ours} vs {ref}"
+    summed = [sum(run[2][step] for run in runs) for step in range(len(counts))]
+    assert len(runs[0][2]) == len(counts) == STEPS
+    for step, (ours, ref) in enumerate(zip(summed, counts, strict=True), start=1):
+        assert torch.equal(ours, recounted * ref), f"step {step}'s expert counts {ours} vs {recounted} x {ref}"
+    return worst
 
 
 @pytest.fixture(scope="module")
@@ -42,33 +68,51 @@ def reference(tmp_path_factory):
               seed_checkpoint=True)  # fmt: skip
     seed = {"enable": True, "initial_load_path": str(root / "seed/checkpoint/step-0")}
     biases: list[torch.Tensor] = []
+    counts: list[torch.Tensor] = []
     with single_rank():
-        losses = train(moe_job(root / "cp1", seed), expert_biases=biases)
+        losses = train(moe_job(root / "cp1", seed), expert_biases=biases, expert_counts=counts)
     assert losses[STEPS] < losses[1] - 0.1  # it trains
     assert any(b.abs().sum() > 0 for b in biases)  # the routing bias moved
-    return seed, losses, biases
+    return seed, losses, biases, counts
 
 
 @pytest.mark.parametrize("offload", [False, True], ids=["full AC", "full AC offloaded"])
 def test_ep2_cp2_reproduces_the_one_rank_run(reference, gloo_pool, tmp_path, offload):
     """With `offload` the MoE blocks' checkpointed inputs wait in host memory: nothing else changes."""
-    seed, losses, biases = reference
-    cfg = moe_job(tmp_path, seed, parallelism={"context_parallel_degree": 2, "expert_parallel_degree": 2,
-                                               "data_parallel_shard_degree": 2},
+    cfg = moe_job(tmp_path, reference[0], parallelism={"context_parallel_degree": 2, "expert_parallel_degree": 2,
+                                                       "data_parallel_shard_degree": 2},
                   activation_checkpoint={"mode": "full", "offload": offload})  # fmt: skip
-    runs = gloo_pool(4).run(_pool_run, (cfg,))
-    for rank_losses, rank_biases in runs:
-        worst = max(abs(rank_losses[s] - losses[s]) for s in losses)
-        assert worst <= TOLERANCE, f"losses off by {worst:.2e}"
-        for layer, (ours, ref) in enumerate(zip(rank_biases, biases, strict=True)):
-            assert torch.equal(ours, ref), f"layer {layer}'s routing bias differs: {ours} vs {ref}"
+    worst = check_run(gloo_pool(4).run(_pool_run, (cfg,)), reference, recounted=2)
+    print(f"EP 2 x CP 2 x FSDP 2, full AC{' offloaded' if offload else ''}: losses within {worst:.1e} of CP 1")
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_ep2_cp2_on_two_ranks_reproduces_the_one_rank_run(reference, gloo_pool, tmp_path, compiled):
+    """EP borrowing both CP ranks (no data parallelism; the experts' FSDP mesh has one rank), full AC.
+
+    Compiled (`[compile] enable`): each block is one graph (dynamo and AOT autograd, with the
+    aot_eager backend: see docs/training.md on Qwen3 under inductor), the MoE dispatch's sizes
+    symbolic and the experts' float32 grouped matmuls the op `flashcp::expert_grouped_mm`. Its
+    recompute does not count the tokens again, unlike eager checkpointing, which TorchTitan's bias
+    update halves for: FlashCP doubles a compiled checkpointed block's counts first, so the biases
+    still move as at CP = 1 (without that they part within 20 steps)."""
+    cfg = moe_job(tmp_path, reference[0], parallelism={"context_parallel_degree": 2, "expert_parallel_degree": 2,
+                                                       "data_parallel_shard_degree": 1},
+                  activation_checkpoint={"mode": "full"},
+                  compile={"enable": compiled, "components": ["model"], "backend": "aot_eager"})  # fmt: skip
+    runs = gloo_pool(2).run(_pool_run, (cfg,))
+    worst = check_run(runs, reference, recounted=1 if compiled else 2)
+    graphs = {run[3] for run in runs}
+    print(f"EP 2 x CP 2, full AC, {'compiled' if compiled else 'eager'}: losses within {worst:.1e} of CP 1; "
+          f"graphs compiled, breaks: {graphs}")  # fmt: skip
+    assert graphs == ({(1, 0)} if compiled else {(0, 0)})
 
 
 def test_ep2_cp2_resumes_bit_exactly(reference, gloo_pool, tmp_path):
     """The 4-rank job stopped after step 10 and started again: its steps 11-20 are the uninterrupted
     run's bit for bit (weights, optimizer, routing bias and data cursor all restored), and the
     routing bias ends where the one-rank run's does."""
-    seed, losses, biases = reference
+    seed, _, biases, _ = reference
 
     def job(name):
         return moe_job(tmp_path / name, seed | {"interval": 10},
@@ -80,7 +124,7 @@ def test_ep2_cp2_resumes_bit_exactly(reference, gloo_pool, tmp_path):
     whole = pool.run(_pool_run, (job("whole"),))
     pool.run(train_on_pool_rank, (job("resumed"), None, None, 10))
     resumed = pool.run(_pool_run, (job("resumed"),))
-    for (whole_losses, whole_biases), (resumed_losses, resumed_biases) in zip(whole, resumed, strict=True):
+    for (whole_losses, whole_biases, *_), (resumed_losses, resumed_biases, *_) in zip(whole, resumed, strict=True):
         assert sorted(resumed_losses) == list(range(11, STEPS + 1))
         assert all(resumed_losses[s] == whole_losses[s] for s in resumed_losses), (resumed_losses, whole_losses)
         for ours, resumed_bias, ref in zip(whole_biases, resumed_biases, biases, strict=True):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from flashcp.titan.config.converters import check_converters
+from flashcp.titan.config.converters import check_converters, model_compiled
 from flashcp.titan.config.keys import check_value, ConfigError
 from flashcp.data.errors import DataError
 from flashcp.data.sources import DataConfig
@@ -255,7 +255,7 @@ def _check_unsupported(cfg: dict) -> None:
     stray = sorted(set(_given(cfg, "activation_checkpoint")) - ac_keys(ac["mode"]))
     if stray:
         raise ConfigError(f"[activation_checkpoint] {stray[0]} does not apply to mode = {ac['mode']!r}")
-    compiled = cfg["compile"]["enable"] and "model" in cfg["compile"]["components"]
+    compiled = model_compiled(cfg)
     if ac["mode"] == "memory-budget" and not compiled:
         raise ConfigError("[activation_checkpoint] mode = 'memory-budget' needs the model compiled: "
                           "[compile] enable = true with 'model' in components")  # fmt: skip
@@ -281,10 +281,6 @@ def _check_experts(cfg: dict) -> None:
         raise ConfigError("[debug] moe_force_load_balance routes tokens round-robin, ignoring the router (debugging "
                           "only): not with [checkpoint] enable = true, which would save or resume such weights as a "
                           "real run's")  # fmt: skip
-    compiled = cfg["compile"]["enable"] and "model" in cfg["compile"]["components"]
-    if experts is not None and compiled and cfg["training"]["mixed_precision_param"] != "bfloat16":
-        raise ConfigError("[compile] enable with a mixture-of-experts model needs [training] mixed_precision_param = "
-                          "'bfloat16': torch compiles its grouped matmul (the experts) for bfloat16 only")  # fmt: skip
     if experts is not None and cfg["activation_checkpoint"]["mlp_tiles"] not in (0, 1):
         raise ConfigError(f"[activation_checkpoint] mlp_tiles = {cfg['activation_checkpoint']['mlp_tiles']} tiles "
                           "dense feed-forward layers; this model's are routed experts (set mlp_tiles = 0)")  # fmt: skip

@@ -80,18 +80,19 @@ def check_converters(cfg: dict, given: dict[str, list[str]]) -> None:
     for name in CONVERTERS:
         if given.get(name) and name not in names:
             raise ConfigError(f"[{name}] settings need [model] converters = [{name!r}]")
-    if "float8" in names and cfg["float8"]["emulate"] and _compiled(cfg):
+    if "float8" in names and cfg["float8"]["emulate"] and model_compiled(cfg):
         raise ConfigError("[float8] emulate = true runs in eager mode only (TorchTitan's Float8 emulation): "
                           "not with [compile] enable and 'model' in components")  # fmt: skip
 
 
-def _compiled(cfg: dict) -> bool:
+def model_compiled(cfg: dict) -> bool:
+    """The job compiles the model's blocks: [compile] enable with "model" in components."""
     return cfg["compile"]["enable"] and "model" in cfg["compile"]["components"]
 
 
 def converter_configs(cfg: dict) -> list[Any]:
     """TorchTitan's converter configs for a validated job, in the order of `[model] converters`."""
-    return [CONVERTERS[name](model_compile_enabled=_compiled(cfg), **cfg[name]) for name in cfg["model"]["converters"]]
+    return [CONVERTERS[name](model_compile_enabled=model_compiled(cfg), **cfg[name]) for name in cfg["model"]["converters"]]
 
 
 def converter_problem(name: str, emulate: bool, has_cuda: bool, capability: tuple[int, int] | None = None,

@@ -12,7 +12,7 @@ import dataclasses
 from typing import Any
 
 from flashcp.titan.components.data import PipelineTokenizer, resolve_tokenizer, WindowDataLoader
-from flashcp.titan.config.converters import converter_configs
+from flashcp.titan.config.converters import converter_configs, model_compiled
 from flashcp.titan.config.titan import titan_configs
 from flashcp.titan.hf.export import job_model_record
 from flashcp.titan.components.heldout import held_out_data
@@ -33,7 +33,8 @@ def trainer_config(cfg: dict[str, Any]) -> FlashCPTrainer.Config:
     spec = model_spec(cfg["model"], fcp, tokenizer.vocab_size, train["seq_len"],
                       offload=cfg["activation_checkpoint"]["offload"],
                       mlp_tiles=cfg["activation_checkpoint"]["mlp_tiles"],
-                      converters=converter_configs(cfg))  # fmt: skip
+                      converters=converter_configs(cfg),
+                      compiled=model_compiled(cfg))  # fmt: skip
     sections = titan_configs(cfg)  # training, optimizer, parallelism, checkpoint, ... (TorchTitan's classes)
     sections["checkpoint"].model_record = job_model_record(cfg, tokenizer.vocab_size, tokenizer.path)
     cp = sections["parallelism"].context_parallel_degree

@@ -7,6 +7,11 @@ with float32 parameters (`mixed_precision_param = "float32"`, CPU runs, the tran
 it computes in float32, where the cast would lose 3 digits against the rest of the model and where
 CPU's grouped matmul has no bfloat16 backward (torch 2.13). Weights, names, sharding and the
 token dispatcher stay TorchTitan's.
+
+torch.compile traces `torch._grouped_mm` for bfloat16 only (its fake kernel refuses other dtypes,
+torch 2.13), so a grouped matmul in any other dtype runs as the op `flashcp::expert_grouped_mm`,
+which calls the same aten op and which the compiler keeps whole, as it keeps FlashCP's attention:
+a compiled float32 block compiles everything but the experts' three matmuls.
 """
 
 from __future__ import annotations
@@ -17,6 +22,42 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torchtitan.models.common.moe import GroupedExperts
+
+
+@torch.library.custom_op("flashcp::expert_grouped_mm", mutates_args=())
+def _expert_grouped_mm(a: torch.Tensor, b_t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return torch._grouped_mm(a, b_t, offs=offs)
+
+
+@_expert_grouped_mm.register_fake
+def _(a, b_t, offs):
+    return a.new_empty(a.shape[0], b_t.shape[-1])
+
+
+@torch.library.custom_op("flashcp::expert_grouped_mm_backward", mutates_args=())
+def _expert_grouped_mm_backward(
+    grad: torch.Tensor, a: torch.Tensor, b_t: torch.Tensor, offs: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # aten's own backward of the product (torch.func runs autograd inside the op).
+    _, vjp = torch.func.vjp(lambda a, b_t: torch._grouped_mm(a, b_t, offs=offs), a, b_t)
+    return tuple(g.contiguous() for g in vjp(grad.contiguous()))
+
+
+@_expert_grouped_mm_backward.register_fake
+def _(grad, a, b_t, offs):
+    return a.new_empty(a.shape), b_t.new_empty(b_t.shape)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _backward(ctx, grad):
+    grad_a, grad_b_t = torch.ops.flashcp.expert_grouped_mm_backward(grad, *ctx.saved_tensors)
+    return grad_a, grad_b_t, None
+
+
+_expert_grouped_mm.register_autograd(_backward, setup_context=_setup_context)
 
 
 class ParamDtypeGroupedExperts(GroupedExperts):
@@ -34,6 +75,11 @@ class ParamDtypeGroupedExperts(GroupedExperts):
         h_RF = F.silu(self._grouped_mm(A=x, B_t=w1.transpose(-2, -1), offs=offsets_E))
         h_RF = h_RF * self._grouped_mm(A=x, B_t=w3.transpose(-2, -1), offs=offsets_E)
         return self._grouped_mm(A=h_RF, B_t=w2.transpose(-2, -1), offs=offsets_E).type_as(x_RD)
+
+    def _grouped_mm(self, *, A: torch.Tensor, B_t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        if A.dtype == torch.bfloat16:
+            return super()._grouped_mm(A=A, B_t=B_t, offs=offs)
+        return _expert_grouped_mm(A, B_t, offs)
 
 
 def use_param_dtype_experts(layers: list) -> None:

@@ -24,6 +24,7 @@ from functools import partial
 from typing import Any
 
 import torch
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl
 from torchtitan.components.optimizer import register_moe_load_balancing_hook
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
@@ -44,12 +45,15 @@ from flashcp.titan.models.tiled_mlp import use_tiled_mlp
 def model_spec(
     model_cfg: dict[str, Any], flashcp_cfg: dict[str, Any], tokenizer_vocab: int, seq_len: int,
     offload: bool = False, mlp_tiles: int = 0, converters: list[ModelConfigConverter.Config] | None = None,
+    compiled: bool = False,
 ) -> ModelSpec:
     """The job's model as a TorchTitan ModelSpec, with FlashCP attention when selected; `offload`: full
     activation checkpointing's layer inputs wait in host memory (`[activation_checkpoint] offload`);
     `mlp_tiles` > 1: the MLP runs over sequence tiles (`[activation_checkpoint] mlp_tiles`);
     `converters`: TorchTitan's model converters (`[model] converters`), applied last to the config as
-    TorchTitan's registries apply them, so before the model is built, parallelised and compiled."""
+    TorchTitan's registries apply them, so before the model is built, parallelised and compiled;
+    `compiled`: the blocks are compiled (`[compile] enable` with "model"), which changes how a
+    checkpointed MoE block counts its tokens (`register_expert_balancing`)."""
     arch = job_architecture(model_cfg, tokenizer_vocab, seq_len)
     if tokenizer_vocab > arch.vocab_size:
         raise ConfigError(
@@ -84,9 +88,33 @@ def model_spec(
         parallelize_fn=parallelize,
         pipelining_fn=None,
         # MoE: the aux-loss-free expert bias update (a no-op registration for dense models).
-        post_optimizer_build_fn=register_moe_load_balancing_hook,
+        post_optimizer_build_fn=partial(register_expert_balancing, compiled=compiled),
         state_dict_adapter=ADAPTERS[arch.name],
     )
+
+
+def register_expert_balancing(optimizers, model_parts: list[torch.nn.Module], parallel_dims, *, compiled: bool) -> None:
+    """TorchTitan's aux-loss-free bias update (`register_moe_load_balancing_hook`), fed the counts it expects.
+
+    It halves the expert token counts of every activation-checkpointed block, since eager
+    checkpointing runs the router again in backward and counts each token twice. A compiled
+    block's recompute does not repeat the count (torch 2.13: the forward's in-place buffer update
+    is not replayed, under full and selective AC alike), so there the update would halve single
+    counts and move the bias by other signs than a CP = 1 run's. For compiled checkpointed MoE
+    blocks the counts are doubled first (a step pre-hook ahead of TorchTitan's): halved, they are
+    exact again.
+    """
+    if compiled:
+        counts = [block.moe.tokens_per_expert_E for part in model_parts for block in part.layers.values()
+                  if getattr(block, "moe_enabled", False) and getattr(block, "checkpoint_impl", None) is CheckpointImpl.NO_REENTRANT]  # fmt: skip
+
+        def double(*args, **kwargs) -> None:
+            for count in counts:
+                count.mul_(2)
+
+        if counts:
+            optimizers.register_step_pre_hook(double)
+    register_moe_load_balancing_hook(optimizers, model_parts, parallel_dims)
 
 
 def parallelize_flashcp(model: torch.nn.Module, *, parallel_dims, training, parallelism, compile_config,
