@@ -15,6 +15,7 @@ import sys
 import types
 from collections.abc import Iterator
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -209,3 +210,20 @@ def default_spmd_backend() -> str:
     """TorchTitan 0.3.0's default `spmd_backend`, "spmd_types", needs torch >= 2.14 for meshes > 1."""
     major, minor = (int(x) for x in torch.__version__.split(".")[:2])
     return "spmd_types" if (major, minor) >= (2, 14) else "partial_dtensor"
+
+
+def extra_fsdp_param_groups(state: Any) -> list:
+    """An FSDP state's parameter groups after its first (a module sharded on two meshes, e.g. MoE
+    experts under EP). torch 2.13 keeps them in `_fsdp_param_groups`; torch 2.11 has one group per
+    module (the instance attribute `_fsdp_param_group`), so none."""
+    return list(getattr(state, "_fsdp_param_groups", [])[1:])
+
+
+def fsdp_one_group_property() -> property | None:
+    """torch 2.13's `FSDPState._fsdp_param_group` property (it refuses a module with several groups),
+    which the dry run's memory tracker swaps for a view of all groups; None on torch 2.11, where it
+    is a plain instance attribute and a module has only one group."""
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    found = FSDPState.__dict__.get("_fsdp_param_group")
+    return found if isinstance(found, property) else None

@@ -40,6 +40,8 @@ from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.utils.weak import WeakIdKeyDictionary
 
+from flashcp.titan.compat import extra_fsdp_param_groups, fsdp_one_group_property
+
 GROUPS = {
     "parameters": (Ref.SHARDED_PARAM, Ref.UNSHARDED_PARAM, Ref.ALL_GATHER),
     "gradients": (Ref.SHARDED_GRAD, Ref.UNSHARDED_GRAD, Ref.REDUCE_SCATTER),
@@ -68,21 +70,23 @@ class CategoryTracker(FSDPMemTracker):
     def __enter__(self) -> CategoryTracker:
         if self._depth == 0:
             ShardingPropagator._propagate_tensor_meta_non_cached = self._untracked_propagation()
-            FSDPState._fsdp_param_group = _GROUPS_VIEW
+            if _ONE_GROUP is not None:
+                FSDPState._fsdp_param_group = _GROUPS_VIEW
         return super().__enter__()
 
     def __exit__(self, *args) -> None:
         super().__exit__(*args)
         if self._depth == 0:
             ShardingPropagator._propagate_tensor_meta_non_cached = self._propagate
-            FSDPState._fsdp_param_group = _ONE_GROUP
+            if _ONE_GROUP is not None:
+                FSDPState._fsdp_param_group = _ONE_GROUP
 
     def _instrument_fsdp_module(self) -> None:
         """torch's instrumentation (the first group of each module), then the other groups' backward hooks."""
         super()._instrument_fsdp_module()
         for module in self._root_mod.modules():
             if isinstance(module, FSDPModule):
-                for group in module._get_fsdp_state()._fsdp_param_groups[1:]:
+                for group in extra_fsdp_param_groups(module._get_fsdp_state()):
                     self._extra_groups.append((group, group.pre_backward, group.post_backward))
                     group.pre_backward = self._fsdp_param_group_pre_backward(module, group.pre_backward)
                     group.post_backward = self._fsdp_param_group_post_backward(module, group.post_backward)
@@ -201,6 +205,6 @@ class _Groups:
         setattr(self.groups[0], name, value)
 
 
-_ONE_GROUP = FSDPState._fsdp_param_group  # torch's property: refuses a module with several groups
+_ONE_GROUP = fsdp_one_group_property()  # torch 2.13's property: refuses a module with several groups
 _GROUPS_VIEW = property(lambda state: (_Groups(state._fsdp_param_groups) if len(state._fsdp_param_groups) > 1
                                        else _ONE_GROUP.fget(state)))  # fmt: skip
