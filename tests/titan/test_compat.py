@@ -94,3 +94,18 @@ def test_one_rank_skips_the_wait_for_other_ranks_and_more_ranks_keep_it(monkeypa
     with compat.no_final_wait_alone():
         titan_trainer.time.sleep(2)
     assert slept == [2, 2]
+
+
+def test_fsdp_group_shims_read_torch_2_11s_one_group_and_2_13s_list():
+    """torch 2.11's FSDPState holds one `_fsdp_param_group` (no list, no property): the dry run's
+    tracker must find no extra groups and leave the class alone; torch 2.13's list gives the rest."""
+    from types import SimpleNamespace
+
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    from flashcp.titan.compat import extra_fsdp_param_groups, fsdp_one_group_property
+
+    assert extra_fsdp_param_groups(SimpleNamespace(_fsdp_param_group="g0")) == []
+    assert extra_fsdp_param_groups(SimpleNamespace(_fsdp_param_groups=["g0", "g1", "g2"])) == ["g1", "g2"]
+    found = fsdp_one_group_property()
+    assert found is FSDPState.__dict__.get("_fsdp_param_group") or (found is None and not hasattr(FSDPState, "_fsdp_param_groups"))
