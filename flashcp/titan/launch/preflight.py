@@ -77,6 +77,10 @@ def check_hf_import(cfg: dict[str, Any], tokenizer_vocab: int) -> None:
             raise HFFolderError(f"{path} " + ("is not a folder" if path.exists() else "does not exist"))
         stored = read_hf_config(path)
         arch = job_architecture(cfg["model"], tokenizer_vocab, cfg["training"]["seq_len"])
+        if stored.name != arch.name:
+            raise HFFolderError(f"{path} holds a {stored.name} model but the job's model ([model] name "
+                                f"{cfg['model']['name']!r}) is {arch.name}: name the folder's family or leave name "
+                                "and flavor unset to train the folder's architecture")  # fmt: skip
         if (stored.experts is None) != (arch.experts is None):
             kinds = ("a mixture-of-experts", "a dense") if stored.experts else ("a dense", "a mixture-of-experts")
             raise HFFolderError(f"{path} holds {kinds[0]} {stored.name} model but the job's model ([model] flavor "
