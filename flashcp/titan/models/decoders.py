@@ -43,10 +43,28 @@ from flashcp.titan.models.experts import use_param_dtype_experts
 from flashcp.titan.models.registry import family, flavor_architecture, TITAN_SCALING
 from flashcp.titan.models.rope import FAMILY_ROPE, rope_for_job, RopeError
 
+class TiedDeepSeekV3StateDictAdapter(DeepSeekV3StateDictAdapter):
+    """TorchTitan's DeepSeek-V3 adapter, with tied embeddings as its Qwen3 adapter handles them: an HF
+    folder of a tied model stores only the embedding (TorchTitan 0.3.0's DeepSeek-V3 adapter always
+    maps lm_head.weight), which is also the output projection's weight."""
+
+    def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        if self.model_config.enable_weight_tying:
+            state_dict = {k: v for k, v in state_dict.items() if k != "lm_head.weight"}
+            if self.fqn_to_index_mapping:
+                self.fqn_to_index_mapping.pop("lm_head.weight", None)
+        return super().to_hf(state_dict)
+
+    def from_hf(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
+        if self.model_config.enable_weight_tying and "lm_head.weight" not in hf_state_dict:
+            hf_state_dict = hf_state_dict | {"lm_head.weight": hf_state_dict["model.embed_tokens.weight"]}
+        return super().from_hf(hf_state_dict)
+
+
 ADAPTERS: dict[str, type[BaseStateDictAdapter]] = {
     "llama3": Llama3StateDictAdapter,
     "qwen3": Qwen3StateDictAdapter,
-    "deepseek_v3": DeepSeekV3StateDictAdapter,
+    "deepseek_v3": TiedDeepSeekV3StateDictAdapter,
 }
 # The RMSNorm eps of each family's flavors, which a custom size takes with the family's RoPE.
 _NORM_EPS = {"llama3": 1e-5, "qwen3": 1e-6}
