@@ -80,6 +80,7 @@ MLA = {"name": "deepseek_v3", "flavor": "16B"}
         ({"flashcp": {"overlap": True}}, r"^\[flashcp\] overlap = true: not with an MLA model \(deepseek_v3\)"),
         ({"compile": {"enable": True}}, r"^\[compile\] enable with 'model' \(the latent exchange is not a registered"),
         ({"model": {"name": "kimi_k2_7"}}, r"^\[model\] name = 'kimi_k2_7' is a vision-language model"),
+        ({"model": MLA | {"rope_attention_factor": 1.2}}, r"^\[model\] rope_attention_factor does not apply to MLA"),
         ({"model": {"name": "deepseek_v3", "flavor": "custom", "dim": 64, "n_layers": 2, "n_heads": 4}},
          r"^\[model\] flavor = 'custom' builds llama3 and qwen3 sizes; a deepseek_v3 of another size is an hf_config"),
     ],
@@ -110,3 +111,24 @@ def test_another_familys_hf_folder_is_one_line(tmp_path, folder, model, message)
                                                    "initial_load_in_hf": True}})  # fmt: skip
     with pytest.raises(ConfigError, match=r"^\[checkpoint\] initial_load_path: .*" + message):
         check_hf_import(cfg, 4096)
+
+
+def test_the_dry_run_refuses_mla_in_one_line(capsys):
+    """Not sized yet (its estimate counts K/V rows): one line, exit 2, rather than a wrong figure."""
+    from flashcp.titan.dryrun.cli import main
+
+    assert main(["--config", "deepseek_v3_16b_128k", "--world-size", "16"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("error: the dry run does not size MLA models (deepseek_v3) yet: its estimate and buffers count "
+                   "K/V rows, not the latent rows MLA exchanges\n")
+
+
+def test_yarn_chosen_by_the_job_stays_a_pure_rotation_for_mla(tmp_path):
+    """A deepseek_v3 config.json without scaling, given YaRN by the job: no attention factor on its RoPE
+    (what the export writes, attention_factor 1, transformers then applies as trained)."""
+    plain = DEEPSEEK_V3 | {"rope_scaling": None}
+    cfg = validate({"model": {"hf_config": str(hf_folder(tmp_path, plain)), "rope_scaling": "yarn", "rope_factor": 4.0,
+                              "rope_original_max_position_embeddings": 4096}})  # fmt: skip
+    arch = job_architecture(cfg["model"], 4096, 16384)
+    assert arch.rope.scaling == "yarn" and arch.rope.yarn_attention_factor == 1.0 and arch.latent.mscale == 0.0
+    assert to_hf_config(arch)["rope_scaling"]["attention_factor"] == 1.0

@@ -122,6 +122,10 @@ def _check_architecture(cfg: dict) -> None:
             raise ConfigError(f"[model] flavor = 'custom' builds llama3 and qwen3 sizes; a {name} of another size "
                               "is an hf_config (a config.json)")  # fmt: skip
         base = FAMILY_ROPE[name]
+    if model["name"] == "deepseek_v3" and model["rope_attention_factor"] is not None:
+        raise ConfigError("[model] rope_attention_factor does not apply to MLA (deepseek_v3): its RoPE is a pure "
+                          "rotation, YaRN's correction the softmax scale's mscale (config.json "
+                          "rope_scaling.mscale_all_dim)")  # fmt: skip
     try:
         rope = rope_for_job(base, model)
         if model["name"] == "qwen3" and rope.scaling == "llama3":

@@ -189,6 +189,8 @@ def job_architecture(model_cfg: dict[str, Any], tokenizer_vocab: int, seq_len: i
             if flavor in TOKENIZER_SIZED_FLAVORS:
                 arch = dataclasses.replace(arch, vocab_size=tokenizer_vocab)
         rope = rope_for_job(arch.rope, model_cfg)
+        if arch.latent and rope.scaling == "yarn":  # MLA's RoPE is a pure rotation (its correction: Latent.mscale)
+            rope = dataclasses.replace(rope, attention_factor=1.0)
     except (HFConfigError, RopeError) as e:
         raise ConfigError(f"[model] {e}") from e
     return with_rope(arch, rope, seq_len)
