@@ -1,8 +1,9 @@
-"""Create a tiny random Hugging Face Llama (or Qwen3, Qwen3-MoE) folder, to try importing / exporting without downloads.
+"""Create a tiny random Hugging Face Llama (or Qwen3, Qwen3-MoE, DeepSeek-V3) folder, to try importing / exporting without downloads.
 
     python scripts/make_tiny_hf.py /tmp/tiny-llama           # Llama, vocab 4096 (the shipped tokenizer's)
     python scripts/make_tiny_hf.py /tmp/tiny-qwen3 --model-type qwen3
     python scripts/make_tiny_hf.py /tmp/tiny-qwen3-moe --model-type qwen3_moe   # 8 experts, top-2
+    python scripts/make_tiny_hf.py /tmp/tiny-deepseek --model-type deepseek_v3  # MLA, a dense layer then MoE
 
 Written with `transformers` (the test extra: pip install -e .[test]) as `save_pretrained` writes
 any HF model: config.json and model.safetensors, plus the shipped tokenizer's files, so that the
@@ -24,7 +25,8 @@ TOKENIZER_DIR = ROOT / "data" / "default"  # the shipped tokenizer: 4,096 tokens
 
 def tiny_config(model_type: str = "llama", vocab_size: int = 4096, **overrides: Any) -> Any:
     """A small GQA config: 2 layers, 4 heads over 2 KV heads, dim 32, context 512 (Qwen3: head_dim 16, tied
-    embeddings; Qwen3-MoE: Qwen3 untied, 8 experts of width 16 per layer, top-2)."""
+    embeddings; Qwen3-MoE: Qwen3 untied, 8 experts of width 16 per layer, top-2; DeepSeek-V3: MLA with
+    kv_lora_rank 32 and q_lora_rank 24, YaRN, 3 layers, the first dense, then 8 experts, top-2, and a shared one)."""
     import transformers
 
     common = dict(
@@ -41,7 +43,17 @@ def tiny_config(model_type: str = "llama", vocab_size: int = 4096, **overrides: 
         moe = {"head_dim": 16, "rope_theta": 1000000.0, "num_experts": 8, "num_experts_per_tok": 2,
                "moe_intermediate_size": 16, "norm_topk_prob": True}  # fmt: skip
         return transformers.Qwen3MoeConfig(**(common | moe | overrides))
-    raise ValueError(f"model type {model_type!r}: llama, qwen3 or qwen3_moe")
+    if model_type == "deepseek_v3":
+        mla = {
+            "num_hidden_layers": 3, "num_key_value_heads": 4, "kv_lora_rank": 32, "q_lora_rank": 24,
+            "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 12, "first_k_dense_replace": 1,
+            "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1, "moe_intermediate_size": 16,
+            "n_group": 1, "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5, "num_mtp_layers": 0,
+            "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 0.707,
+                                "mscale_all_dim": 0.707, "original_max_position_embeddings": 128},
+        }  # fmt: skip
+        return transformers.DeepseekV3Config(**(common | mla | overrides))
+    raise ValueError(f"model type {model_type!r}: llama, qwen3, qwen3_moe or deepseek_v3")
 
 
 def make_tiny_hf(folder: Path, model_type: str = "llama", seed: int = 0, **overrides: Any) -> Path:
@@ -61,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("folder", type=Path, help="where to write the model (must not exist)")
-    parser.add_argument("--model-type", default="llama", choices=("llama", "qwen3", "qwen3_moe"))
+    parser.add_argument("--model-type", default="llama", choices=("llama", "qwen3", "qwen3_moe", "deepseek_v3"))
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.folder.exists():

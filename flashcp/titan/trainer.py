@@ -322,15 +322,21 @@ class FlashCPTrainer(Trainer):
         metrics = self.metrics_processor
         model = self.model_config
         attention = model.first_attention
-        n_heads, n_kv = attention.n_heads, attention.n_kv_heads or attention.n_heads
-        head_dim = attention.head_dim or model.dim // n_heads  # Qwen3's differs from dim / n_heads
-        per_pair = 12 * len(model.layers) * n_heads * head_dim  # QK^T and PV, forward + backward
+        n_heads = attention.n_heads
+        dtype_bytes = torch.finfo(getattr(torch, self.config.training.mixed_precision_param)).bits // 8
+        if getattr(attention, "kv_lora_rank", None):  # MLA: a QK head of nope + rope, its own V head; latent rows
+            qk_dim, v_dim = attention.qk_nope_head_dim + attention.qk_rope_head_dim, attention.v_head_dim
+            row_bytes = (attention.kv_lora_rank + attention.qk_rope_head_dim) * dtype_bytes
+        else:
+            n_kv = attention.n_kv_heads or n_heads
+            qk_dim = v_dim = attention.head_dim or model.dim // n_heads  # Qwen3's differs from dim / n_heads
+            row_bytes = 2 * (n_kv // self.parallel_dims.tp) * qk_dim * dtype_bytes
+        per_pair = 6 * len(model.layers) * n_heads * (qk_dim + v_dim)  # QK^T and PV, forward + backward
         metrics.total_steps = self.config.training.steps
         metrics.attention_flops_per_pair = per_pair
         # TorchTitan's per-token count includes full (unmasked) attention over seq_len keys.
         metrics.dense_flops_per_token = metrics.num_flops_per_token - per_pair * self.config.training.seq_len
-        dtype_bytes = torch.finfo(getattr(torch, self.config.training.mixed_precision_param)).bits // 8
-        metrics.kv_row_bytes = 2 * (n_kv // self.parallel_dims.tp) * head_dim * dtype_bytes
+        metrics.kv_row_bytes = row_bytes
         metrics.ranks_per_node = self.cp_ranks_per_node
         metrics.kv_dtype_bytes, metrics.comm = dtype_bytes, self.flashcp.comm
 

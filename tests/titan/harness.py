@@ -67,14 +67,15 @@ class _NoFinalSleep:
 torchtitan.trainer.time = _NoFinalSleep()
 
 
-def tiny_job(dump: Path, **sections: dict[str, Any] | None) -> dict:
-    """The tiny job with `sections` merged over it (None drops a section), validated; output under `dump`."""
+def tiny_job(dump: Path, replace: tuple[str, ...] = (), **sections: dict[str, Any] | None) -> dict:
+    """The tiny job with `sections` merged over it (None drops a section; those named in `replace`
+    replace the tiny job's, e.g. a named flavor's [model]), validated; output under `dump`."""
     raw = copy.deepcopy(TINY)
     raw["job"] = {"dump_folder": str(dump)}
     for name, values in sections.items():
-        if values is None:
+        if values is None or name in replace:
             raw.pop(name, None)
-        else:
+        if values is not None:
             raw.setdefault(name, {}).update(values)
     return validate(raw)
 

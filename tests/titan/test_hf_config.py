@@ -16,7 +16,7 @@ from flashcp.titan.models.decoders import job_architecture, titan_config, titan_
 from flashcp.titan.models.experts import use_param_dtype_experts
 from flashcp.titan.hf.config import architecture_from_hf, read_hf_config, to_hf_config
 from flashcp.titan.models.spec import model_spec
-from flashcp.titan.models.registry import architecture_of, dense_flavors, flavor_architecture, REGISTRIES
+from flashcp.titan.models.registry import architecture_of, dense_flavors, flavor_architecture, registered_config, REGISTRIES
 from flashcp.titan.models.rope import FAMILY_ROPE, Rope
 
 # The config.json files Meta and Qwen publish (transformers 4.x layout: rope_theta + rope_scaling).
@@ -102,7 +102,7 @@ def _shapes(config) -> object:
 def test_every_dense_flavor_rebuilds_as_torchtitan_registers_it(name, flavor):
     """One build path: a flavor read back into an Architecture builds TorchTitan's own config (Qwen3-MoE's
     experts computed in their weights' dtype, the one swap FlashCP makes, flashcp.titan.models.experts)."""
-    registered = REGISTRIES[name][flavor](attn_backend="flex")
+    registered = registered_config(name, flavor)
     arch = architecture_of(registered)
     use_param_dtype_experts(registered.layers)
     # The family's RoPE, at the flavor's base (235B-A22B's is 5e6)
@@ -114,13 +114,16 @@ def test_every_dense_flavor_rebuilds_as_torchtitan_registers_it(name, flavor):
 
 @pytest.mark.parametrize("name, flavor", DENSE)
 def test_every_dense_flavor_is_accepted_with_torchtitans_dims(name, flavor):
-    registered = REGISTRIES[name][flavor](attn_backend="flex")
+    registered = registered_config(name, flavor)
     attention = registered.first_attention
     cfg = validate({"model": {"name": name, "flavor": flavor}})
     vocab = None if flavor in TOKENIZER_SIZED_FLAVORS else registered.vocab_size  # None: the tokenizer's
-    assert model_dims(cfg) == (registered.dim, len(registered.layers), attention.n_heads,
-                               attention.n_kv_heads or attention.n_heads, vocab)  # fmt: skip
-    assert model_head_dim(cfg) == (attention.head_dim or registered.dim // attention.n_heads)
+    if name == "deepseek_v3":  # MLA: a key per head, of the QK head's size
+        n_kv, head_dim = attention.n_heads, attention.qk_nope_head_dim + attention.qk_rope_head_dim
+    else:
+        n_kv, head_dim = attention.n_kv_heads or attention.n_heads, attention.head_dim or registered.dim // attention.n_heads
+    assert model_dims(cfg) == (registered.dim, len(registered.layers), attention.n_heads, n_kv, vocab)
+    assert model_head_dim(cfg) == head_dim
 
 
 def test_flavors_are_told_apart_by_their_configs():

@@ -29,6 +29,8 @@ import flashcp.titan  # noqa: F401  (TorchTitan shims before transformers / torc
 import torchtitan.distributed.utils as titan_dist
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
+
+from flashcp.attention import build_two_level_dispatch
 from flashcp.dispatch import build_dispatch
 from flashcp.plan import plan_shards, STRATEGIES
 from flashcp.titan.models.attention import CPStep, flashcp_ropes
@@ -93,41 +95,49 @@ def hf_models(tmp_path_factory) -> dict[str, tuple[Path, dict]]:
     """name -> (saved folder, transformers' logits and gradients on the window)."""
     torch.manual_seed(0)
     tokens = torch.randint(0, VOCAB, (WINDOW,))
-    out = {}
-    for name, (config_class, kwargs) in MODELS.items():
-        folder = tmp_path_factory.mktemp(name)
-        config = getattr(transformers, config_class)(**kwargs)
-        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float()
-        model.save_pretrained(folder)
-        ref = _hf_reference(model, tokens)
-        for seed in range(1, 20):  # an MoE window without near-ties in the routers: the first of a fixed sequence
-            if ref.get("margin", 1.0) > ROUTE_MARGIN:
-                break
-            model.zero_grad()
-            ref = _hf_reference(model, torch.randint(0, VOCAB, (WINDOW,), generator=torch.Generator().manual_seed(seed)))
-        out[name] = (folder, ref)
-    return out
+    return {name: reference(tmp_path_factory.mktemp(name), config_class, kwargs, tokens)
+            for name, (config_class, kwargs) in MODELS.items()}  # fmt: skip
 
 
-def _labels(tokens: torch.Tensor) -> torch.Tensor:
+def reference(folder: Path, config_class: str, kwargs: dict, tokens: torch.Tensor, doc_lens=DOC_LENS,
+              prepare=None) -> tuple[Path, dict]:  # fmt: skip
+    """A transformers model built from `config_class(**kwargs)` (then `prepare(model)` if given), saved
+    to `folder`, and its logits and gradients on `tokens` packed as `doc_lens`; an MoE model's window is
+    the first of a fixed sequence whose routers have no near-ties."""
+    config = getattr(transformers, config_class)(**kwargs)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float()
+    if prepare is not None:
+        prepare(model)
+    model.save_pretrained(folder)
+    ref = _hf_reference(model, tokens, doc_lens)
+    for seed in range(1, 20):
+        if ref.get("margin", 1.0) > ROUTE_MARGIN:
+            break
+        model.zero_grad()
+        generator = torch.Generator().manual_seed(seed)
+        ref = _hf_reference(model, torch.randint(0, VOCAB, (len(tokens),), generator=generator), doc_lens)
+    return folder, ref
+
+
+def _labels(tokens: torch.Tensor, doc_lens=DOC_LENS) -> torch.Tensor:
     """Next token inside each document; -100 (ignored) at each document's last token."""
     labels = torch.full_like(tokens, -100)
     start = 0
-    for n in DOC_LENS:
+    for n in doc_lens:
         labels[start : start + n - 1] = tokens[start + 1 : start + n]
         start += n
     return labels
 
 
-def _hf_reference(model, tokens: torch.Tensor) -> dict:
+def _hf_reference(model, tokens: torch.Tensor, doc_lens=DOC_LENS) -> dict:
     """Each document alone through transformers (positions from 0); loss over the packed window.
     An MoE model also gives each layer's top-k experts per token (sorted) and the smallest gap
-    between a token's k-th and (k+1)-th expert score."""
-    labels = _labels(tokens)
+    between a token's k-th and (k+1)-th expert score (DeepSeek-V3's: sigmoid scores plus the bias)."""
+    labels = _labels(tokens, doc_lens)
     routers = [m for name, m in model.named_modules() if name.endswith("mlp.gate")]
     calls: list[tuple] = []
     hooks = [m.register_forward_hook(lambda m, args, out: calls.append(out)) for m in routers]
-    logits = torch.cat([model(input_ids=doc[None]).logits[0] for doc in tokens.split(DOC_LENS)])
+    logits = torch.cat([model(input_ids=doc[None]).logits[0] for doc in tokens.split(list(doc_lens))])
     for hook in hooks:
         hook.remove()
     loss = torch.nn.functional.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
@@ -136,10 +146,15 @@ def _hf_reference(model, tokens: torch.Tensor) -> dict:
     ref = {"tokens": tokens, "logits": logits.detach(), "grads": grads}
     if routers:  # calls: document by document, layer by layer
         n = len(routers)
-        ref["routes"] = [torch.cat([calls[d * n + i][2] for d in range(len(DOC_LENS))]).sort(-1).values
+        ref["routes"] = [torch.cat([calls[d * n + i][2] for d in range(len(doc_lens))]).sort(-1).values
                          for i in range(n)]  # fmt: skip
         k = calls[0][2].shape[-1]
-        probs = torch.cat([out[0].softmax(-1) for out in calls]).sort(-1, descending=True).values
+        if model.config.model_type == "deepseek_v3":
+            score = lambda logits, gate: logits.sigmoid() + gate.e_score_correction_bias  # noqa: E731
+        else:
+            score = lambda logits, gate: logits.softmax(-1)  # noqa: E731
+        probs = torch.cat([score(out[0], gate) for out, gate in zip(calls, routers * len(doc_lens))])
+        probs = probs.sort(-1, descending=True).values
         ref["margin"] = (probs[:, k - 1] - probs[:, k]).min().item()
     return ref
 
@@ -207,17 +222,21 @@ def _grad_share(grad: torch.Tensor) -> torch.Tensor:
     return share
 
 
-def run_window(rank: int, group, folder: Path, tokens: torch.Tensor, plan, comm: str, ep: int = 1) -> dict:
+def run_window(rank: int, group, folder: Path, tokens: torch.Tensor, plan, comm: str, doc_lens=DOC_LENS,
+               ranks_per_node: int = 1, ep: int = 1) -> dict:  # fmt: skip
     """This rank's logits (window order given by token_index) and its share of the gradients, HF
-    names; `ep` > 1: the experts split over EP ranks borrowed from the CP ranks, tokens sent to
-    them by TorchTitan's all-to-all dispatcher."""
+    names; `ranks_per_node` for comm "two_level"; `ep` > 1: the experts split over EP ranks borrowed
+    from the CP ranks, tokens sent to them by TorchTitan's all-to-all dispatcher."""
     torch.manual_seed(0)
     backend = titan_dist.get_spmd_backend()
     titan_dist.set_spmd_backend("partial_dtensor")  # as the trainer sets it for FlashCP's jobs
     try:
         model = our_model(folder, _ep_dims(plan.cp_size, ep) if ep > 1 else None)
-        dispatch = build_dispatch(plan, rank, comm)
-        labels = _labels(tokens)[dispatch.token_index]
+        if comm == "two_level":
+            dispatch = build_two_level_dispatch(plan, rank, ranks_per_node)
+        else:
+            dispatch = build_dispatch(plan, rank, comm)
+        labels = _labels(tokens, doc_lens)[dispatch.token_index]
         routes: list[torch.Tensor] = []  # each MoE layer's top-k experts of this rank's tokens
         for name, module in model.named_modules():
             if name.endswith("moe.router"):
@@ -226,7 +245,7 @@ def run_window(rank: int, group, folder: Path, tokens: torch.Tensor, plan, comm:
                        attention_masks=CPStep.of(flashcp_ropes(model), dispatch, group if plan.cp_size > 1 else None))[0]  # fmt: skip
         # Each rank's token sum over the window's count, as the trainer normalises: the ranks' gradients add up.
         loss = torch.nn.functional.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
-        (loss / (_labels(tokens) != -100).sum()).backward()
+        (loss / (_labels(tokens, doc_lens) != -100).sum()).backward()
     finally:
         titan_dist.set_spmd_backend(backend)
     # An unsharded copy holding the gradients as weights, mapped to HF names through its state_dict
@@ -235,7 +254,9 @@ def run_window(rank: int, group, folder: Path, tokens: torch.Tensor, plan, comm:
     with torch.no_grad():
         for name, p in grads.named_parameters():
             p.copy_(_grad_share(model.get_parameter(name).grad))
-    hf_grads = state_dict_adapter(model.config).to_hf(grads.state_dict())
+    buffers = {name for name, _ in grads.named_buffers()}  # DeepSeek-V3's routing bias: no gradient
+    params = {k: v for k, v in grads.state_dict().items() if k not in buffers}
+    hf_grads = state_dict_adapter(model.config).to_hf(params)
     return {"index": dispatch.token_index, "logits": logits.detach(), "grads": hf_grads, "routes": routes}
 
 
@@ -321,6 +342,6 @@ def test_moe_matches_transformers_at_every_cp_and_ep(hf_models, gloo_pool, cp):
     pool = gloo_pool(cp)
     for _, ep, (strategy, comm) in (case for case in MOE_CASES if case[0] == cp):
         plan = plan_shards(DOC_LENS, cp, strategy, **PLAN_OPTIONS.get(strategy, {}))
-        parts = pool.run(run_window, (folder, ref["tokens"], plan, comm, ep))
+        parts = pool.run(run_window, (folder, ref["tokens"], plan, comm, DOC_LENS, 1, ep))
         what = f"qwen3-moe CP={cp} EP={ep} {strategy}/{comm}"
         print(what, "relative errors: logits {:.1e}, gradients {:.1e}".format(*check(parts, ref, what)))

@@ -59,18 +59,24 @@ def check_run(runs: list, reference: tuple, recounted: int) -> float:
     return worst
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """The seed checkpoint and the one-rank run's losses and final routing biases."""
-    root = tmp_path_factory.mktemp("moe")
+def one_rank_reference(root, model: dict, job, replace: tuple[str, ...] = ()):
+    """A seed checkpoint of the tiny job with `model`, and `job(dump, seed)`'s one-rank losses, final
+    routing biases and expert counts per step from it: (seed section, losses, biases, counts)."""
     with single_rank():
-        train(tiny_job(root / "seed", model=MOE, checkpoint={"enable": True, "create_seed_checkpoint": True}),
+        train(tiny_job(root / "seed", replace, model=model, checkpoint={"enable": True, "create_seed_checkpoint": True}),
               seed_checkpoint=True)  # fmt: skip
     seed = {"enable": True, "initial_load_path": str(root / "seed/checkpoint/step-0")}
     biases: list[torch.Tensor] = []
     counts: list[torch.Tensor] = []
     with single_rank():
-        losses = train(moe_job(root / "cp1", seed), expert_biases=biases, expert_counts=counts)
+        losses = train(job(root / "cp1", seed), expert_biases=biases, expert_counts=counts)
+    return seed, losses, biases, counts
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The seed checkpoint and the one-rank run's losses, final routing biases and expert counts."""
+    seed, losses, biases, counts = one_rank_reference(tmp_path_factory.mktemp("moe"), MOE, moe_job)
     assert losses[STEPS] < losses[1] - 0.1  # it trains
     assert any(b.abs().sum() > 0 for b in biases)  # the routing bias moved
     return seed, losses, biases, counts

@@ -16,7 +16,7 @@ from flashcp.titan.config.converters import check_converters, model_compiled
 from flashcp.titan.config.keys import check_value, ConfigError
 from flashcp.data.errors import DataError
 from flashcp.data.sources import DataConfig
-from flashcp.titan.config.model import check_model, model_experts
+from flashcp.titan.config.model import check_model, model_experts, model_latent
 from flashcp.titan.config.schema import RANKS_PER_NODE_COMMS, RENAMED_SECTIONS, SCHEMA
 from flashcp.titan.config.titan import ac_keys, section_config, TITAN_KEYS
 
@@ -242,6 +242,7 @@ def _check_unsupported(cfg: dict) -> None:
         raise ConfigError(f"[parallelism] {pipeline[0]} only applies to pipeline parallelism, which FlashCP "
                           "does not run")  # fmt: skip
     _check_experts(cfg)
+    _check_latent(cfg)
     if debug["batch_invariant"]:
         raise ConfigError("[debug] batch_invariant: TorchTitan 0.3.0's trainer has no batch-invariant mode "
                           "for pre-training")  # fmt: skip
@@ -273,7 +274,8 @@ def _check_experts(cfg: dict) -> None:
     if experts is None and (ep != 1 or forced):
         name = "[parallelism] expert_parallel_degree" if ep != 1 else "[debug] moe_force_load_balance"
         raise ConfigError(f"{name} applies to mixture-of-experts models; {model['name']} {model['flavor']!r} is dense "
-                          "(Qwen3-MoE: flavor debugmodel_moe, 30B-A3B, 235B-A22B or a qwen3_moe hf_config)")  # fmt: skip
+                          "(Qwen3-MoE: flavor debugmodel_moe, 30B-A3B, 235B-A22B or a qwen3_moe hf_config; "
+                          "any deepseek_v3)")  # fmt: skip
     if experts is not None and experts.num_experts % ep:
         raise ConfigError(f"[parallelism] expert_parallel_degree ({ep}) must divide the model's {experts.num_experts} "
                           "experts: each EP rank holds the same number")  # fmt: skip
@@ -284,6 +286,25 @@ def _check_experts(cfg: dict) -> None:
     if experts is not None and cfg["activation_checkpoint"]["mlp_tiles"] not in (0, 1):
         raise ConfigError(f"[activation_checkpoint] mlp_tiles = {cfg['activation_checkpoint']['mlp_tiles']} tiles "
                           "dense feed-forward layers; this model's are routed experts (set mlp_tiles = 0)")  # fmt: skip
+
+
+def _check_latent(cfg: dict) -> None:
+    """What FlashCP's MLA (`flashcp.titan.models.latent`) does not run yet, refused with the reason."""
+    if model_latent(cfg) is None or cfg["model"]["attention"] != "flashcp":
+        return
+    flashcp, par = cfg["flashcp"], cfg["parallelism"]
+    compiled = cfg["compile"]["enable"] and "model" in cfg["compile"]["components"]
+    refused = [
+        (par["tensor_parallel_degree"] != 1, "[parallelism] tensor_parallel_degree > 1 (wkv_b split by head)"),
+        (flashcp["comm"] == "ring", "[flashcp] comm = 'ring' (the latent exchange runs compact, full, needed "
+                                    "and two_level)"),
+        (flashcp["overlap"], "[flashcp] overlap = true"),
+        (compiled, "[compile] enable with 'model' (the latent exchange is not a registered op yet)"),
+    ]  # fmt: skip
+    for bad, what in refused:
+        if bad:
+            raise ConfigError(f"{what}: not with an MLA model ({cfg['model']['name']}), whose attention is FlashCP's "
+                              "latent exchange")  # fmt: skip
 
 
 def _check_profiler(cfg: dict) -> None:

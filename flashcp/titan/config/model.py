@@ -4,14 +4,15 @@ The architecture is named once: a flavor TorchTitan registers for the family (de
 registry, `flashcp.titan.models.registry`), `custom` sizes, or a Hugging Face `config.json` (`hf_config`,
 read now); RoPE keys (`flashcp.titan.models.rope`) override the model's own. `model_dims` and
 `model_head_dim` give the layout checks and the pre-launch estimates the sizes without building it,
-`model_experts` the experts of a mixture-of-experts model (None for a dense one).
+`model_experts` the experts of a mixture-of-experts model (None for a dense one), `model_latent`
+DeepSeek-V3's latent attention (None for the others).
 """
 
 from __future__ import annotations
 
 from flashcp.titan.config.keys import ConfigError, Key
-from flashcp.titan.hf.config import Architecture, Experts, HFConfigError, read_hf_config
-from flashcp.titan.models.registry import dense_flavors, flavor_architecture, REGISTRIES, refusal
+from flashcp.titan.hf.config import Architecture, Experts, HFConfigError, Latent, read_hf_config
+from flashcp.titan.models.registry import dense_flavors, flavor_architecture, REFUSED_FAMILIES, REGISTRIES, refusal
 from flashcp.titan.models.rope import FAMILY_ROPE, rope_for_job, RopeError, SCALINGS
 
 CUSTOM_MODEL_KEYS = (
@@ -24,7 +25,7 @@ EXPERT_KEYS = ("num_experts", "num_experts_per_tok", "moe_hidden_dim")  # a cust
 TOKENIZER_SIZED_FLAVORS = ("debugmodel",)
 
 MODEL_KEYS: dict[str, Key] = {
-    "name": Key(str, "llama3", tuple(REGISTRIES), "the model family (TorchTitan's registry)"),
+    "name": Key(str, "llama3", (*REGISTRIES, *REFUSED_FAMILIES), "the model family (TorchTitan's registry)"),
     "flavor": Key(str, "debugmodel", doc="a flavor TorchTitan registers for the family (Qwen3-MoE's included), "
                   "or custom"),
     "hf_config": Key(str, doc="a Hugging Face model folder (or its config.json) giving the architecture "
@@ -99,6 +100,8 @@ def check_model(cfg: dict) -> None:
 def _check_architecture(cfg: dict) -> None:
     model, given = cfg["model"], cfg["_given"].get("model", [])
     ckpt = cfg["checkpoint"]
+    if model["name"] in REFUSED_FAMILIES:
+        raise ConfigError(f"[model] name = {model['name']!r} {REFUSED_FAMILIES[model['name']]}")
     if model["hf_config"] is None and ckpt.get("initial_load_in_hf") and "flavor" not in given:
         model["hf_config"] = ckpt["initial_load_path"]
     if model["hf_config"] is not None:
@@ -115,7 +118,14 @@ def _check_architecture(cfg: dict) -> None:
         if flavor not in (*flavors, "custom"):
             raise ConfigError(f"[model] flavor must be one of {', '.join((*flavors, 'custom'))} for "
                               f"name = {name!r}; got {flavor!r}")  # fmt: skip
+        if flavor == "custom" and name == "deepseek_v3":
+            raise ConfigError(f"[model] flavor = 'custom' builds llama3 and qwen3 sizes; a {name} of another size "
+                              "is an hf_config (a config.json)")  # fmt: skip
         base = FAMILY_ROPE[name]
+    if model["name"] == "deepseek_v3" and model["rope_attention_factor"] is not None:
+        raise ConfigError("[model] rope_attention_factor does not apply to MLA (deepseek_v3): its RoPE is a pure "
+                          "rotation, YaRN's correction the softmax scale's mscale (config.json "
+                          "rope_scaling.mscale_all_dim)")  # fmt: skip
     try:
         rope = rope_for_job(base, model)
         if model["name"] == "qwen3" and rope.scaling == "llama3":
@@ -150,7 +160,7 @@ def model_dims(cfg: dict) -> tuple[int, int, int, int, int | None]:
 
 
 def model_head_dim(cfg: dict) -> int:
-    """The job's attention head size (Qwen3's is not always dim / n_heads)."""
+    """The job's attention head size (Qwen3's is not always dim / n_heads; MLA's: its qk head, nope + rope)."""
     model = cfg["model"]
     if model["flavor"] == "custom":
         return model["head_dim"] or model["dim"] // model["n_heads"]
@@ -163,6 +173,12 @@ def model_experts(cfg: dict) -> Experts | None:
     if model["flavor"] == "custom":
         return custom_experts(model)
     return _architecture(model).experts
+
+
+def model_latent(cfg: dict) -> Latent | None:
+    """The job's multi-head latent attention (DeepSeek-V3), or None for Llama 3 / Qwen3 attention."""
+    model = cfg["model"]
+    return None if model["flavor"] == "custom" else _architecture(model).latent
 
 
 def custom_experts(model: dict) -> Experts | None:

@@ -33,8 +33,11 @@ from flashcp.titan.hf.files import FolderFileError, read_member
 from flashcp.titan.models.rope import Rope, rope_from_hf, rope_to_hf, RopeError
 
 # HF model_type -> FlashCP / TorchTitan model name, and back with its HF class.
-MODEL_TYPES = {"llama": "llama3", "qwen3": "qwen3", "qwen3_moe": "qwen3"}
-HF_NAMES = {"llama3": ("llama", "LlamaForCausalLM"), "qwen3": ("qwen3", "Qwen3ForCausalLM")}
+MODEL_TYPES = {"llama": "llama3", "qwen3": "qwen3", "qwen3_moe": "qwen3", "deepseek_v3": "deepseek_v3"}
+HF_NAMES = {
+    "llama3": ("llama", "LlamaForCausalLM"), "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "deepseek_v3": ("deepseek_v3", "DeepseekV3ForCausalLM"),
+}  # fmt: skip
 HF_MOE_NAME = ("qwen3_moe", "Qwen3MoeForCausalLM")  # a qwen3 architecture with experts
 HF_DEFAULT_THETA = 10000.0  # transformers' default rope_theta for both
 MAX_CONFIG_BYTES = 1 << 20
@@ -46,31 +49,54 @@ class HFConfigError(ValueError):
 
 @dataclass(frozen=True)
 class Experts:
-    """Every layer's feed-forward as routed experts (Qwen3-MoE: no shared expert, softmax router)."""
+    """The feed-forward as routed experts: Qwen3-MoE's (softmax router, no shared expert, every layer)
+    by default; DeepSeek-V3's add shared experts, a sigmoid router with group-limited choice and a
+    scale on the routed output."""
 
     num_experts: int
     top_k: int  # experts per token (HF num_experts_per_tok)
     hidden_dim: int  # one expert's width (HF moe_intermediate_size)
     route_norm: bool = True  # the top-k scores renormalised to sum to 1 (HF norm_topk_prob)
+    shared: int = 0  # shared experts, each hidden_dim wide, run on every token (HF n_shared_experts)
+    score_func: str = "softmax"  # softmax | sigmoid
+    route_scale: float = 1.0  # multiplies the top-k scores (HF routed_scaling_factor)
+    groups: int | None = None  # expert groups, of which each token picks `limited_groups` (HF n_group)
+    limited_groups: int | None = None  # HF topk_group
+
+
+@dataclass(frozen=True)
+class Latent:
+    """Multi-head latent attention (DeepSeek-V2/V3): K and V up-projected per head from one normalised
+    latent row (kv_lora_rank) per token, plus one RoPE key shared by all heads (qk_rope_head_dim)."""
+
+    kv_lora_rank: int
+    q_lora_rank: int  # 0: q projected directly from the hidden state (HF q_lora_rank null)
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    mscale: float = 1.0  # YaRN's softmax-scale correction, squared in the scale (HF rope_scaling.mscale_all_dim)
+    norm_eps: float = 1e-6  # RMSNorm eps of the latent (and q's) norm: transformers' fixed 1e-6
 
 
 @dataclass(frozen=True)
 class Architecture:
     """A decoder: everything that fixes its parameters' shapes and its forward pass."""
 
-    name: str  # llama3 | qwen3 (qwen3: RMSNorm on q and k per head before RoPE)
+    name: str  # llama3 | qwen3 (qwen3: RMSNorm on q and k per head before RoPE) | deepseek_v3 (latent)
     dim: int
     n_layers: int
     n_heads: int
     n_kv_heads: int
     head_dim: int
-    hidden_dim: int  # feed-forward width (HF intermediate_size)
+    hidden_dim: int  # feed-forward width (HF intermediate_size; deepseek_v3: its dense layers')
     vocab_size: int
     norm_eps: float
     rope: Rope
     tie_embeddings: bool = False
     max_position_embeddings: int = 8192  # the context the model is meant for (export writes the trained one)
     experts: Experts | None = None  # None: a dense feed-forward of hidden_dim in every layer
+    latent: Latent | None = None  # deepseek_v3's attention (head_dim: qk_nope + qk_rope; n_kv_heads = n_heads)
+    n_dense_layers: int = 0  # with experts: the first layers keep a dense feed-forward (HF first_k_dense_replace)
 
     @property
     def qk_norm(self) -> bool:
@@ -111,7 +137,7 @@ def architecture_from_hf(hf: dict[str, Any], where: str = "config.json") -> Arch
     _check_numbers(hf, where)
     model_type = hf.get("model_type")
     if model_type not in MODEL_TYPES:
-        moe = " (of mixture-of-experts models, qwen3_moe only)" if "moe" in str(model_type) else ""
+        moe = " (of mixture-of-experts models, qwen3_moe and deepseek_v3 only)" if "moe" in str(model_type) else ""
         raise HFConfigError(
             f"{where}: model_type {model_type!r} is not supported{moe}; supported: {', '.join(MODEL_TYPES)}"
         )
@@ -144,7 +170,12 @@ def architecture_from_hf(hf: dict[str, Any], where: str = "config.json") -> Arch
         unsupported.append(
             f"head_dim = {head_dim} (Llama needs hidden_size / num_attention_heads = {dim // n_heads})"
         )
-    if n_heads % n_kv:
+    if name == "deepseek_v3":
+        unsupported += [f"{key} = {hf[key]!r}" for key, ok in (("rope_interleave", True), ("scoring_func", "sigmoid"))
+                        if key in hf and hf[key] != ok]  # fmt: skip
+        if n_kv != n_heads:
+            unsupported.append(f"num_key_value_heads = {n_kv} (MLA has one key per head: num_attention_heads)")
+    elif n_heads % n_kv:
         unsupported.append(f"num_attention_heads = {n_heads} not a multiple of num_key_value_heads = {n_kv}")
     if unsupported:
         raise HFConfigError(f"{where}: {'; '.join(unsupported)} is not supported")
@@ -153,6 +184,8 @@ def architecture_from_hf(hf: dict[str, Any], where: str = "config.json") -> Arch
     except (RopeError, KeyError, TypeError, ValueError) as e:
         raise HFConfigError(f"{where}: {e}") from e
     n_layers = value("num_hidden_layers", int)
+    if name == "deepseek_v3":
+        return _deepseek_v3(hf, value, rope, where)
     return Architecture(
         name=name,
         dim=dim,
@@ -168,6 +201,53 @@ def architecture_from_hf(hf: dict[str, Any], where: str = "config.json") -> Arch
         max_position_embeddings=value("max_position_embeddings", int, 8192),
         experts=_experts(hf, value, n_layers, where) if model_type == "qwen3_moe" else None,
     )
+
+
+def _deepseek_v3(hf: dict[str, Any], value, rope: Rope, where: str) -> Architecture:
+    """A deepseek_v3 config.json: MLA attention, `first_k_dense_replace` dense layers, then routed and
+    shared experts behind a sigmoid router (DeepseekV3ForCausalLM's only one)."""
+    dim, n_heads, n_layers = value("hidden_size", int), value("num_attention_heads", int), value("num_hidden_layers", int)
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if rope.yarn_attention_factor != 1.0:
+        raise HFConfigError(
+            f"{where}: rope_scaling's attention factor {rope.yarn_attention_factor:.4g} (mscale "
+            f"{params.get('mscale')} != mscale_all_dim {params.get('mscale_all_dim')}) would scale only the RoPE part "
+            "of MLA's logits: not supported"
+        )
+    q_lora = hf.get("q_lora_rank")
+    latent = Latent(
+        kv_lora_rank=value("kv_lora_rank", int), q_lora_rank=0 if q_lora is None else value("q_lora_rank", int),
+        qk_nope_head_dim=value("qk_nope_head_dim", int), qk_rope_head_dim=value("qk_rope_head_dim", int),
+        v_head_dim=value("v_head_dim", int),
+        mscale=float(params.get("mscale_all_dim") or 0.0) if rope.scaling == "yarn" else 0.0,
+    )  # fmt: skip
+    if latent.qk_rope_head_dim % 2:
+        raise HFConfigError(f"{where}: qk_rope_head_dim must be even (pairs rotate), got {latent.qk_rope_head_dim}")
+    dense = hf.get("first_k_dense_replace", 0)
+    if not isinstance(dense, int) or isinstance(dense, bool) or not 0 <= dense <= n_layers:
+        raise HFConfigError(f"{where}: first_k_dense_replace must be an integer in 0..{n_layers}, got {dense!r}")
+    groups, limited = value("n_group", int, 1), value("topk_group", int, 1)
+    experts = Experts(
+        num_experts=value("n_routed_experts", int), top_k=value("num_experts_per_tok", int),
+        hidden_dim=value("moe_intermediate_size", int), route_norm=hf.get("norm_topk_prob", False) is True,
+        shared=hf.get("n_shared_experts") or 0, score_func="sigmoid",
+        route_scale=value("routed_scaling_factor", float, 1.0),
+        groups=None if groups == 1 else groups, limited_groups=None if groups == 1 else limited,
+    )  # fmt: skip
+    if experts.top_k > experts.num_experts or experts.num_experts % groups or experts.num_experts // groups < 2 \
+            or limited > groups or experts.top_k > limited * (experts.num_experts // groups):
+        raise HFConfigError(
+            f"{where}: {experts.num_experts} experts in n_group = {groups} groups (at least 2 each), "
+            f"topk_group = {limited} and num_experts_per_tok = {experts.top_k} do not fit together"
+        )  # fmt: skip
+    return Architecture(
+        name="deepseek_v3", dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_heads,
+        head_dim=latent.qk_nope_head_dim + latent.qk_rope_head_dim, hidden_dim=value("intermediate_size", int),
+        vocab_size=value("vocab_size", int), norm_eps=_norm_eps(value("rms_norm_eps", float, 1e-6), where),
+        rope=rope, tie_embeddings=value("tie_word_embeddings", bool, False),
+        max_position_embeddings=value("max_position_embeddings", int, 8192), experts=experts, latent=latent,
+        n_dense_layers=dense,
+    )  # fmt: skip
 
 
 def _experts(hf: dict[str, Any], value, n_layers: int, where: str) -> Experts:
@@ -221,7 +301,7 @@ def to_hf_config(
     arch: Architecture, torch_dtype: str = "bfloat16", base: dict[str, Any] | None = None
 ) -> dict:
     """config.json for `arch` (AutoModelForCausalLM loads it), over the base model's config.json if given."""
-    model_type, hf_class = HF_MOE_NAME if arch.experts else HF_NAMES[arch.name]
+    model_type, hf_class = HF_MOE_NAME if arch.experts and arch.name == "qwen3" else HF_NAMES[arch.name]
     out = {k: v for k, v in (base or {}).items() if k not in ("rope_parameters", "transformers_version")}
     if base is not None and base.get("model_type") != model_type:
         out = {}  # another family's entries would not load
@@ -244,6 +324,8 @@ def to_hf_config(
         "dtype": torch_dtype,  # transformers 5's name for it
         **rope_to_hf(arch.rope),
     }
+    if arch.name == "deepseek_v3":
+        return out | _deepseek_v3_entries(arch, out["rope_scaling"])
     if arch.name == "llama3":
         out["mlp_bias"] = False
     else:
@@ -254,6 +336,31 @@ def to_hf_config(
             "moe_intermediate_size": arch.experts.hidden_dim, "norm_topk_prob": arch.experts.route_norm,
             "decoder_sparse_step": 1, "mlp_only_layers": [], "output_router_logits": False,
         }  # fmt: skip
+    return out
+
+
+def _deepseek_v3_entries(arch: Architecture, rope_scaling: dict[str, Any] | None) -> dict[str, Any]:
+    """DeepseekV3ForCausalLM's own entries; HFConfigError for a model it cannot hold (a softmax router)."""
+    latent, experts = arch.latent, arch.experts
+    if experts.score_func != "sigmoid":
+        raise HFConfigError(f"this deepseek_v3 model routes by {experts.score_func}; DeepseekV3ForCausalLM routes by "
+                            "sigmoid only: no Hugging Face class holds it")  # fmt: skip
+    if latent.norm_eps != 1e-6:
+        raise HFConfigError(f"this deepseek_v3 model's latent RMSNorm eps is {latent.norm_eps:g}; DeepseekV3ForCausalLM "
+                            "fixes it at 1e-06")  # fmt: skip
+    out = {
+        "head_dim": latent.qk_rope_head_dim,  # transformers' own value for this model type
+        "kv_lora_rank": latent.kv_lora_rank, "q_lora_rank": latent.q_lora_rank or None,
+        "qk_nope_head_dim": latent.qk_nope_head_dim, "qk_rope_head_dim": latent.qk_rope_head_dim,
+        "v_head_dim": latent.v_head_dim, "rope_interleave": True, "first_k_dense_replace": arch.n_dense_layers,
+        "n_routed_experts": experts.num_experts, "num_experts_per_tok": experts.top_k,
+        "moe_intermediate_size": experts.hidden_dim, "n_shared_experts": experts.shared,
+        "norm_topk_prob": experts.route_norm, "routed_scaling_factor": experts.route_scale,
+        "n_group": experts.groups or 1, "topk_group": experts.limited_groups or 1,
+        "num_nextn_predict_layers": 0,  # no multi-token-prediction head is trained
+    }  # fmt: skip
+    if arch.rope.scaling == "yarn":  # the softmax scale's correction; cos / sin unscaled (attention factor 1)
+        out["rope_scaling"] = rope_scaling | {"mscale": latent.mscale, "mscale_all_dim": latent.mscale}
     return out
 
 

@@ -89,7 +89,10 @@ def job_model_record(cfg: dict[str, Any], tokenizer_vocab: int,
     if source:
         path = Path(source)
         base = json.loads(((path / CONFIG) if path.is_dir() else path).read_text())
-    hf_config = to_hf_config(arch, torch_dtype=cfg["training"]["dtype"], base=base)
+    try:
+        hf_config = to_hf_config(arch, torch_dtype=cfg["training"]["dtype"], base=base)
+    except HFConfigError as e:  # a model no HF class holds (DeepSeek-V3 with a softmax router): trains, no export
+        return model_record(None, tokenizer, imported) | {"no_hf_class": str(e)}
     return model_record(hf_config, tokenizer, imported)
 
 
@@ -176,6 +179,8 @@ def verified_record(checkpoint: Path) -> dict[str, Any]:
     """The checkpoint's model record, once its files match its manifest."""
     manifest = verified_manifest(checkpoint)
     record = manifest.get("model")
+    if isinstance(record, dict) and isinstance(record.get("no_hf_class"), str):
+        raise ExportError(f"{checkpoint}: {record['no_hf_class']}")
     if not isinstance(record, dict) or not isinstance(record.get("hf_config"), dict):
         raise ExportError(f"{checkpoint / MANIFEST} does not record the model (saved before FlashCP "
                           "recorded it): resume the run for one step to save a checkpoint that does")

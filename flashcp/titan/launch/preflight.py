@@ -77,11 +77,17 @@ def check_hf_import(cfg: dict[str, Any], tokenizer_vocab: int) -> None:
             raise HFFolderError(f"{path} " + ("is not a folder" if path.exists() else "does not exist"))
         stored = read_hf_config(path)
         arch = job_architecture(cfg["model"], tokenizer_vocab, cfg["training"]["seq_len"])
+        if stored.name != arch.name:
+            raise HFFolderError(f"{path} holds a {stored.name} model but the job's model ([model] name "
+                                f"{cfg['model']['name']!r}) is {arch.name}: name the folder's family or leave name "
+                                "and flavor unset to train the folder's architecture")  # fmt: skip
         if (stored.experts is None) != (arch.experts is None):
             kinds = ("a mixture-of-experts", "a dense") if stored.experts else ("a dense", "a mixture-of-experts")
             raise HFFolderError(f"{path} holds {kinds[0]} {stored.name} model but the job's model ([model] flavor "
                                 f"{cfg['model']['flavor']!r}) is {kinds[1]} one: name the folder's flavor or "
                                 "leave flavor unset to train the folder's architecture")  # fmt: skip
+        if stored.latent:
+            _refuse_mtp(path, stored.n_layers)
         model_config = titan_config(arch, attn_backend="flex", max_seq_len=cfg["training"]["seq_len"])
         with torch.device("meta"):
             state = model_config.build().state_dict()
@@ -89,6 +95,20 @@ def check_hf_import(cfg: dict[str, Any], tokenizer_vocab: int) -> None:
         check_finite(path)
     except (HFConfigError, HFFolderError) as e:
         raise ConfigError(f"[checkpoint] initial_load_path: {e}") from e
+
+
+def _refuse_mtp(path: Path, n_layers: int) -> None:
+    """HFFolderError when a DeepSeek-V3 folder stores multi-token-prediction layers (`model.layers.<n_layers>`
+    and on). FlashCP does not train them: an MTP layer reads each token's next-token embedding, which
+    under CP lives on another rank for every shard's last token; importing the rest would drop them."""
+    from flashcp.titan.hf.folder import HFFolderError, read_header, weight_files
+
+    prefix = f"model.layers.{n_layers}."
+    for file in weight_files(path):
+        if any(name.startswith(prefix) for name in read_header(file)):
+            raise HFFolderError(f"{path} holds a multi-token-prediction layer ({prefix}*), which FlashCP does not "
+                                "train (next-token embeddings cross CP ranks): remove it from the folder (and set "
+                                "num_nextn_predict_layers = 0) to train the main model")  # fmt: skip
 
 
 def parameter_count(cfg: dict[str, Any], vocab: int) -> int:

@@ -54,8 +54,28 @@ class CPStep:
 
 
 def flashcp_ropes(model: torch.nn.Module) -> dict[tuple, RoPE.Config]:
-    """The distinct RoPEs the FlashCP attention layers of `model` apply, by `rotation_key`."""
-    return {m.rotation_key: m.rope for m in model.modules() if isinstance(m, FlashCPAttention) and m.rope is not None}
+    """The distinct RoPEs the FlashCP attention layers of `model` apply, by `rotation_key` (every module
+    with a `rotation_key` and its `rotation_config`: this file's and MLA's, flashcp.titan.models.latent)."""
+    return {m.rotation_key: m.rotation_config for m in model.modules() if getattr(m, "rotation_key", None) is not None}
+
+
+def step_rows(attention_masks, key: tuple | None, batch: int) -> tuple[CPStep, torch.Tensor | None]:
+    """The trainer's CPStep passed as `attention_masks` and its RoPE rows for `key` (None: no rows);
+    TypeError / ValueError naming what the caller got wrong."""
+    if not isinstance(attention_masks, CPStep):
+        raise TypeError(
+            "FlashCP's attention needs the trainer's CPStep as attention_masks, got "
+            f"{type(attention_masks).__name__}: train this model with FlashCPTrainer"
+        )
+    if batch != 1:
+        raise ValueError(f"FlashCP attention takes one window per step (batch 1), got {batch}")
+    if key is None:
+        return attention_masks, None
+    rows = attention_masks.rotations.get(key)
+    if rows is None:
+        raise ValueError("the CPStep has no RoPE rows for this layer: build it with "
+                         "CPStep.of(flashcp_ropes(model), dispatch, group)")  # fmt: skip
+    return attention_masks, rows
 
 
 class FlashCPAttention(Module):
@@ -85,7 +105,7 @@ class FlashCPAttention(Module):
         self.backend = config.backend
         self.overlap = config.overlap
         self.scale_factor = config.scale_factor
-        self.rope = config.rope
+        self.rope = self.rotation_config = config.rope
         self.rotation_key = None if config.rope is None else rotation_key(config.rope)
 
     def forward(
@@ -98,18 +118,8 @@ class FlashCPAttention(Module):
         scale: float | None = None,
         **kwargs,
     ) -> torch.Tensor:
-        if not isinstance(attention_masks, CPStep):
-            raise TypeError(
-                "FlashCPAttention needs the trainer's CPStep as attention_masks, got "
-                f"{type(attention_masks).__name__}: train this model with FlashCPTrainer"
-            )
-        if q_BLNH.shape[0] != 1:
-            raise ValueError(f"FlashCP attention takes one window per step (batch 1), got {q_BLNH.shape[0]}")
-        if self.rope is not None:
-            rows = attention_masks.rotations.get(self.rotation_key)
-            if rows is None:
-                raise ValueError("the CPStep has no RoPE rows for this layer: build it with "
-                                 "CPStep.of(flashcp_ropes(model), dispatch, group)")  # fmt: skip
+        _, rows = step_rows(attention_masks, self.rotation_key, q_BLNH.shape[0])
+        if rows is not None:
             q_BLNH, k_BLNH = rotate(self.rope, q_BLNH, k_BLNH, rows)
         if self.scale_factor != 1.0:
             scale = (q_BLNH.shape[-1] ** -0.5 if scale is None else scale) * self.scale_factor

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from torchtitan.models import deepseek_v3 as titan_deepseek_v3
 from torchtitan.models import llama3 as titan_llama3
 from torchtitan.models import qwen3 as titan_qwen3
 from torchtitan.models.common import (
@@ -28,6 +29,8 @@ from torchtitan.models.common import (
     RMSNorm,
 )
 from torchtitan.models.common.decoder import Decoder
+from torchtitan.models.deepseek_v3 import DeepSeekV3Model
+from torchtitan.models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter
 from torchtitan.models.llama3 import Llama3Model
 from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
 from torchtitan.models.qwen3 import Qwen3Model
@@ -40,18 +43,38 @@ from flashcp.titan.models.experts import use_param_dtype_experts
 from flashcp.titan.models.registry import family, flavor_architecture, TITAN_SCALING
 from flashcp.titan.models.rope import FAMILY_ROPE, rope_for_job, RopeError
 
+class TiedDeepSeekV3StateDictAdapter(DeepSeekV3StateDictAdapter):
+    """TorchTitan's DeepSeek-V3 adapter, with tied embeddings as its Qwen3 adapter handles them: an HF
+    folder of a tied model stores only the embedding (TorchTitan 0.3.0's DeepSeek-V3 adapter always
+    maps lm_head.weight), which is also the output projection's weight."""
+
+    def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        if self.model_config.enable_weight_tying:
+            state_dict = {k: v for k, v in state_dict.items() if k != "lm_head.weight"}
+            if self.fqn_to_index_mapping:
+                self.fqn_to_index_mapping.pop("lm_head.weight", None)
+        return super().to_hf(state_dict)
+
+    def from_hf(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
+        if self.model_config.enable_weight_tying and "lm_head.weight" not in hf_state_dict:
+            hf_state_dict = hf_state_dict | {"lm_head.weight": hf_state_dict["model.embed_tokens.weight"]}
+        return super().from_hf(hf_state_dict)
+
+
 ADAPTERS: dict[str, type[BaseStateDictAdapter]] = {
     "llama3": Llama3StateDictAdapter,
     "qwen3": Qwen3StateDictAdapter,
+    "deepseek_v3": TiedDeepSeekV3StateDictAdapter,
 }
 # The RMSNorm eps of each family's flavors, which a custom size takes with the family's RoPE.
 _NORM_EPS = {"llama3": 1e-5, "qwen3": 1e-6}
 
 
 def titan_rope(arch: Architecture, max_seq_len: int):
-    """TorchTitan's RoPE config for `arch`: ComplexRoPE for Llama 3, CosSinRoPE for Qwen3."""
+    """TorchTitan's RoPE config for `arch`: CosSinRoPE for Qwen3, else ComplexRoPE (DeepSeek-V3: over
+    each head's qk_rope_head_dim RoPE columns)."""
     rope = arch.rope
-    cls = ComplexRoPE if arch.name == "llama3" else CosSinRoPE
+    cls = CosSinRoPE if arch.name == "qwen3" else ComplexRoPE
     if rope.scaling == "llama3" and cls is CosSinRoPE:
         raise RopeError(
             "llama3 RoPE scaling is Llama's (complex RoPE); TorchTitan's Qwen3 RoPE supports none or yarn"
@@ -68,7 +91,8 @@ def titan_rope(arch: Architecture, max_seq_len: int):
             "rope_factor": rope.factor, "beta_fast": rope.beta_fast, "beta_slow": rope.beta_slow,
             "original_seq_len": rope.original_max_position_embeddings, "truncate": rope.truncate,
         }  # fmt: skip
-    return cls.Config(dim=arch.head_dim, max_seq_len=max_seq_len, theta=rope.theta, **scaling)
+    dim = arch.latent.qk_rope_head_dim if arch.latent else arch.head_dim
+    return cls.Config(dim=dim, max_seq_len=max_seq_len, theta=rope.theta, **scaling)
 
 
 def titan_config(arch: Architecture, attn_backend: str, max_seq_len: int) -> Decoder.Config:
@@ -86,6 +110,9 @@ def titan_config(arch: Architecture, attn_backend: str, max_seq_len: int) -> Dec
             n_kv_heads=None if arch.n_kv_heads == arch.n_heads else arch.n_kv_heads,
             attn_backend=attn_backend, fuse_qkv=True,
         )  # fmt: skip
+    elif arch.latent:
+        lib, cls, head_init = titan_deepseek_v3, DeepSeekV3Model.Config, titan_deepseek_v3._output_linear_init(dim)
+        layers = _deepseek_v3_layers(arch, rope, attn_backend)
     elif arch.experts:
         lib, cls, head_init = titan_qwen3, Qwen3Model.Config, titan_qwen3._LINEAR_INIT
         layers = titan_qwen3._build_qwen3_moe_layers(
@@ -112,17 +139,40 @@ def titan_config(arch: Architecture, attn_backend: str, max_seq_len: int) -> Dec
         tok_embeddings=Embedding.Config(
             num_embeddings=vocab,
             embedding_dim=dim,
-            param_init=lib._EMBEDDING_SKIP_INIT if tied else lib._EMBEDDING_INIT,
+            param_init=titan_llama3._EMBEDDING_SKIP_INIT if tied else lib._EMBEDDING_INIT,
         ),
         norm=RMSNorm.Config(normalized_shape=dim, eps=arch.norm_eps, param_init=lib._NORM_INIT),
         lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=head_init),
         layers=layers,
     )
     for layer in model.layers:  # TorchTitan's builders fix each family's eps; a config.json may differ
-        for norm in (layer.attention_norm, layer.ffn_norm, layer.attention.qk_norm):
+        for norm in (layer.attention_norm, layer.ffn_norm, getattr(layer.attention, "qk_norm", None)):
             if norm is not None:
                 norm.eps = arch.norm_eps
+        if arch.latent:
+            layer.attention.q_norm.eps = layer.attention.kv_norm.eps = arch.latent.norm_eps
     return model
+
+
+def _deepseek_v3_layers(arch: Architecture, rope, attn_backend: str) -> list:
+    """DeepSeek-V3's layers by TorchTitan's builder: MLA everywhere, the first `n_dense_layers` with a
+    dense feed-forward, the rest routed and shared experts (computed in the weights' dtype)."""
+    latent, experts = arch.latent, arch.experts
+    layers = titan_deepseek_v3._build_dsv3_layers(
+        n_layers=arch.n_layers, n_dense_layers=arch.n_dense_layers, dim=arch.dim, n_heads=arch.n_heads,
+        q_lora_rank=latent.q_lora_rank, kv_lora_rank=latent.kv_lora_rank, qk_nope_head_dim=latent.qk_nope_head_dim,
+        qk_rope_head_dim=latent.qk_rope_head_dim, v_head_dim=latent.v_head_dim, mscale=latent.mscale,
+        dense_hidden_dim=arch.hidden_dim, moe_hidden_dim=experts.hidden_dim, num_experts=experts.num_experts,
+        num_shared_experts=experts.shared, router_top_k=experts.top_k, router_score_func=experts.score_func,
+        router_num_expert_groups=experts.groups, router_num_limited_groups=experts.limited_groups,
+        router_route_scale=experts.route_scale, router_route_norm=experts.route_norm, attn_backend=attn_backend,
+        moe_comm_backend="standard", non_blocking_capacity_factor=None, rope=rope,
+    )  # fmt: skip
+    for layer in layers:
+        if layer.moe is not None and not experts.shared:  # the builder always adds them
+            layer.moe.shared_experts = None
+    use_param_dtype_experts(layers)
+    return layers
 
 
 def job_architecture(model_cfg: dict[str, Any], tokenizer_vocab: int, seq_len: int) -> Architecture:
@@ -139,6 +189,8 @@ def job_architecture(model_cfg: dict[str, Any], tokenizer_vocab: int, seq_len: i
             if flavor in TOKENIZER_SIZED_FLAVORS:
                 arch = dataclasses.replace(arch, vocab_size=tokenizer_vocab)
         rope = rope_for_job(arch.rope, model_cfg)
+        if arch.latent and rope.scaling == "yarn":  # MLA's RoPE is a pure rotation (its correction: Latent.mscale)
+            rope = dataclasses.replace(rope, attention_factor=1.0)
     except (HFConfigError, RopeError) as e:
         raise ConfigError(f"[model] {e}") from e
     return with_rope(arch, rope, seq_len)

@@ -8,8 +8,10 @@ The job-file checks (`flashcp.titan.config.model`) and the model builder (`decod
 flavors here, from TorchTitan's own configs (`llama3_configs`, `qwen3_configs`), so a flavor
 TorchTitan adds or changes needs no edit in FlashCP. A flavor is trained when FlashCP's one build
 path (`decoders.titan_config`: fused QKV, a dense feed-forward or Qwen3-MoE's routed experts in every
-layer) rebuilds it; one that keeps Q, K and V apart, mixes dense and expert layers or adds shared
-experts is refused, recognised from its config, not its name. (`dense_flavors` is the historical name:
+layer; DeepSeek-V3's MLA with its dense first layers and shared experts) rebuilds it; a Llama 3 /
+Qwen3 flavor that keeps Q, K and V apart, mixes dense and expert layers or adds shared experts is
+refused, recognised from its config, not its name. Families FlashCP does not train at all are
+`REFUSED_FAMILIES`, each with its reason. (`dense_flavors` is the historical name:
 the trained flavors, Qwen3-MoE's included.)
 Building every flavor's config takes milliseconds (dataclasses, no weights).
 """
@@ -21,34 +23,44 @@ from collections.abc import Callable
 
 from torchtitan.models.common import FusedQKVLinear
 from torchtitan.models.common.decoder import Decoder
+from torchtitan.models.deepseek_v3 import deepseekv3_configs, DeepSeekV3Model
 from torchtitan.models.llama3 import llama3_configs, Llama3Model
 from torchtitan.models.qwen3 import Qwen3Model, qwen3_configs
 
-from flashcp.titan.hf.config import Architecture, Experts
+from flashcp.titan.hf.config import Architecture, Experts, Latent
 from flashcp.titan.models.rope import Rope
 
 REGISTRIES: dict[str, dict[str, Callable[..., Decoder.Config]]] = {
     "llama3": llama3_configs,
     "qwen3": qwen3_configs,
+    "deepseek_v3": deepseekv3_configs,
 }
+# Families TorchTitan registers that FlashCP does not train, and why.
+REFUSED_FAMILIES = {
+    "kimi_k2_7": "is a vision-language model (TorchTitan's KimiK25Model: a vision encoder before an MLA decoder); "
+                 "FlashCP trains text decoders only (Kimi K2's text model is a deepseek_v3 hf_config)",
+}  # fmt: skip
 # FlashCP's name of each RoPE scaling -> TorchTitan's.
 TITAN_SCALING = {"none": "none", "llama3": "llama", "yarn": "yarn"}
 
 
 def family(model_config: Decoder.Config) -> str:
     """The family of a TorchTitan model config: "llama3" or "qwen3"."""
+    if isinstance(model_config, DeepSeekV3Model.Config):
+        return "deepseek_v3"
     if isinstance(model_config, Qwen3Model.Config):
         return "qwen3"
     if isinstance(model_config, Llama3Model.Config):
         return "llama3"
-    raise TypeError(f"not a Llama 3 or Qwen3 config: {type(model_config).__name__}")
+    raise TypeError(f"not a Llama 3, Qwen3 or DeepSeek-V3 config: {type(model_config).__name__}")
 
 
 def architecture_of(model_config: Decoder.Config) -> Architecture:
-    """The architecture of a TorchTitan Llama 3 / Qwen3 config (e.g. a registry flavor)."""
+    """The architecture of a TorchTitan Llama 3 / Qwen3 / DeepSeek-V3 config (e.g. a registry flavor)."""
     attention = model_config.first_attention
     rope = attention.rope
-    moe = model_config.layers[0].moe
+    moe = next((layer.moe for layer in model_config.layers if layer.moe is not None), None)
+    dense = next((layer.feed_forward for layer in model_config.layers if layer.feed_forward is not None), None)
     scaling = {titan: ours for ours, titan in TITAN_SCALING.items()}[rope.scaling]
     if scaling == "llama3":
         ours = Rope(
@@ -61,19 +73,26 @@ def architecture_of(model_config: Decoder.Config) -> Architecture:
             theta=float(rope.theta), scaling=scaling, factor=rope.rope_factor,
             original_max_position_embeddings=rope.original_seq_len, beta_fast=rope.beta_fast,
             beta_slow=rope.beta_slow, truncate=rope.truncate,
+            # MLA's RoPE is a pure rotation: its YaRN correction is in the softmax scale (`Latent.mscale`).
+            attention_factor=1.0 if isinstance(model_config, DeepSeekV3Model.Config) else None,
         )  # fmt: skip
     else:
         ours = Rope(theta=float(rope.theta))
+    latent = getattr(attention, "kv_lora_rank", None) and Latent(
+        kv_lora_rank=attention.kv_lora_rank, q_lora_rank=attention.q_lora_rank,
+        qk_nope_head_dim=attention.qk_nope_head_dim, qk_rope_head_dim=attention.qk_rope_head_dim,
+        v_head_dim=attention.v_head_dim, mscale=attention.mscale, norm_eps=attention.kv_norm.eps,
+    )  # fmt: skip
     return Architecture(
         name=family(model_config),
         dim=model_config.dim,
         n_layers=len(model_config.layers),
         n_heads=attention.n_heads,
-        n_kv_heads=attention.n_kv_heads or attention.n_heads,
-        head_dim=attention.head_dim or model_config.dim // attention.n_heads,
+        n_kv_heads=attention.n_heads if latent else attention.n_kv_heads or attention.n_heads,
+        head_dim=(latent.qk_nope_head_dim + latent.qk_rope_head_dim if latent
+                  else attention.head_dim or model_config.dim // attention.n_heads),  # fmt: skip
         # An MoE model's dense width is unused; HF's Qwen3-MoE configs give the active experts' (768 x 8 in 30B-A3B).
-        hidden_dim=(moe.routed_experts.inner_experts.hidden_dim * moe.router.top_k if moe
-                    else model_config.layers[0].feed_forward.w1.out_features),  # fmt: skip
+        hidden_dim=(dense.w1.out_features if dense else moe.routed_experts.inner_experts.hidden_dim * moe.router.top_k),
         vocab_size=model_config.vocab_size,
         norm_eps=model_config.norm.eps,
         rope=ours,
@@ -82,8 +101,21 @@ def architecture_of(model_config: Decoder.Config) -> Architecture:
         experts=moe and Experts(
             num_experts=moe.num_experts, top_k=moe.router.top_k,
             hidden_dim=moe.routed_experts.inner_experts.hidden_dim, route_norm=moe.router.route_norm,
+            shared=(moe.shared_experts.w1.out_features // moe.routed_experts.inner_experts.hidden_dim
+                    if moe.shared_experts else 0),
+            score_func=moe.router.score_func, route_scale=moe.router.route_scale,
+            groups=moe.router.num_expert_groups, limited_groups=moe.router.num_limited_groups,
         ),  # fmt: skip
+        latent=latent or None,
+        n_dense_layers=sum(layer.moe is None for layer in model_config.layers) if moe else 0,
     )
+
+
+def registered_config(name: str, flavor: str) -> Decoder.Config:
+    """TorchTitan's own config of a registered flavor (FlexAttention; DeepSeek-V3's MoE without
+    TorchTitan's all-to-all backends, whose expert parallelism FlashCP sets up as Qwen3-MoE's)."""
+    extra = {"moe_comm_backend": "standard"} if name == "deepseek_v3" else {}
+    return REGISTRIES[name][flavor](attn_backend="flex", **extra)
 
 
 def dense_flavors(name: str) -> tuple[str, ...]:
@@ -105,11 +137,13 @@ def refusal(name: str, flavor: str) -> str | None:
 def _read(name: str) -> tuple[dict[str, Architecture], dict[str, str]]:
     """(each trained flavor's architecture, each refused flavor's reason), read once per family."""
     trained, refused = {}, {}
-    for flavor, build in REGISTRIES[name].items():
-        config = build(attn_backend="flex")
+    for flavor in REGISTRIES[name]:
+        config = registered_config(name, flavor)
         layers = config.layers
         moe = [layer.moe is not None for layer in layers]
-        if any(moe) and not all(moe):
+        if isinstance(config, DeepSeekV3Model.Config):
+            trained[flavor] = architecture_of(config)  # MLA, dense first layers, shared experts: all built
+        elif any(moe) and not all(moe):
             refused[flavor] = "mixes dense and mixture-of-experts layers: FlashCP builds one kind for all layers"
         elif any(layer.moe.shared_experts is not None for layer in layers if layer.moe is not None):
             refused[flavor] = "has shared experts: FlashCP builds routed experts only (Qwen3-MoE)"

@@ -111,9 +111,14 @@ def _mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
-# Each family's RoPE in TorchTitan's dense flavors (tests/titan/test_hf_config.py checks them), also
-# what a custom size takes: Llama 3.1's scaling in every Llama 3 flavor, none in Qwen3's.
-FAMILY_ROPE = {"llama3": Rope(theta=500000.0, scaling="llama3"), "qwen3": Rope(theta=1000000.0)}
+# Each family's RoPE in TorchTitan's flavors (tests/titan/test_hf_config.py checks them), also what a
+# custom size takes: Llama 3.1's scaling in every Llama 3 flavor, none in Qwen3's; DeepSeek-V3's YaRN
+# from 4K, 40x, its correction in the softmax scale (MLA's RoPE is a pure rotation: attention factor 1).
+FAMILY_ROPE = {
+    "llama3": Rope(theta=500000.0, scaling="llama3"), "qwen3": Rope(theta=1000000.0),
+    "deepseek_v3": Rope(theta=10000.0, scaling="yarn", factor=40.0, original_max_position_embeddings=4096,
+                        attention_factor=1.0),
+}  # fmt: skip
 
 
 def rope_from_hf(hf: dict[str, Any], default_theta: float) -> Rope:

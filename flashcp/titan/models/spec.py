@@ -1,4 +1,4 @@
-"""The job's Llama 3 / Qwen3 as a TorchTitan ModelSpec, its attention swapped for FlashCP's from outside.
+"""The job's Llama 3 / Qwen3 / DeepSeek-V3 as a TorchTitan ModelSpec, its attention swapped for FlashCP's from outside.
 
 The architecture comes from `flashcp.titan.models.decoders` (a TorchTitan flavor, a custom size or an HF
 config.json, with the job's RoPE keys), built by TorchTitan's own per-layer builders. With
@@ -8,6 +8,10 @@ recipe for both families ("partial_dtensor" backend) without its own CP forward 
 FlashCP's attention op does the CP exchange itself. FSDP shards over dp_shard x cp (TorchTitan's
 "fsdp" mesh), TP splits heads; tied embeddings stay one parameter (TorchTitan's FSDP recipe puts the
 embedding, final norm and output projection in one group).
+
+DeepSeek-V3's MLA layers become `flashcp.titan.models.latent.FlashCPLatentAttention` (the latent rows
+cross the CP group, not K and V); its dense first layers, shared experts and sigmoid router are
+TorchTitan's, parallelised as Qwen3-MoE's below.
 
 Qwen3-MoE layers are TorchTitan's (router, token dispatcher, grouped experts computed in the
 weights' dtype: `flashcp.titan.models.experts`). With `expert_parallel_degree` > 1 the experts are
@@ -28,6 +32,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torchtitan.components.optimizer import register_moe_load_balancing_hook
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
+from torchtitan.models.deepseek_v3 import DeepSeekV3Model, parallelize_deepseekv3
 from torchtitan.models.llama3 import parallelize_llama
 from torchtitan.models.qwen3 import parallelize_qwen3, Qwen3Model
 from torchtitan.models.utils import validate_converter_order
@@ -36,6 +41,7 @@ from torchtitan.protocols.model_spec import ModelSpec
 
 from flashcp.titan import compat
 from flashcp.titan.models.attention import use_flashcp_attention
+from flashcp.titan.models.latent import use_flashcp_latent_attention
 from flashcp.titan.config import ConfigError
 from flashcp.titan.models.decoders import ADAPTERS, job_architecture, titan_config
 from flashcp.titan.models.offload import offload_layer_inputs
@@ -64,7 +70,11 @@ def model_spec(
     # RoPE covers every position inside a document: < seq_len (TorchTitan's tables; FlashCP computes
     # each step's rows instead, flashcp.titan.models.rotary).
     model = titan_config(arch, "flex" if attention == "flashcp" else attention, max_seq_len=seq_len)
-    if attention == "flashcp":
+    if attention == "flashcp" and arch.latent:
+        # MLA: the latent rows cross the CP group (YaRN's correction is TorchTitan's mscale, in its scale).
+        use_flashcp_latent_attention(model, backend=flashcp_cfg["backend"])
+        parallelize = parallelize_flashcp
+    elif attention == "flashcp":
         # YaRN's attention factor, which TorchTitan's attention has no place for (flashcp.titan.config
         # refuses YaRN with model.attention other than flashcp).
         use_flashcp_attention(model, backend=flashcp_cfg["backend"], overlap=flashcp_cfg["overlap"],
@@ -162,7 +172,7 @@ def _offloaded(parallelize, model: torch.nn.Module, **kwargs) -> torch.nn.Module
 
 def _parallelize_titan_cp(model: torch.nn.Module, **kwargs) -> torch.nn.Module:
     """TorchTitan's own recipe (its built-in CP included), for comparing against FlashCP."""
-    recipe = parallelize_qwen3 if isinstance(model, Qwen3Model) else parallelize_llama
+    recipe = {Qwen3Model: parallelize_qwen3, DeepSeekV3Model: parallelize_deepseekv3}.get(type(model), parallelize_llama)
     model = recipe(model, **kwargs)
     compat.force_sum_reduction_on_gloo(model)
     return model

@@ -1,0 +1,64 @@
+"""DeepSeek-V3's multi-head latent attention (MLA) through FlashCP's latent exchange, swapped in from outside.
+
+TorchTitan's MLA (`torchtitan.models.deepseek_v3.model.Attention`) up-projects K and V per head
+before its inner attention, so swapping only the inner attention (as `flashcp.titan.models.attention`
+does for Llama 3 / Qwen3) would make the CP exchange carry `heads x (qk + v)` values per token.
+`FlashCPLatentAttention` is TorchTitan's module with its forward replaced: the same parameters
+(names, shapes, initialisation: checkpoints and HF adapters are TorchTitan's), q and the latent row
+projected as there, q_pe and k_pe rotated with the step's RoPE rows (table-less, once per step as
+for the dense models), and `flashcp.attention.latent.cp_latent_attention` given q, `kv_norm(c_kv)`,
+k_pe and `wkv_b`, so that ranks exchange the 576-wide latent rows and up-project locally. The
+softmax scale is TorchTitan's: 1 / sqrt(qk_nope + qk_rope), times YaRN's mscale correction squared.
+
+Not here (refused by the job checks): tensor parallelism (wkv_b's rows split by head), `[flashcp]
+overlap` and `[compile]` (the latent op is not a registered op yet).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from torchtitan.models.deepseek_v3.model import Attention
+
+from flashcp.attention.latent import cp_latent_attention
+from flashcp.titan.models.attention import step_rows
+from flashcp.titan.models.rotary import rotate, rotation_key, tableless
+
+
+class FlashCPLatentAttention(Attention):
+    """TorchTitan's MLA whose keys and values cross the CP group as latent rows."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Attention.Config):
+        backend: str = "auto"
+        """Varlen kernel: auto | flash_attn | torch | reference (see flashcp.attention.kernels)."""
+
+    def __init__(self, config: Config) -> None:
+        super().__init__(config)
+        self.backend = config.backend
+        self.rotation_config = config.rope
+        self.rotation_key = rotation_key(config.rope)
+
+    def forward(self, x: torch.Tensor, attention_masks, positions: torch.Tensor | None = None) -> torch.Tensor:
+        bsz, seqlen, _ = x.shape
+        step, rows = step_rows(attention_masks, self.rotation_key, bsz)
+        q = self.wq(x) if self.q_lora_rank == 0 else self.wq_b(self.q_norm(self.wq_a(x)))
+        q_nope, q_pe = q.view(bsz, seqlen, -1, self.qk_head_dim).split([self.qk_nope_head_dim, self.qk_rope_head_dim], -1)
+        latent, k_pe = self.wkv_a(x).split([self.kv_lora_rank, self.qk_rope_head_dim], -1)
+        q_pe, k_pe = rotate(self.rotation_config, q_pe, k_pe.unsqueeze(2), rows)
+        out = cp_latent_attention(
+            torch.cat([q_nope, q_pe], -1)[0], self.kv_norm(latent)[0], k_pe[0, :, 0], self.wkv_b.weight,
+            step.dispatch, step.group, comm=step.dispatch.comm, backend=self.backend, softmax_scale=self.softmax_scale,
+        )  # fmt: skip
+        return self.wo(out.reshape(bsz, seqlen, -1))
+
+
+def use_flashcp_latent_attention(model_config, backend: str = "auto") -> None:
+    """Make every MLA layer of a TorchTitan DeepSeek-V3 config `FlashCPLatentAttention`, its RoPE table-less."""
+    for layer in model_config.layers:
+        attention = layer.attention
+        fields = {f.name: getattr(attention, f.name) for f in dataclasses.fields(attention)}
+        fields["rope"] = tableless(attention.rope)
+        layer.attention = FlashCPLatentAttention.Config(**fields, backend=backend)
