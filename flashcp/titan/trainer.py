@@ -72,6 +72,7 @@ from flashcp.data.balance import WindowCost
 from flashcp.data.errors import DataChanged, DataError
 from flashcp.data.plan_worker import TIMEOUT_S as PLAN_WORKER_TIMEOUT_S
 from flashcp.dispatch import build_dispatch
+from flashcp.plan.plan import row_bytes
 from flashcp.titan.models.attention import CPStep, flashcp_ropes
 from flashcp.titan import compat
 from flashcp.titan.components.checkpoint import CheckpointError, Checkpointer
@@ -324,19 +325,21 @@ class FlashCPTrainer(Trainer):
         attention = model.first_attention
         n_heads = attention.n_heads
         dtype_bytes = torch.finfo(getattr(torch, self.config.training.mixed_precision_param)).bits // 8
+        latent = None
         if getattr(attention, "kv_lora_rank", None):  # MLA: a QK head of nope + rope, its own V head; latent rows
-            qk_dim, v_dim = attention.qk_nope_head_dim + attention.qk_rope_head_dim, attention.v_head_dim
-            row_bytes = (attention.kv_lora_rank + attention.qk_rope_head_dim) * dtype_bytes
+            n_kv, qk_dim, v_dim = n_heads, attention.qk_nope_head_dim + attention.qk_rope_head_dim, attention.v_head_dim
+            latent = attention.kv_lora_rank + attention.qk_rope_head_dim
         else:
             n_kv = attention.n_kv_heads or n_heads
             qk_dim = v_dim = attention.head_dim or model.dim // n_heads  # Qwen3's differs from dim / n_heads
-            row_bytes = 2 * (n_kv // self.parallel_dims.tp) * qk_dim * dtype_bytes
         per_pair = 6 * len(model.layers) * n_heads * (qk_dim + v_dim)  # QK^T and PV, forward + backward
         metrics.total_steps = self.config.training.steps
         metrics.attention_flops_per_pair = per_pair
         # TorchTitan's per-token count includes full (unmasked) attention over seq_len keys.
         metrics.dense_flops_per_token = metrics.num_flops_per_token - per_pair * self.config.training.seq_len
-        metrics.kv_row_bytes = row_bytes
+        # K/V rows (what `kv: x full` compares with) and, for MLA, the latent rows the exchange moves
+        metrics.kv_row_bytes = row_bytes(n_kv // self.parallel_dims.tp, qk_dim, dtype_bytes, v_dim)
+        metrics.exchange_row_bytes = row_bytes(latent_dim=latent, dtype_bytes=dtype_bytes) if latent else 0
         metrics.ranks_per_node = self.cp_ranks_per_node
         metrics.kv_dtype_bytes, metrics.comm = dtype_bytes, self.flashcp.comm
 

@@ -226,3 +226,30 @@ def test_the_log_names_the_data_and_the_tokenizer_once(tmp_path, rank, caplog):
     assert len(lines) == 1, lines
     assert DEFAULT_CORPUS.name.removesuffix(".gz") in lines[0], lines[0]
     assert f"tokenizer {DEFAULT_TOKENIZER} (4096 tokens)" in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("mla", [False, True], ids=["GQA", "MLA"])
+def test_the_trainer_tells_the_metrics_its_kv_and_exchange_rows(mla):
+    """GQA: K/V rows of the KV heads this rank holds, the exchange moving them; MLA (DeepSeek-V3's
+    128 heads of 192 + 128, latent 512 + 64): K/V rows of every head for `kv: x full`, the exchange
+    moving 576-value latent rows; attention FLOPs per pair count QK at its head dim and PV at V's."""
+    from types import SimpleNamespace as NS
+
+    from flashcp.titan.trainer import FlashCPTrainer
+
+    if mla:
+        attention = NS(n_heads=128, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+    else:
+        attention = NS(n_heads=32, n_kv_heads=8, head_dim=128)
+    trainer = NS(metrics_processor=NS(num_flops_per_token=10**12), parallel_dims=NS(tp=2 if not mla else 1),
+                 model_config=NS(first_attention=attention, layers=[None] * 4, dim=4096), cp_ranks_per_node=0,
+                 config=NS(training=NS(steps=10, seq_len=1024, mixed_precision_param="bfloat16")),
+                 flashcp=NS(comm="compact"))  # fmt: skip
+    FlashCPTrainer._configure_metrics(trainer)
+    m = trainer.metrics_processor
+    if mla:
+        assert (m.kv_row_bytes, m.exchange_row_bytes) == (128 * (192 + 128) * 2, 576 * 2)
+        assert m.attention_flops_per_pair == 6 * 4 * 128 * (192 + 128)
+    else:
+        assert (m.kv_row_bytes, m.exchange_row_bytes) == (2 * 4 * 128 * 2, 0)
+        assert m.attention_flops_per_pair == 12 * 4 * 32 * 128
