@@ -291,10 +291,11 @@ def test_the_estimate_counts_latent_rows_for_mla():
 
     from flashcp.titan.dryrun.estimate import exchange_bytes, Layout, ModelShape
 
-    mla = ModelShape(dim=2048, layers=27, heads=16, kv_heads=16, head_dim=192, ffn=10944, vocab=102400, rope_rows=0,
-                     rope_row_bytes=0, v_head_dim=128, latent_rank=512, rope_dim=64)  # fmt: skip
+    mla = ModelShape(dim=2048, layers=27, heads=16, kv_heads=16, head_dim=192, ffn=10944, vocab=102400,
+                     rope_rows=0, rope_row_bytes=0, v_head_dim=128, latent_rank=512, rope_dim=64)  # fmt: skip
     kv = dataclasses.replace(mla, latent_rank=0, rope_dim=0)
-    lay = Layout(fsdp=8, tp=1, sequence_parallel=False, tokens=16384, kv_rows=50000, loss_tokens=2048, full_ac=True)
+    lay = Layout(fsdp=8, tp=1, sequence_parallel=False, tokens=16384, kv_rows=50000, loss_tokens=2048,
+                 full_ac=True)
     assert exchange_bytes(mla, lay) / exchange_bytes(kv, lay) == pytest.approx(576 / (16 * 320))
     keys = dataclasses.replace(lay, key_rows=30000)
     assert exchange_bytes(mla, keys) - exchange_bytes(mla, lay) == 2 * 30000 * 16 * (2 * 320 + 128)

@@ -136,8 +136,8 @@ def layer_params(m: ModelShape, ep: int = 1) -> int:
     gathers (a model whose first layers are dense: the larger of the two kinds)."""
     dense = attention_params(m) + 3 * m.dim * m.ffn + 2 * m.dim
     if m.experts:
-        moe = attention_params(m) + m.dim * m.experts + 3 * m.dim * (m.expert_ffn * m.experts // ep + m.shared_ffn) \
-            + 2 * m.dim  # fmt: skip
+        routed = m.expert_ffn * m.experts // ep
+        moe = attention_params(m) + m.dim * m.experts + 3 * m.dim * (routed + m.shared_ffn) + 2 * m.dim
         return max(moe, dense) if m.dense_layers else moe
     return dense
 
@@ -156,7 +156,8 @@ def feed_forward_working(m: ModelShape, tokens: int, tiles: int) -> int:
     dense = 4 * tokens * m.ffn // tiles
     if m.experts:
         rows = tokens * m.top_k
-        moe = 6 * rows * m.dim + 4 * rows * m.expert_ffn + 2 * 3 * tokens * m.experts + 4 * tokens * m.shared_ffn
+        moe = 6 * rows * m.dim + 4 * rows * m.expert_ffn + 2 * 3 * tokens * m.experts
+        moe += 4 * tokens * m.shared_ffn  # the shared experts' intermediates, as a dense MLP's
         return max(moe, dense) if m.dense_layers else moe
     return dense
 
@@ -179,7 +180,7 @@ def estimate(m: ModelShape, lay: Layout) -> dict[str, float]:
     params = model_params(m) + 2 * vocab_params + m.dim
     shard = lay.fsdp * lay.tp
     seq = lay.tokens // (lay.tp if lay.sequence_parallel else 1)  # tokens between blocks
-    local_kv = m.latent or 2 * (m.kv_heads // lay.tp) * m.head_dim  # one row of K and V (MLA: latent) on this rank
+    local_kv = m.latent or 2 * (m.kv_heads // lay.tp) * m.head_dim  # a row of K and V (MLA: latent) here
     # One layer's bf16 elements: gathered projection inputs and gradients (full width); q, attention
     # output, k / v and the feed-forward's four intermediates (this rank's share); the residual
     # stream, norms and their gradients between blocks (fp32 in places, hence 8).

@@ -115,8 +115,9 @@ def format_report(r: Report) -> str:
         lines.append(f"loss: cross-entropy in {r.loss_chunks} slices ([loss] chunk_tokens)")
     if "imbalance" in r.plan:
         mib = {k.removeprefix("kv_recv_bytes_per_layer_"): v / 2**20 for k, v in r.plan.items() if "kv_recv" in k}
-        rows = "KV" if "latent_row_bytes" not in r.plan else \
-            f"latent rows (MLA: {r.plan['kv_row_bytes'] / r.plan['latent_row_bytes']:.1f}x fewer bytes than K/V)"  # fmt: skip
+        rows = "KV"
+        if "latent_row_bytes" in r.plan:  # MLA
+            rows = f"latent rows ({r.plan['kv_row_bytes'] / r.plan['latent_row_bytes']:.1f}x fewer bytes than K/V)"
         lines.append(
             f"window: {r.plan['docs_per_window']:.0f} documents, imbalance {r.plan['imbalance']:.3f}, "
             f"{r.plan['split_docs']:.0f} split; {rows} received per layer: compact {mib['compact']:.1f} MiB, "

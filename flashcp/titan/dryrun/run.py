@@ -309,7 +309,8 @@ def _label_regions(trainer, tracker: CategoryTracker) -> list[Any]:
             op.register_full_backward_hook(pop),
         ]
         latent_model.cp_latent_attention = op
-        handles.append(SimpleNamespace(remove=lambda: setattr(latent_model, "cp_latent_attention", _LatentOp.op)))
+        restore = lambda: setattr(latent_model, "cp_latent_attention", _LatentOp.op)  # noqa: E731
+        handles.append(SimpleNamespace(remove=restore))
     lm_head = model.lm_head
     handles += [lm_head.register_forward_pre_hook(push("loss")), lm_head.register_forward_hook(pop)]
     trainer.loss_fn = _LabelledLoss(trainer.loss_fn, tracker)
@@ -338,13 +339,15 @@ def _shape_and_layout(trainer, dispatch, job: dict[str, Any]) -> tuple[ModelShap
     moe = next((layer.moe for layer in model.layers if layer.moe is not None), None)
     dense = [layer.feed_forward for layer in model.layers if layer.moe is None]  # DeepSeek's first layers
     experts = {} if moe is None else dict(
-        experts=moe.num_experts, top_k=moe.router.top_k, expert_ffn=moe.routed_experts.inner_experts.hidden_dim,
-        dense_layers=len(dense), shared_ffn=moe.shared_experts.w1.out_features if moe.shared_experts else 0,
+        experts=moe.num_experts, top_k=moe.router.top_k,
+        expert_ffn=moe.routed_experts.inner_experts.hidden_dim, dense_layers=len(dense),
+        shared_ffn=moe.shared_experts.w1.out_features if moe.shared_experts else 0,
     )  # fmt: skip
-    if getattr(attention, "kv_lora_rank", 0):  # MLA: latent rows cross the CP group (flashcp.attention.latent)
-        heads = dict(kv_heads=attention.n_heads, head_dim=attention.qk_nope_head_dim + attention.qk_rope_head_dim,
-                     v_head_dim=attention.v_head_dim, latent_rank=attention.kv_lora_rank,
-                     rope_dim=attention.qk_rope_head_dim, q_lora_rank=attention.q_lora_rank)  # fmt: skip
+    if getattr(attention, "kv_lora_rank", 0):  # MLA: latent rows cross the CP group (attention/latent.py)
+        rope = attention.qk_rope_head_dim
+        heads = dict(kv_heads=attention.n_heads, head_dim=attention.qk_nope_head_dim + rope,
+                     v_head_dim=attention.v_head_dim, latent_rank=attention.kv_lora_rank, rope_dim=rope,
+                     q_lora_rank=attention.q_lora_rank)  # fmt: skip
     else:
         heads = dict(kv_heads=attention.n_kv_heads or attention.n_heads,
                      head_dim=attention.head_dim or model.dim // attention.n_heads)  # fmt: skip
