@@ -235,3 +235,68 @@ def test_a_mixture_of_experts_job_in_float32_is_one_line(tmp_path, capsys):
     assert proc.returncode == 2
     (line,) = proc.stderr.strip().splitlines()
     assert "mixed_precision_param = 'bfloat16'" in line
+
+
+MLA = """
+[model]
+name = "deepseek_v3"
+flavor = "debugmodel"
+[data]
+source = "synthetic"
+synthetic_lengths = "wlbllm"
+balance = "off"
+[training]
+seq_len = 4096
+steps = 10
+mixed_precision_param = "bfloat16"
+[lr_scheduler]
+warmup_steps = 1
+[parallelism]
+context_parallel_degree = 4
+expert_parallel_degree = 2
+[activation_checkpoint]
+mode = "full"
+[loss]
+chunk_tokens = 256
+"""
+
+
+def test_an_mla_job_dry_runs_with_latent_rows_on_the_wire(tmp_path, capsys):
+    """DeepSeek-V3's debugmodel (16 heads, kv_lora_rank 512, rope 64; a dense first layer, then experts) at
+    CP 4 x EP 2 x FSDP 2: the plan's bytes are latent rows, 576 values a token where the K/V all-gather of
+    the same plan moves 16 x (192 + 128); the latent op's buffers are tracked as FlashCP's; the estimate
+    bounds the peak."""
+    job = tmp_path / "mla.toml"
+    job.write_text(MLA)
+    from flashcp.titan.dryrun import cli
+
+    capsys.readouterr()
+    code = cli.main(["--config", str(job), "--world-size", "8", "--json"])
+    out = capsys.readouterr()
+    assert code == 0, out.err[-3000:]
+    report = json.loads(out.out)
+    plan, tracked, estimate = report["plan"], report["by_category"], report["estimate_gib"]
+    assert (plan["latent_row_bytes"], plan["kv_row_bytes"]) == (2 * 576, 2 * 16 * 320)
+    kv_full = plan["kv_recv_bytes_per_layer_compact"] / plan["comm_compact_over_full"]  # the K/V all-gather's
+    assert plan["kv_recv_bytes_per_layer_full"] / kv_full == pytest.approx(576 / (16 * 320))
+    assert 0 < tracked["flashcp_buffers"] and estimate["flashcp_buffers"] > 0
+    assert 0 < report["peak_gib"] <= estimate["peak"]
+    assert tracked["optimizer_states"] == pytest.approx(estimate["optimizer_states"], rel=0.02)
+
+
+def test_the_estimate_counts_latent_rows_for_mla():
+    """The exchanged rows cost (kv_lora_rank + rope) / (heads x (qk + v)) of K/V rows; the key rows the
+    latent op up-projects add per-head K and V, which a K/V exchange does not hold twice."""
+    import dataclasses
+
+    from flashcp.titan.dryrun.estimate import exchange_bytes, Layout, ModelShape
+
+    mla = ModelShape(dim=2048, layers=27, heads=16, kv_heads=16, head_dim=192, ffn=10944, vocab=102400,
+                     rope_rows=0, rope_row_bytes=0, v_head_dim=128, latent_rank=512, rope_dim=64)  # fmt: skip
+    kv = dataclasses.replace(mla, latent_rank=0, rope_dim=0)
+    lay = Layout(fsdp=8, tp=1, sequence_parallel=False, tokens=16384, kv_rows=50000, loss_tokens=2048,
+                 full_ac=True)
+    assert exchange_bytes(mla, lay) / exchange_bytes(kv, lay) == pytest.approx(576 / (16 * 320))
+    keys = dataclasses.replace(lay, key_rows=30000)
+    assert exchange_bytes(mla, keys) - exchange_bytes(mla, lay) == 2 * 30000 * 16 * (2 * 320 + 128)
+    assert exchange_bytes(kv, keys) == exchange_bytes(kv, lay)

@@ -113,16 +113,6 @@ def test_another_familys_hf_folder_is_one_line(tmp_path, folder, model, message)
         check_hf_import(cfg, 4096)
 
 
-def test_the_dry_run_refuses_mla_in_one_line(capsys):
-    """Not sized yet (its estimate counts K/V rows): one line, exit 2, rather than a wrong figure."""
-    from flashcp.titan.dryrun.cli import main
-
-    assert main(["--config", "deepseek_v3_16b_128k", "--world-size", "16"]) == 2
-    err = capsys.readouterr().err
-    assert err == ("error: the dry run does not size MLA models (deepseek_v3) yet: its estimate and buffers count "
-                   "K/V rows, not the latent rows MLA exchanges\n")
-
-
 def test_yarn_chosen_by_the_job_stays_a_pure_rotation_for_mla(tmp_path):
     """A deepseek_v3 config.json without scaling, given YaRN by the job: no attention factor on its RoPE
     (what the export writes, attention_factor 1, transformers then applies as trained)."""

@@ -18,7 +18,6 @@ from flashcp.attention import NodeLayoutError
 from flashcp.data.errors import DataError
 from flashcp.data.tokenizer import TokenizerError
 from flashcp.titan.config import ConfigError, load_job, resolve_config_path, world_size_hint
-from flashcp.titan.config.model import model_latent
 from flashcp.titan.dryrun.report import advice, format_report
 from flashcp.titan.dryrun.run import dry_run
 
@@ -65,9 +64,6 @@ def main(argv: list[str] | None = None) -> int:
         world = args.world_size or world_size_hint(cfg)
         if world is None:
             raise ConfigError("data_parallel_shard_degree = -1 leaves the world open: pass --world-size")
-        if model_latent(cfg) is not None:
-            raise ConfigError(f"the dry run does not size MLA models ({cfg['model']['name']}) yet: its estimate "
-                              "and buffers count K/V rows, not the latent rows MLA exchanges")  # fmt: skip
         report = dry_run(cfg, world, args.gpu_gib, args.reserve_gib, args.host_gib)
     except (ConfigError, NodeLayoutError) as e:
         print(f"error: {e}", file=sys.stderr)

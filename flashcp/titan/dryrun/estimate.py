@@ -26,6 +26,15 @@ intermediates (4 x tokens x top_k x expert width), assuming balanced routing (th
 dispatcher splits evenly, `flashcp.titan.dryrun.run._balanced_routing`); the router's fp32 scores
 (3 x tokens x experts) are added. A step whose routing is skewed receives more on its busiest rank.
 
+Multi-head latent attention (DeepSeek-V3: `ModelShape.latent_rank` > 0) counts its own projections
+(q, or q's low-rank pair; wkv_a to the latent row; wkv_b up to each head's key and value; wo) and
+FlashCP's latent exchange (`flashcp.attention.latent`): the rows a rank receives are latent rows
+(`latent_rank + rope_dim` values, the exchange's receive buffer and, in the backward, its
+gradient), the gathered key rows its shards attend are kept as latent rows (the up-projection's
+saved input) and as the up-projected per-head K and V the kernel saves (heads x (qk + v)), each
+with its gradient. The first `dense_layers` layers of such a model are dense MLPs (`ffn` wide),
+the rest mixtures of experts with `shared_ffn` wide shared experts beside the routed ones.
+
 With a low-precision converter (`[model] converters`, `LowPrecision`) one term is added, the casts
 of one converted linear's backward, the largest (`cast_bytes`); nothing else changes. Source:
 torchao's `Float8Linear` (`matmul_with_hp_or_float8_args`) and `MXFP8Linear` (`mx_mm`) save the
@@ -41,6 +50,7 @@ the float8 casts in place of the bf16 inputs.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 GIB = 2**30
@@ -60,6 +70,21 @@ class ModelShape:
     experts: int = 0  # routed experts per layer (0: a dense model, `ffn` wide)
     top_k: int = 0  # experts per token
     expert_ffn: int = 0  # one expert's width
+    dense_layers: int = 0  # of a mixture of experts, the first layers that are dense MLPs (`ffn` wide)
+    shared_ffn: int = 0  # a mixture-of-experts layer's shared experts, their width together
+    v_head_dim: int = 0  # 0: head_dim (MLA's value head is narrower than its qk head)
+    latent_rank: int = 0  # MLA's kv_lora_rank (0: K/V attention)
+    rope_dim: int = 0  # MLA's RoPE key, shared by the heads: a latent row is latent_rank + rope_dim
+    q_lora_rank: int = 0  # MLA's low-rank query (0: one dim x heads x head_dim projection)
+
+    @property
+    def latent(self) -> int:
+        """Values of one exchanged MLA row (0: not MLA)."""
+        return self.latent_rank + self.rope_dim if self.latent_rank else 0
+
+    @property
+    def v_dim(self) -> int:
+        return self.v_head_dim or self.head_dim
 
 
 @dataclass(frozen=True)
@@ -77,13 +102,14 @@ class Layout:
     tp: int
     sequence_parallel: bool
     tokens: int  # this rank's tokens (seq_len / cp)
-    kv_rows: int  # K/V rows FlashCP gathers for this rank's shards in one layer
+    kv_rows: int  # rows FlashCP's exchange holds in one layer (received and gathered; MLA: latent rows)
     loss_tokens: int  # tokens of one loss slice
     full_ac: bool
     mlp_tiles: int = 1  # the MLP's sequence tiles ([activation_checkpoint] mlp_tiles)
     offload: bool = False  # full AC's layer inputs in host memory, all but two on the GPU at the peak
     low_precision: LowPrecision | None = None  # [model] converters
     ep: int = 1  # expert parallelism: each rank gathers experts / ep experts of a layer
+    key_rows: int = 0  # MLA: the gathered key rows this rank's shards attend, up-projected to K and V
 
 
 def cast_bytes(lp: LowPrecision) -> float:
@@ -95,34 +121,71 @@ def cast_bytes(lp: LowPrecision) -> float:
     return per_element * max(casts, default=0)
 
 
+def attention_params(m: ModelShape) -> int:
+    """One layer's attention projections (and MLA's latent norm)."""
+    if not m.latent_rank:
+        return 2 * m.dim * m.heads * m.head_dim + 2 * m.dim * m.kv_heads * m.head_dim
+    q = m.dim * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * m.heads * m.head_dim if m.q_lora_rank \
+        else m.dim * m.heads * m.head_dim  # fmt: skip
+    up = m.latent_rank * m.heads * (m.head_dim - m.rope_dim + m.v_dim)  # wkv_b: each head's k_nope and v
+    return q + m.dim * m.latent + m.latent_rank + up + m.heads * m.v_dim * m.dim
+
+
 def layer_params(m: ModelShape, ep: int = 1) -> int:
-    """One layer's parameters; of a mixture of experts, those one of `ep` expert-parallel ranks gathers."""
-    attention = 2 * m.dim * m.heads * m.head_dim + 2 * m.dim * m.kv_heads * m.head_dim
+    """The largest layer's parameters; of a mixture of experts, those one of `ep` expert-parallel ranks
+    gathers (a model whose first layers are dense: the larger of the two kinds)."""
+    dense = attention_params(m) + 3 * m.dim * m.ffn + 2 * m.dim
     if m.experts:
-        return attention + m.dim * m.experts + 3 * m.dim * m.expert_ffn * m.experts // ep + 2 * m.dim
-    return attention + 3 * m.dim * m.ffn + 2 * m.dim
+        routed = m.expert_ffn * m.experts // ep
+        moe = attention_params(m) + m.dim * m.experts + 3 * m.dim * (routed + m.shared_ffn) + 2 * m.dim
+        return max(moe, dense) if m.dense_layers else moe
+    return dense
+
+
+def model_params(m: ModelShape) -> int:
+    """Every layer's parameters (all the experts), without the embedding and output projection."""
+    if not m.experts:
+        return m.layers * layer_params(m)
+    dense = dataclasses.replace(m, experts=0)
+    moe = dataclasses.replace(m, dense_layers=0)
+    return m.dense_layers * layer_params(dense) + (m.layers - m.dense_layers) * layer_params(moe)
 
 
 def feed_forward_working(m: ModelShape, tokens: int, tiles: int) -> int:
     """bf16 elements the feed-forward keeps in one layer's working set (see the module doc)."""
+    dense = 4 * tokens * m.ffn // tiles
     if m.experts:
         rows = tokens * m.top_k
-        return 6 * rows * m.dim + 4 * rows * m.expert_ffn + 2 * 3 * tokens * m.experts
-    return 4 * tokens * m.ffn // tiles
+        moe = 6 * rows * m.dim + 4 * rows * m.expert_ffn + 2 * 3 * tokens * m.experts
+        moe += 4 * tokens * m.shared_ffn  # the shared experts' intermediates, as a dense MLP's
+        return max(moe, dense) if m.dense_layers else moe
+    return dense
+
+
+def exchange_bytes(m: ModelShape, lay: Layout) -> int:
+    """FlashCP's buffers in one layer's backward, bf16: the exchanged rows (K/V rows, or MLA's latent
+    rows) and their gradients, plus for MLA the up-projected K and V of the key rows and their
+    gradients."""
+    if not m.latent:
+        return 2 * 2 * lay.kv_rows * (m.kv_heads // lay.tp) * (m.head_dim + m.v_dim)
+    # K and V, kept for the kernel, with their gradients, and the contiguous copy of k_nope's gradient
+    # (a column slice of dK) the up-projection's backward multiplies
+    per_key = m.heads * (2 * (m.head_dim + m.v_dim) + m.head_dim - m.rope_dim)
+    return 2 * (2 * lay.kv_rows * m.latent + lay.key_rows * per_key)
 
 
 def estimate(m: ModelShape, lay: Layout) -> dict[str, float]:
     """GiB per category (the dry run's names) and their sum, "peak"."""
     vocab_params = m.vocab * m.dim
-    params = m.layers * layer_params(m) + 2 * vocab_params + m.dim
+    params = model_params(m) + 2 * vocab_params + m.dim
     shard = lay.fsdp * lay.tp
     seq = lay.tokens // (lay.tp if lay.sequence_parallel else 1)  # tokens between blocks
-    kv_dim = 2 * (m.kv_heads // lay.tp) * m.head_dim  # one row of K and V on this rank
+    local_kv = m.latent or 2 * (m.kv_heads // lay.tp) * m.head_dim  # a row of K and V (MLA: latent) here
     # One layer's bf16 elements: gathered projection inputs and gradients (full width); q, attention
     # output, k / v and the feed-forward's four intermediates (this rank's share); the residual
     # stream, norms and their gradients between blocks (fp32 in places, hence 8).
-    sharded = (lay.tokens * (2 * m.heads * m.head_dim + kv_dim) + feed_forward_working(m, lay.tokens, lay.mlp_tiles)) \
-        // lay.tp  # fmt: skip
+    attention = lay.tokens * (m.heads * (m.head_dim + m.v_dim) + local_kv)
+    sharded = (attention + feed_forward_working(m, lay.tokens, lay.mlp_tiles)) // lay.tp
     working = 4 * lay.tokens * m.dim + sharded + 8 * seq * m.dim
     on_gpu = min(2, m.layers) if lay.offload else m.layers  # layer inputs on the GPU at the peak
     checkpoints = on_gpu * seq * m.dim if lay.full_ac else m.layers * working
@@ -134,7 +197,7 @@ def estimate(m: ModelShape, lay: Layout) -> dict[str, float]:
         "optimizer_states": 8 * params / shard / GIB,
         "model_buffers": m.rope_rows * m.rope_row_bytes / GIB,
         "activations": 2 * (checkpoints + (working if lay.full_ac else 0) + lay.tokens * m.dim) / GIB,
-        "flashcp_buffers": 2 * 2 * lay.kv_rows * kv_dim / GIB,
+        "flashcp_buffers": exchange_bytes(m, lay) / GIB,
         "loss": (14 * lay.loss_tokens * m.vocab / lay.tp + (chunk_buffers if chunked else 0)) / GIB,
     }  # fmt: skip
     if lay.low_precision is not None:

@@ -115,9 +115,12 @@ def format_report(r: Report) -> str:
         lines.append(f"loss: cross-entropy in {r.loss_chunks} slices ([loss] chunk_tokens)")
     if "imbalance" in r.plan:
         mib = {k.removeprefix("kv_recv_bytes_per_layer_"): v / 2**20 for k, v in r.plan.items() if "kv_recv" in k}
+        rows = "KV"
+        if "latent_row_bytes" in r.plan:  # MLA
+            rows = f"latent rows ({r.plan['kv_row_bytes'] / r.plan['latent_row_bytes']:.1f}x fewer bytes than K/V)"
         lines.append(
             f"window: {r.plan['docs_per_window']:.0f} documents, imbalance {r.plan['imbalance']:.3f}, "
-            f"{r.plan['split_docs']:.0f} split; KV received per layer: compact {mib['compact']:.1f} MiB, "
+            f"{r.plan['split_docs']:.0f} split; {rows} received per layer: compact {mib['compact']:.1f} MiB, "
             f"full {mib['full']:.1f} MiB, needed {mib['needed']:.1f} MiB"
             + (f"; the ring {mib['ring']:.1f} MiB forward, {mib['ring_backward']:.1f} MiB backward (KV and "
                f"float32 dK/dV sums)" if "ring" in mib else "")

@@ -27,6 +27,7 @@ import os
 import tempfile
 import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -34,6 +35,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from flashcp.attention import kernels
+from flashcp.attention.latent import cp_latent_attention
 from flashcp.titan.config import check_layout, ConfigError
 from flashcp.titan.config.converters import converted_linears
 from flashcp.titan.config.model import model_experts
@@ -270,9 +272,21 @@ class _LabelledLoss:
         return loss, extra
 
 
+class _LatentOp(torch.nn.Module):
+    """`cp_latent_attention` as a module, so that hooks label its forward and backward (the exchange,
+    the up-projected K / V and the kernel) apart from the MLA layer's own projections."""
+
+    op = staticmethod(cp_latent_attention)
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self.op(*args, **kwargs)
+
+
 def _label_regions(trainer, tracker: CategoryTracker) -> list[Any]:
     """Label FlashCP's attention (forward, recompute, backward) and the output projection's forward."""
+    from flashcp.titan.models import latent as latent_model
     from flashcp.titan.models.attention import FlashCPAttention
+    from flashcp.titan.models.latent import FlashCPLatentAttention
 
     model = trainer.model_parts[0]
     push = lambda label: lambda *args: tracker.push(label)  # noqa: E731
@@ -286,6 +300,17 @@ def _label_regions(trainer, tracker: CategoryTracker) -> list[Any]:
                 module.register_full_backward_pre_hook(push("flashcp_buffers")),
                 module.register_full_backward_hook(pop),
             ]
+    if any(isinstance(module, FlashCPLatentAttention) for module in model.modules()):
+        op = _LatentOp()  # MLA's projections are the model's; the exchange and its K/V are FlashCP's
+        handles += [
+            op.register_forward_pre_hook(push("flashcp_buffers")),
+            op.register_forward_hook(pop),
+            op.register_full_backward_pre_hook(push("flashcp_buffers")),
+            op.register_full_backward_hook(pop),
+        ]
+        latent_model.cp_latent_attention = op
+        restore = lambda: setattr(latent_model, "cp_latent_attention", _LatentOp.op)  # noqa: E731
+        handles.append(SimpleNamespace(remove=restore))
     lm_head = model.lm_head
     handles += [lm_head.register_forward_pre_hook(push("loss")), lm_head.register_forward_hook(pop)]
     trainer.loss_fn = _LabelledLoss(trainer.loss_fn, tracker)
@@ -293,9 +318,13 @@ def _label_regions(trainer, tracker: CategoryTracker) -> list[Any]:
 
 
 def _plan_figures(trainer) -> dict[str, float]:
-    """The window's imbalance and KV bytes received per layer (compact / full / needed)."""
-    figures = trainer.metrics_processor._flashcp_metrics()
-    return {key.removeprefix("flashcp/"): value for key, value in figures.items()}
+    """The window's imbalance and KV bytes received per layer (compact / full / needed; an MLA model's
+    in latent rows, with the bytes of one latent and one K/V row)."""
+    metrics = trainer.metrics_processor
+    figures = {key.removeprefix("flashcp/"): value for key, value in metrics._flashcp_metrics().items()}
+    if metrics.exchange_row_bytes:  # MLA: the bytes above are latent rows; a K/V row's for comparison
+        figures |= {"latent_row_bytes": metrics.exchange_row_bytes, "kv_row_bytes": metrics.kv_row_bytes}
+    return figures
 
 
 def _shape_and_layout(trainer, dispatch, job: dict[str, Any]) -> tuple[ModelShape, Layout]:
@@ -307,13 +336,24 @@ def _shape_and_layout(trainer, dispatch, job: dict[str, Any]) -> tuple[ModelShap
     tokens = cfg.training.seq_len // dims.cp
     rope_row = rotation(attention.rope, torch.zeros(1, dtype=torch.long))  # one position's RoPE row
     tables = hasattr(trainer.model_parts[0].layers["0"].attention.rope, "cache")  # TorchTitan's, else per step
-    moe = model.layers[0].moe
-    experts = {} if moe is None else dict(experts=moe.num_experts, top_k=moe.router.top_k,
-                                          expert_ffn=moe.routed_experts.inner_experts.hidden_dim)  # fmt: skip
+    moe = next((layer.moe for layer in model.layers if layer.moe is not None), None)
+    dense = [layer.feed_forward for layer in model.layers if layer.moe is None]  # DeepSeek's first layers
+    experts = {} if moe is None else dict(
+        experts=moe.num_experts, top_k=moe.router.top_k,
+        expert_ffn=moe.routed_experts.inner_experts.hidden_dim, dense_layers=len(dense),
+        shared_ffn=moe.shared_experts.w1.out_features if moe.shared_experts else 0,
+    )  # fmt: skip
+    if getattr(attention, "kv_lora_rank", 0):  # MLA: latent rows cross the CP group (attention/latent.py)
+        rope = attention.qk_rope_head_dim
+        heads = dict(kv_heads=attention.n_heads, head_dim=attention.qk_nope_head_dim + rope,
+                     v_head_dim=attention.v_head_dim, latent_rank=attention.kv_lora_rank, rope_dim=rope,
+                     q_lora_rank=attention.q_lora_rank)  # fmt: skip
+    else:
+        heads = dict(kv_heads=attention.n_kv_heads or attention.n_heads,
+                     head_dim=attention.head_dim or model.dim // attention.n_heads)  # fmt: skip
     shape = ModelShape(
-        dim=model.dim, layers=len(model.layers), heads=attention.n_heads,
-        kv_heads=attention.n_kv_heads or attention.n_heads, head_dim=attention.head_dim or model.dim // attention.n_heads,
-        ffn=0 if moe else model.layers[0].feed_forward.w1.out_features, vocab=model.vocab_size,
+        dim=model.dim, layers=len(model.layers), heads=attention.n_heads, **heads,
+        ffn=dense[0].w1.out_features if dense else 0, vocab=model.vocab_size,
         rope_rows=len(model.layers) * attention.rope.max_seq_len if tables else tokens,
         rope_row_bytes=rope_row.numel() * rope_row.element_size(), **experts,
     )  # fmt: skip
@@ -323,7 +363,7 @@ def _shape_and_layout(trainer, dispatch, job: dict[str, Any]) -> tuple[ModelShap
         tokens=tokens, kv_rows=_kv_rows(dispatch), loss_tokens=tokens // chunks,
         full_ac=isinstance(cfg.activation_checkpoint, FullAC.Config),
         mlp_tiles=max(1, tile_count(ac["mlp_tiles"], tokens, shape.ffn // dims.tp, 2)) if shape.ffn else 1,
-        offload=ac["offload"], ep=dims.ep,
+        offload=ac["offload"], ep=dims.ep, key_rows=dispatch.kv_index.numel(),
     )  # fmt: skip
     return shape, dataclasses.replace(layout, low_precision=_low_precision(job, model, layout, dims.tp))
 
