@@ -29,7 +29,8 @@ the graph no longer reads is free for reuse (inductor's memory planning writes a
 output into it). The kept graph reads q, k, v (what the kernel saved) and may read the output
 (flash-attention saves it) in the backward, so in compiled code (`compiled`, fixed at trace time)
 the op enters the graph with its own copies of q, k, v and returns a copy of its output: without
-them, inductor overwrote a Qwen3 block's rotated q and the backward used the overwritten values.
+them, inductor wrote the output projection into a block's rotated q (heads x head_dim = dim) and
+the backward used the overwritten values.
 Eager code needs no copy: autograd's version counters reject a later in-place write.
 """
 
