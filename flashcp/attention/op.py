@@ -23,6 +23,15 @@ nothing, so it holds no extra copy of k and v. The kept graph, like the handle, 
 handle tensor: under activation checkpointing (eager or compiled) the forward's handle is not
 saved, so its graph is freed at once and the recompute builds the one the backward uses; under
 `no_grad` (validation) no graph is built. Neither op reads device data on the host.
+
+A compiled graph owns the buffers it passes to and gets from an op: once the op returns, a buffer
+the graph no longer reads is free for reuse (inductor's memory planning writes a later kernel's
+output into it). The kept graph reads q, k, v (what the kernel saved) and may read the output
+(flash-attention saves it) in the backward, so in compiled code (`compiled`, fixed at trace time)
+the op enters the graph with its own copies of q, k, v and returns a copy of its output: without
+them, inductor wrote the output projection into a block's rotated q (heads x head_dim = dim) and
+the backward used the overwritten values.
+Eager code needs no copy: autograd's version counters reject a later in-place write.
 """
 
 from __future__ import annotations
@@ -82,21 +91,22 @@ def _autograd_inside_op() -> Iterator[None]:
 
 
 class _Enter(torch.autograd.Function):
-    """Aliases of q, k, v that start an autograd graph; its node saves nothing (see the docstring)."""
+    """Aliases of q, k, v (copies when `copy`) that start an autograd graph; its node saves nothing
+    (see the docstring)."""
 
     @staticmethod
-    def forward(ctx, seed, q, k, v):
-        return q.detach(), k.detach(), v.detach()
+    def forward(ctx, seed, q, k, v, copy):
+        return tuple(t.clone() if copy else t.detach() for t in (q, k, v))
 
     @staticmethod
     def backward(ctx, dq, dk, dv):
-        return None, None, None, None
+        return None, None, None, None, None
 
 
 @torch.library.custom_op("flashcp::cp_attention", mutates_args=())
 def _cp_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key: torch.Tensor,
-    backend: str, overlap: bool, scale: float | None, record: bool,
+    backend: str, overlap: bool, scale: float | None, record: bool, compiled: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     n = int(key)
     if n not in _steps:
@@ -115,14 +125,15 @@ def _cp_attention(
             return run(q, k, v).contiguous(), torch.tensor(-1, dtype=torch.int64)
     with _autograd_inside_op():
         seed = q.new_zeros((), requires_grad=True)
-        inputs = _Enter.apply(seed, q, k, v)
+        inputs = _Enter.apply(seed, q, k, v, compiled)
         out = run(*inputs)
     handle = _register(_graphs, (out, [get_gradient_edge(t) for t in inputs]))
-    return out.detach().contiguous(), handle
+    out = out.detach()
+    return (out.clone(memory_format=torch.contiguous_format) if compiled else out.contiguous()), handle
 
 
 @_cp_attention.register_fake
-def _(q, k, v, key, backend, overlap, scale, record):
+def _(q, k, v, key, backend, overlap, scale, record, compiled):
     return torch.empty_like(q, memory_format=torch.contiguous_format), key.new_empty(())
 
 
@@ -152,7 +163,7 @@ def _setup_context(ctx, inputs, output) -> None:
 def _backward(ctx, grad, _grad_handle):
     (handle,) = ctx.saved_tensors
     dq, dk, dv = torch.ops.flashcp.cp_attention_backward(grad, handle, ctx.kv_shape)
-    return dq, dk, dv, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 _cp_attention.register_autograd(_backward, setup_context=_setup_context)
@@ -172,4 +183,5 @@ def cp_attention(
     names, as one opaque op that torch.compile keeps in its graph (same results, same gradients)."""
     record = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     scale = None if softmax_scale is None else float(softmax_scale)
-    return torch.ops.flashcp.cp_attention(q, k, v, key, backend, overlap, scale, record)[0]
+    compiled = torch.compiler.is_compiling()
+    return torch.ops.flashcp.cp_attention(q, k, v, key, backend, overlap, scale, record, compiled)[0]

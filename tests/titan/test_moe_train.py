@@ -96,8 +96,7 @@ def test_ep2_cp2_reproduces_the_one_rank_run(reference, gloo_pool, tmp_path, off
 def test_ep2_cp2_on_two_ranks_reproduces_the_one_rank_run(reference, gloo_pool, tmp_path, compiled):
     """EP borrowing both CP ranks (no data parallelism; the experts' FSDP mesh has one rank), full AC.
 
-    Compiled (`[compile] enable`): each block is one graph (dynamo and AOT autograd, with the
-    aot_eager backend: see docs/training.md on Qwen3 under inductor), the MoE dispatch's sizes
+    Compiled (`[compile] enable`, inductor): each block is one graph, the MoE dispatch's sizes
     symbolic and the experts' float32 grouped matmuls the op `flashcp::expert_grouped_mm`. Its
     recompute does not count the tokens again, unlike eager checkpointing, which TorchTitan's bias
     update halves for: FlashCP doubles a compiled checkpointed block's counts first, so the biases
@@ -105,7 +104,7 @@ def test_ep2_cp2_on_two_ranks_reproduces_the_one_rank_run(reference, gloo_pool, 
     cfg = moe_job(tmp_path, reference[0], parallelism={"context_parallel_degree": 2, "expert_parallel_degree": 2,
                                                        "data_parallel_shard_degree": 1},
                   activation_checkpoint={"mode": "full"},
-                  compile={"enable": compiled, "components": ["model"], "backend": "aot_eager"})  # fmt: skip
+                  compile={"enable": compiled, "components": ["model"]})  # fmt: skip
     runs = gloo_pool(2).run(_pool_run, (cfg,))
     worst = check_run(runs, reference, recounted=1 if compiled else 2)
     graphs = {run[3] for run in runs}
