@@ -237,28 +237,8 @@ def test_a_mixture_of_experts_job_in_float32_is_one_line(tmp_path, capsys):
     assert "mixed_precision_param = 'bfloat16'" in line
 
 
-MLA = """
-[model]
-name = "deepseek_v3"
-flavor = "debugmodel"
-[data]
-source = "synthetic"
-synthetic_lengths = "wlbllm"
-balance = "off"
-[training]
-seq_len = 4096
-steps = 10
-mixed_precision_param = "bfloat16"
-[lr_scheduler]
-warmup_steps = 1
-[parallelism]
-context_parallel_degree = 4
-expert_parallel_degree = 2
-[activation_checkpoint]
-mode = "full"
-[loss]
-chunk_tokens = 256
-"""
+MLA = JOB.replace(JOB[JOB.index("[model]") : JOB.index("[data]")], '[model]\nname = "deepseek_v3"\nflavor = "debugmodel"\n')
+MLA = MLA.replace("context_parallel_degree = 4\n", "context_parallel_degree = 4\nexpert_parallel_degree = 2\n")
 
 
 def test_an_mla_job_dry_runs_with_latent_rows_on_the_wire(tmp_path, capsys):

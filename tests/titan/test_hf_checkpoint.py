@@ -53,6 +53,17 @@ def logits(folder: Path, ids: torch.Tensor, exported: bool = True) -> torch.Tens
         return model(ids).logits
 
 
+def negligible_export(tmp_path: Path, hf: Path) -> tuple[Path, Path, dict]:
+    """One step at lr 1e-12 from the HF folder `hf`, then exported: the step's checkpoint, the export
+    and the export's config.json."""
+    with single_rank():
+        train(hf_job(tmp_path / "run", hf, training={"steps": 1}, optimizer={"lr": 1e-12}))
+    step = tmp_path / "run" / "checkpoint" / "step-1"
+    out = tmp_path / "export"
+    assert export_main(["--checkpoint", str(step), "--out", str(out)]) == 0
+    return step, out, json.loads((out / "config.json").read_text())
+
+
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 GENERATION = {"bos_token_id": 0, "eos_token_id": [7, 1], "temperature": 0.6, "top_p": 0.9, "do_sample": True}
 
@@ -126,12 +137,7 @@ def test_qwen3_moe_round_trip_generates_and_exports_bf16(tmp_path):
     adapter, the router's gate; the export loads in transformers, gives the original logits and
     generates; `--dtype bfloat16` writes bf16 shards that load."""
     hf = make_tiny_hf(tmp_path / "moe", model_type="qwen3_moe")
-    with single_rank():
-        train(hf_job(tmp_path / "run", hf, training={"steps": 1}, optimizer={"lr": 1e-12}))
-    step = tmp_path / "run" / "checkpoint" / "step-1"
-    out = tmp_path / "export"
-    assert export_main(["--checkpoint", str(step), "--out", str(out)]) == 0
-    config = json.loads((out / "config.json").read_text())
+    step, out, config = negligible_export(tmp_path, hf)
     assert config["model_type"] == "qwen3_moe" and config["architectures"] == ["Qwen3MoeForCausalLM"]
     assert (config["num_experts"], config["num_experts_per_tok"], config["moe_intermediate_size"]) == (8, 2, 16)
     with safe_open(out / "model.safetensors", "pt") as f:

@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 from scripts.make_tiny_hf import make_tiny_hf  # noqa: E402
 from titan.harness import single_rank, train  # noqa: E402
-from titan.test_hf_checkpoint import hf_job, IDS, logits  # noqa: E402
+from titan.test_hf_checkpoint import hf_job, IDS, logits, negligible_export  # noqa: E402
 
 from flashcp.titan.config import ConfigError  # noqa: E402
 from flashcp.titan.export import main as export_main  # noqa: E402
@@ -42,12 +42,7 @@ def _with_bias(folder):
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_deepseek_v3_round_trip_generates_and_exports_bf16(tmp_path, tied):
     hf = _with_bias(make_tiny_hf(tmp_path / "dsv3", model_type="deepseek_v3", tie_word_embeddings=tied))
-    with single_rank():
-        train(hf_job(tmp_path / "run", hf, training={"steps": 1}, optimizer={"lr": 1e-12}))
-    step = tmp_path / "run" / "checkpoint" / "step-1"
-    out = tmp_path / "export"
-    assert export_main(["--checkpoint", str(step), "--out", str(out)]) == 0
-    config = json.loads((out / "config.json").read_text())
+    step, out, config = negligible_export(tmp_path, hf)
     assert config["model_type"] == "deepseek_v3" and config["architectures"] == ["DeepseekV3ForCausalLM"]
     assert (config["kv_lora_rank"], config["q_lora_rank"], config["first_k_dense_replace"]) == (32, 24, 1)
     assert config["tie_word_embeddings"] is tied and config["num_nextn_predict_layers"] == 0
