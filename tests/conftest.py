@@ -50,3 +50,13 @@ def gloo_pool():
     ranks, shared with the other tests (distributed_pool.shared); all are closed at the session's end."""
     yield shared
     close_shared()
+
+
+FIRST = ("tests/test_gpu_lease.py",)  # the longest file (the lease's CPU rehearsal, minutes)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """The longest test file first: with `--dist loadfile` each file runs whole on one worker in
+    collection order, so a long file collected late leaves the other worker idle at the end."""
+    first = [item for item in items if item.nodeid.startswith(FIRST)]
+    items[:] = first + [item for item in items if not item.nodeid.startswith(FIRST)]
