@@ -93,6 +93,13 @@ class LlamaShape:
                               v_head_dim=self.v_head_dim, kv_lora_rank=self.kv_lora_rank, rope_dim=self.rope_dim)  # fmt: skip
 
 
+def mla_attention_params(dim: int, heads: int, q_lora_rank: int, kv_lora_rank: int, nope: int, rope: int, v: int) -> int:
+    """One MLA layer's projections: q (or its low-rank pair and norm), wkv_a to the latent row, the
+    latent norm, wkv_b up to each head's k_nope and v, and wo."""
+    q = (dim + 1 + heads * (nope + rope)) * q_lora_rank if q_lora_rank else dim * heads * (nope + rope)
+    return q + dim * (kv_lora_rank + rope) + kv_lora_rank + kv_lora_rank * heads * (nope + v) + heads * v * dim
+
+
 def mla_moe_shape(name: str, *, dim: int, n_layers: int, dense_layers: int, vocab: int, heads: int, q_lora_rank: int,
                   kv_lora_rank: int, nope: int, rope: int, v: int, dense_hidden: int, moe_hidden: int, experts: int,
                   shared: int, top_k: int) -> LlamaShape:  # fmt: skip
@@ -100,8 +107,7 @@ def mla_moe_shape(name: str, *, dim: int, n_layers: int, dense_layers: int, voca
     always-on experts), its parameters counted from its dimensions as TorchTitan builds it (untied
     output, no MTP head), exchanging latent rows (`dataclasses.replace(..., kv_lora_rank=None)`
     prices the same model exchanging K/V)."""
-    q = (dim + 1 + heads * (nope + rope)) * q_lora_rank if q_lora_rank else dim * heads * (nope + rope)
-    attention = q + dim * (kv_lora_rank + rope) + kv_lora_rank + kv_lora_rank * heads * (nope + v) + heads * v * dim
+    attention = mla_attention_params(dim, heads, q_lora_rank, kv_lora_rank, nope, rope, v)
     routed = experts * 3 * dim * moe_hidden
     moe_rest = dim * experts + shared * 3 * dim * moe_hidden
     params = 2 * vocab * dim + dim + n_layers * (attention + 2 * dim) + dense_layers * 3 * dim * dense_hidden

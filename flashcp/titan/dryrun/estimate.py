@@ -53,6 +53,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from flashcp.costmodel.step import mla_attention_params
+
 GIB = 2**30
 
 
@@ -125,10 +127,8 @@ def attention_params(m: ModelShape) -> int:
     """One layer's attention projections (and MLA's latent norm)."""
     if not m.latent_rank:
         return 2 * m.dim * m.heads * m.head_dim + 2 * m.dim * m.kv_heads * m.head_dim
-    q = m.dim * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * m.heads * m.head_dim if m.q_lora_rank \
-        else m.dim * m.heads * m.head_dim  # fmt: skip
-    up = m.latent_rank * m.heads * (m.head_dim - m.rope_dim + m.v_dim)  # wkv_b: each head's k_nope and v
-    return q + m.dim * m.latent + m.latent_rank + up + m.heads * m.v_dim * m.dim
+    return mla_attention_params(m.dim, m.heads, m.q_lora_rank, m.latent_rank, m.head_dim - m.rope_dim, m.rope_dim,
+                                m.v_dim)  # fmt: skip
 
 
 def layer_params(m: ModelShape, ep: int = 1) -> int:
