@@ -93,7 +93,8 @@ class LlamaShape:
                               v_head_dim=self.v_head_dim, kv_lora_rank=self.kv_lora_rank, rope_dim=self.rope_dim)  # fmt: skip
 
 
-def mla_attention_params(dim: int, heads: int, q_lora_rank: int, kv_lora_rank: int, nope: int, rope: int, v: int) -> int:
+def mla_attention_params(dim: int, heads: int, q_lora_rank: int, kv_lora_rank: int, nope: int, rope: int,
+                         v: int) -> int:  # fmt: skip
     """One MLA layer's projections: q (or its low-rank pair and norm), wkv_a to the latent row, the
     latent norm, wkv_b up to each head's k_nope and v, and wo."""
     q = (dim + 1 + heads * (nope + rope)) * q_lora_rank if q_lora_rank else dim * heads * (nope + rope)

@@ -25,8 +25,9 @@ TorchTitan's; this subclass only changes how a batch reaches the model:
 With `[data] balance` (default "deferral-cut" with max_delay_steps 16 and every step keeping
 min_pairs_kept of stream packing's attended pairs, docs/results.md; "deferral", "mesh-cut",
 "mesh") the loader spreads each optimizer step's documents over all DP ranks x
-micro steps by the model's predicted time per window (`flashcp.data.balance`, `flashcp.data.deferral`): the MFU's FLOPs per token and per attended
-pair at measured dense and attention efficiencies (`flashcp.costmodel.proxy`).
+micro steps by the model's predicted time per window (`flashcp.data.balance`,
+`flashcp.data.deferral`): the MFU's FLOPs per token and per attended pair at measured dense and
+attention efficiencies (`flashcp.costmodel.proxy`).
 
 Around the loop: on SIGTERM / SIGINT the ranks agree to stop at the next step boundary and save a
 checkpoint there (`flashcp.run.preemption`); after a restore, the learning rate applied is the

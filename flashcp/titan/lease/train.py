@@ -1,9 +1,10 @@
 """Part b of the lease: the trainer on one GPU through the launcher, variant by variant.
 
 Each variant of `jobs.train_jobs` is one `python -m flashcp.titan.launch` (what `./run_train.sh` runs
-once its venv exists; without a GPU its `main` in a forked child, see `launch`) on one rank, within what is left of the part's budget; its figures come from the
-run's TensorBoard events (loss, step time, tokens/s, MFU, the allocator's peaks per step) and are
-written to OUTDIR/train.json as soon as the run ends. Then the checks: every loss finite, the offload
+once its venv exists; without a GPU its `main` in a forked child, see `launch`) on one rank, within
+what is left of the part's budget; its figures come from the run's TensorBoard events (loss, step
+time, tokens/s, MFU, the allocator's peaks per step) and are written to OUTDIR/train.json as soon as
+the run ends. Then the checks: every loss finite, the offload
 and the MLP tiles reproduce eager's losses, compile stays close to them (`Job.tolerance`).
 """
 

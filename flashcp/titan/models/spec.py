@@ -116,7 +116,8 @@ def register_expert_balancing(optimizers, model_parts: list[torch.nn.Module], pa
     """
     if compiled:
         counts = [block.moe.tokens_per_expert_E for part in model_parts for block in part.layers.values()
-                  if getattr(block, "moe_enabled", False) and getattr(block, "checkpoint_impl", None) is CheckpointImpl.NO_REENTRANT]  # fmt: skip
+                  if getattr(block, "moe_enabled", False)
+                  and getattr(block, "checkpoint_impl", None) is CheckpointImpl.NO_REENTRANT]  # fmt: skip
 
         def double(*args, **kwargs) -> None:
             for count in counts:
