@@ -236,13 +236,10 @@ def test_rope_keys_keep_or_replace_the_models_scaling(tmp_path):
     arch = job_architecture(validate({"model": yarn})["model"], 4096, 1 << 20)
     assert (arch.rope.scaling, arch.rope.factor, arch.rope.beta_fast, arch.max_position_embeddings) == (
         "yarn", 16.0, 32.0, 1 << 20)  # fmt: skip
-    qwen3_llama3 = {"name": "qwen3", "rope_scaling": "llama3", "rope_factor": 8.0,
-                    "rope_original_max_position_embeddings": 8}  # fmt: skip
     for model, message in [
         ({"rope_scaling": "yarn"}, r"rope_scaling = 'yarn' needs rope_factor and rope_original_max_position"),
         ({"rope_beta_fast": 16.0}, r"rope_beta_fast does not apply to rope scaling 'llama3' \(the model's"),
         ({"rope_scaling": "none", "rope_factor": 2.0}, r"rope_factor does not apply to rope scaling 'none'"),
-        (qwen3_llama3, r"llama3 RoPE scaling is Llama's"),
         ({**yarn, "attention": "flex"}, r"yarn RoPE's attention factor \(1.277\) is applied by FlashCP's"),
         ({"rope_scaling": "llama3", "rope_low_freq_factor": 5.0},
          r"llama3 scaling needs 0 < rope_low_freq_factor < rope_high_freq_factor, got 5.0 and 4.0"),

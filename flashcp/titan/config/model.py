@@ -128,8 +128,6 @@ def _check_architecture(cfg: dict) -> None:
                           "rope_scaling.mscale_all_dim)")  # fmt: skip
     try:
         rope = rope_for_job(base, model)
-        if model["name"] == "qwen3" and rope.scaling == "llama3":
-            raise RopeError("llama3 RoPE scaling is Llama's; TorchTitan's Qwen3 RoPE takes none or yarn")
     except RopeError as e:
         raise ConfigError(f"[model] {e}") from e
     if rope.softmax_scale_factor != 1.0 and model["attention"] != "flashcp":

@@ -42,6 +42,7 @@ from flashcp.titan.hf.config import Architecture, HFConfigError, read_hf_config,
 from flashcp.titan.models.experts import use_param_dtype_experts
 from flashcp.titan.models.registry import family, flavor_architecture, TITAN_SCALING
 from flashcp.titan.models.rope import FAMILY_ROPE, rope_for_job, RopeError
+from flashcp.titan.models.rotary import ScaledCosSinRoPE
 
 class TiedDeepSeekV3StateDictAdapter(DeepSeekV3StateDictAdapter):
     """TorchTitan's DeepSeek-V3 adapter, with tied embeddings as its Qwen3 adapter handles them: an HF
@@ -71,14 +72,13 @@ _NORM_EPS = {"llama3": 1e-5, "qwen3": 1e-6}
 
 
 def titan_rope(arch: Architecture, max_seq_len: int):
-    """TorchTitan's RoPE config for `arch`: CosSinRoPE for Qwen3, else ComplexRoPE (DeepSeek-V3: over
-    each head's qk_rope_head_dim RoPE columns)."""
+    """TorchTitan's RoPE config for `arch`: CosSinRoPE for Qwen3 (with llama3 scaling FlashCP's
+    `ScaledCosSinRoPE`), else ComplexRoPE (DeepSeek-V3: over each head's qk_rope_head_dim RoPE columns)."""
     rope = arch.rope
-    cls = CosSinRoPE if arch.name == "qwen3" else ComplexRoPE
-    if rope.scaling == "llama3" and cls is CosSinRoPE:
-        raise RopeError(
-            "llama3 RoPE scaling is Llama's (complex RoPE); TorchTitan's Qwen3 RoPE supports none or yarn"
-        )
+    if arch.name == "qwen3":
+        cls = ScaledCosSinRoPE if rope.scaling == "llama3" else CosSinRoPE
+    else:
+        cls = ComplexRoPE
     scaling: dict[str, Any] = {"scaling": TITAN_SCALING[rope.scaling]}
     if rope.scaling == "llama3":
         scaling |= {

@@ -27,7 +27,7 @@ def inverse_frequencies(config: RoPE.Config) -> torch.Tensor:
     """The `head_dim / 2` rotation frequencies of TorchTitan's `_precompute_cache`, scaling included."""
     dim, theta = config.dim, config.theta
     freqs = 1.0 / (theta ** (torch.arange(0, dim, 2)[: (dim // 2)].float() / dim))
-    if config.scaling == "llama":  # Llama 3.1's wavelength bands (ComplexRoPE only)
+    if config.scaling == "llama":  # Llama 3.1's bands, both formats (TorchTitan's: ComplexRoPE only)
         factor, low, high = config.scaling_factor, config.low_freq_factor, config.high_freq_factor
         original = config.original_max_position_embeddings
         wavelen = 2 * math.pi / freqs
@@ -65,6 +65,19 @@ def rotation_key(config: RoPE.Config) -> tuple:
     """What identifies a rotation: the format and every frequency setting, not the table length."""
     values = (getattr(config, f.name) for f in dataclasses.fields(RoPE.Config) if f.name not in _NOT_ROTATION)
     return (isinstance(config, ComplexRoPE.Config), *values)
+
+
+class ScaledCosSinRoPE(CosSinRoPE):
+    """TorchTitan's cos / sin RoPE with its table from `inverse_frequencies`, which has Llama 3.1's
+    wavelength bands (TorchTitan's cos / sin table raises for them): a Qwen3 config.json with llama3
+    `rope_scaling`, as transformers runs it, under any attention and wherever a model is built."""
+
+    @dataclasses.dataclass(kw_only=True, slots=True)
+    class Config(CosSinRoPE.Config):
+        pass
+
+    def _precompute_cache(self) -> torch.Tensor:
+        return rotation(self.config, torch.arange(self.config.max_seq_len))
 
 
 class _TablelessRoPE:
