@@ -13,7 +13,9 @@ damage, not tampering). Here:
   same shape, and every checkpoint key must be loaded, unless it belongs to a state the caller drops
   on purpose (the optimizer of a model-only load). DCP alone ignores extra checkpoint keys, so a
   2-layer checkpoint loaded into a 1-layer model dropped a layer without a word. Keys are global
-  (FQNs and global shapes), so loading into another sharding layout still works.
+  (FQNs and global shapes), so loading into another sharding layout still works. A Hugging Face
+  MoE folder is the exception: TorchTitan's adapter names only the experts a rank holds, so the
+  caller passes the keys other ranks load (`elsewhere`), checked whole beforehand.
 
 `UnsafeCheckpoint` and `MismatchedCheckpoint` say what was refused in one line.
 """
@@ -105,16 +107,17 @@ class StrictPlanner(DefaultLoadPlanner):
     """DCP's load planner, strict in both directions and loading non-tensor items as plain data.
 
     `dropped`: names of top-level states (e.g. "optimizer") whose checkpoint keys are left unused on
-    purpose.
+    purpose; `elsewhere`: whole keys that other ranks load and this one does not.
     """
 
-    def __init__(self, checkpoint: Path, dropped: Iterable[str] = ()):
+    def __init__(self, checkpoint: Path, dropped: Iterable[str] = (), elsewhere: Iterable[str] = ()):
         super().__init__(allow_partial_load=False)
         self._checkpoint = checkpoint
         self._dropped = tuple(f"{name}." for name in dropped)
+        self._elsewhere = frozenset(elsewhere)
 
     def create_local_plan(self) -> Any:
-        check_fits(self.state_dict, self.metadata, self._dropped, self._checkpoint)
+        check_fits(self.state_dict, self.metadata, self._dropped, self._checkpoint, self._elsewhere)
         return super().create_local_plan()
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
@@ -135,11 +138,12 @@ def _shape(value: Any) -> str:
     return f"[{', '.join(map(str, value.size))}]" if isinstance(value, TensorStorageMetadata) else "(value)"
 
 
-def check_fits(state: dict[str, Any], metadata: Metadata, dropped: tuple[str, ...], checkpoint: Path) -> None:
+def check_fits(state: dict[str, Any], metadata: Metadata, dropped: tuple[str, ...], checkpoint: Path,
+               elsewhere: frozenset[str] = frozenset()) -> None:  # fmt: skip
     """MismatchedCheckpoint naming the first keys (and shapes) that do not match, in one line."""
     stored = metadata.state_dict_metadata
     missing = [k for k in state if k not in stored]
-    unused = [k for k in stored if k not in state and not k.startswith(dropped)]
+    unused = [k for k in stored if k not in state and k not in elsewhere and not k.startswith(dropped)]
     reshaped = [k for k, v in state.items() if isinstance(v, torch.Tensor) and isinstance(stored.get(k), TensorStorageMetadata)
                 and tuple(v.shape) != tuple(stored[k].size)]  # fmt: skip
     problems = []

@@ -123,6 +123,7 @@ def train(
     validations: list[Any] | None = None,
     expert_biases: list[torch.Tensor] | None = None,
     expert_counts: list[torch.Tensor] | None = None,
+    first_grads: dict[str, torch.Tensor] | None = None,
 ) -> dict[int, float]:
     """Train `cfg` on the current world; {step: loss} of the steps this run logged.
 
@@ -132,7 +133,8 @@ def train(
     the sign of every step's global expert counts, so it records the router's load statistics);
     `expert_counts` one [MoE layers, experts] tensor per step: this rank's `tokens_per_expert_E` as
     the forward passes (and any recompute) accumulated them, read just before TorchTitan's bias
-    update sums them over the ranks and clears them.
+    update sums them over the ranks and clears them; `first_grads` every parameter's whole gradient
+    (a DTensor's gathered on every rank) before the first optimizer step, by parameter name.
     """
     from flashcp.titan.launch.job import trainer_config
     from flashcp.titan.trainer import FlashCPTrainer
@@ -167,6 +169,16 @@ def train(
         # Ahead of the bias update, which TorchTitan registered when it built the optimizer.
         handle = trainer.optimizers.register_step_pre_hook(record_counts)
         trainer.optimizers._optimizer_step_pre_hooks.move_to_end(handle.id, last=False)
+    if first_grads is not None:
+        named = list(trainer.model_parts[0].named_parameters())
+
+        def record_grads(*args: Any) -> None:
+            if not first_grads:
+                for name, p in named:
+                    grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+                    first_grads[name] = grad.detach().clone()
+
+        trainer.optimizers.register_step_pre_hook(record_grads)
     if stop_after is not None:
         trainer.should_continue_training = lambda: trainer.step < stop_after
     try:
@@ -187,11 +199,12 @@ def train_on_pool_rank(
     rank: int, group: Any, cfg: dict, grad_norms: dict[int, float] | None = None,
     validations: list[Any] | None = None, stop_after: int | None = None,
     expert_biases: list[torch.Tensor] | None = None, expert_counts: list[torch.Tensor] | None = None,
+    first_grads: dict[str, torch.Tensor] | None = None,
 ) -> dict[int, float]:
     """DistributedPool task: one rank of a multi-rank run of `cfg`."""
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(dist.get_world_size())})
     return train(cfg, stop_after=stop_after, grad_norms=grad_norms, validations=validations,
-                 expert_biases=expert_biases, expert_counts=expert_counts)  # fmt: skip
+                 expert_biases=expert_biases, expert_counts=expert_counts, first_grads=first_grads)  # fmt: skip
 
 
 def train_counting_exchanges(

@@ -47,7 +47,7 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -322,28 +322,33 @@ class Checkpointer(CheckpointManager):
         meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in model_state.items()}
         try:
             read_hf_config(path)
-            unread = check_weights(path, {k: tuple(v.shape) for k, v in self.sd_adapter.to_hf(meta).items()})
+            whole = {k: tuple(v.shape) for k, v in self.sd_adapter.to_hf(meta).items()}
+            unread = check_weights(path, whole)
         except (HFConfigError, HFFolderError) as e:
             raise CheckpointError(f"checkpoint.initial_load_path: {e}") from e
         logger.info(f"Loading the Hugging Face model from {path} (safetensors headers checked against the "
                     "model; an HF folder has no manifest to verify its bytes)")  # fmt: skip
         try:
-            self.dcp_load(model_state, str(path), from_hf=True, from_quantized=False, dropped=unread)
+            self.dcp_load(model_state, str(path), from_hf=True, from_quantized=False, dropped=unread,
+                          whole=whole.keys())  # fmt: skip
         except (Exception, dcp_api.CheckpointException) as e:
             raise CheckpointError(f"checkpoint.initial_load_path: {_unloadable(e, path)}") from e
 
     def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool,
-                 dropped: list[str] | tuple[str, ...] = ()) -> None:  # fmt: skip
+                 dropped: list[str] | tuple[str, ...] = (), whole: Iterable[str] = ()) -> None:  # fmt: skip
         """TorchTitan's dcp_load, reading data only and refusing a checkpoint that does not fit whole
         (`dropped`: states left unloaded on purpose). HF safetensors go through the model's
-        state_dict_adapter and DCP's HF reader, as in TorchTitan, with the same strict plan."""
+        state_dict_adapter and DCP's HF reader, as in TorchTitan, with the same strict plan; the
+        adapter names only this rank's experts, so the other keys of `whole` (every HF key of the
+        model, checked against the folder beforehand) are other ranks' to load."""
         path = Path(checkpoint_id)
         if from_hf:
             if from_quantized:
                 raise CheckpointError("checkpoint.initial_load_in_hf_quantized: quantized HF weights are not supported")
             hf_state = self.sd_adapter.to_hf(state_dict)
+            elsewhere = set(whole) - hf_state.keys()
             dcp.load(hf_state, storage_reader=self.sd_adapter.get_hf_storage_reader(str(path)),
-                     planner=StrictPlanner(path, dropped))  # fmt: skip
+                     planner=StrictPlanner(path, dropped, elsewhere))  # fmt: skip
             self.states[MODEL].load_state_dict(self.sd_adapter.from_hf(hf_state))
             return
         reader = SafeReader(path)
