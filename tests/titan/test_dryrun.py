@@ -102,17 +102,6 @@ def test_a_passing_config_check_names_the_dry_run_with_its_overrides(capsys):
     assert last.endswith(f"python -m flashcp.titan.dryrun --config {job} --world-size 8 --loss.chunk_tokens 0")
 
 
-def test_a_recipe_without_its_data_says_how_to_dry_run_it(capsys):
-    """The shipped recipes read a tokenizer and stores the user prepares: one line naming the missing
-    file and the synthetic stand-ins (docs/extend.md's command for the recipes' memory)."""
-    from flashcp.titan.dryrun import cli
-
-    assert cli.main(["--config", "llama3_8b_extend_128k", "--world-size", "8"]) == 2
-    (line,) = capsys.readouterr().err.strip().splitlines()
-    assert line.startswith("error: tokenizer file not found: /models/Llama-3.1-8B/tokenizer.json; the dry run")
-    assert "--data.mix.NAME.source synthetic" in line
-
-
 def test_a_job_with_the_probe_dry_runs_as_without_it(tmp_path, capsys):
     """The probe plans its prompts from token values when the trainer is built, which fake tensors lack
     (the dry run of such a job died in torch.bincount); it scores between steps, below the step's peak."""

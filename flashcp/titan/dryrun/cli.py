@@ -3,7 +3,8 @@
     python -m flashcp.titan.dryrun --config llama8b_128k --world-size 8 [--json] [--gpu-gib 80] [--host-gib 256]
 
 Exit 0 when it fits, 1 when not (one line: the biggest term and the levers this job does not
-use), 2 for a bad job or argument (one line).
+use), 2 for a bad job or argument (one line). A file the job names and this machine lacks (its
+tokenizer, data, HF folder) is stood in for, one line each (`flashcp.titan.dryrun.standin`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from flashcp.data.tokenizer import TokenizerError
 from flashcp.titan.config import ConfigError, load_job, resolve_config_path, world_size_hint
 from flashcp.titan.dryrun.report import advice, format_report
 from flashcp.titan.dryrun.run import dry_run
+from flashcp.titan.dryrun.standin import with_stand_ins
 
 
 def _gib(minimum: float, strict: bool) -> Any:
@@ -60,7 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args, overrides = parser.parse_known_args(argv)
     try:
-        cfg = load_job(resolve_config_path(args.config), overrides)
+        cfg, stand_ins = with_stand_ins(load_job(resolve_config_path(args.config), overrides))
+        for line in stand_ins:
+            print(f"note: {line}", file=sys.stderr, flush=True)
         world = args.world_size or world_size_hint(cfg)
         if world is None:
             raise ConfigError("data_parallel_shard_degree = -1 leaves the world open: pass --world-size")
@@ -68,11 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, NodeLayoutError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except (DataError, TokenizerError) as e:  # e.g. a recipe's stores, not prepared yet
-        print(f"error: {e}; the dry run draws one window from the job's data: until it exists, "
-              "--data.tokenizer default and --data.source synthetic (a mixture: "
-              "--data.mix.NAME.source synthetic for each source) stand in for it, with "
-              "--validation.enable false", file=sys.stderr)  # fmt: skip
+    except (DataError, TokenizerError) as e:  # present but unreadable: absent files are stood in for
+        print(f"error: {e}; the dry run draws one window from the job's data: --data.source synthetic "
+              "(a mixture: --data.mix.NAME.source synthetic) stands in for it", file=sys.stderr)  # fmt: skip
         return 2
     print(json.dumps(report.as_json()) if args.json else format_report(report), flush=True)
     if not report.fits_gpu:
