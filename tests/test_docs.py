@@ -112,10 +112,14 @@ SLOW = {  # command -> (the test that runs the same entry point on a small job, 
     ".venv/bin/python benchmarks/dryrun_frontier.py": (
         "tests/titan/test_dryrun.py::test_offload_moves_the_layer_inputs_to_host_memory",
         "each of its rows is one such dry run; all 25 take about an hour"),
-    ".venv/bin/python -m flashcp.titan.dryrun --config llama3_8b_extend_128k --world-size 8 --data.tokenizer "
-    "default --data.mix.long.source synthetic --data.mix.short.source synthetic --validation.enable false": (
-        "tests/titan/test_dryrun.py::test_a_recipe_without_its_data_says_how_to_dry_run_it",
-        "the recipe without these overrides, which names them"),
+    ".venv/bin/python -m flashcp.titan.dryrun --config llama3_8b_extend_128k --world-size 8": (
+        "tests/titan/test_dryrun_no_data.py::test_a_job_without_its_files_dry_runs_as_with_the_stand_ins_given",
+        "a tiny job with every file absent (the same file resolves every shipped job's stand-ins); the recipe "
+        "takes 0.5-2 minutes"),
+    ".venv/bin/python -m flashcp.titan.dryrun --config qwen3_30b_a3b_128k --world-size 16": (
+        "tests/titan/test_dryrun_no_data.py::test_a_job_without_its_files_dry_runs_as_with_the_stand_ins_given",
+        "a tiny job with every file absent (the same file checks this recipe's stand-in lines); the recipe "
+        "takes about 4 minutes"),
     ".venv/bin/python -m flashcp.titan.dryrun --config llama8b_128k --world-size 8 --model.converters float8": (
         "tests/titan/test_converters.py::test_the_dry_run_of_a_float8_job_adds_its_modelled_casts",
         "debug_cpu with and without float8; the 8B job takes 0.5-2 minutes"),
