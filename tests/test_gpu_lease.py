@@ -1,5 +1,6 @@
-"""The GPU lease (`scripts/gpu_lease.sh`): parts chosen, budgets enforced, a failing part leaving the
-others, the output packed; and the whole lease rehearsed on the CPU at toy sizes, every part end to end."""
+"""The GPU lease (`scripts/gpu_lease.sh`): budgets enforced, a failing part leaving the others, the
+output packed; and the whole lease rehearsed on the CPU at toy sizes, every part end to end (its
+arguments, OUTDIR and wheel site checked before anything starts: tests/test_lease_args.py)."""
 
 from __future__ import annotations
 
@@ -16,15 +17,6 @@ from flashcp.gpucheck import lease
 from test_gpucheck import check_quick_output
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def test_parts_are_chosen_by_name_or_letter() -> None:
-    assert lease._selected([], []) == list(lease.PARTS)
-    assert lease._selected(["b,c"], []) == ["train", "dryrun"]
-    assert lease._selected(["gpucheck", "d"], []) == ["gpucheck", "frontier"]
-    assert lease._selected([], ["a", "frontier"]) == ["train", "dryrun"]
-    with pytest.raises(SystemExit, match="unknown part 'e'"):
-        lease._selected(["e"], [])
 
 
 def fake_parts(monkeypatch, scripts: dict[str, str]) -> None:

@@ -2,6 +2,9 @@
 
     python -m flashcp.gpucheck.lease OUTDIR [--device cpu --quick] [--only PART ...] [--skip PART ...]
 
+OUTDIR is new or empty, so that no rerun replaces a result; every input is checked before anything
+starts (`lease_start`, which the script runs first, also installing the carried wheels).
+
 Parts, each a process of its own under its own time limit (a part that fails, hangs or dies costs
 only itself: rerun it with `--only`), each writing its results the moment they exist:
 
@@ -23,7 +26,6 @@ TensorBoard events, each log cut to its last MiB).
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import os
@@ -38,8 +40,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-PARTS = ("gpucheck", "train", "dryrun", "frontier")
-LETTERS = dict(zip("abcd", PARTS))
+from flashcp.gpucheck.lease_start import PARTS, check_args, outdir
+
 # Seconds per part on one H100 (the GPU parts run one after another, the dry run beside them on the
 # CPU): 170 + 235 + 150 = 555 s, so that with the wheels' install (~30 s) and the packing the lease
 # fits one 10-minute command of a lent machine.
@@ -62,21 +64,6 @@ class Outcome:
     status: str = "not run"  # passed | failed (exit N) | timed out | skipped: why
     seconds: float = 0.0
     headline: str = ""
-
-
-def _selected(only: list[str], skip: list[str]) -> list[str]:
-    def names(values: list[str]) -> set[str]:
-        out = set()
-        for value in values:
-            for item in value.split(","):
-                name = LETTERS.get(item.strip(), item.strip())
-                if name not in PARTS:
-                    raise SystemExit(f"error: unknown part {item!r}: one of {', '.join(PARTS)} (or a-d)")
-                out.add(name)
-        return out
-
-    chosen = names(only) or set(PARTS)
-    return [p for p in PARTS if p in chosen and p not in names(skip)]
 
 
 def _command(part: str, out: Path, device: str, quick: bool, budget: float) -> list[str]:
@@ -213,23 +200,15 @@ def _is_log(rel: Path) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="bash scripts/gpu_lease.sh", description=__doc__.split("\n\n")[0])
-    p.add_argument("out", type=Path, help="results folder (at most 8 files at the end)")
-    p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when torch sees a GPU")
-    p.add_argument("--quick", action="store_true", help="toy sizes: every part end to end in minutes (the CPU rehearsal)")
-    p.add_argument("--only", action="append", default=[], help=f"run only these parts ({', '.join(PARTS)} or a-d; repeat or comma-separate)")
-    p.add_argument("--skip", action="append", default=[], help="leave these parts out")
-    p.add_argument("--budget-scale", type=float, default=1.0, help="multiply every part's time budget")
-    args = p.parse_args(argv)
+    """The lease, its inputs checked as `scripts/gpu_lease.sh` checks them (one line and exit 2 each)."""
+    argv = sys.argv[1:] if argv is None else argv
+    args, parts = check_args(argv)
+    outdir(args.out)
     if args.device is None:
-        try:
-            import torch
+        import torch  # there: check_args refuses a python without it
 
-            args.device = "cuda" if torch.cuda.is_available() else "cpu"
-        except ImportError:
-            args.device = "cpu"
-    parts = _selected(args.only, args.skip)
-    command = "bash scripts/gpu_lease.sh " + shlex.join(argv if argv is not None else sys.argv[1:])
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    command = "bash scripts/gpu_lease.sh " + shlex.join(argv)
     start = time.monotonic()
     outcomes = run(args.out, args.device, args.quick, parts, args.budget_scale)
     took = time.monotonic() - start
