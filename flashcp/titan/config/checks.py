@@ -2,9 +2,10 @@
 
 `validate` names unknown sections and keys with the allowed ones, checks types and choices, fills
 defaults, refuses settings FlashCP cannot combine with (pipeline parallelism, experts for a dense model, TorchTitan's
-own CP knobs under FlashCP attention, ...), values that would train wrongly or exhaust the machine,
-and finally runs TorchTitan's own checks by building its config objects, all before any process
-starts. Checks that need the number of ranks are `flashcp.titan.config.layout`.
+own CP knobs under FlashCP attention, ...), values that would train wrongly or exhaust the machine
+(a model's sizes among them: `sizes`), and finally runs TorchTitan's own checks by building its
+config objects, all before any process starts. Checks that need the number of ranks are
+`flashcp.titan.config.layout`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from flashcp.data.errors import DataError
 from flashcp.data.sources import DataConfig
 from flashcp.titan.config.model import check_model, model_experts, model_latent
 from flashcp.titan.config.schema import RANKS_PER_NODE_COMMS, RENAMED_SECTIONS, SCHEMA
+from flashcp.titan.config.sizes import check_host_objects
 from flashcp.titan.config.titan import ac_keys, section_config, TITAN_KEYS
 
 MAX_SEQ_LEN = 2**31 - 1  # cu_seqlens (flashcp.dispatch, the varlen kernels) are int32
@@ -113,6 +115,7 @@ def _check_semantics(cfg: dict) -> None:
     if not fcp["target_imbalance"] >= 1.0:
         raise ConfigError(f"[flashcp] target_imbalance must be >= 1.0, got {fcp['target_imbalance']}")
     check_model(cfg)
+    check_host_objects(cfg)  # before anything is built from the model's sizes
     check_converters(cfg, cfg["_given"])
     _check_attention(cfg)
     _check_ranks_per_node(cfg)  # after [flashcp] is reset for TorchTitan's attention

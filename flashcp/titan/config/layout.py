@@ -1,9 +1,9 @@
 """Checks of a validated job that depend on the number of ranks and on the machine.
 
-The parallel degrees must multiply to the world size, the context must split evenly over the CP
-and sequence-parallel ranks, TP must divide the heads, and the kernels and GPU features a job names
-must exist on this machine. The launcher, the dry run and `--check` call `check_layout` before any
-rank starts.
+The parallel degrees must multiply to the world size, one rank's share of the weights must fit
+(`sizes.check_weights`), the context must split evenly over the CP and sequence-parallel ranks,
+TP must divide the heads, and the kernels and GPU features a job names must exist on this machine.
+The launcher, the dry run and `--check` call `check_layout` before any rank starts.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from flashcp.titan.config.converters import converter_problem
 from flashcp.titan.config.keys import ConfigError
 from flashcp.titan.config.model import model_dims
 from flashcp.titan.config.schema import GPU_BACKENDS
+from flashcp.titan.config.sizes import check_weights
 
 
 def degrees(cfg: dict, world_size: int) -> dict[str, int]:
@@ -59,6 +60,7 @@ def world_size_hint(cfg: dict) -> int | None:
 def check_layout(cfg: dict, world_size: int, has_cuda: bool | None = None) -> dict[str, int]:
     """Everything that depends on the number of ranks and the machine; returns the degrees."""
     deg = degrees(cfg, world_size)
+    check_weights(cfg, world_size)
     cp, tp = deg["cp"], deg["tp"]
     seq_len = cfg["training"]["seq_len"]
     sp = tp if cfg["parallelism"]["enable_sequence_parallel"] else 1

@@ -23,13 +23,12 @@ Pure Python (json only): the launcher reads config.json before any rank starts.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flashcp.titan.hf.files import FolderFileError, read_member
+from flashcp.titan.hf.files import FolderFileError, load_json, read_member
 from flashcp.titan.models.rope import Rope, rope_from_hf, rope_to_hf, RopeError
 
 # HF model_type -> FlashCP / TorchTitan model name, and back with its HF class.
@@ -105,6 +104,13 @@ class Architecture:
 
 def read_hf_config(path: str | Path) -> Architecture:
     """The architecture in `path` (an HF model folder or its config.json); HFConfigError names the problem."""
+    file, hf = read_hf_json(path)
+    return architecture_from_hf(hf, where=str(file))
+
+
+def read_hf_json(path: str | Path) -> tuple[Path, dict[str, Any]]:
+    """(the file, its parsed object) of `path`, an HF model folder or its config.json: bounded in size and
+    nesting (`flashcp.titan.hf.files`); HFConfigError names the problem."""
     path = Path(path)
     file = path / "config.json" if path.is_dir() else path
     if not file.is_file():
@@ -120,16 +126,35 @@ def read_hf_config(path: str | Path) -> Architecture:
             raise HFConfigError(
                 f"{file} is larger than {MAX_CONFIG_BYTES >> 20} MiB: not a model's config.json"
             )
-        hf = json.loads(data)
+        hf = load_json(data, file)
     except FolderFileError as e:
         raise HFConfigError(str(e)) from e
     except OSError as e:
         raise HFConfigError(f"cannot read {file}: {e}") from e
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise HFConfigError(f"{file} is not valid JSON: {e}") from e
     if not isinstance(hf, dict):
         raise HFConfigError(f"{file} must hold a JSON object, got {type(hf).__name__}")
-    return architecture_from_hf(hf, where=str(file))
+    return file, hf
+
+
+def size_keys(hf: dict[str, Any]) -> dict[str, str]:
+    """The config.json key each size of its `Architecture` is read from ("experts.num_experts": the
+    key of `Experts.num_experts`), to name the one a check refuses."""
+    keys = {"dim": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
+            "n_kv_heads": "num_key_value_heads", "head_dim": "head_dim", "hidden_dim": "intermediate_size",
+            "vocab_size": "vocab_size", "experts.num_experts": _experts_key(hf),
+            "experts.hidden_dim": "moe_intermediate_size", "experts.shared": "n_shared_experts"}  # fmt: skip
+    if hf.get("model_type") == "deepseek_v3":
+        keys |= {f"latent.{name}": name for name in ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
+                                                      "qk_rope_head_dim", "v_head_dim")}  # fmt: skip
+    return keys
+
+
+def _experts_key(hf: dict[str, Any]) -> str:
+    """Where a config.json counts its routed experts: DeepSeek's n_routed_experts, Qwen3-MoE's num_experts
+    (transformers 5 writes num_local_experts)."""
+    if hf.get("model_type") == "deepseek_v3":
+        return "n_routed_experts"
+    return "num_local_experts" if "num_experts" not in hf and "num_local_experts" in hf else "num_experts"
 
 
 def architecture_from_hf(hf: dict[str, Any], where: str = "config.json") -> Architecture:
@@ -228,9 +253,9 @@ def _deepseek_v3(hf: dict[str, Any], value, rope: Rope, where: str) -> Architect
         raise HFConfigError(f"{where}: first_k_dense_replace must be an integer in 0..{n_layers}, got {dense!r}")
     groups, limited = value("n_group", int, 1), value("topk_group", int, 1)
     experts = Experts(
-        num_experts=value("n_routed_experts", int), top_k=value("num_experts_per_tok", int),
+        num_experts=value(_experts_key(hf), int), top_k=value("num_experts_per_tok", int),
         hidden_dim=value("moe_intermediate_size", int), route_norm=hf.get("norm_topk_prob", False) is True,
-        shared=hf.get("n_shared_experts") or 0, score_func="sigmoid",
+        shared=_shared_experts(hf, where), score_func="sigmoid",
         route_scale=value("routed_scaling_factor", float, 1.0),
         groups=None if groups == 1 else groups, limited_groups=None if groups == 1 else limited,
     )  # fmt: skip
@@ -250,6 +275,14 @@ def _deepseek_v3(hf: dict[str, Any], value, rope: Rope, where: str) -> Architect
     )  # fmt: skip
 
 
+def _shared_experts(hf: dict[str, Any], where: str) -> int:
+    """DeepSeek's n_shared_experts: a count, 0 (or null) for none."""
+    shared = hf.get("n_shared_experts") or 0
+    if not isinstance(shared, int) or isinstance(shared, bool) or shared < 0:
+        raise HFConfigError(f"{where}: n_shared_experts must be an integer >= 0, got {shared!r}")
+    return shared
+
+
 def _experts(hf: dict[str, Any], value, n_layers: int, where: str) -> Experts:
     """A qwen3_moe config.json's experts; every layer must be sparse (TorchTitan builds no mix)."""
     dense = [layer for layer in hf.get("mlp_only_layers") or [] if isinstance(layer, int) and layer < n_layers]
@@ -260,7 +293,7 @@ def _experts(hf: dict[str, Any], value, n_layers: int, where: str) -> Experts:
     if hf.get("shared_expert_intermediate_size"):
         raise HFConfigError(f"{where}: a shared expert (shared_expert_intermediate_size) is not supported")
     experts = Experts(
-        num_experts=value("num_experts", int, hf.get("num_local_experts")),  # transformers 5 writes the latter
+        num_experts=value(_experts_key(hf), int),
         top_k=value("num_experts_per_tok", int),
         hidden_dim=value("moe_intermediate_size", int),
         route_norm=hf.get("norm_topk_prob", False) is True,

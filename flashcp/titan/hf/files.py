@@ -8,14 +8,19 @@ repository's `blobs/`, where the hub keeps every file the snapshot links to -- a
 must be a regular file: not a device, a fifo (whose read would block) or a folder. A link out of
 the folder is how an export, made to be published, would carry /etc/hostname, another user's key
 or another job's node token; it is refused, naming the file. Reads are bounded (`read_member`):
-a sparse 1 GiB file is refused by its size, never read whole.
+a sparse 1 GiB file is refused by its size, never read whole, and JSON by its nesting too
+(`load_json`).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 from pathlib import Path
+from typing import Any
+
+MAX_JSON_DEPTH = 32  # objects and arrays inside each other; Hugging Face's configs nest 3 deep
 
 
 class FolderFileError(ValueError):
@@ -71,3 +76,24 @@ def read_member(folder: Path, name: str, limit: int) -> bytes:
         raise FolderFileError(f"{path} is {max(info.st_size, len(data)):,} bytes, more than the {limit:,} bytes "
                               "such a file may hold: refused")  # fmt: skip
     return data
+
+
+def load_json(data: bytes, where: Path | str) -> Any:
+    """`data` parsed; FolderFileError naming `where` when it is not JSON or nests deeper than
+    MAX_JSON_DEPTH: json's parser, and every reader that recurses after it (json.dumps, transformers),
+    would exhaust the stack with a RecursionError instead of a line."""
+    too_deep = f"{where} nests objects or arrays more than {MAX_JSON_DEPTH} deep, which no model's config needs: " \
+               "fix or remove it"  # fmt: skip
+    try:
+        value = json.loads(data)
+    except RecursionError:
+        raise FolderFileError(too_deep) from None
+    except ValueError as e:  # also bad UTF-8, and an integer of more digits than Python converts
+        raise FolderFileError(f"{where} is not valid JSON ({e}): fix or remove it") from None
+    level, depth = [value], 0
+    while level := [v for v in level if isinstance(v, (dict, list))]:
+        depth += 1
+        if depth > MAX_JSON_DEPTH:
+            raise FolderFileError(too_deep)
+        level = [v for item in level for v in (item.values() if isinstance(item, dict) else item)]
+    return value

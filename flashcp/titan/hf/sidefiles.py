@@ -24,7 +24,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from flashcp.titan.hf.files import FolderFileError, read_member
+from flashcp.titan.hf.files import FolderFileError, load_json, read_member
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
 SIDE_FILES = (*TOKENIZER_FILES, "added_tokens.json", "chat_template.jinja", "chat_template.json", "vocab.json",
@@ -78,12 +78,9 @@ def _present(folder: Path, names: tuple[str, ...]) -> dict[str, bytes]:
 
 def check_generation(content: bytes, where: Path) -> dict[str, Any]:
     """The parsed generation_config.json; FolderFileError naming the first value transformers could
-    not use: not a JSON object, a non-finite number anywhere, or a key it reads of the wrong type
-    or range."""
-    try:
-        config = json.loads(content)
-    except ValueError as e:
-        raise FolderFileError(f"{where} is not valid JSON ({e}): fix or remove it") from None
+    not use: not a JSON object (or one nested deeper than JSON needs), a non-finite number anywhere,
+    or a key it reads of the wrong type or range."""
+    config = load_json(content, where)
     if not isinstance(config, dict):
         raise FolderFileError(f"{where} holds a JSON {type(config).__name__}, not an object: fix or remove it")
     for key, value in config.items():
