@@ -17,7 +17,9 @@ meet first, on a small store of their own at the rendezvous port + 1 (`meet`):
   launcher holds. A node claims its slot last, so a refused node holds none, frees it when its
   launcher ends, and beats while it runs, so the slot of a SIGKILLed launcher is taken over;
 - a node waiting for its coordinator stops on Ctrl-C / SIGTERM within seconds, and gives up after
-  `comm.init_timeout_seconds` naming the address it waited for;
+  `comm.init_timeout_seconds` naming the address it waited for; once met, every node waits for all
+  the others the same way (`Meeting.wait_for_nodes`), naming how many arrived, so that none enters
+  torchrun's rendezvous alone (its wait ignores both signals and the setting for 900 s);
 - a node 0 that cannot serve says why: the address is not one of its host's, the job's node 0 is
   already running (its card signed with the secret in this dump folder), another job's
   coordinator holds the port, or another program does (only the last two ask for another port);
@@ -52,6 +54,7 @@ TOKEN_NAME = ".flashcp-node-token"
 CONNECT_TRY_S = 2.0  # one connection attempt; a signal is acted on between attempts
 BEAT_S = 1.0  # a joined node's launcher says it is alive this often ...
 DEAD_AFTER_S = 10.0  # ... and its slot is taken over when it has not for this long
+WAIT_POLL_S = 0.5  # a node waiting for the others looks this often
 
 
 class JobMismatch(RuntimeError):
@@ -197,6 +200,40 @@ class Meeting:
         if self.store is not None:
             self._release()
             self.store = None
+
+    def wait_for_nodes(self, nnodes: int, timeout_s: float) -> None:
+        """Return once all `nnodes` nodes of the job have joined (the coordinator and a claimed slot
+        each); JobMismatch naming how many had after `timeout_s`, on SIGTERM / SIGINT, or when the
+        coordinator's store goes away. Asked in short calls, so a signal is acted on within one."""
+        host, port = self.store.host, self.store.port
+        deadline, here, waited = time.monotonic() + timeout_s, 1, False
+        with _stoppable() as got:
+            try:
+                while (here := _nodes_here(self.store, nnodes, host, port)) < nnodes:
+                    if time.monotonic() > deadline:
+                        raise JobMismatch(f"only {here} of the job's NNODES={nnodes} nodes arrived at {host}:{port} "
+                                          f"within {timeout_s:g} s (comm.init_timeout_seconds): start the others with "
+                                          "the same MASTER_ADDR / MASTER_PORT (or RDZV_ENDPOINT)")  # fmt: skip
+                    if not waited:
+                        print(f"flashcp: waiting for the other nodes at {host}:{port}: {here} of {nnodes} here (up to "
+                              f"{timeout_s:g} s, comm.init_timeout_seconds; Ctrl-C stops)", flush=True)  # fmt: skip
+                        waited = True
+                    time.sleep(WAIT_POLL_S)
+            except _Stop:
+                raise JobMismatch(f"{signal.Signals(got[0]).name} while waiting for the other nodes ({here} of "
+                                  f"{nnodes} here): nothing started") from None  # fmt: skip
+
+
+def _nodes_here(store: Any, nnodes: int, host: str, port: int) -> int:
+    """The coordinator and the nodes holding a slot; JobMismatch when the store no longer answers."""
+    slots = [f"flashcp/node/{k}" for k in range(1, nnodes)]
+    try:
+        if _up(store):
+            return 1 + sum(store.check([slot]) and store.get(slot) != b"" for slot in slots)
+    except (RuntimeError, OSError, TimeoutError):
+        pass
+    raise JobMismatch(f"the coordinator at {host}:{port} went away while this node waited for the other nodes: "
+                      "nothing started")
 
 
 def meet(card: JobCard, dump_folder: str, nnodes: int, node_rank: int | None, timeout_s: float,

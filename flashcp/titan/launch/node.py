@@ -15,7 +15,8 @@ that save before they are killed; a second Ctrl-C stops at once.
 Before anything is spawned the job file is validated for the resulting world size and its inputs
 are opened. The nodes of a multi-node job then meet (`flashcp.run.rendezvous`): one holds the
 locks, the others refuse another job, other settings, a taken node slot or a folder they do not
-share. The output folders are checked (writable, room for a checkpoint) and held by a lock
+share; each then waits for all of them (up to `comm.init_timeout_seconds`; Ctrl-C / SIGTERM stop
+it). The output folders are checked (writable, room for a checkpoint) and held by a lock
 (`flashcp.run.ownership`; `FLASHCP_LOCK` = a lock file elsewhere or `off`, `FLASHCP_BREAK_LOCK=1`
 breaks a dead host's lock) while the ranks run (`flashcp.run.launch`), so a second launch into
 the same folders is refused with the holder's host and PID.
@@ -148,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
 
             timeout = cfg["comm"]["init_timeout_seconds"]
             meeting = rendezvous.meet(card, dump, nnodes, ranks.node_rank(), timeout, take_locks)
+            meeting.wait_for_nodes(nnodes, timeout)
         else:
             check_writable(output_folders(cfg))
             locks = hold_folders(cfg)
@@ -156,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
             check_free_space(folder, checkpoint_bytes(cfg, vocab), "one checkpoint of this model")
     except (ConfigError, ranks.LaunchError, rendezvous.JobMismatch, DataError, TokenizerError, FolderInUse,
             NotWritable, LockUnavailable) as e:  # fmt: skip
+        if meeting is not None:  # refused after the meeting: its secret, store and slot go too
+            meeting.close()
         release(locks)
         print(f"error: {e}", file=sys.stderr)
         return 2
