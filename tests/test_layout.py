@@ -35,7 +35,9 @@ TITAN_ROOMS = {
     "flashcp.titan.components": {"flashcp.titan.hf"},
     "flashcp.titan.launch": {"flashcp.titan.config", "flashcp.titan.components", "flashcp.titan.hf",
                              "flashcp.titan.models", "flashcp.titan.probe"},
-    "flashcp.titan.dryrun": {"flashcp.titan.config", "flashcp.titan.launch", "flashcp.titan.models"},
+    # The dry run plans an HF import's load as the checkpointer does (its key map, the folder's check).
+    "flashcp.titan.dryrun": {"flashcp.titan.components", "flashcp.titan.config", "flashcp.titan.hf",
+                             "flashcp.titan.launch", "flashcp.titan.models"},
     # The retrieval probe scores through validation's token scoring and the trainer's path; its CLI
     # builds a job as train.py does (config, launch) and checks a checkpoint as the export does (hf).
     "flashcp.titan.probe": {"flashcp.titan.components", "flashcp.titan.config", "flashcp.titan.hf",

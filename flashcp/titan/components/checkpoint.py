@@ -70,6 +70,13 @@ from flashcp.titan.hf.folder import check_weights, HFFolderError
 SET_ASIDE = "set-aside"  # under the checkpoint folder: checkpoints of a branch left by a rewind
 
 
+def hf_shapes(sd_adapter: Any, model_state: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Every Hugging Face key of the whole model with its shape, whatever this rank holds: the
+    adapter maps the global shapes (as meta tensors), so every expert is named, not only this rank's."""
+    meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in model_state.items()}
+    return {k: tuple(v.shape) for k, v in sd_adapter.to_hf(meta).items()}
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint to resume from is missing, damaged or does not fit this job."""
 
@@ -319,10 +326,9 @@ class Checkpointer(CheckpointManager):
         if self.sd_adapter is None:
             raise CheckpointError("checkpoint.initial_load_in_hf: this model has no Hugging Face state_dict adapter")
         model_state = self.states[MODEL].state_dict()
-        meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in model_state.items()}
         try:
             read_hf_config(path)
-            whole = {k: tuple(v.shape) for k, v in self.sd_adapter.to_hf(meta).items()}
+            whole = hf_shapes(self.sd_adapter, model_state)
             unread = check_weights(path, whole)
         except (HFConfigError, HFFolderError) as e:
             raise CheckpointError(f"checkpoint.initial_load_path: {e}") from e

@@ -61,6 +61,7 @@ class Report:
     host_limit_gib: float = 256.0
     offload: dict[str, Any] | None = None  # modelled: the copies' time against the layer's compute
     low_precision: dict[str, Any] | None = None  # modelled: a converter's casts, added to the tracked peak
+    hf_import: str | None = None  # [checkpoint] initial_load_in_hf: rank 0's strict load plan (hfload.py)
 
     @property
     def casts_gib(self) -> float:
@@ -141,6 +142,8 @@ def format_report(r: Report) -> str:
             f"{o['copy_ms']:.1f} ms at {o['link_gb_per_s']:g} GB/s against its dense forward's "
             f"{o['layer_forward_ms_at_peak']:.1f} ms at peak (modelled): {'hides' if o['hides'] else 'does NOT hide'}"
         )
+    if r.hf_import is not None:
+        lines.append(f"HF import: {r.hf_import}")
     casts = ""
     if r.low_precision is not None:
         lp = r.low_precision

@@ -40,6 +40,7 @@ from flashcp.titan.config import check_layout, ConfigError
 from flashcp.titan.config.converters import converted_linears
 from flashcp.titan.config.model import model_experts
 from flashcp.titan.dryrun.estimate import estimate, GIB, Layout, LowPrecision, ModelShape
+from flashcp.titan.dryrun.hfload import plan_hf_import
 from flashcp.titan.dryrun.memtrack import CategoryTracker
 from flashcp.titan.dryrun.report import low_precision_report, offload_time, Report
 from flashcp.titan.models.offload import LayerInputOffload
@@ -62,6 +63,8 @@ def dry_run(cfg: dict[str, Any], world_size: int, gpu_gib: float = 80.0, reserve
     with tempfile.TemporaryDirectory() as tmp, _fake_world(world_size), _fake_kernel(), _balanced_routing(cfg):
         trainer = _build(_dry_job(cfg, tmp))
         try:
+            ckpt = cfg["checkpoint"]
+            hf_import = plan_hf_import(trainer, ckpt["initial_load_path"]) if ckpt["initial_load_in_hf"] else None
             input_dict, labels = next(trainer.batch_generator(trainer.dataloader))
             peak, by_category, host = _measure(trainer, input_dict, labels)
             plan = _plan_figures(trainer)
@@ -75,7 +78,7 @@ def dry_run(cfg: dict[str, Any], world_size: int, gpu_gib: float = 80.0, reserve
         peak_gib=peak / GIB, by_category={k: v / GIB for k, v in by_category.items()},
         estimate_gib=est, plan=plan, loss_chunks=chunks, seconds=time.perf_counter() - start,
         host_gib=host / GIB, host_limit_gib=host_gib, offload=offload_time(shape, layout) if layout.offload else None,
-        low_precision=low_precision_report(layout.low_precision),
+        low_precision=low_precision_report(layout.low_precision), hf_import=hf_import,
     )  # fmt: skip
 
 
@@ -89,8 +92,9 @@ def _cpu_checkable(cfg: dict[str, Any]) -> dict[str, Any]:
 
 def _dry_job(cfg: dict[str, Any], folder: str) -> dict[str, Any]:
     """The job on the fake backend, writing nothing: no checkpoints or TensorBoard, a scratch folder.
-    Nor loading: a job importing HF weights with its flavor named needs no HF folder here (without a
-    flavor the architecture is the folder's, `[model] hf_config` since the config check)."""
+    Nor loading: an HF import's load is planned apart (`hfload.plan_hf_import`), so a job naming its
+    flavor needs no HF folder here (without a flavor the architecture is the folder's, `[model]
+    hf_config` since the config check)."""
     out = copy.deepcopy(cfg)
     out["comm"]["mode"] = "fake_backend"
     out["checkpoint"]["enable"] = False

@@ -9,7 +9,8 @@ depends on the window's document lengths, not on token values. So, for each one 
 - a local source of `[data]` or of a `[data.mix.NAME]` entry: synthetic documents of the job's
   `synthetic_lengths` (the entry's, else `[data]`'s: wlbllm unless set), the entry's length filter kept;
 - `[validation] source`: validation off (the dry run measures a training step and never validates);
-- `[checkpoint] initial_load_path`: nothing loaded, the model built as the job names it.
+- `[checkpoint] initial_load_path`: the model built as the job names it; a Hugging Face import's
+  load still planned, against the safetensors headers that model implies (`hfload.py`).
 
 Each says so in one line. Present files, the shipped corpus and hub sources (`hf:`) are read as they
 are. A job whose architecture is the absent folder's (no flavor named) has nothing to size: the
@@ -60,7 +61,10 @@ def with_stand_ins(cfg: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         val["enable"] = False
     if ckpt["initial_load_path"] and not Path(ckpt["initial_load_path"]).exists():
         model = out["model"]
-        lines.append(f"[checkpoint] initial_load_path {ckpt['initial_load_path']} is absent: nothing is loaded, "
+        load = ("its load is planned against the headers the model implies" if ckpt["initial_load_in_hf"]
+                else "nothing is loaded")  # fmt: skip
+        lines.append(f"[checkpoint] initial_load_path {ckpt['initial_load_path']} is absent: {load}, "
                      f"the model is {model['name']} {model['flavor']} as the job names it")  # fmt: skip
-        ckpt["initial_load_path"], ckpt["initial_load_in_hf"] = None, False
+        if not ckpt["initial_load_in_hf"]:
+            ckpt["initial_load_path"] = None
     return out, lines
