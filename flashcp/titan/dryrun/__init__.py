@@ -4,6 +4,7 @@
 - `run`: the job's rank 0 built and stepped on fake tensors;
 - `standin`: the shipped tokenizer, synthetic documents, no validation or load for the files a job
   names and this machine lacks;
+- `hfload`: a Hugging Face import's load planned for that rank as the checkpointer plans it;
 - `report`: what it found (the `--json` object, the table), the offload's modelled time, the levers;
 - `memtrack`: that rank's peak memory by category (torch's FSDP2 tracker plus FlashCP's share), host
   memory apart;
