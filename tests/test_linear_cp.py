@@ -20,7 +20,7 @@ from flashcp.attention.gated_delta import gated_delta_recurrence
 from flashcp.attention.linear_cp import cp_causal_conv1d, cp_gated_delta
 from flashcp.attention.simulate import run_ranks
 from flashcp.attention.linear_dispatch import build_linear_dispatch
-from flashcp.plan.linear import doc_pieces, linear_comm
+from flashcp.plan.linear import doc_pieces, linear_comm, state_all_gather_bytes
 from flashcp.plan.plan import normalize, Plan, Shard, validate
 
 HEADS, DK, DV, CHANNELS, WIDTH, CHUNK = 2, 3, 2, 3, 4, 3
@@ -153,6 +153,7 @@ def check_case(what: str, plan: Plan, seed: int, per_rank: list) -> None:
         assert [sum(r.sent_bytes for r in rs) for rs in fwd] == sent, (what, log)
         assert [sum(r.recv_bytes for r in rs) for rs in fwd] == recv, (what, log)
         assert [sum(r.sent_bytes for r in rs) for rs in bwd] == recv, (what, log)
+    assert max(predicted.state_recv) <= state_all_gather_bytes(plan, HEADS, DK, DV, state_bytes=8), what
     cut = any(len(pieces) > 1 for pieces in doc_pieces(plan))
     sent_any = any(rank[2] for rank in per_rank)
     assert cut == any(predicted.state_recv) == any(predicted.halo_recv) == sent_any, what
@@ -213,3 +214,13 @@ def test_backward_runs_on_every_rank_when_one_input_needs_gradients(needs_grad):
     for idx, grad in run_ranks(plan.cp_size, program):
         got[idx] = grad
     assert (got - want).abs().max() < TOL
+
+
+def test_byte_prediction_by_hand():
+    """One document in per_seq's chunks at CP 2: c0 on rank 0, c1 + c2 on rank 1, c3 on rank 0.
+    Rank 0 sends c0's B (24 bytes at H=1, d_k=2, d_v=3, float32) and rank 1 c1c2's B and M
+    (24 + 16); each continued piece receives its 3 preceding rows (5 channels, 2 bytes)."""
+    plan = plan_shards([48], 2, "per_seq")
+    assert [[(s.start, s.length) for s in r] for r in plan.ranks] == [[(0, 12), (36, 12)], [(12, 24)]]
+    assert linear_comm(plan, 1, 2, 3, 5) == ([24, 40], [40, 24], [30, 30], [30, 30])
+    assert state_all_gather_bytes(plan, 1, 2, 3) == 40
