@@ -16,6 +16,10 @@ Communication modes differ only in what each rank sends and how the receive buff
 - "needed": each rank sends every peer exactly the prefix rows that peer attends to, through one
   all-to-all-v; the buffer is the peers' segments back to back (`recv_splits`).
 
+With `window=W` (a sliding-window layer, `flashcp.plan.window`) a shard's keys are only the last
+W - 1 rows before it and itself: "compact" sends the last W - 1 rows of each non-last shard,
+"needed" the rows of each piece some peer's windows reach (a suffix of the piece), "full" all.
+
 A dispatch is built on the host. On a GPU the trainer pins it (`pin_memory`) and copies it with
 `to(device)`, which is non-blocking, so the per-step copy never stalls the host; everything the
 attention op reads as Python numbers (lengths, splits, the overlap partition) is computed here,
@@ -31,6 +35,7 @@ from typing import Callable, TypeVar
 import torch
 
 from flashcp.plan.plan import Plan
+from flashcp.plan.window import check_window
 
 COMM_MODES = ("compact", "full", "needed")
 
@@ -95,6 +100,7 @@ class Dispatch:
     recv_size: int  # rows of the receive buffer
     kv_index: torch.Tensor  # [sum_k] rows of cat([recv_buffer, local_kv]) giving all keys
     overlap: OverlapSplit | None = None  # built on request (`overlap=True`)
+    window: int | None = None  # the sliding window the keys were cut to (None: full attention)
 
     def to(self, device: torch.device | str, non_blocking: bool = True) -> Dispatch:
         """This dispatch on `device`. The copies are asynchronous when the tensors are pinned."""
@@ -118,8 +124,11 @@ def _cumsum0(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([x.new_zeros(1), torch.cumsum(x, 0)])
 
 
-def build_dispatch(plan: Plan, rank: int, comm: str = "compact", overlap: bool = False) -> Dispatch:
-    """Rank `rank`'s dispatch under `plan`; with `overlap`, also its `OverlapSplit`.
+def build_dispatch(
+    plan: Plan, rank: int, comm: str = "compact", overlap: bool = False, window: int | None = None
+) -> Dispatch:
+    """Rank `rank`'s dispatch under `plan`; with `overlap`, also its `OverlapSplit`; with `window`,
+    for a sliding-window layer of W keys (HF `sliding_window`), exchanging only what windows reach.
 
     Works on the plan's pieces (every shard of every rank) and on this rank's rows only: the cost
     is O(the plan's shards + this rank's tokens, sent rows and key rows), never a table over the
@@ -130,12 +139,17 @@ def build_dispatch(plan: Plan, rank: int, comm: str = "compact", overlap: bool =
     n, per_rank = plan.cp_size, plan.tokens_per_rank
     if not 0 <= rank < n:
         raise ValueError(f"rank {rank} out of range for cp_size {n}")
-    pieces = _Pieces(plan)
+    check_window(window)
+    pieces = _Pieces(plan, window)
     mine = torch.nonzero(pieces.owner == rank).flatten()  # in local order
     my_doc, my_start, my_len = pieces.doc[mine], pieces.start[mine], pieces.length[mine]
-    key_len = my_start + my_len
+    key_len = my_start + my_len - pieces.reach_start[mine]
+    # Each local shard's keys: its document's pieces up to itself, each cut to the shard's reach.
+    prefix, shard = pieces.prefix_pieces(mine)
+    cut_start = torch.maximum(pieces.start[prefix], pieces.reach_start[shard])
+    cut_len = (pieces.start[prefix] + pieces.length[prefix] - cut_start).clamp_(min=0)
 
-    # buf_start: each piece's first row in this rank's receive buffer (read only where delivered).
+    # buf_start: the buffer row where each piece's row 0 would be (read only where delivered).
     send_splits: list[int] = []
     recv_splits: list[int] = []
     if comm == "full":
@@ -143,26 +157,31 @@ def build_dispatch(plan: Plan, rank: int, comm: str = "compact", overlap: bool =
         send_index = torch.arange(per_rank)
         buf_start = pieces.owner * per_rank + pieces.local_start
     elif comm == "compact":
+        # A non-last piece sends its tail: every row without a window, else the last W - 1.
         sent = pieces.length * ~pieces.is_last
+        if window is not None:
+            sent = sent.clamp(max=window - 1)
         sent_by_rank = torch.zeros(n, dtype=torch.long).index_add_(0, pieces.owner, sent)
         send_pad = int(sent_by_rank.max())
         recv_size = n * send_pad
         # A sent piece's rows follow its owner's earlier sent pieces in the owner's buffer segment.
         sent_before = _cumsum0(sent)[:-1] - _cumsum0(sent_by_rank)[pieces.owner]
-        buf_start = pieces.owner * send_pad + sent_before
-        mine_sent = mine[~pieces.is_last[mine]]
-        send_index = expand_ranges(pieces.local_start[mine_sent], pieces.length[mine_sent])
+        buf_start = pieces.owner * send_pad + sent_before - (pieces.length - sent)
+        mine_sent = mine[sent[mine] > 0]
+        send_index = expand_ranges(pieces.local_start[mine_sent] + pieces.length[mine_sent] - sent[mine_sent],
+                                   sent[mine_sent])  # fmt: skip
     else:
-        buf_start, recv_splits = pieces.needed_receive(rank, mine)
+        received = torch.zeros_like(pieces.length).scatter_reduce_(
+            0, prefix, cut_len * (pieces.owner[prefix] != rank), reduce="amax"
+        )  # a suffix of each piece: the longest any local shard's window cuts from it
+        recv_splits = torch.zeros(n, dtype=torch.long).index_add_(0, pieces.owner, received).tolist()
+        buf_start = _cumsum0(received)[:-1] - (pieces.length - received)
         recv_size, send_pad = sum(recv_splits), 0
         send_index, send_splits = pieces.needed_send(rank, mine)
 
-    # Each local shard's keys are the pieces of its document up to and including itself.
-    prefix = pieces.prefix_pieces(mine)
-    base = torch.where(
-        pieces.owner[prefix] == rank, recv_size + pieces.local_start[prefix], buf_start[prefix]
-    )
-    kv_index = expand_ranges(base, pieces.length[prefix])
+    local = pieces.owner[prefix] == rank
+    base = torch.where(local, recv_size + pieces.local_start[prefix], buf_start[prefix])
+    kv_index = expand_ranges(base + cut_start - pieces.start[prefix], cut_len)
     cu_q, cu_k = _cumsum0(my_len).to(torch.int32), _cumsum0(key_len).to(torch.int32)
     return Dispatch(
         rank=rank,
@@ -181,6 +200,7 @@ def build_dispatch(plan: Plan, rank: int, comm: str = "compact", overlap: bool =
         recv_size=recv_size,
         kv_index=kv_index,
         overlap=_overlap_split(my_len, key_len, kv_index, recv_size) if overlap else None,
+        window=window,
     )
 
 
@@ -192,7 +212,7 @@ class _Pieces:
     document's pieces are consecutive and tile it.
     """
 
-    def __init__(self, plan: Plan) -> None:
+    def __init__(self, plan: Plan, window: int | None = None) -> None:
         self.cp_size = plan.cp_size
         flat = itertools.chain.from_iterable(itertools.chain.from_iterable(plan.ranks))
         self.doc, self.start, self.length = torch.tensor(list(flat), dtype=torch.long).view(-1, 3).unbind(1)
@@ -208,38 +228,36 @@ class _Pieces:
         per_doc = torch.bincount(self.doc, minlength=len(plan.doc_lens))
         self.doc_first = _cumsum0(per_doc)[:-1]  # window position of each document's first piece
         self.doc_end = self.doc_first + per_doc
+        # The first row of its document each piece's queries attend (a window cuts the prefix).
+        self.reach_start = torch.zeros_like(self.start)
+        if window is not None:
+            self.reach_start = (self.start - window + 1).clamp(min=0)
 
-    def prefix_pieces(self, pieces: torch.Tensor) -> torch.Tensor:
-        """For each of `pieces`, its document's pieces from the first up to itself, concatenated."""
+    def prefix_pieces(self, pieces: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """For each of `pieces`, its document's pieces from the first up to itself, concatenated,
+        and beside each of those the one of `pieces` whose prefix it belongs to."""
         first = self.doc_first[self.doc[pieces]]
-        return self.by_window[expand_ranges(first, self.window_rank[pieces] - first + 1)]
-
-    def needed_receive(self, rank: int, mine: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
-        """needed mode: each piece's first row in `rank`'s receive buffer, and the rows per source.
-
-        `rank` receives every other rank's pieces that start before its furthest shard of their
-        document, grouped by source and in window order within a source (the rank-major order)."""
-        reach = torch.zeros(len(self.doc_start), dtype=torch.long)
-        reach.scatter_reduce_(0, self.doc[mine], self.start[mine], reduce="amax")
-        received = self.length * ((self.owner != rank) & (self.start < reach[self.doc]))
-        splits = torch.zeros(self.cp_size, dtype=torch.long).index_add_(0, self.owner, received)
-        return _cumsum0(received)[:-1], splits.tolist()
+        count = self.window_rank[pieces] - first + 1
+        return self.by_window[expand_ranges(first, count)], torch.repeat_interleave(pieces, count)
 
     def needed_send(self, rank: int, mine: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
         """needed mode: the local rows `rank` sends, grouped by destination, and the rows per peer.
 
-        A piece goes to every other rank holding a later piece of its document."""
+        A piece goes to every other rank holding a later piece of its document: the suffix of it
+        that the windows of that rank's later pieces reach (all of it without a window)."""
         later = self.window_rank[mine] + 1
         count = self.doc_end[self.doc[mine]] - later
-        dest = self.owner[self.by_window[expand_ranges(later, count)]]
-        piece = torch.repeat_interleave(mine, count)
-        keep = dest != rank
+        reader = self.by_window[expand_ranges(later, count)]
+        dest, piece = self.owner[reader], torch.repeat_interleave(mine, count)
+        end = self.start[piece] + self.length[piece]
+        rows = (end - torch.maximum(self.start[piece], self.reach_start[reader])).clamp_(min=0)
+        keep = (dest != rank) & (rows > 0)
         # One entry per (destination, piece), sorted by destination then local (= window) order.
-        pairs = torch.unique(dest[keep] * len(self.owner) + piece[keep])
+        pairs, which = torch.unique(dest[keep] * len(self.owner) + piece[keep], return_inverse=True)
+        rows = torch.zeros(len(pairs), dtype=torch.long).scatter_reduce_(0, which, rows[keep], reduce="amax")
         dest, piece = pairs // len(self.owner), pairs % len(self.owner)
-        rows = self.length[piece]
         splits = torch.zeros(self.cp_size, dtype=torch.long).index_add_(0, dest, rows)
-        return expand_ranges(self.local_start[piece], rows), splits.tolist()
+        return expand_ranges(self.local_start[piece] + self.length[piece] - rows, rows), splits.tolist()
 
 
 def _overlap_split(q_len: torch.Tensor, k_len: torch.Tensor, kv_index: torch.Tensor, recv_size: int) -> OverlapSplit:

@@ -15,6 +15,12 @@ computed while the collective is in flight, and only the others wait for it (the
 with the dispatch, built on the host: `build_dispatch(plan, rank, comm, overlap=True)`). That costs a
 second kernel call plus gathers of q and the output, so it only pays when the exchange is slow
 relative to the local-only attention; `benchmarks/attention.py` measures it.
+
+Sliding-window layers (gpt-oss, HF `sliding_window = W`) pass `window=W` with a dispatch built for
+it (`build_dispatch(plan, rank, comm, window=W)`): each cut shard receives at most the W - 1 rows
+before it. Learned sinks (`sinks [Hq]`, `flashcp.attention.sinks`) are applied exactly on each
+kernel call's final LSE, with no exchange; their gradient is this rank's share (sum it over the CP
+group, as every replicated parameter's). The ring runs neither.
 """
 
 from __future__ import annotations
@@ -25,7 +31,8 @@ import torch.distributed as dist
 from flashcp.attention.collectives import collectives, Collectives, gather_kv, launch_kv_exchange
 from flashcp.attention.kernels import varlen_attention
 from flashcp.attention.ring import ring_attention
-from flashcp.dispatch import Dispatch, OverlapSplit
+from flashcp.attention.sinks import sink_attention
+from flashcp.dispatch import COMM_MODES, Dispatch, OverlapSplit, ShardSubset
 
 
 def check_dispatch(dispatch: Dispatch, comm: str, names: str, *rows: torch.Tensor) -> None:
@@ -63,15 +70,28 @@ def cp_varlen_attention(
     *,
     softmax_scale: float | None = None,
     overlap: bool = False,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Document-masked causal attention of this rank's tokens over the whole CP window.
 
     `q [T, Hq, D]`, `k, v [T, Hkv, D]` are this rank's rows; `dispatch = build_dispatch(plan, rank, comm)`
     (on q's device); `group` is the CP process group (or any `Collectives`). Returns `[T, Hq, D]`
-    in the same row order.
+    in the same row order. `window`: each query's last W keys (the dispatch must be built for it);
+    `sinks`: one learned sink logit per query head (see the module docstring).
     """
     _check(q, k, v, dispatch, comm)
+    if window is not None and comm not in COMM_MODES:
+        modes = ", ".join(COMM_MODES)
+        raise ValueError(f"comm={comm!r} runs full attention only: window layers exchange by {modes}")
+    if dispatch.window != window:
+        raise ValueError(
+            f"dispatch was built for window={dispatch.window} but window={window} was requested: "
+            f"build it with build_dispatch(plan, rank, comm, window={window})"
+        )
     if comm == "ring":
+        if sinks is not None:
+            raise ValueError("comm='ring' takes no sinks: use compact, full, needed or two_level")
         if overlap:
             raise ValueError("overlap=True is for the collective exchanges; the ring overlaps every step already")
         return ring_attention(q, k, v, dispatch, collectives(group), backend, softmax_scale)
@@ -83,28 +103,28 @@ def cp_varlen_attention(
                 "build_dispatch(plan, rank, comm, overlap=True)"
             )
         if split.local.max_seqlen_q and split.remote.max_seqlen_q:  # both parts hold shards
-            return _overlapped(q, k, v, dispatch, group, split, backend, softmax_scale)
+            return _overlapped(q, k, v, dispatch, group, split, backend, softmax_scale, sinks)
     exchange = launch_kv_exchange(k, v, dispatch, group)
     k_all, v_all = gather_kv(k, v, exchange, dispatch.kv_index, dispatch, group)
-    return varlen_attention(
-        q, k_all, v_all, dispatch.cu_seqlens_q, dispatch.cu_seqlens_k,
-        dispatch.max_seqlen_q, dispatch.max_seqlen_k, softmax_scale=softmax_scale, backend=backend,
-    )  # fmt: skip
+    return _kernel(q, k_all, v_all, dispatch, backend, softmax_scale, window, sinks)
 
 
-def _overlapped(q, k, v, dispatch, group, split: OverlapSplit, backend, softmax_scale) -> torch.Tensor:
+def _kernel(q, k, v, shards: Dispatch | ShardSubset, backend, softmax_scale, window, sinks) -> torch.Tensor:
+    """One kernel call over `shards`' varlen layout, with the sinks when there are any."""
+    shape = (shards.cu_seqlens_q, shards.cu_seqlens_k, shards.max_seqlen_q, shards.max_seqlen_k)
+    if sinks is None:
+        return varlen_attention(q, k, v, *shape, softmax_scale=softmax_scale, backend=backend, window=window)
+    return sink_attention(q, k, v, sinks, *shape, softmax_scale=softmax_scale, backend=backend, window=window)
+
+
+def _overlapped(q, k, v, dispatch, group, split: OverlapSplit, backend, softmax_scale, sinks) -> torch.Tensor:
     """Local-only shards run between launching the exchange and waiting for it."""
     exchange = launch_kv_exchange(k, v, dispatch, group, async_op=True)
     loc, rem = split.local, split.remote
-    out_local = varlen_attention(
-        q.index_select(0, loc.rows), k.index_select(0, loc.kv_index), v.index_select(0, loc.kv_index),
-        loc.cu_seqlens_q, loc.cu_seqlens_k, loc.max_seqlen_q, loc.max_seqlen_k,
-        softmax_scale=softmax_scale, backend=backend,
-    )  # fmt: skip
+    window = dispatch.window
+    local_kv = k.index_select(0, loc.kv_index), v.index_select(0, loc.kv_index)
+    out_local = _kernel(q.index_select(0, loc.rows), *local_kv, loc, backend, softmax_scale, window, sinks)
     k_rem, v_rem = gather_kv(k, v, exchange, rem.kv_index, dispatch, group)
-    out_remote = varlen_attention(
-        q.index_select(0, rem.rows), k_rem, v_rem,
-        rem.cu_seqlens_q, rem.cu_seqlens_k, rem.max_seqlen_q, rem.max_seqlen_k,
-        softmax_scale=softmax_scale, backend=backend,
-    )  # fmt: skip
+    out_remote = _kernel(q.index_select(0, rem.rows), k_rem, v_rem, rem, backend, softmax_scale, window,
+                         sinks)  # fmt: skip
     return torch.cat([out_local, out_remote]).index_select(0, split.inverse)

@@ -21,6 +21,10 @@ Backends (all differentiable through autograd, all with the same semantics):
 "auto" takes the first of these that accepts the inputs. Asking for a specific backend that
 cannot run raises `BackendUnavailable` naming the reason.
 
+`window=W` is a sliding window in Hugging Face's convention (`sliding_window`: a query sees its
+last W keys, itself included), which is FlashAttention's `window_size = (W - 1, 0)`; every backend
+takes it (the run functions get `window=` only when it is set).
+
 A ring of blockwise calls (`flashcp.attention.ring`) needs two more entries: a forward that also
 returns each query row's log-sum-exp [Hq, Tq], and a backward that takes the merged output and
 LSE of all blocks (`resolve_lse_backend(name, q, k)`: a backend's `run_lse` and `run_backward`,
@@ -50,6 +54,7 @@ from functools import lru_cache
 import torch
 
 from flashcp.attention.reference import reference_attention, reference_attention_backward, reference_attention_lse
+from flashcp.plan.window import check_window
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -97,13 +102,23 @@ def _flash_attn_reject(q: torch.Tensor, k: torch.Tensor) -> str | None:
     return _flash_attn_import_error() or _reject_half_cuda(q, "flash_attn")
 
 
-def _flash_attn_run(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+def _flash_attn_run(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window=None):
     from flash_attn import flash_attn_varlen_func
 
-    # flash-attn >= 2.1 aligns the causal mask to the bottom right and handles GQA natively.
+    # flash-attn >= 2.1 aligns the causal mask to the bottom right and handles GQA natively;
+    # its window_size arrived in 2.3.
+    extra = {} if window is None else {"window_size": _window_size(causal, window)}
     return flash_attn_varlen_func(
-        q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=scale, causal=causal
+        q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=scale, causal=causal, **extra
     )
+
+
+def _window_size(causal: bool, window: int | None) -> tuple[int, int]:
+    """FlashAttention's (left, right) window: HF's sliding_window W is (W - 1, 0); (-1, 0) is
+    causal attention aligned to the bottom right, (-1, -1) no mask."""
+    if window is not None:
+        return window - 1, 0
+    return (-1, 0) if causal else (-1, -1)
 
 
 # --- torch varlen_attn -----------------------------------------------------------------------
@@ -142,7 +157,7 @@ def _capability(index: int | None) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-def _torch_run(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+def _torch_run(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window=None):
     from torch.nn.attention.varlen import varlen_attn
 
     # GQA without copies: every torch since 2.11 hands K/V with fewer heads straight to aten's
@@ -151,17 +166,15 @@ def _torch_run(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
     # skip a heads-equal check; torch 2.11 has neither flag nor check. `python -m flashcp.gpucheck`
     # compares this path with the reference on every GPU it runs on ("native GQA" in its report).
     kwargs = {"enable_gqa": True} if q.shape[1] != k.shape[1] and "enable_gqa" in _torch_varlen_params() else {}
-    # window (-1, 0) is causal attention aligned to the bottom right.
-    window = (-1, 0) if causal else (-1, -1)
-    return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=window, **kwargs)
+    return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=_window_size(causal, window),
+                       **kwargs)  # fmt: skip
 
 
-def _torch_run_lse(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+def _torch_run_lse(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window=None):
     from torch.nn.attention.varlen import AuxRequest, varlen_attn
 
     kwargs = {"enable_gqa": True} if q.shape[1] != k.shape[1] and "enable_gqa" in _torch_varlen_params() else {}
-    window = (-1, 0) if causal else (-1, -1)
-    out, lse = varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=window,
+    out, lse = varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=_window_size(causal, window),
                            return_aux=AuxRequest(lse=True), **kwargs)  # fmt: skip
     return out, lse
 
@@ -179,33 +192,37 @@ def _flash_backward_schema_problem() -> str | None:
     return None
 
 
-def _torch_run_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
+def _torch_run_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, window=None):
     problem = _flash_backward_schema_problem()
     if problem is not None:
-        raise BackendUnavailable(f"the ring's GPU backward expects ({', '.join(_FLASH_BACKWARD_ARGS)}); {problem}")
+        raise BackendUnavailable(f"the GPU backward from an output and LSE (ring, sinks) expects "
+                                 f"({', '.join(_FLASH_BACKWARD_ARGS)}); {problem}")  # fmt: skip
     # dropout 0: the philox state is never read (torch's varlen_attn passes zeros too)
     rng = torch.zeros(2, dtype=torch.uint64, device=q.device)
     unused = torch.empty(0, device=q.device)
-    window = (-1, 0) if causal else (-1, -1)
+    left, right = _window_size(causal, window)
+    # is_causal as torch's varlen_attn sets it (only for (-1, 0)); a window is FA2's local mask.
     return torch.ops.aten._flash_attention_backward(
-        grad_out.contiguous(), q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, causal, rng, unused,
-        scale=scale, window_size_left=window[0], window_size_right=window[1],
+        grad_out.contiguous(), q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, (left, right) == (-1, 0),
+        rng, unused,
+        scale=scale, window_size_left=left, window_size_right=right,
     )  # fmt: skip
 
 
 # --- reference -------------------------------------------------------------------------------
 
 
-def _reference_run(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
-    return reference_attention(q, k, v, cu_q, cu_k, causal, scale)
+def _reference_run(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window=None):
+    return reference_attention(q, k, v, cu_q, cu_k, causal, scale, window=window)
 
 
-def _reference_run_lse(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
-    return reference_attention_lse(q, k, v, cu_q, cu_k, causal, scale)
+def _reference_run_lse(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window=None):
+    return reference_attention_lse(q, k, v, cu_q, cu_k, causal, scale, window)
 
 
-def _reference_run_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
-    return reference_attention_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, causal, scale)
+def _reference_run_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale,
+                            window=None):  # fmt: skip
+    return reference_attention_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, causal, scale, window)
 
 
 BACKENDS: dict[str, Backend] = {
@@ -259,20 +276,21 @@ def resolve_backend(name: str, q: torch.Tensor, k: torch.Tensor) -> Backend:
     return backend
 
 
-def resolve_lse_backend(name: str, q: torch.Tensor, k: torch.Tensor) -> Backend:
+def resolve_lse_backend(
+    name: str, q: torch.Tensor, k: torch.Tensor, purpose: str = "blockwise attention"
+) -> Backend:
     """`resolve_backend` among the backends with a forward that returns the LSE and a backward
-    from a given output and LSE (what blockwise attention needs)."""
+    from a given output and LSE (what `purpose` needs: blockwise attention, sinks)."""
     if name == "auto":
         backend = next(b for b in BACKENDS.values() if b.run_lse is not None and b.reject(q, k) is None)
         if backend.name == "reference" and q.is_cuda:
             _warn_slow_cuda(str(q.dtype))
         return backend
-    backend = resolve_backend(name, q, k)
-    if backend.run_lse is None:
+    if name in BACKENDS and BACKENDS[name].run_lse is None:
         have = ", ".join(b.name for b in BACKENDS.values() if b.run_lse is not None)
         raise BackendUnavailable(f"attention backend {name!r} has no forward with LSE and backward from it "
-                                 f"(blockwise attention runs on {have})")  # fmt: skip
-    return backend
+                                 f"({purpose} runs on {have})")  # fmt: skip
+    return resolve_backend(name, q, k)
 
 
 @lru_cache(maxsize=None)
@@ -281,6 +299,17 @@ def _warn_slow_cuda(dtype: str) -> None:
         f"no flash attention backend accepts {dtype} CUDA tensors; using the slow reference kernel",
         stacklevel=3,
     )
+
+
+def window_args(window: int | None, causal: bool = True) -> dict[str, int]:
+    """The keyword a backend's run functions get for `window` (none for full attention, so a
+    backend without windows keeps working), after refusing a bad window in one line."""
+    check_window(window)
+    if window is None:
+        return {}
+    if not causal:
+        raise ValueError(f"window={window} is a causal sliding window: it needs causal=True")
+    return {"window": window}
 
 
 def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k) -> None:
@@ -313,15 +342,17 @@ def varlen_attention(
     causal: bool = True,
     softmax_scale: float | None = None,
     backend: str = "auto",
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention of packed variable-length sequences (see the module docstring); returns [Tq, Hq, Dv]."""
     _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    extra = window_args(window, causal)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     chosen = resolve_backend(backend, q, k)
     dv = v.shape[-1]
     if chosen.name != "reference" and dv != q.shape[-1]:
         q, k, v = _one_head_dim(q, k, v)
-    out = chosen.run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale)
+    out = chosen.run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, **extra)
     return out if out.shape[-1] == dv else out[..., :dv]
 
 

@@ -118,7 +118,7 @@ def _cp_attention(
 
     def run(q, k, v):
         return cp_varlen_attention(q, k, v, dispatch, group, comm=dispatch.comm, backend=backend,
-                                   softmax_scale=scale, overlap=overlap)  # fmt: skip
+                                   softmax_scale=scale, overlap=overlap, window=dispatch.window)  # fmt: skip
 
     if not record:
         with torch.no_grad():

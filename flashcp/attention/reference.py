@@ -4,7 +4,8 @@
 
 Same interface and semantics as `varlen_attention` (see `flashcp.attention.kernels`): packed
 sequences, bottom-right causal mask, GQA, a query without a visible key outputs zeros, and V's
-head dim may differ from Q's and K's (MLA: 192 / 128); the output has V's.
+head dim may differ from Q's and K's (MLA: 192 / 128); the output has V's. `window=W` (HF's
+`sliding_window`) keeps each query's last W visible keys only; tiles left of every window are skipped.
 
 Each sequence is cut into tiles of `BLOCK_Q` queries x `BLOCK_K` keys. Tiles above the causal
 diagonal are never computed and only tiles crossing it are masked, so the work follows the
@@ -41,19 +42,23 @@ BLOCK_Q, BLOCK_K = 128, 512  # queries and keys per tile
 
 class Tile(NamedTuple):
     """Query rows [q0, q1) against key rows [k0, k1) of the packed tensors. `diagonal` is None when
-    every query sees every key of the tile, else query row i of the tile sees keys 0 .. i + diagonal."""
+    every query sees every key of the tile, else query row i of the tile sees keys 0 .. i + diagonal;
+    `low` is None unless a window hides some, else query row i sees keys i + low onwards only."""
 
     q0: int
     q1: int
     k0: int
     k1: int
     diagonal: int | None
+    low: int | None = None
 
 
 def tiles(
-    bounds_q: list[int], bounds_k: list[int], causal: bool, block_q: int = BLOCK_Q, block_k: int = BLOCK_K
+    bounds_q: list[int], bounds_k: list[int], causal: bool, block_q: int = BLOCK_Q, block_k: int = BLOCK_K,
+    window: int | None = None,
 ) -> Iterator[list[Tile]]:
-    """Per query block (in order), the tiles holding at least one visible (query, key) pair."""
+    """Per query block (in order), the tiles holding at least one visible (query, key) pair
+    (`window`: each query's last `window` causal keys only)."""
     for s in range(len(bounds_q) - 1):
         q_start, q_end, k_start, k_end = bounds_q[s], bounds_q[s + 1], bounds_k[s], bounds_k[s + 1]
         shift = (k_end - k_start) - (q_end - q_start)  # query i of the sequence sees keys 0 .. i + shift
@@ -61,11 +66,15 @@ def tiles(
             q1 = min(q_end, q0 + block_q)
             first = q0 - q_start + shift  # the last key the block's first query sees
             last = min(k_end - k_start, q1 - q_start + shift) if causal else k_end - k_start
+            # With a window, query i sees keys from i + shift - window + 1: the block's first from `lowest`.
+            lowest = 0 if window is None else max(0, first - window + 1)
             row = []
-            for c0 in range(0, max(0, last), block_k):
+            for c0 in range(lowest, max(0, last), block_k):
                 c1 = min(last, c0 + block_k)
                 diagonal = first - c0 if causal and c1 - 1 > first else None
-                row.append(Tile(q0, q1, k_start + c0, k_start + c1, diagonal))
+                cut = window is not None and first - window + q1 - q0 > c0  # the last query hides keys
+                low = first - window + 1 - c0 if cut else None
+                row.append(Tile(q0, q1, k_start + c0, k_start + c1, diagonal, low))
             yield row
 
 
@@ -78,21 +87,23 @@ def reference_attention(
     causal: bool = True,
     scale: float | None = None,
     compute_dtype: torch.dtype | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Exact masked softmax attention `[Tq, Hq, D]` of packed sequences (see the module docstring).
 
     `compute_dtype` overrides the precision of scores and probabilities (the GPU check computes
     in half precision too, as the yardstick of how far a half precision kernel may be from the
     exact result)."""
-    plan, scale, compute = _setup(q, cu_seqlens_q, cu_seqlens_k, causal, scale, compute_dtype)
+    plan, scale, compute = _setup(q, cu_seqlens_q, cu_seqlens_k, causal, scale, compute_dtype, window)
     return _BlockedAttention.apply(q, k, v, plan, scale, compute)
 
 
-def _setup(q, cu_seqlens_q, cu_seqlens_k, causal, scale, compute_dtype=None):
+def _setup(q, cu_seqlens_q, cu_seqlens_k, causal, scale, compute_dtype=None, window=None):
     """The call's tiles, softmax scale and compute dtype."""
     compute = compute_dtype or (torch.float64 if q.dtype == torch.float64 else torch.float32)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    return list(tiles(cu_seqlens_q.tolist(), cu_seqlens_k.tolist(), causal, BLOCK_Q, BLOCK_K)), scale, compute
+    bounds = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    return list(tiles(*bounds, causal, BLOCK_Q, BLOCK_K, window)), scale, compute
 
 
 def _heads_first(x: torch.Tensor, kv_heads: int, dtype: torch.dtype) -> torch.Tensor:
@@ -130,7 +141,12 @@ class _Workspace:
 
     def hidden(self, tile: Tile) -> torch.Tensor:
         rows, cols = tile.q1 - tile.q0, tile.k1 - tile.k0
-        return torch.gt(self.band[:rows, :cols], tile.diagonal, out=self.mask[: rows * cols].view(rows, cols))
+        band, mask = self.band[:rows, :cols], self.mask[: rows * cols].view(rows, cols)
+        if tile.diagonal is None:
+            mask.zero_()
+        else:
+            torch.gt(band, tile.diagonal, out=mask)
+        return mask if tile.low is None else mask.logical_or_(band < tile.low)
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, tile: Tile, group: int, ws: _Workspace) -> torch.Tensor:
@@ -138,7 +154,7 @@ def _scores(q: torch.Tensor, k: torch.Tensor, tile: Tile, group: int, ws: _Works
     causal mask hides a key."""
     hkv, rows, cols = q.shape[0], q.shape[1], k.shape[1]
     scores = torch.matmul(q, k.transpose(-1, -2), out=ws.take(0, hkv, rows, cols))
-    if tile.diagonal is not None:
+    if tile.diagonal is not None or tile.low is not None:
         scores.view(hkv, -1, group, cols).masked_fill_(ws.hidden(tile).unsqueeze(1), float("-inf"))
     return scores
 
@@ -232,11 +248,11 @@ class _BlockedAttention(torch.autograd.Function):
 
 def reference_attention_lse(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
-    causal: bool = True, scale: float | None = None,
+    causal: bool = True, scale: float | None = None, window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """`reference_attention`'s output (no autograd) and each query row's log-sum-exp [Hq, Tq] in at
     least float32, -inf where a row sees no key (the layout of FlashAttention's varlen LSE)."""
-    plan, scale, compute = _setup(q, cu_seqlens_q, cu_seqlens_k, causal, scale)
+    plan, scale, compute = _setup(q, cu_seqlens_q, cu_seqlens_k, causal, scale, window=window)
     out, lse = _blocked_forward(q, k, v, plan, scale, compute)
     hkv, group = k.shape[1], q.shape[1] // k.shape[1]
     by_head = lse.view(hkv, q.shape[0], group).transpose(1, 2).reshape(q.shape[1], q.shape[0])
@@ -246,11 +262,12 @@ def reference_attention_lse(
 def reference_attention_backward(
     grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     lse: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, causal: bool = True,
-    scale: float | None = None,
+    scale: float | None = None, window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """dq, dk, dv of one call given an output and log-sum-exp [Hq, Tq] that need not be the call's
-    own: with a ring's merged ones, each call's gradients are its share of the whole attention's."""
-    plan, scale, compute = _setup(q, cu_seqlens_q, cu_seqlens_k, causal, scale)
+    own: with a ring's merged ones, each call's gradients are its share of the whole attention's
+    (with a sink's corrected ones, the gradients of attention with that sink)."""
+    plan, scale, compute = _setup(q, cu_seqlens_q, cu_seqlens_k, causal, scale, window=window)
     hkv, group = k.shape[1], q.shape[1] // k.shape[1]
     stat = torch.promote_types(compute, torch.float32)
     rows = lse.to(stat).masked_fill(lse == -math.inf, math.inf)
