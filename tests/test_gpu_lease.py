@@ -72,8 +72,8 @@ def rehearsal(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
     out = tmp / "lease"
     env = {**os.environ, "PYTHON": sys.executable, "FLASHCP_LEASE_SITE": str(tmp / "site"), "PYTHONPATH": str(ROOT)}
     # The parts' budgets are sized for a GPU's time; here, scaled up, they only catch hangs (a loaded CI
-    # machine runs the toy parts several times slower than an idle one).
-    proc = subprocess.run(["bash", "scripts/gpu_lease.sh", str(out), "--device", "cpu", "--quick", "--budget-scale", "6"],
+    # machine ran them over 10x slower than an idle one: a train variant 150 s+ at load 20 on 2 cores).
+    proc = subprocess.run(["bash", "scripts/gpu_lease.sh", str(out), "--device", "cpu", "--quick", "--budget-scale", "30"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=6000)  # fmt: skip
     return proc, out
 
