@@ -45,6 +45,14 @@ def test_a_failing_or_hanging_part_costs_only_itself(tmp_path, monkeypatch) -> N
     assert "| train | timed out (2 s) |" in text and "| frontier | passed |" in text
 
 
+def test_a_scaled_budget_scales_each_trained_run_s_cap_too(tmp_path) -> None:
+    """`--budget-scale X` stretches the parts' budgets and the cap on one trained run alike: on a loaded
+    machine a run slower than the GPU-sized cap must not be cut while its part still has time."""
+    command = lease._command("train", tmp_path, "cpu", True, 420 * 30, 30)
+    assert command[command.index("--run-cap") + 1] == f"{lease.RUN_CAP_S * 30:g}"
+    assert "--run-cap" not in lease._command("gpucheck", tmp_path, "cpu", True, 200, 30)
+
+
 def test_the_output_is_packed_into_few_small_files(tmp_path) -> None:
     """The check's folder and the logs become tarballs, a long log keeps its last MiB, checkpoints stay out."""
     work = tmp_path / lease.WORK

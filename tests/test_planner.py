@@ -46,7 +46,7 @@ def one_torch_thread():
 
 
 def make_plan(strategy: str, lens: list[int], n: int, target: float = 1.05) -> Plan:
-    options = {"time_limit": 5.0} if strategy == "ilp" else {}
+    options = {"time_limit": 60.0} if strategy == "ilp" else {}  # small windows: solved in well under a second
     return plan_shards(lens, n, strategy, target, **options)
 
 

@@ -56,6 +56,7 @@ WORK = "work"  # OUTDIR/work: the parts' raw output, packed at the end
 MEASURED = "measured"  # OUTDIR/work/measured: the GPU parts are over (the dry run part then joins)
 JOIN_S = 30  # what the dry run part gets after that to compare
 DEADLINE_GRACE_S = 10  # a part stops starting runs this long before it would be killed
+RUN_CAP_S = 150  # at most one trained run's time (scaled with the budgets): a hang leaves the rest to the others
 
 
 @dataclass
@@ -66,7 +67,7 @@ class Outcome:
     headline: str = ""
 
 
-def _command(part: str, out: Path, device: str, quick: bool, budget: float) -> list[str]:
+def _command(part: str, out: Path, device: str, quick: bool, budget: float, scale: float) -> list[str]:
     if part == "gpucheck":
         cmd = [sys.executable, "-m", "flashcp.gpucheck", "--out", str(out / WORK / "gpucheck"), "--device", device]
         if quick:  # the rehearsal runs every section whole; the part's own budget still catches a hang
@@ -74,13 +75,14 @@ def _command(part: str, out: Path, device: str, quick: bool, budget: float) -> l
         return [*cmd, "--budget", *(f"{k}={v}" for k, v in GPUCHECK_BUDGETS_S.items())]
     # An absolute deadline: the part's own clock starts only after its imports
     cmd = [sys.executable, "-m", "flashcp.titan.lease", part, "--out", str(out), "--device", device,
-           "--deadline", f"{time.time() + budget - DEADLINE_GRACE_S:.0f}"]  # fmt: skip
+           "--deadline", f"{time.time() + budget - DEADLINE_GRACE_S:.0f}", "--run-cap", f"{RUN_CAP_S * scale:g}"]  # fmt: skip
     return [*cmd, "--quick"] if quick else cmd
 
 
-def _start(part: str, out: Path, device: str, quick: bool, budget: float) -> tuple[subprocess.Popen, Any, float]:
+def _start(part: str, out: Path, device: str, quick: bool, budget: float,
+           scale: float) -> tuple[subprocess.Popen, Any, float]:
     log = (out / WORK / f"{part}.log").open("w")
-    print(f"\n=== {part}: {shlex.join(_command(part, out, device, quick, budget))} (budget {budget:g} s)", flush=True)
+    print(f"\n=== {part}: {shlex.join(_command(part, out, device, quick, budget, scale))} (budget {budget:g} s)", flush=True)
     env = dict(os.environ)
     if part == "dryrun":  # the CPU path of the dry run, and the GPU left to the runs it is compared with
         env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "4"))
@@ -89,7 +91,7 @@ def _start(part: str, out: Path, device: str, quick: bool, budget: float) -> tup
         # than cores make each small op's parallel region wait for a descheduled thread; the CP
         # check's toy sizes ran 25x slower so on a loaded 2-core machine (563 s against 22 s).
         env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // 2)))
-    proc = subprocess.Popen(_command(part, out, device, quick, budget), stdout=log, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(_command(part, out, device, quick, budget, scale), stdout=log, stderr=subprocess.STDOUT,
                             env=env, start_new_session=True)  # fmt: skip
     return proc, log, time.monotonic()
 
@@ -137,9 +139,10 @@ def run(out: Path, device: str, quick: bool, parts: list[str], budget_scale: flo
     (out / WORK / MEASURED).unlink(missing_ok=True)
     budgets = {k: v * budget_scale for k, v in (QUICK_BUDGETS_S if quick else BUDGETS_S).items()}
     outcomes = {p: Outcome(p, "skipped: not selected") for p in PARTS}
-    side = _start("dryrun", out, device, quick, budgets["dryrun"]) if "dryrun" in parts else None
+    side = _start("dryrun", out, device, quick, budgets["dryrun"], budget_scale) if "dryrun" in parts else None
     for part in (p for p in parts if p != "dryrun"):
-        outcomes[part] = _finish(part, *_start(part, out, device, quick, budgets[part]), budgets[part], out)
+        started = _start(part, out, device, quick, budgets[part], budget_scale)
+        outcomes[part] = _finish(part, *started, budgets[part], out)
     (out / WORK / MEASURED).touch()
     if side is not None:
         # its comparison starts once the GPU parts are over: it gets the time to write it whatever its budget

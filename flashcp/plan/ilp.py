@@ -127,7 +127,8 @@ class _Model:
                     rows.append(({y[d, j]: 1, **{y[e, j - 1]: -1 for e in range(d)}}, -inf, 0))
         return rows
 
-    def solve(self, cap: float | None, time_limit: float, mip_rel_gap: float) -> OptimizeResult:
+    def solve(self, cap: float | None, time_limit: float, mip_rel_gap: float,
+              node_limit: int | None = None) -> OptimizeResult:
         """Minimise Z with every workload <= cap; with cap None minimise the largest workload."""
         rows = list(self.rows)
         for j in range(self.n):
@@ -157,7 +158,8 @@ class _Model:
                 constraints=LinearConstraint(matrix, [x for _, x, _ in rows], [x for _, _, x in rows]),
                 integrality=integral,
                 bounds=Bounds(lo, hi),
-                options={"time_limit": time_limit, "mip_rel_gap": mip_rel_gap},
+                options={"time_limit": time_limit, "mip_rel_gap": mip_rel_gap}
+                | ({} if node_limit is None else {"node_limit": node_limit}),
             )
 
     def shards(self, sol: np.ndarray) -> list[list[Shard]]:
@@ -201,12 +203,15 @@ def plan_ilp(
     prefix_block: int | None = None,
     time_limit: float = 60.0,
     mip_rel_gap: float = 1e-4,
+    node_limit: int | None = None,
 ) -> tuple[list[list[Shard]], dict[str, Any]]:
     """Least compact communication subject to max/mean workload <= `target_imbalance`.
 
     `block` is the last-shard granularity in tokens (default C / (8 N)), `prefix_block` the
     granularity prefixes are spread in (default block / 8); `time_limit` bounds all solver
-    calls together, in seconds (the infeasible-target fallback gets at least a tenth of it).
+    calls together, in seconds (the infeasible-target fallback gets at least a tenth of it);
+    `node_limit` bounds each solver call's branch-and-bound nodes, a limit that, unlike time, gives
+    the same plan on a fast machine and a loaded one.
     Returns the best plan found; `info` says whether the last solve was proven optimal
     (`optimal`, `mip_gap`; after `resolves` > 0 that is for the lowered bound), the first solve's
     lower bound on the largest send buffer in tokens (`comm_bound_tokens`), the solve time and
@@ -216,7 +221,8 @@ def plan_ilp(
     per_rank = sum(doc_lens) // n
     block = max(1, per_rank // 8) if block is None else block
     prefix_block = max(1, block // 8) if prefix_block is None else prefix_block
-    for name, value in (("block", block), ("prefix_block", prefix_block)):
+    checked = [("block", block), ("prefix_block", prefix_block)] + ([("node_limit", node_limit)] if node_limit is not None else [])
+    for name, value in checked:
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"ilp {name} must be a positive integer, got {value!r}")
     if not time_limit > 0:
@@ -229,7 +235,7 @@ def plan_ilp(
 
     cap, resolves, best, bound = target_imbalance, 0, None, None
     while True:
-        res = model.solve(cap, max(left(), 0.01), mip_rel_gap)
+        res = model.solve(cap, max(left(), 0.01), mip_rel_gap, node_limit)
         if bound is None and res.x is not None:
             bound = float(res.mip_dual_bound)  # a lower bound for the untightened model only
         if res.x is None:
@@ -242,7 +248,7 @@ def plan_ilp(
         cap -= miss * (1 + 1e-6)
         resolves += 1
     if best is None and res.status == 2:  # target infeasible: balance as well as blocks allow instead
-        res = model.solve(None, max(left(), 0.1 * time_limit), mip_rel_gap)
+        res = model.solve(None, max(left(), 0.1 * time_limit), mip_rel_gap, node_limit)
         best = None if res.x is None else (model.shards(res.x), res)
     if best is None:
         raise RuntimeError(

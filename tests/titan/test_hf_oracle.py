@@ -46,7 +46,7 @@ ROUTE_MARGIN = 1e-4  # smallest gap between a chosen and an unchosen expert's sc
 DOC_LENS = (23, 9, 30, 2)  # one window of 64 tokens: documents cut across the CP ranks by most plans
 WINDOW = sum(DOC_LENS)
 VOCAB = 101
-PLAN_OPTIONS = {"ilp": dict(target_imbalance=2.0, time_limit=1.0)}  # the ILP solver: quick, any valid plan
+PLAN_OPTIONS = {"ilp": dict(target_imbalance=2.0, time_limit=60.0)}  # the ILP solver: any valid plan (quick; the limit only catches a hang)
 COMMON = {
     "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
     "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128,

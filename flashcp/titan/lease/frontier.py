@@ -42,7 +42,7 @@ def headline(runs: dict[str, dict[str, Any]], measured: dict[str, float] | None)
     return "; ".join(parts)
 
 
-def run(out: Path, device: str, quick: bool, deadline: float) -> int:
+def run(out: Path, device: str, quick: bool, deadline: float, run_cap: float) -> int:
     """Part d: train the stacks the budget allows; 1 if one failed."""
     results = Results(out, "frontier", device, quick)
     work = results.work
@@ -50,7 +50,7 @@ def run(out: Path, device: str, quick: bool, deadline: float) -> int:
     jobs = frontier_jobs(gpu_gib, quick)
     runs: dict[str, dict[str, Any]] = {}
     for job in jobs:
-        left = time_left(deadline)
+        left = time_left(deadline, run_cap)
         if left < MIN_RUN_S:
             runs[job.name] = {"status": f"skipped: the part's budget is spent ({left:.0f} s left)"}
         else:

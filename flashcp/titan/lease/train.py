@@ -27,7 +27,6 @@ from flashcp.titan.lease.jobs import Job, train_jobs
 from flashcp.titan.lease.results import gpu_query, Results
 
 MIN_RUN_S = 20  # a variant with less of the budget left is skipped, not started
-RUN_CAP_S = 150  # at most one run's time: one that hangs leaves the rest of the budget to the others
 TAGS = {"loss": "loss_metrics/global_avg_loss", "step_s": "time_metrics/end_to_end(s)", "tokens_per_s": "throughput(tps)",
         "tflops": "tflops", "mfu_pct": "mfu(%)", "max_allocated_gib": "memory/max_allocated(GiB)",
         "max_active_gib": "memory/max_active(GiB)", "max_reserved_gib": "memory/max_reserved(GiB)"}  # fmt: skip
@@ -176,19 +175,20 @@ def headline(runs: dict[str, dict[str, Any]], checks: list[dict[str, Any]]) -> s
     return "; ".join(parts)
 
 
-def time_left(deadline: float) -> float:
-    """Seconds one more run may take before the part's deadline (seconds since the epoch)."""
-    return min(deadline - time.time(), RUN_CAP_S)
+def time_left(deadline: float, run_cap: float) -> float:
+    """Seconds one more run may take: at most `run_cap` (a run that hangs leaves the rest of the budget
+    to the others), and never past the part's deadline (seconds since the epoch)."""
+    return min(deadline - time.time(), run_cap)
 
 
-def run(out: Path, device: str, quick: bool, deadline: float) -> int:
+def run(out: Path, device: str, quick: bool, deadline: float, run_cap: float) -> int:
     """Part b: train every variant that the budget and the machine allow; 1 if any failed or a check did."""
     results = Results(out, "train", device, quick)
     work = results.work
     jobs = train_jobs(quick)
     runs: dict[str, dict[str, Any]] = {}
     for job in jobs:
-        left = time_left(deadline)
+        left = time_left(deadline, run_cap)
         why = unavailable(job, device)
         if why is None and left < MIN_RUN_S:
             why = f"the part's budget is spent ({left:.0f} s left)"
