@@ -16,7 +16,10 @@ TorchTitan's; this subclass only changes how a batch reaches the model:
    (Zigzag) with `"per_doc"`).
 2. `post_dataloading_process` keeps this rank's tokens, labels and in-document positions in the
    dispatch's `token_index` order and hands every attention layer the dispatch and CP group
-   (`CPStep`, through the decoder's `attention_masks` argument).
+   (`CPStep`, through the decoder's `attention_masks` argument). A model with sliding-window layers
+   (gpt-oss) gets, beside the full dispatch, one per window, built from the same plan by the same
+   thread or worker (`LayerDispatches`); its sinks' gradients, like every weight's, are summed over
+   the CP ranks by FSDP (dp_shard x cp).
 3. Labels stay whole-window until then, so TorchTitan's count of valid tokens (summed over
    data-parallel ranks only) is the global count; each rank's loss is its token sum over that
    count and the reported loss is the sum over DP x CP ranks. CP = 1 and CP = N therefore give
@@ -72,9 +75,10 @@ from flashcp.costmodel.proxy import window_cost
 from flashcp.data.balance import WindowCost
 from flashcp.data.errors import DataChanged, DataError
 from flashcp.data.plan_worker import TIMEOUT_S as PLAN_WORKER_TIMEOUT_S
-from flashcp.dispatch import build_dispatch
+from flashcp.dispatch import build_dispatch, COMM_MODES
 from flashcp.plan.plan import row_bytes
-from flashcp.titan.models.attention import CPStep, flashcp_ropes
+from flashcp.titan.models.attention import CPStep, flashcp_ropes, flashcp_windows
+from flashcp.titan.models.windows import build_layer_dispatches
 from flashcp.titan import compat
 from flashcp.titan.components.checkpoint import CheckpointError, Checkpointer
 from flashcp.titan.components.data import PipelineTokenizer, WindowDataLoader
@@ -152,6 +156,7 @@ class FlashCPTrainer(Trainer):
                         + ("; on one node it is the needed exchange" if nodes == 1 else ""))  # fmt: skip
         self._configure_metrics()
         self._flashcp_ropes = flashcp_ropes(self.model_parts[0])  # RoPEs whose rows each step computes
+        self._flashcp_windows = flashcp_windows(self.model_parts[0])  # sliding windows each step dispatches
         if self.flashcp.enable:
             worker = self.flashcp.plan_worker and dims.cp > 1
             self.dataloader.loader.dispatch_with(self.window_dispatcher(), worker=worker, finish=self.pin_dispatch,
@@ -372,14 +377,21 @@ class FlashCPTrainer(Trainer):
             yield input_dict, labels
 
     def window_dispatcher(self) -> functools.partial:
-        """`dispatcher(plan)`: this rank's dispatch of a window's plan; picklable, for the plan worker."""
+        """`dispatcher(plan)`: this rank's dispatch of a window's plan (`LayerDispatches` when the model
+        has sliding-window layers); picklable, for the plan worker."""
+        if self._flashcp_windows and self.flashcp.comm not in COMM_MODES:  # the config check refuses it first
+            raise ValueError(f"[flashcp] comm = {self.flashcp.comm!r}: sliding-window layers exchange by "
+                             f"{', '.join(COMM_MODES)}")  # fmt: skip
         if self.flashcp.comm == "ring":
             return functools.partial(build_ring_dispatch, rank=self.cp_rank)
         if self.flashcp.comm == "two_level":
             return functools.partial(build_two_level_dispatch, rank=self.cp_rank,
                                      ranks_per_node=self.cp_ranks_per_node, overlap=self.flashcp.overlap)  # fmt: skip
-        return functools.partial(build_dispatch, rank=self.cp_rank, comm=self.flashcp.comm,
+        full = functools.partial(build_dispatch, rank=self.cp_rank, comm=self.flashcp.comm,
                                  overlap=self.flashcp.overlap)  # fmt: skip
+        if not self._flashcp_windows:
+            return full
+        return functools.partial(build_layer_dispatches, build=full, windows=self._flashcp_windows)
 
     def pin_dispatch(self, dispatch: Any) -> Any:
         """Pinned on GPUs, so that post_dataloading_process's copy to the device does not block the host."""

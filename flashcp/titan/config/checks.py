@@ -17,7 +17,7 @@ from flashcp.titan.config.converters import check_converters, model_compiled
 from flashcp.titan.config.keys import check_value, ConfigError
 from flashcp.data.errors import DataError
 from flashcp.data.sources import DataConfig
-from flashcp.titan.config.model import check_model, model_experts, model_latent
+from flashcp.titan.config.model import check_model, model_experts, model_latent, model_sliding_window
 from flashcp.titan.config.schema import RANKS_PER_NODE_COMMS, RENAMED_SECTIONS, SCHEMA
 from flashcp.titan.config.sizes import check_host_objects
 from flashcp.titan.config.titan import ac_keys, section_config, TITAN_KEYS
@@ -246,6 +246,7 @@ def _check_unsupported(cfg: dict) -> None:
                           "does not run")  # fmt: skip
     _check_experts(cfg)
     _check_latent(cfg)
+    _check_sinks(cfg)
     if debug["batch_invariant"]:
         raise ConfigError("[debug] batch_invariant: TorchTitan 0.3.0's trainer has no batch-invariant mode "
                           "for pre-training")  # fmt: skip
@@ -308,6 +309,25 @@ def _check_latent(cfg: dict) -> None:
         if bad:
             raise ConfigError(f"{what}: not with an MLA model ({cfg['model']['name']}), whose attention is FlashCP's "
                               "latent exchange")  # fmt: skip
+
+
+def _check_sinks(cfg: dict) -> None:
+    """gpt-oss under FlashCP's attention: its sinks need a kernel returning the LSE and an exchange that
+    takes them (not the ring), its sliding-window layers an exchange that cuts keys to the window."""
+    model, flashcp = cfg["model"], cfg["flashcp"]
+    if model["name"] != "gpt_oss" or model["attention"] != "flashcp":
+        return
+    window = model_sliding_window(cfg)
+    refused = [
+        (flashcp["backend"] == "flash_attn", "[flashcp] backend = 'flash_attn' (its kernel returns no LSE, which "
+                                             "the sinks need; auto, torch and reference do)"),
+        (flashcp["comm"] == "ring", "[flashcp] comm = 'ring' (the ring takes no sinks)"),
+        (window is not None and flashcp["comm"] == "two_level",
+         f"[flashcp] comm = 'two_level' (the {window}-key sliding-window layers exchange by compact, full or needed)"),
+    ]  # fmt: skip
+    for bad, what in refused:
+        if bad:
+            raise ConfigError(f"{what}: not with a gpt_oss model (learned sinks in every attention layer)")
 
 
 def _check_profiler(cfg: dict) -> None:

@@ -5,7 +5,7 @@ registry, `flashcp.titan.models.registry`), `custom` sizes, or a Hugging Face `c
 read now); RoPE keys (`flashcp.titan.models.rope`) override the model's own. `model_dims` and
 `model_head_dim` give the layout checks and the pre-launch estimates the sizes without building it,
 `model_experts` the experts of a mixture-of-experts model (None for a dense one), `model_latent`
-DeepSeek-V3's latent attention (None for the others).
+DeepSeek-V3's latent attention (None for the others), `model_sliding_window` gpt-oss's window.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 from flashcp.titan.config.keys import ConfigError, Key
 from flashcp.titan.hf.config import Architecture, Experts, HFConfigError, Latent, read_hf_config
 from flashcp.titan.models.registry import dense_flavors, flavor_architecture, REFUSED_FAMILIES, REGISTRIES, refusal
-from flashcp.titan.models.rope import FAMILY_ROPE, rope_for_job, RopeError, SCALINGS
+from flashcp.titan.models.rope import attention_scale_factor, FAMILY_ROPE, rope_for_job, RopeError, SCALINGS
 
 CUSTOM_MODEL_KEYS = (
     "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "ffn_dim_multiplier", "multiple_of",
@@ -118,7 +118,7 @@ def _check_architecture(cfg: dict) -> None:
         if flavor not in (*flavors, "custom"):
             raise ConfigError(f"[model] flavor must be one of {', '.join((*flavors, 'custom'))} for "
                               f"name = {name!r}; got {flavor!r}")  # fmt: skip
-        if flavor == "custom" and name == "deepseek_v3":
+        if flavor == "custom" and name in ("deepseek_v3", "gpt_oss"):
             raise ConfigError(f"[model] flavor = 'custom' builds llama3 and qwen3 sizes; a {name} of another size "
                               "is an hf_config (a config.json)")  # fmt: skip
         base = FAMILY_ROPE[name]
@@ -130,7 +130,7 @@ def _check_architecture(cfg: dict) -> None:
         rope = rope_for_job(base, model)
     except RopeError as e:
         raise ConfigError(f"[model] {e}") from e
-    if rope.softmax_scale_factor != 1.0 and model["attention"] != "flashcp":
+    if attention_scale_factor(model["name"], rope) != 1.0 and model["attention"] != "flashcp":
         raise ConfigError(
             f"[model] yarn RoPE's attention factor ({rope.yarn_attention_factor:.4g}) is applied by FlashCP's "
             f"attention; model.attention = {model['attention']!r} would drop it: use 'flashcp'"
@@ -177,6 +177,12 @@ def model_latent(cfg: dict) -> Latent | None:
     """The job's multi-head latent attention (DeepSeek-V3), or None for Llama 3 / Qwen3 attention."""
     model = cfg["model"]
     return None if model["flavor"] == "custom" else _architecture(model).latent
+
+
+def model_sliding_window(cfg: dict) -> int | None:
+    """The job's sliding window (gpt-oss's sliding layers), or None when every layer attends in full."""
+    model = cfg["model"]
+    return None if model["flavor"] == "custom" else _architecture(model).sliding_window
 
 
 def custom_experts(model: dict) -> Experts | None:

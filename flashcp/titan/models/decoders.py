@@ -1,4 +1,4 @@
-"""FlashCP's `Architecture` <-> TorchTitan's Llama 3 / Qwen3 model configs, built with TorchTitan's own code.
+"""FlashCP's `Architecture` <-> TorchTitan's Llama 3 / Qwen3 / DeepSeek-V3 / gpt-oss model configs, built with TorchTitan's own code.
 
     arch = job_architecture(cfg["model"], tokenizer_vocab, seq_len)  # named flavor, custom or HF config.json
     model_config = titan_config(arch, attn_backend="flex", max_seq_len=seq_len)
@@ -6,10 +6,10 @@
 
 Every model is built through one path: a named flavor's config from TorchTitan's registry is read
 back into an `Architecture` (`flashcp.titan.models.registry`), then every architecture is built with TorchTitan's
-per-layer builders and initialisers (`_build_llama3_layers`, `_build_qwen3_layers`), so named
+per-layer builders and initialisers (`_build_llama3_layers`, `_build_qwen3_layers`, ...), so named
 flavors, custom sizes and HF config.json models differ only in their numbers. Each family keeps its
 RoPE convention: Llama 3 rotates adjacent pairs (ComplexRoPE; its adapter permutes HF's q / k
-weights), Qwen3 rotates halves (CosSinRoPE) after its per-head QK-norm.
+weights), Qwen3 rotates halves (CosSinRoPE) after its per-head QK-norm, gpt-oss rotates halves.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import dataclasses
 from typing import Any
 
 from torchtitan.models import deepseek_v3 as titan_deepseek_v3
+from torchtitan.models import gpt_oss as titan_gpt_oss
 from torchtitan.models import llama3 as titan_llama3
 from torchtitan.models import qwen3 as titan_qwen3
 from torchtitan.models.common import (
@@ -31,6 +32,8 @@ from torchtitan.models.common import (
 from torchtitan.models.common.decoder import Decoder
 from torchtitan.models.deepseek_v3 import DeepSeekV3Model
 from torchtitan.models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter
+from torchtitan.models.gpt_oss import GptOssModel
+from torchtitan.models.gpt_oss.state_dict_adapter import GptOssStateDictAdapter
 from torchtitan.models.llama3 import Llama3Model
 from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
 from torchtitan.models.qwen3 import Qwen3Model
@@ -66,16 +69,17 @@ ADAPTERS: dict[str, type[BaseStateDictAdapter]] = {
     "llama3": Llama3StateDictAdapter,
     "qwen3": Qwen3StateDictAdapter,
     "deepseek_v3": TiedDeepSeekV3StateDictAdapter,
+    "gpt_oss": GptOssStateDictAdapter,
 }
 # The RMSNorm eps of each family's flavors, which a custom size takes with the family's RoPE.
 _NORM_EPS = {"llama3": 1e-5, "qwen3": 1e-6}
 
 
 def titan_rope(arch: Architecture, max_seq_len: int):
-    """TorchTitan's RoPE config for `arch`: CosSinRoPE for Qwen3 (with llama3 scaling FlashCP's
+    """TorchTitan's RoPE config for `arch`: CosSinRoPE for Qwen3 and gpt-oss (with llama3 scaling FlashCP's
     `ScaledCosSinRoPE`), else ComplexRoPE (DeepSeek-V3: over each head's qk_rope_head_dim RoPE columns)."""
     rope = arch.rope
-    if arch.name == "qwen3":
+    if arch.name in ("qwen3", "gpt_oss"):
         cls = ScaledCosSinRoPE if rope.scaling == "llama3" else CosSinRoPE
     else:
         cls = ComplexRoPE
@@ -99,7 +103,7 @@ def titan_config(arch: Architecture, attn_backend: str, max_seq_len: int) -> Dec
     """TorchTitan's model config for `arch`, its RoPE cache covering positions < max_seq_len.
 
     YaRN's attention factor is not in it (TorchTitan's RoPE is a pure rotation): FlashCP's attention
-    applies it (`Rope.softmax_scale_factor`, see flashcp.titan.models.spec)."""
+    applies it (`rope.attention_scale_factor`, see flashcp.titan.models.spec)."""
     rope = titan_rope(arch, max_seq_len)
     tied, dim, vocab = arch.tie_embeddings, arch.dim, arch.vocab_size
     if arch.name == "llama3":
@@ -113,6 +117,9 @@ def titan_config(arch: Architecture, attn_backend: str, max_seq_len: int) -> Dec
     elif arch.latent:
         lib, cls, head_init = titan_deepseek_v3, DeepSeekV3Model.Config, titan_deepseek_v3._output_linear_init(dim)
         layers = _deepseek_v3_layers(arch, rope, attn_backend)
+    elif arch.name == "gpt_oss":
+        lib, cls, head_init = titan_gpt_oss, GptOssModel.Config, titan_gpt_oss._output_linear_init(dim)
+        layers = _gpt_oss_layers(arch, rope, attn_backend)
     elif arch.experts:
         lib, cls, head_init = titan_qwen3, Qwen3Model.Config, titan_qwen3._LINEAR_INIT
         layers = titan_qwen3._build_qwen3_moe_layers(
@@ -171,6 +178,27 @@ def _deepseek_v3_layers(arch: Architecture, rope, attn_backend: str) -> list:
     for layer in layers:
         if layer.moe is not None and not experts.shared:  # the builder always adds them
             layer.moe.shared_experts = None
+    use_param_dtype_experts(layers)
+    return layers
+
+
+def _gpt_oss_layers(arch: Architecture, rope, attn_backend: str) -> list:
+    """gpt-oss's layers by TorchTitan's builder (router, biased experts, its load-balancing coefficient),
+    each attention rebuilt by its per-layer builder with the heads and the window of `arch`, which
+    the layer builder fixes (64 heads of 64, 8 KV heads, 128 keys in even layers)."""
+    experts = arch.experts
+    layers = titan_gpt_oss._build_gptoss_layers(
+        dim=arch.dim, n_layers=arch.n_layers, hidden_dim=experts.hidden_dim, num_experts=experts.num_experts,
+        top_k=experts.top_k, load_balance_coeff=1e-3, attn_backend=attn_backend, fuse_qkv=True,
+        moe_comm_backend="standard", rope=rope,
+    )  # fmt: skip
+    for layer_id, layer in enumerate(layers):
+        layer.attention = titan_gpt_oss._make_gptoss_attn_config(
+            dim=arch.dim, layer_id=layer_id, attn_backend=attn_backend, n_heads=arch.n_heads,
+            n_kv_heads=arch.n_kv_heads, head_dim=arch.head_dim, sliding_window_size=arch.window(layer_id),
+            fuse_qkv=True, rope=rope,
+        )  # fmt: skip
+        layer.moe.routed_experts.inner_experts.swiglu_limit = experts.swiglu_limit
     use_param_dtype_experts(layers)
     return layers
 

@@ -8,7 +8,8 @@ The job-file checks (`flashcp.titan.config.model`) and the model builder (`decod
 flavors here, from TorchTitan's own configs (`llama3_configs`, `qwen3_configs`), so a flavor
 TorchTitan adds or changes needs no edit in FlashCP. A flavor is trained when FlashCP's one build
 path (`decoders.titan_config`: fused QKV, a dense feed-forward or Qwen3-MoE's routed experts in every
-layer; DeepSeek-V3's MLA with its dense first layers and shared experts) rebuilds it; a Llama 3 /
+layer; DeepSeek-V3's MLA with its dense first layers and shared experts; gpt-oss's sliding-window and
+full layers with sinks and biased experts) rebuilds it; a Llama 3 /
 Qwen3 flavor that keeps Q, K and V apart, mixes dense and expert layers or adds shared experts is
 refused, recognised from its config, not its name. Families FlashCP does not train at all are
 `REFUSED_FAMILIES`, each with its reason. (`dense_flavors` is the historical name:
@@ -24,6 +25,7 @@ from collections.abc import Callable
 from torchtitan.models.common import FusedQKVLinear
 from torchtitan.models.common.decoder import Decoder
 from torchtitan.models.deepseek_v3 import deepseekv3_configs, DeepSeekV3Model
+from torchtitan.models.gpt_oss import GptOssModel, gptoss_configs
 from torchtitan.models.llama3 import llama3_configs, Llama3Model
 from torchtitan.models.qwen3 import Qwen3Model, qwen3_configs
 
@@ -34,6 +36,7 @@ REGISTRIES: dict[str, dict[str, Callable[..., Decoder.Config]]] = {
     "llama3": llama3_configs,
     "qwen3": qwen3_configs,
     "deepseek_v3": deepseekv3_configs,
+    "gpt_oss": gptoss_configs,
 }
 # Families TorchTitan registers that FlashCP does not train, and why.
 REFUSED_FAMILIES = {
@@ -45,19 +48,24 @@ TITAN_SCALING = {"none": "none", "llama3": "llama", "yarn": "yarn"}
 
 
 def family(model_config: Decoder.Config) -> str:
-    """The family of a TorchTitan model config: "llama3" or "qwen3"."""
+    """The family of a TorchTitan model config: "llama3", "qwen3", "deepseek_v3" or "gpt_oss"."""
     if isinstance(model_config, DeepSeekV3Model.Config):
         return "deepseek_v3"
+    if isinstance(model_config, GptOssModel.Config):
+        return "gpt_oss"
     if isinstance(model_config, Qwen3Model.Config):
         return "qwen3"
     if isinstance(model_config, Llama3Model.Config):
         return "llama3"
-    raise TypeError(f"not a Llama 3, Qwen3 or DeepSeek-V3 config: {type(model_config).__name__}")
+    raise TypeError(f"not a Llama 3, Qwen3, DeepSeek-V3 or gpt-oss config: {type(model_config).__name__}")
 
 
 def architecture_of(model_config: Decoder.Config) -> Architecture:
-    """The architecture of a TorchTitan Llama 3 / Qwen3 / DeepSeek-V3 config (e.g. a registry flavor)."""
+    """The architecture of a TorchTitan Llama 3 / Qwen3 / DeepSeek-V3 / gpt-oss config (e.g. a registry flavor)."""
     attention = model_config.first_attention
+    windows = [getattr(layer.attention, "sliding_window_size", None) for layer in model_config.layers]
+    if len(set(windows) - {None}) > 1:
+        raise ValueError(f"sliding windows of {sorted(set(windows) - {None})} keys: FlashCP's layers share one")
     rope = attention.rope
     moe = next((layer.moe for layer in model_config.layers if layer.moe is not None), None)
     dense = next((layer.feed_forward for layer in model_config.layers if layer.feed_forward is not None), None)
@@ -92,7 +100,8 @@ def architecture_of(model_config: Decoder.Config) -> Architecture:
         head_dim=(latent.qk_nope_head_dim + latent.qk_rope_head_dim if latent
                   else attention.head_dim or model_config.dim // attention.n_heads),  # fmt: skip
         # An MoE model's dense width is unused; HF's Qwen3-MoE configs give the active experts' (768 x 8 in 30B-A3B).
-        hidden_dim=(dense.w1.out_features if dense else moe.routed_experts.inner_experts.hidden_dim * moe.router.top_k),
+        hidden_dim=(dense.w1.out_features if dense else moe.routed_experts.inner_experts.hidden_dim
+                    * (1 if isinstance(model_config, GptOssModel.Config) else moe.router.top_k)),  # fmt: skip
         vocab_size=model_config.vocab_size,
         norm_eps=model_config.norm.eps,
         rope=ours,
@@ -105,16 +114,19 @@ def architecture_of(model_config: Decoder.Config) -> Architecture:
                     if moe.shared_experts else 0),
             score_func=moe.router.score_func, route_scale=moe.router.route_scale,
             groups=moe.router.num_expert_groups, limited_groups=moe.router.num_limited_groups,
+            swiglu_limit=getattr(moe.routed_experts.inner_experts, "swiglu_limit", None),
         ),  # fmt: skip
         latent=latent or None,
         n_dense_layers=sum(layer.moe is None for layer in model_config.layers) if moe else 0,
+        layer_types=tuple("sliding_attention" if w else "full_attention" for w in windows) if any(windows) else (),
+        sliding_window=next((w for w in windows if w), None),
     )
 
 
 def registered_config(name: str, flavor: str) -> Decoder.Config:
-    """TorchTitan's own config of a registered flavor (FlexAttention; DeepSeek-V3's MoE without
-    TorchTitan's all-to-all backends, whose expert parallelism FlashCP sets up as Qwen3-MoE's)."""
-    extra = {"moe_comm_backend": "standard"} if name == "deepseek_v3" else {}
+    """TorchTitan's own config of a registered flavor (FlexAttention; DeepSeek-V3's and gpt-oss's MoE
+    without TorchTitan's all-to-all backends, whose expert parallelism FlashCP sets up as Qwen3-MoE's)."""
+    extra = {"moe_comm_backend": "standard"} if name in ("deepseek_v3", "gpt_oss") else {}
     return REGISTRIES[name][flavor](attn_backend="flex", **extra)
 
 

@@ -118,7 +118,18 @@ FAMILY_ROPE = {
     "llama3": Rope(theta=500000.0, scaling="llama3"), "qwen3": Rope(theta=1000000.0),
     "deepseek_v3": Rope(theta=10000.0, scaling="yarn", factor=40.0, original_max_position_embeddings=4096,
                         attention_factor=1.0),
+    "gpt_oss": Rope(theta=150000.0, scaling="yarn", factor=32.0, original_max_position_embeddings=4096,
+                    truncate=False),
 }  # fmt: skip
+
+
+def attention_scale_factor(name: str, rope: Rope) -> float:
+    """What FlashCP's attention multiplies family `name`'s softmax scale by under `rope`: YaRN's attention
+    factor squared, less what TorchTitan's attention of the family already folds in (gpt-oss: the default
+    factor, 0.1 ln(factor) + 1, squared), so that a config's own attention_factor still counts once."""
+    if name == "gpt_oss" and rope.scaling == "yarn":
+        return (rope.yarn_attention_factor / _mscale(rope.factor)) ** 2
+    return rope.softmax_scale_factor
 
 
 def rope_from_hf(hf: dict[str, Any], default_theta: float) -> Rope:

@@ -1,4 +1,4 @@
-"""The job's Llama 3 / Qwen3 / DeepSeek-V3 as a TorchTitan ModelSpec, its attention swapped for FlashCP's from outside.
+"""The job's Llama 3 / Qwen3 / DeepSeek-V3 / gpt-oss as a TorchTitan ModelSpec, its attention swapped for FlashCP's from outside.
 
 The architecture comes from `flashcp.titan.models.decoders` (a TorchTitan flavor, a custom size or an HF
 config.json, with the job's RoPE keys), built by TorchTitan's own per-layer builders. With
@@ -12,6 +12,12 @@ embedding, final norm and output projection in one group).
 DeepSeek-V3's MLA layers become `flashcp.titan.models.latent.FlashCPLatentAttention` (the latent rows
 cross the CP group, not K and V); its dense first layers, shared experts and sigmoid router are
 TorchTitan's, parallelised as Qwen3-MoE's below.
+
+gpt-oss's attention is TorchTitan's with FlashCP's inner attention (its sliding-window layers on the
+step's window dispatch, its sinks inside the op: `flashcp.titan.models.attention`); its MoE layers
+(biased experts, clamped SwiGLU) are parallelised as Qwen3-MoE's. The sinks are parameters of
+the attention modules, sharded by FSDP over dp_shard x cp like every weight, so their gradient,
+each CP rank's from its own queries, is summed over the CP ranks as every other one.
 
 Qwen3-MoE layers are TorchTitan's (router, token dispatcher, grouped experts computed in the
 weights' dtype: `flashcp.titan.models.experts`). With `expert_parallel_degree` > 1 the experts are
@@ -33,6 +39,7 @@ from torchtitan.components.optimizer import register_moe_load_balancing_hook
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
 from torchtitan.models.deepseek_v3 import DeepSeekV3Model, parallelize_deepseekv3
+from torchtitan.models.gpt_oss import GptOssModel, parallelize_gptoss
 from torchtitan.models.llama3 import parallelize_llama
 from torchtitan.models.qwen3 import parallelize_qwen3, Qwen3Model
 from torchtitan.models.utils import validate_converter_order
@@ -45,6 +52,7 @@ from flashcp.titan.models.latent import use_flashcp_latent_attention
 from flashcp.titan.config import ConfigError
 from flashcp.titan.models.decoders import ADAPTERS, job_architecture, titan_config
 from flashcp.titan.models.offload import offload_layer_inputs
+from flashcp.titan.models.rope import attention_scale_factor
 from flashcp.titan.models.tiled_mlp import use_tiled_mlp
 
 
@@ -76,9 +84,9 @@ def model_spec(
         parallelize = parallelize_flashcp
     elif attention == "flashcp":
         # YaRN's attention factor, which TorchTitan's attention has no place for (flashcp.titan.config
-        # refuses YaRN with model.attention other than flashcp).
+        # refuses YaRN with model.attention other than flashcp); gpt-oss's folds in the default one.
         use_flashcp_attention(model, backend=flashcp_cfg["backend"], overlap=flashcp_cfg["overlap"],
-                              scale_factor=arch.rope.softmax_scale_factor)  # fmt: skip
+                              scale_factor=attention_scale_factor(arch.name, arch.rope))  # fmt: skip
         parallelize = parallelize_flashcp
     else:
         parallelize = _parallelize_titan_cp
@@ -173,7 +181,8 @@ def _offloaded(parallelize, model: torch.nn.Module, **kwargs) -> torch.nn.Module
 
 def _parallelize_titan_cp(model: torch.nn.Module, **kwargs) -> torch.nn.Module:
     """TorchTitan's own recipe (its built-in CP included), for comparing against FlashCP."""
-    recipe = {Qwen3Model: parallelize_qwen3, DeepSeekV3Model: parallelize_deepseekv3}.get(type(model), parallelize_llama)
+    recipe = {Qwen3Model: parallelize_qwen3, DeepSeekV3Model: parallelize_deepseekv3,
+              GptOssModel: parallelize_gptoss}.get(type(model), parallelize_llama)  # fmt: skip
     model = recipe(model, **kwargs)
     compat.force_sum_reduction_on_gloo(model)
     return model

@@ -1,0 +1,49 @@
+"""A sliding-window model's dispatches: one for its full-attention layers, one per window.
+
+gpt-oss alternates layers whose queries see their last W keys with full ones. Both kinds run on
+the same plan and the same rows; a window layer's exchange is smaller (`build_dispatch(...,
+window=W)`: at most W - 1 rows before each shard). The trainer builds them together wherever it
+builds a window's dispatch (the loader's thread or its plan worker, whose process imports this
+module to unpickle the builder: so it imports torch and the engine only, not TorchTitan) and
+moves them as one (`to`, `pin_memory`); `CPStep.of` hands each layer its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from flashcp.dispatch import Dispatch
+from flashcp.plan.plan import Plan
+
+
+@dataclass(frozen=True)
+class LayerDispatches:
+    """A window's dispatch for the full-attention layers and one per sliding window (same rows, same
+    order: `token_index` and `positions` are the full one's); built and moved like one `Dispatch`."""
+
+    full: Dispatch
+    windows: dict[int, Dispatch]  # sliding window W -> build_dispatch(plan, ..., window=W)
+
+    @property
+    def token_index(self) -> torch.Tensor:
+        return self.full.token_index
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.full.positions
+
+    def to(self, device: torch.device | str, non_blocking: bool = True) -> LayerDispatches:
+        return LayerDispatches(self.full.to(device, non_blocking),
+                               {w: d.to(device, non_blocking) for w, d in self.windows.items()})  # fmt: skip
+
+    def pin_memory(self) -> LayerDispatches:
+        return LayerDispatches(self.full.pin_memory(), {w: d.pin_memory() for w, d in self.windows.items()})
+
+
+def build_layer_dispatches(plan: Plan, build: Callable[..., Dispatch], windows: tuple[int, ...]) -> LayerDispatches:
+    """`build(plan)` for the full layers and `build(plan, window=W)` for each window (picklable with
+    functools.partial, for the loader's dispatch worker)."""
+    return LayerDispatches(build(plan), {w: build(plan, window=w) for w in windows})
