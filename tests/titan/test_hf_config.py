@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -375,3 +376,95 @@ def test_a_dense_hf_folder_for_a_moe_flavor_and_the_reverse_are_one_line(tmp_pat
                     "checkpoint": {"enable": True, "initial_load_path": path, "initial_load_in_hf": True}})  # fmt: skip
     with pytest.raises(ConfigError, match=r"^\[checkpoint\] initial_load_path: .*" + message):
         check_hf_import(cfg, 4096)
+
+
+# openai/gpt-oss-20b's config.json (its experts published as MXFP4 blocks).
+GPT_OSS_20B = {
+    "architectures": ["GptOssForCausalLM"], "attention_bias": True, "attention_dropout": 0.0, "eos_token_id": 200002,
+    "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880, "initial_context_length": 4096,
+    "initializer_range": 0.02, "intermediate_size": 2880, "layer_types": ["sliding_attention", "full_attention"] * 12,
+    "max_position_embeddings": 131072, "model_type": "gpt_oss", "num_attention_heads": 64, "num_experts_per_tok": 4,
+    "num_hidden_layers": 24, "num_key_value_heads": 8, "num_local_experts": 32, "output_router_logits": False,
+    "pad_token_id": 199999, "quantization_config": {"modules_to_not_convert": ["model.layers.*.self_attn",
+    "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"], "quant_method": "mxfp4"}, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
+                     "rope_type": "yarn", "truncate": False},
+    "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0,
+    "tie_word_embeddings": False, "transformers_version": "4.55.0.dev0", "use_cache": True, "vocab_size": 201088,
+}  # fmt: skip
+
+
+def test_gpt_oss_20b_config_json_builds_torchtitans_flavor_and_exports_back(tmp_path):
+    """gpt-oss-20b's published config.json gives TorchTitan's 20b flavor (its sliding layers, YaRN
+    without truncation); an export's config.json, without the MXFP4 quantization, reads back to the same
+    architecture, through transformers' GptOssConfig too."""
+    transformers = pytest.importorskip("transformers", reason="needs the test extra (transformers)")
+    cfg = validate({"model": {"hf_config": str(hf_folder(tmp_path, GPT_OSS_20B))}})
+    assert (cfg["model"]["name"], model_head_dim(cfg)) == ("gpt_oss", 64)
+    arch = job_architecture(cfg["model"], 4096, 8192)
+    assert (arch.sliding_window, arch.window(0), arch.window(1), arch.experts.swiglu_limit) == (128, 128, None, 7.0)
+    registered = registered_config("gpt_oss", "20b")
+    use_param_dtype_experts(registered.layers)
+    assert _shapes(titan_config(arch, "flex", 131072)) == _shapes(registered)
+    exported = to_hf_config(arch, base=GPT_OSS_20B)
+    assert "quantization_config" not in exported and exported["eos_token_id"] == 200002
+    named = dataclasses.replace(arch, rope=dataclasses.replace(arch.rope, attention_factor=arch.rope.yarn_attention_factor))
+    assert architecture_from_hf(exported) == named
+    hf_folder(tmp_path, exported, "export")
+    loaded = transformers.AutoConfig.from_pretrained(tmp_path / "export")
+    assert type(loaded).__name__ == "GptOssConfig" and architecture_from_hf(loaded.to_dict()) == named
+
+
+def test_gpt_oss_layers_follow_layer_types_and_fold_yarns_scale_once(tmp_path):
+    """layer_types decide which layers slide (all full: none, and no window dispatch); TorchTitan's gpt-oss
+    attention applies YaRN's default factor itself, so FlashCP's multiplies only a config's own factor's
+    difference, and TorchTitan's attention (flex) is refused only then."""
+    from flashcp.titan.models.rope import attention_scale_factor
+
+    full = architecture_from_hf(GPT_OSS_20B | {"layer_types": ["full_attention"] * 24})
+    assert (full.layer_types, full.sliding_window) == ((), None)
+    assert {layer.attention.sliding_window_size for layer in titan_config(full, "flex", 8192).layers} == {None}
+    spec = model_spec(validate({"model": {"name": "gpt_oss", "flavor": "debugmodel"}})["model"],
+                      validate({})["flashcp"], 4096, 1024)  # fmt: skip
+    inner = [layer.attention.inner_attention for layer in spec.model.layers]
+    assert [(a.window, a.scale_factor) for a in inner] == [(128, 1.0), (None, 1.0)] * 2
+    assert attention_scale_factor("gpt_oss", dataclasses.replace(full.rope, attention_factor=1.0)) == pytest.approx(
+        (1 / (0.1 * math.log(32) + 1)) ** 2)  # fmt: skip
+    assert validate({"model": {"name": "gpt_oss", "flavor": "debugmodel", "attention": "flex"}})
+    with pytest.raises(ConfigError, match=r"yarn RoPE's attention factor \(1\) is applied by FlashCP's"):
+        validate({"model": {"name": "gpt_oss", "flavor": "debugmodel", "attention": "flex", "rope_attention_factor": 1.0}})
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"sliding_window": 0}, r"sliding_window must be a positive int, got 0"),
+        ({"sliding_window": -128}, r"sliding_window must be a positive int, got -128"),
+        ({"layer_types": ["sliding_attention"] * 23},
+         r"layer_types must name 'sliding_attention' or 'full_attention' for each of the 24 layers \(num_hidden_layers\)"),
+        ({"layer_types": ["sliding_attention", "chunked_attention"] * 12}, r"layer_types must name"),
+        ({"swiglu_alpha": 1.0}, r"swiglu_alpha = 1.0 is not supported"),
+        ({"attention_bias": False}, r"attention_bias = False is not supported"),
+        ({"num_experts_per_tok": 40}, r"num_experts_per_tok = 40 exceeds num_local_experts = 32"),
+    ],
+)  # fmt: skip
+def test_a_gpt_oss_config_json_flashcp_cannot_train_is_one_line(tmp_path, change, message):
+    with pytest.raises(ConfigError, match=r"^\[model\] hf_config: .*config\.json: " + message) as e:
+        validate({"model": {"hf_config": str(hf_folder(tmp_path, GPT_OSS_20B | change))}})
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "flashcp, message",
+    [
+        ({"comm": "ring"}, r"^\[flashcp\] comm = 'ring' \(the ring takes no sinks\): not with a gpt_oss model"),
+        ({"comm": "two_level"}, r"^\[flashcp\] comm = 'two_level' \(the 128-key sliding-window layers exchange by "
+                                r"compact, full or needed\)"),
+        ({"backend": "flash_attn"}, r"^\[flashcp\] backend = 'flash_attn' \(its kernel returns no LSE"),
+    ],
+)  # fmt: skip
+def test_gpt_oss_refuses_exchanges_and_kernels_without_sinks_or_windows(flashcp, message):
+    with pytest.raises(ConfigError, match=message):
+        validate({"model": {"name": "gpt_oss", "flavor": "20b"}, "flashcp": flashcp})
+    with pytest.raises(ConfigError, match=r"flavor = 'custom' builds llama3 and qwen3 sizes; a gpt_oss"):
+        validate({"model": {"name": "gpt_oss", "flavor": "custom", "dim": 64, "n_layers": 2, "n_heads": 4}})

@@ -188,7 +188,7 @@ def architecture_from_hf(hf: dict[str, Any], where: str = "config.json") -> Arch
     _check_numbers(hf, where)
     model_type = hf.get("model_type")
     if model_type not in MODEL_TYPES:
-        moe = " (of mixture-of-experts models, qwen3_moe and deepseek_v3 only)" if "moe" in str(model_type) else ""
+        moe = " (of mixture-of-experts models, qwen3_moe, deepseek_v3 and gpt_oss only)" if "moe" in str(model_type) else ""
         raise HFConfigError(
             f"{where}: model_type {model_type!r} is not supported{moe}; supported: {', '.join(MODEL_TYPES)}"
         )
