@@ -5,7 +5,8 @@ four; each case runs `cp_varlen_attention(comm="two_level")` forward and backwar
 output and dq/dk/dv with the float64 oracle of tests/test_cp_attention.py (same tolerances). The
 rows every stage moves, recorded per rank (`record_comm`: "two_level_inter" over the fabric,
 "two_level_intra" over NVLink), must equal `flashcp.plan.nodes.node_traffic`'s counts, and the
-fabric rows must never exceed the flat needed exchange's.
+fabric rows must never exceed the flat needed exchange's. Window layers (`window=W`) and sinks
+run in one process (flashcp.attention.simulate) against the dense oracle of tests/dense_attention.py.
 """
 
 from __future__ import annotations
@@ -18,10 +19,15 @@ from distributed_pool import DistributedPool
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_cp_attention import EDGE_WINDOWS, TOL, Case, oracle, window_tensors
+from test_window_sinks import assert_all_close, run_op, windows as window_layers
+from test_window_sinks import oracle as window_oracle
 
 from flashcp import plan_shards
 from flashcp.attention import build_two_level_dispatch, cp_varlen_attention, record_comm
+from flashcp.dispatch import build_dispatch
 from flashcp.plan.nodes import node_metrics, node_traffic
+from flashcp.plan.plan import Plan, Shard
+from flashcp.plan.window import window_needed_tokens
 
 STRATEGIES = ("flashcp", "per_doc", "per_seq", "whole_doc")
 
@@ -182,3 +188,47 @@ def test_one_rank_needs_no_process_group():
     assert log == [] and idx.tolist() == list(range(plan.context))
     for a, b in zip(got, oracle(Case(plan, "two_level"))):
         torch.testing.assert_close(a, b, **TOL[torch.float64])
+
+
+def _check_window(plan, g: int, window: int, seed: int, overlap: bool = False) -> None:
+    """Dense oracle (sinks included); each rank receives exactly the rows its windows reach, and the
+    fabric carries at most the flat needed exchange's inter-node rows."""
+    n = plan.cp_size
+
+    def dispatch(plan, rank, comm, overlap, window):
+        return build_two_level_dispatch(plan, rank, g, overlap, window)
+
+    what = f"{plan.strategy} {plan.ranks} g={g} W={window} overlap={overlap}"
+    got, _ = run_op(plan, "two_level", window, (2, 1, 4), seed, overlap=overlap, dispatch=dispatch)
+    assert_all_close(got, window_oracle(list(plan.doc_lens), (2, 1, 4), seed, window, True), what)
+    two = [dispatch(plan, r, "two_level", overlap, window) for r in range(n)]
+    assert [d.recv_size for d in two] == window_needed_tokens(plan, window), what
+    flat = [build_dispatch(plan, r, "needed", window=window) for r in range(n)]
+    flat_inter = sum(d.recv_splits[s] for r, d in enumerate(flat) for s in range(n) if s // g != r // g)
+    assert sum(sum(d.route.stage1_recv_splits) for d in two) <= flat_inter, what
+
+
+def test_window_forwards_each_rank_its_own_suffix():
+    """One 64-token document in four 16-row pieces, nodes {0, 1} and {2, 3}, W = 24: rank 1's piece
+    [16, 32) crosses the fabric once as the 16 rows rank 2 needs, and rank 3 keeps the 7 it needs
+    (rank 0's piece: 7 rows for rank 2, none for rank 3)."""
+    plan = Plan((64,), 4, tuple((Shard(0, 16 * r, 16),) for r in range(4)), "hand")
+    routes = [build_two_level_dispatch(plan, r, 2, window=24).route for r in range(4)]
+    assert routes[1].stage1_send_splits == [0, 0, 0, 16] and routes[0].stage1_send_splits == [0, 0, 7, 0]
+    assert routes[3].stage2_send_splits == [0, 0, 16, 7]
+    _check_window(plan, 2, 24, seed=0)
+
+
+@pytest.mark.parametrize("g", [1, 2, 4])
+def test_window_layers_match_dense(g):
+    doc_lens = [37, 2, 11, 5, 1, 23, 9, 7, 1]
+    for strategy in ("flashcp", "per_seq"):  # a few cut documents; every document cut over all ranks
+        for window in (1, 6, 64):
+            _check_window(plan_shards(doc_lens, 4, strategy), g, window, seed=window, overlap=window == 6)
+
+
+@settings(max_examples=10, deadline=None)
+@given(window_layers())
+def test_random_window_layers_match_dense(case):
+    plan, window, seed = case
+    _check_window(plan, plan.cp_size // 2, window, seed)

@@ -17,10 +17,11 @@ second kernel call plus gathers of q and the output, so it only pays when the ex
 relative to the local-only attention; `benchmarks/attention.py` measures it.
 
 Sliding-window layers (gpt-oss, HF `sliding_window = W`) pass `window=W` with a dispatch built for
-it (`build_dispatch(plan, rank, comm, window=W)`): each cut shard receives at most the W - 1 rows
-before it. Learned sinks (`sinks [Hq]`, `flashcp.attention.sinks`) are applied exactly on each
-kernel call's final LSE, with no exchange; their gradient is this rank's share (sum it over the CP
-group, as every replicated parameter's). The ring runs neither.
+it (`build_dispatch(plan, rank, comm, window=W)`, `build_two_level_dispatch(..., window=W)`): each
+cut shard receives at most the W - 1 rows before it. Learned sinks (`sinks [Hq]`,
+`flashcp.attention.sinks`) are applied exactly on each kernel call's final LSE, with no exchange;
+their gradient is this rank's share (sum it over the CP group, as every replicated parameter's).
+The ring runs neither.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from flashcp.attention.collectives import collectives, Collectives, gather_kv, l
 from flashcp.attention.kernels import varlen_attention
 from flashcp.attention.ring import ring_attention
 from flashcp.attention.sinks import sink_attention
-from flashcp.dispatch import COMM_MODES, Dispatch, OverlapSplit, ShardSubset
+from flashcp.dispatch import Dispatch, OverlapSplit, ShardSubset
 
 
 def check_dispatch(dispatch: Dispatch, comm: str, names: str, *rows: torch.Tensor) -> None:
@@ -81,9 +82,9 @@ def cp_varlen_attention(
     `sinks`: one learned sink logit per query head (see the module docstring).
     """
     _check(q, k, v, dispatch, comm)
-    if window is not None and comm not in COMM_MODES:
-        modes = ", ".join(COMM_MODES)
-        raise ValueError(f"comm={comm!r} runs full attention only: window layers exchange by {modes}")
+    if window is not None and comm == "ring":
+        raise ValueError("comm='ring' runs full attention only: window layers exchange by compact, full, needed "
+                         "or two_level")  # fmt: skip
     if dispatch.window != window:
         raise ValueError(
             f"dispatch was built for window={dispatch.window} but window={window} was requested: "

@@ -1,36 +1,39 @@
 """`cp_varlen_attention` as a registered torch op: a compiled block traces it as one node.
 
     key = step_key(dispatch, group)              # once per window, outside compiled code
-    out = cp_attention(q, k, v, key, backend, overlap=..., softmax_scale=...)
+    out = cp_attention(q, k, v, key, backend, overlap=..., softmax_scale=..., sinks=...)
 
-The op's work changes with every window: index tensors and Python ints (lengths, splits, the
-buffer sizes) of the step's `Dispatch`, a process group, collectives. None of it may reach the
-compiler, or every step would fail a guard and recompile, and a data-dependent shape would break
-the graph. So `flashcp::cp_attention` takes q, k, v, static settings (backend, overlap, scale)
-and `key`, a 0-d int64 CPU tensor naming the step's `(dispatch, group)` in a registry here: the
-compiler sees only a tensor input of fixed shape, whose value it never reads, and the op's fake
-implementation returns a tensor shaped like q. The registration lives exactly as long as the key
-tensor (a finalizer drops it), so a compiled backward that recomputes the op under activation
-checkpointing still finds the step while anything holds the key, and nothing outlives it.
+The op's work changes with every window: index tensors and Python ints (lengths, splits, the buffer
+sizes) of the step's `Dispatch`, a process group, collectives. None of it may reach the compiler,
+or every step would fail a guard and recompile, and a data-dependent shape would break the graph.
+So `flashcp::cp_attention` takes q, k, v, the optional learned sinks, static settings (backend,
+overlap, scale) and `key`, a 0-d int64 CPU tensor naming the step's `(dispatch, group)` in a
+registry here: the compiler sees only a tensor input of fixed shape, whose value it never reads,
+and the op's fake implementation returns a tensor shaped like q. The registration lives exactly as
+long as the key tensor (a finalizer drops it), so a compiled backward that recomputes the op under
+activation checkpointing still finds the step while anything holds the key, and nothing outlives
+it. A sliding window comes with the dispatch (`dispatch.window`); sinks are an input like q, k, v,
+and their gradient is this rank's share, which the trainer's FSDP over dp_shard x cp sums over the
+CP group as for every replicated parameter.
 
 Autograd without a second exchange or a recompute: when gradients are needed the forward runs
 `cp_varlen_attention` eagerly under autograd inside the op (the KV exchange, the kernel and what
-they save, exactly as in eager), keeps that graph in a second registry and returns its output
-and a `handle` tensor naming it; the registered backward calls `flashcp::cp_attention_backward`,
-which runs `torch.autograd.grad` on the kept graph (the kernel backward and the transposed
-collective) and drops it. The graph is entered through gradient edges of a node that saves
-nothing, so it holds no extra copy of k and v. The kept graph, like the handle, dies with the
+they save, exactly as in eager), keeps that graph in a second registry and returns its output and a
+`handle` tensor naming it; the registered backward calls `flashcp::cp_attention_backward`, which
+runs `torch.autograd.grad` on the kept graph (the kernel backward and the transposed collective)
+for q, k, v and the sinks, and drops it. The graph is entered through gradient edges of a node that
+saves nothing, so it holds no extra copy of k and v. The kept graph, like the handle, dies with the
 handle tensor: under activation checkpointing (eager or compiled) the forward's handle is not
 saved, so its graph is freed at once and the recompute builds the one the backward uses; under
 `no_grad` (validation) no graph is built. Neither op reads device data on the host.
 
 A compiled graph owns the buffers it passes to and gets from an op: once the op returns, a buffer
 the graph no longer reads is free for reuse (inductor's memory planning writes a later kernel's
-output into it). The kept graph reads q, k, v (what the kernel saved) and may read the output
-(flash-attention saves it) in the backward, so in compiled code (`compiled`, fixed at trace time)
-the op enters the graph with its own copies of q, k, v and returns a copy of its output: without
-them, inductor wrote the output projection into a block's rotated q (heads x head_dim = dim) and
-the backward used the overwritten values.
+output into it). The kept graph reads q, k, v and the sinks (what the kernel saved) and may read
+the output (flash-attention saves it) in the backward, so in compiled code (`compiled`, fixed at
+trace time) the op enters the graph with its own copies of its inputs and returns a copy of its
+output: without them, inductor wrote the output projection into a block's rotated q (heads x
+head_dim = dim) and the backward used the overwritten values.
 Eager code needs no copy: autograd's version counters reject a later in-place write.
 """
 
@@ -50,7 +53,7 @@ from flashcp.attention.cp import cp_varlen_attention
 from flashcp.dispatch import Dispatch
 
 _steps: dict[int, tuple[Dispatch, Any]] = {}  # key value -> (dispatch, group), while the key tensor lives
-_graphs: dict[int, tuple[torch.Tensor, list]] = {}  # handle value -> (output, gradient edges of q, k, v)
+_graphs: dict[int, tuple[torch.Tensor, list]] = {}  # handle value -> (output, gradient edges of q, k, v[, sinks])
 _ids = itertools.count()
 _AUTOGRAD_KEYS = (DispatchKey.AutogradFunctionality, DispatchKey.AutogradOther, DispatchKey.AutogradNestedTensor)
 
@@ -91,21 +94,21 @@ def _autograd_inside_op() -> Iterator[None]:
 
 
 class _Enter(torch.autograd.Function):
-    """Aliases of q, k, v (copies when `copy`) that start an autograd graph; its node saves nothing
-    (see the docstring)."""
+    """Aliases of the op's tensor inputs (copies when `copy`) that start an autograd graph; its node
+    saves nothing (see the docstring)."""
 
     @staticmethod
-    def forward(ctx, seed, q, k, v, copy):
-        return tuple(t.clone() if copy else t.detach() for t in (q, k, v))
+    def forward(ctx, seed, copy, *tensors):
+        return tuple(t.clone() if copy else t.detach() for t in tensors)
 
     @staticmethod
-    def backward(ctx, dq, dk, dv):
-        return None, None, None, None, None
+    def backward(ctx, *grads):
+        return (None, None, *(None for _ in grads))
 
 
 @torch.library.custom_op("flashcp::cp_attention", mutates_args=())
 def _cp_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key: torch.Tensor,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key: torch.Tensor, sinks: torch.Tensor | None,
     backend: str, overlap: bool, scale: float | None, record: bool, compiled: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     n = int(key)
@@ -116,16 +119,17 @@ def _cp_attention(
         )
     dispatch, group = _steps[n]
 
-    def run(q, k, v):
+    def run(q, k, v, sinks=None):
         return cp_varlen_attention(q, k, v, dispatch, group, comm=dispatch.comm, backend=backend,
-                                   softmax_scale=scale, overlap=overlap, window=dispatch.window)  # fmt: skip
+                                   softmax_scale=scale, overlap=overlap, window=dispatch.window,
+                                   sinks=sinks)  # fmt: skip
 
     if not record:
         with torch.no_grad():
-            return run(q, k, v).contiguous(), torch.tensor(-1, dtype=torch.int64)
+            return run(q, k, v, sinks).contiguous(), torch.tensor(-1, dtype=torch.int64)
     with _autograd_inside_op():
         seed = q.new_zeros((), requires_grad=True)
-        inputs = _Enter.apply(seed, q, k, v, compiled)
+        inputs = _Enter.apply(seed, compiled, q, k, v, *(() if sinks is None else (sinks,)))
         out = run(*inputs)
     handle = _register(_graphs, (out, [get_gradient_edge(t) for t in inputs]))
     out = out.detach()
@@ -133,37 +137,44 @@ def _cp_attention(
 
 
 @_cp_attention.register_fake
-def _(q, k, v, key, backend, overlap, scale, record, compiled):
+def _(q, k, v, key, sinks, backend, overlap, scale, record, compiled):
     return torch.empty_like(q, memory_format=torch.contiguous_format), key.new_empty(())
 
 
 @torch.library.custom_op("flashcp::cp_attention_backward", mutates_args=())
 def _cp_attention_backward(
-    grad: torch.Tensor, handle: torch.Tensor, kv_shape: list[int]
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    grad: torch.Tensor, handle: torch.Tensor, kv_shape: list[int], sinks_shape: list[int] | None,
+    sinks_dtype: torch.dtype | None,
+) -> list[torch.Tensor]:  # fmt: skip
+    """dq, dk, dv, and dsinks when the forward had sinks."""
     kept = _graphs.pop(int(handle), None)
     if kept is None:
         raise RuntimeError("cp_attention backward: the forward's graph is gone (a second backward through it?)")
     out, edges = kept
     with _autograd_inside_op():
         grads = torch.autograd.grad(out, edges, grad, materialize_grads=True)
-    return tuple(g.contiguous() for g in grads)
+    return [g.contiguous() for g in grads]
 
 
 @_cp_attention_backward.register_fake
-def _(grad, handle, kv_shape):
-    return torch.empty_like(grad, memory_format=torch.contiguous_format), grad.new_empty(kv_shape), grad.new_empty(kv_shape)
+def _(grad, handle, kv_shape, sinks_shape, sinks_dtype):
+    grads = [torch.empty_like(grad, memory_format=torch.contiguous_format), grad.new_empty(kv_shape),
+             grad.new_empty(kv_shape)]  # fmt: skip
+    return grads if sinks_shape is None else [*grads, grad.new_empty(sinks_shape, dtype=sinks_dtype)]
 
 
 def _setup_context(ctx, inputs, output) -> None:
+    sinks = inputs[4]
     ctx.kv_shape = list(inputs[1].shape)
+    ctx.sinks_meta = (None, None) if sinks is None else (list(sinks.shape), sinks.dtype)
     ctx.save_for_backward(output[1])  # saved, not kept on ctx: checkpointing may then drop it
 
 
 def _backward(ctx, grad, _grad_handle):
     (handle,) = ctx.saved_tensors
-    dq, dk, dv = torch.ops.flashcp.cp_attention_backward(grad, handle, ctx.kv_shape)
-    return dq, dk, dv, None, None, None, None, None, None
+    grads = torch.ops.flashcp.cp_attention_backward(grad, handle, ctx.kv_shape, *ctx.sinks_meta)
+    dsinks = grads[3] if len(grads) == 4 else None
+    return grads[0], grads[1], grads[2], None, dsinks, None, None, None, None, None
 
 
 _cp_attention.register_autograd(_backward, setup_context=_setup_context)
@@ -178,10 +189,13 @@ def cp_attention(
     *,
     overlap: bool = False,
     softmax_scale: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`cp_varlen_attention(q, k, v, dispatch, group, ...)` of the step `key = step_key(dispatch, group)`
-    names, as one opaque op that torch.compile keeps in its graph (same results, same gradients)."""
-    record = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    """`cp_varlen_attention(q, k, v, dispatch, group, ..., window=dispatch.window, sinks=sinks)` of the
+    step `key = step_key(dispatch, group)` names, as one opaque op that torch.compile keeps in its
+    graph (same results, same gradients; the sinks' is this rank's share)."""
+    tensors = (q, k, v) if sinks is None else (q, k, v, sinks)
+    record = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     scale = None if softmax_scale is None else float(softmax_scale)
     compiled = torch.compiler.is_compiling()
-    return torch.ops.flashcp.cp_attention(q, k, v, key, backend, overlap, scale, record, compiled)[0]
+    return torch.ops.flashcp.cp_attention(q, k, v, key, sinks, backend, overlap, scale, record, compiled)[0]

@@ -3,6 +3,10 @@
     dispatch = build_two_level_dispatch(plan, rank, ranks_per_node=8)
     out = cp_varlen_attention(q, k, v, dispatch, group, comm="two_level")
 
+    # a sliding-window layer (HF sliding_window W): only the rows the windows reach
+    dispatch = build_two_level_dispatch(plan, rank, ranks_per_node=8, window=W)
+    out = cp_varlen_attention(q, k, v, dispatch, group, comm="two_level", window=W)
+
 The "needed" all-to-all-v sends a piece of KV to every rank that attends to it, so a piece that
 three ranks of another node need crosses the fabric three times, on the sender's one NIC. Here
 (ranks node-major, `ranks_per_node` per node; `flashcp.plan.nodes` counts the rows):
@@ -11,6 +15,9 @@ three ranks of another node need crosses the fabric three times, on the sender's
   to the rank there on the same rail (local index), so every transfer is NIC to NIC on one rail;
 - stage 2 (NVLink): each rank forwards what it received to the node-mates that need it, together
   with its own pieces they need (same-node traffic goes direct, as in "needed").
+
+A piece travels as the suffix its receivers' windows reach (all of it without a window): stage 1
+carries the longest suffix any rank of the destination node needs, stage 2 each rank its own.
 
 Both stages are one all-to-all-v over the CP group (stage 1 has only inter-node splits, stage 2
 only intra-node ones); launched asynchronously, stage 1 runs under whatever precedes the wait
@@ -89,61 +96,72 @@ class TwoLevelDispatch(Dispatch):
 
 
 def build_two_level_dispatch(
-    plan: Plan, rank: int, ranks_per_node: int, overlap: bool = False
+    plan: Plan, rank: int, ranks_per_node: int, overlap: bool = False, window: int | None = None
 ) -> TwoLevelDispatch:
     """Rank `rank`'s dispatch for the two-level exchange; ranks r // ranks_per_node share a node.
     With `overlap`, also the split of `cp_varlen_attention(overlap=True)` (local-only shards run
-    while stage 1 crosses the fabric)."""
+    while stage 1 crosses the fabric); with `window`, for a sliding-window layer of W keys."""
     n, g = plan.cp_size, ranks_per_node
     if g < 1 or n % g:
         raise ValueError(f"ranks_per_node={g} must be a positive divisor of the CP size {n}")
-    needed = build_dispatch(plan, rank, "needed", overlap)  # the same shards, queries and key lengths
+    # the same shards, queries and key lengths; also checks the window
+    needed = build_dispatch(plan, rank, "needed", overlap, window)
     node = [r // g for r in range(n)]
     local_start, pieces_of = _local_pieces(plan)
-    needers = _needers(doc_pieces(plan))  # piece -> ranks holding a later piece of its document
-    need_nodes = {p: {node[r] for r in rs} for p, rs in needers.items()}
+    needers = _needers(doc_pieces(plan), window)  # piece -> {rank attending to it: rows it reaches}
+    need_nodes: dict[tuple, dict[int, int]] = {}  # piece -> {node: the longest suffix its ranks reach}
+    for p, rs in needers.items():
+        reach = need_nodes.setdefault(p, {})
+        for r, rows in rs.items():
+            reach[node[r]] = max(reach.get(node[r], 0), rows)
     mine = node[rank]
     forwarded = [s for s in range(n) if node[s] != mine]  # sources whose pieces arrive via a proxy
 
-    # stage 1: my pieces to the rail-mate of every other node that needs them
+    # stage 1: my pieces' suffixes to the rail-mate of every other node that needs them
     s1_rows, s1_send = _Ranges(), [0] * n
     for a in sorted(set(node) - {mine}):
         for p in pieces_of[rank]:
-            if a in need_nodes[p]:
-                s1_rows.add(local_start[p], p[2])
-                s1_send[a * g + rank % g] += p[2]
-    # what arrives here in stage 1, and where each piece lands in stage 1's output
-    s1_recv, pos1, offset = [0] * n, {}, 0
+            rows = need_nodes[p].get(a, 0)
+            if rows:
+                s1_rows.add(local_start[p] + p[2] - rows, rows)
+                s1_send[a * g + rank % g] += rows
+    # what arrives here in stage 1, and where each piece's suffix ends in stage 1's output
+    s1_recv, end1, offset = [0] * n, {}, 0
     for s in forwarded:
         if s % g == rank % g:
             for p in pieces_of[s]:
-                if mine in need_nodes[p]:
-                    pos1[p], offset = offset, offset + p[2]
-                    s1_recv[s] += p[2]
+                rows = need_nodes[p].get(mine, 0)
+                if rows:
+                    offset += rows
+                    end1[p] = offset
+                    s1_recv[s] += rows
     n1 = offset
 
-    def segment(src: int, dest: int) -> list[tuple]:
-        """Pieces `src` hands `dest` in stage 2: its own, then those it forwards, in that order."""
-        own = [p for p in pieces_of[src] if dest in needers[p]] if src != dest else []
-        return own + [p for s in forwarded if s % g == src % g for p in pieces_of[s] if dest in needers[p]]
+    def segment(src: int, dest: int) -> list[tuple[tuple, int]]:
+        """(piece, rows) `src` hands `dest` in stage 2: its own, then those it forwards, in that order."""
+        own = pieces_of[src] if src != dest else []
+        ahead = [p for s in forwarded if s % g == src % g for p in pieces_of[s]]
+        return [(p, needers[p][dest]) for p in own + ahead if dest in needers[p]]
 
     s2_rows, s2_send, s2_recv, recv_pos, offset = _Ranges(), [0] * n, [0] * n, {}, 0
     for peer in range(mine * g, mine * g + g):
-        for p in segment(rank, peer):  # what I send to `peer`
-            s2_rows.add(n1 + local_start[p] if p[3] == rank else pos1[p], p[2])
-            s2_send[peer] += p[2]
-        for p in segment(peer, rank):  # what `peer` sends me
-            recv_pos[p], offset = offset, offset + p[2]
-            s2_recv[peer] += p[2]
+        for p, rows in segment(rank, peer):  # what I send to `peer`: the suffix of a piece it needs
+            end = n1 + local_start[p] + p[2] if p[3] == rank else end1[p]
+            s2_rows.add(end - rows, rows)
+            s2_send[peer] += rows
+        for p, rows in segment(peer, rank):  # what `peer` sends me
+            recv_pos[p], offset = offset, offset + rows
+            s2_recv[peer] += rows
     recv_size = offset
 
     # The needed dispatch's keys point into its own buffer (sources in rank order, window order
-    # within, then the local rows): move each received row to where stage 2 delivers it.
+    # within, each piece's suffix, then the local rows): move each received row to where stage 2
+    # delivers it.
     moved = _Ranges()
     for s in range(n):
         for p in pieces_of[s] if s != rank else ():
             if rank in needers[p]:
-                moved.add(recv_pos[p], p[2])
+                moved.add(recv_pos[p], needers[p][rank])
     moved.add(recv_size, plan.tokens_per_rank)
     remap = moved.index()
     split = needed.overlap
@@ -185,14 +203,19 @@ def _local_pieces(plan: Plan) -> tuple[dict[tuple, int], list[list[tuple]]]:
     return local_start, pieces_of
 
 
-def _needers(docs: dict[int, list[tuple[int, int, int]]]) -> dict[tuple, set[int]]:
-    """Every piece -> the other ranks holding a later piece of its document (they attend to it)."""
+def _needers(docs: dict[int, list[tuple[int, int, int]]], window: int | None) -> dict[tuple, dict[int, int]]:
+    """Every piece -> {each other rank holding a later piece of its document: the rows of the piece
+    that rank attends to}: all of them, or with a window the suffix its first later piece's window
+    reaches (W - 1 rows before that piece's start, `flashcp.plan.window`)."""
     out = {}
     for doc, pieces in docs.items():
-        later: set[int] = set()
+        first_later: dict[int, int] = {}  # owner -> start of its first piece after the current one
         for start, length, owner in reversed(pieces):
-            out[(doc, start, length, owner)] = later - {owner}
-            later = later | {owner}
+            end = start + length
+            reach = {r: length if window is None else min(length, end - a + window - 1)
+                     for r, a in first_later.items() if r != owner}  # fmt: skip
+            out[(doc, start, length, owner)] = {r: rows for r, rows in reach.items() if rows > 0}
+            first_later[owner] = start
     return out
 
 
