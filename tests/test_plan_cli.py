@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from flashcp.plan import STRATEGIES
-from flashcp.plan.__main__ import DEFAULT_STRATEGIES, METRICS, main
+from flashcp.plan.__main__ import DEFAULT_STRATEGIES, METRICS, WINDOW_METRICS, main
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--context", "4096", "--windows", "6", "--cp", "4"]
@@ -85,9 +85,55 @@ def test_mla_latent_bytes(capsys: pytest.CaptureFixture[str]) -> None:
     assert "kv: x full compact / needed" in out.splitlines()[2]
 
 
+def test_window_rows_and_the_mixed_imbalance(capsys: pytest.CaptureFixture[str]) -> None:
+    """--window 16 on Llama3 CP's split of [300, 200] over 2 ranks: rank 0 holds document 0's
+    [0, 125) and document 1's [75, 200), rank 1 the rest. A full layer receives 125 rows (compact:
+    rank 0 sends its non-last 125; needed: rank 1 attends 125 of them), a window layer 15 (the
+    last W - 1 of a non-last shard; the 15 before a cut). The imbalance is of 1 full : 1 window
+    layer's work, counted by hand: queries at p < 16 see p + 1 window keys, later ones 16."""
+    out = run_json(capsys, ["--lengths", "300,200", "--cp", "2", "--strategy", "per_seq", "--window", "16"])
+    mean = {k: v["mean"] for k, v in out["per_seq"].items()}
+    assert (mean["comm_compact_tokens"], mean["comm_needed_tokens"]) == (125, 125)
+    assert (mean["window_compact_tokens"], mean["window_needed_tokens"]) == (15, 15)
+    window = lambda a, b: sum(min(p + 1, 16) for p in range(a, b))  # noqa: E731
+    causal = lambda a, b: sum(p + 1 for p in range(a, b))  # noqa: E731
+    ranks = [[(0, 125), (75, 200)], [(125, 300), (0, 75)]]
+    work = [sum(causal(a, b) + window(a, b) for a, b in r) for r in ranks]
+    assert work == [29005, 44005]
+    assert mean["imbalance"] == pytest.approx(44005 / 36505)
+    plain = run_json(capsys, ["--lengths", "300,200", "--cp", "2", "--strategy", "per_seq"])
+    assert plain["per_seq"]["imbalance"]["mean"] == pytest.approx(
+        sum(causal(a, b) for a, b in ranks[1]) / (causal(0, 300) + causal(0, 200)) * 2)  # fmt: skip
+
+
+def test_window_layers_as_a_share_or_a_count(capsys: pytest.CaptureFixture[str]) -> None:
+    """12/24 layers is 0.5, the default share; the table adds both kinds' rows and names the mix."""
+    base = ["--distribution", "pile", *SMALL, "--strategy", "flashcp", "--strategy", "per_doc",
+            "--window", "128"]  # fmt: skip
+    shares = ([], ["--window-layers", "0.5"], ["--window-layers", "12/24"])
+    runs = [run_json(capsys, [*base, *share]) for share in shares]
+    for out in runs:
+        for s in out.values():
+            del s["plan_ms"]  # a timing
+    assert runs[0] == runs[1] == runs[2]
+    assert set(runs[0]["flashcp"]) == set(METRICS) - {"plan_ms"} | set(WINDOW_METRICS)
+    assert main([*base, "--window-layers", "3/4"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == "workload: 1 full : 3 window layers, W = 128 (the imbalance counts both)"
+    assert "full-layer rows compact / needed" in lines[2] and "window rows compact / needed" in lines[2]
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
+        (["--window", "0"], "--window takes the keys a query sees (HF sliding_window), a positive integer"),
+        (["--window", "-128"], "a positive integer, got '-128'"),
+        (["--window", "12.5"], "a positive integer, got '12.5'"),
+        (["--window", "128", "--window-layers", "1.5"], "with the window in [0, 1] (0.5 or 12/24), got '1.5'"),
+        (["--window", "128", "--window-layers", "-0.25"], "in [0, 1] (0.5 or 12/24), got '-0.25'"),
+        (["--window", "128", "--window-layers", "3/0"], "in [0, 1] (0.5 or 12/24), got '3/0'"),
+        (["--window", "128", "--window-layers", "half"], "got 'half'"),
+        (["--lengths", "4,4", "--cp", "2", "--window-layers", "0.5"], "--window-layers needs --window"),
         (["--distribution", "zipf"], "unknown length distribution 'zipf'"),
         (["--lengths", "1,2,3", "--cp", "4"], "not divisible by cp_size 4"),
         (["--lengths", "1,x"], "comma-separated integers"),

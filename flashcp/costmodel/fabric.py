@@ -150,10 +150,14 @@ class MultiNodeCostModel(CostModel):
         super().__init__(kernel, comm, memory)
         self.comm: MultiNodeComm = comm
 
-    def exchange_ms(self, plan: Plan, comm: str, row: int, pad: int) -> tuple[float, float]:
+    def exchange_ms(
+        self, plan: Plan, comm: str, row: int, pad: int, window: int | None = None
+    ) -> tuple[float, float]:
+        """A window layer's halo (`window`) is priced as the one-node model prices it, its
+        all-to-all-v at the ring's rate over the nodes: conservative for rows sent point to point."""
         n = plan.cp_size
-        if comm not in ("needed", "two_level") or not self.comm.spans(n):
-            return super().exchange_ms(plan, comm, row, pad)
+        if comm not in ("needed", "two_level") or not self.comm.spans(n) or window is not None:
+            return super().exchange_ms(plan, comm, row, pad, window)
         traffic = node_traffic(plan, self.comm.fabric.ranks_per_node(n))
         t = self.comm.needed_ms(traffic, row) if comm == "needed" else self.comm.two_level_ms(traffic, row)
         return t, t  # the backward sends the same rows back (the transposed exchange)

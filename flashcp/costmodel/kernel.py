@@ -39,14 +39,16 @@ DEFAULT_BWD_RATIO = 2.5
 
 def call_counts(
     q_lens: np.ndarray, k_lens: np.ndarray, heads: int, causal: bool = True,
-    block_q: int = 128, block_k: int = 128, head_dim: int = 128,
+    block_q: int = 128, block_k: int = 128, head_dim: int = 128, window: int | None = None,
 ) -> tuple[float, float]:
     """(thread blocks, head-dim-weighted tiles) of one varlen call over sequences (q_i, k_i).
 
     Causal masks are bottom-right aligned (query j of a sequence sees keys 0 .. j + k - q).
     Closed form per sequence, valid because block_q is a multiple of block_k: query block j < nb-1
     ends at row (j+1)*block_q and so sees (j+1)*m + ceil((k-q)/block_k) key blocks (m =
-    block_q / block_k); the last block sees all ceil(k / block_k).
+    block_q / block_k); the last block sees all ceil(k / block_k). A sliding `window` (HF
+    `sliding_window`: query j sees keys j + k - q - window + 1 .. j + k - q) skips the key blocks
+    wholly before the band, as FlashAttention's `window_size = (window - 1, 0)` does.
     """
     q = np.asarray(q_lens, dtype=np.int64)
     k = np.asarray(k_lens, dtype=np.int64)
@@ -54,13 +56,30 @@ def call_counts(
     q, k = q[live], k[live]
     nb = -(-q // block_q)
     kb = -(-k // block_k)
-    if causal:
+    if window is not None:
+        if not causal:
+            raise ValueError("a sliding window is causal: call_counts(..., causal=True, window=W)")
+        tiles = _window_tiles(q, k, nb, window, block_q, block_k)
+    elif causal:
         m = block_q // block_k
         off = -(-(k - q) // block_k)
         tiles = m * (nb - 1) * nb // 2 + (nb - 1) * off + kb
     else:
         tiles = nb * kb
     return float(heads * nb.sum()), float(heads * tiles.sum() * head_dim / 128)
+
+
+def _window_tiles(
+    q: np.ndarray, k: np.ndarray, nb: np.ndarray, window: int, block_q: int, block_k: int
+) -> np.ndarray:
+    """Key blocks each query block of a sliding-window call visits, from its first row's first key
+    to its last row's last key (one entry per query block of every sequence)."""
+    seq = np.repeat(np.arange(len(q)), nb)
+    block = np.arange(int(nb.sum())) - np.repeat(np.cumsum(nb) - nb, nb)
+    offset = (k - q)[seq]
+    first = np.maximum(offset + block * block_q - window + 1, 0)
+    last = offset + np.minimum((block + 1) * block_q, q[seq]) - 1
+    return last // block_k - first // block_k + 1
 
 
 @dataclass(frozen=True)
@@ -97,9 +116,9 @@ class KernelModel:
             raise ValueError(f"block_q {self.block_q} must be a multiple of block_k {self.block_k}")
 
     def counts(
-        self, q_lens, k_lens, heads: int, causal: bool = True, head_dim: int = 128
+        self, q_lens, k_lens, heads: int, causal: bool = True, head_dim: int = 128, window: int | None = None
     ) -> tuple[float, float]:
-        return call_counts(q_lens, k_lens, heads, causal, self.block_q, self.block_k, head_dim)
+        return call_counts(q_lens, k_lens, heads, causal, self.block_q, self.block_k, head_dim, window)
 
     def forward_ms(self, q_lens, k_lens, heads: int, causal: bool = True, head_dim: int = 128) -> float:
         return self.fwd.time_ms(*self.counts(q_lens, k_lens, heads, causal, head_dim))

@@ -37,6 +37,14 @@ Ring systems (P2P ring with blockwise kernels, step-synchronous):
   log-sum-exp in elementwise passes moving `merge_bytes_per_elem` bytes per output element;
   the backward accumulates dQ, dK, dV in fp32 (`grad_acc_bytes_per_elem`) and sends KV plus the
   fp32 dK/dV partial sums around the ring, and one last step returns dK/dV to their owner.
+
+Sliding-window layers (`window` W, HF `sliding_window`; gpt-oss alternates them with full layers)
+run on the same plan as the full layers, as `build_dispatch(..., window=W)` does: a shard's key
+rows are its own plus at most W - 1 before it, and the kernel visits only the key blocks of the
+band. FlashCP all-gathers the rows windows can reach (`flashcp.plan.window`, compact) or sends
+exactly those (needed). ASSUMED: Llama3 and Per-Doc CP exchange a halo for their window layers, the
+W - 1 rows before each of their chunks, point to point (priced as the needed all-to-all-v), not
+the full all-gather their full layers use; ring systems and the two-level exchange take no window.
 """
 
 from __future__ import annotations
@@ -51,6 +59,7 @@ from flashcp.costmodel.proxy import DENSE_MFU, H100_BF16_TFLOPS
 from flashcp.plan import plan_shards
 from flashcp.plan.plan import Plan, row_bytes
 from flashcp.plan.ring import ring_schedule, ring_transfers
+from flashcp.plan.window import window_needed_tokens, window_send_tokens
 
 # system -> (planner strategy, KV communication mode, overlap local-only shards with the comm)
 COLLECTIVE_SYSTEMS: dict[str, tuple[str, str, bool]] = {
@@ -64,6 +73,8 @@ COLLECTIVE_SYSTEMS: dict[str, tuple[str, str, bool]] = {
 # groups that span nodes (flashcp.attention.two_level)
 EXCHANGE_MODES = ("full", "compact", "needed", "two_level")
 RING_SYSTEMS = ("ring", "zigzag")
+# A window layer's exchange by its system's full-layer mode (see the module docstring), where it differs.
+WINDOW_EXCHANGE = {"full": "needed", "two_level": "needed"}
 SYSTEMS = (*COLLECTIVE_SYSTEMS, *RING_SYSTEMS)
 
 
@@ -179,68 +190,78 @@ class CostModel:
 
     # --- per-rank kernels --------------------------------------------------------------------
 
-    def rank_attention_ms(self, plan: Plan, shape: AttentionShape) -> tuple[list[float], list[float]]:
+    def rank_attention_ms(
+        self, plan: Plan, shape: AttentionShape, window: int | None = None
+    ) -> tuple[list[float], list[float]]:
         """Forward and backward kernel time of every rank's single varlen call under `plan`."""
         fwd, bwd = [], []
         for shards in plan.ranks:
-            f, b = self._call_ms(shards, shape)
+            f, b = self._call_ms(shards, shape, window)
             fwd.append(f)
             bwd.append(b)
         return fwd, bwd
 
-    def _call_ms(self, shards, shape: AttentionShape) -> tuple[float, float]:
+    def _call_ms(self, shards, shape: AttentionShape, window: int | None = None) -> tuple[float, float]:
         q = np.array([s.length for s in shards], dtype=np.int64)
-        k = np.array([s.start + s.length for s in shards], dtype=np.int64)
-        counts = self.kernel.counts(q, k, shape.heads, True, shape.kernel_head_dim)
+        k = np.array(key_rows(shards, window), dtype=np.int64)
+        counts = self.kernel.counts(q, k, shape.heads, True, shape.kernel_head_dim, window)
         return self.kernel.fwd.time_ms(*counts), self.kernel.bwd.time_ms(*counts)
 
     # --- collective systems ------------------------------------------------------------------
 
     def collective_step(
-        self, plan: Plan, comm: str, shape: AttentionShape, overlap: bool = False
+        self, plan: Plan, comm: str, shape: AttentionShape, overlap: bool = False, window: int | None = None
     ) -> StepTime:
-        """Step time of an all-gather (full / compact) or all-to-all-v (needed) system."""
+        """Step time of an all-gather (full / compact) or all-to-all-v (needed) system; of a
+        sliding-window layer with `window` (see the module docstring)."""
         n, row = plan.cp_size, shape.exchange_row_bytes
-        fwd, bwd = self.rank_attention_ms(plan, shape)
+        fwd, bwd = self.rank_attention_ms(plan, shape, window)
         local = plan.tokens_per_rank
+        if comm not in EXCHANGE_MODES:
+            raise ValueError(f"unknown comm mode {comm!r}; choose one of {', '.join(EXCHANGE_MODES)}")
+        if window is not None and comm == "two_level":
+            raise ValueError("the two-level exchange takes no window (flashcp.dispatch refuses it)")
         if comm == "full":
             send = [local] * n
-        elif comm in EXCHANGE_MODES:
-            send = plan.send_tokens()
         else:
-            raise ValueError(f"unknown comm mode {comm!r}; choose one of {', '.join(EXCHANGE_MODES)}")
-        key_rows = [sum(s.start + s.length for s in shards) for shards in plan.ranks]
-        comm_fwd, comm_bwd = self.exchange_ms(plan, comm, row, max(send)) if n > 1 else (0.0, 0.0)
-        copy = [self.memory.ms(2 * row * (local + send[r] + key_rows[r])) for r in range(n)]
+            send = plan.send_tokens() if window is None else window_send_tokens(plan, window)
+        keys = [sum(key_rows(shards, window)) for shards in plan.ranks]
+        comm_fwd, comm_bwd = self.exchange_ms(plan, comm, row, max(send), window) if n > 1 else (0.0, 0.0)
+        copy = [self.memory.ms(2 * row * (local + send[r] + keys[r])) for r in range(n)]
         bwd_copy = [c * self.memory.bwd_copy_ratio for c in copy]
         if shape.kv_lora_rank is not None:  # MLA: each rank up-projects its key rows, writing K/V
             for r in range(n):
                 # the local rows' up-projection is the model's own (any CP system does it): only
                 # the key rows beyond them are CP's, forward and (twice the FLOPs) backward
-                extra = self.memory.gemm_ms(shape.upproject_flops * (key_rows[r] - local))
-                written = self.memory.ms(shape.kv_row_bytes * key_rows[r])
+                extra = self.memory.gemm_ms(shape.upproject_flops * (keys[r] - local))
+                written = self.memory.ms(shape.kv_row_bytes * keys[r])
                 copy[r] += extra + written
                 bwd_copy[r] += 2 * extra + written * self.memory.bwd_copy_ratio
         r_b = int(np.argmax(np.add(bwd, bwd_copy)))
         if overlap and comm_fwd > 0:
-            done, r_f, fwd, copy = self._overlapped_forward(plan, shape, comm_fwd, copy)
+            done, r_f, fwd, copy = self._overlapped_forward(plan, shape, comm_fwd, copy, window)
             exposed = done - fwd[r_f] - copy[r_f]
         else:
             r_f = int(np.argmax(np.add(fwd, copy)))
             exposed = comm_fwd
         return StepTime(exposed, comm_bwd, fwd[r_f], bwd[r_b], copy[r_f], bwd_copy[r_b], list(fwd), list(bwd))
 
-    def exchange_ms(self, plan: Plan, comm: str, row: int, pad: int) -> tuple[float, float]:
+    def exchange_ms(
+        self, plan: Plan, comm: str, row: int, pad: int, window: int | None = None
+    ) -> tuple[float, float]:
         """Forward and backward time of the KV exchange of `plan` (N > 1) in mode `comm`; `pad`:
-        rows every rank contributes to an all-gather. On one node "two_level" is "needed" (no
-        fabric to spare); `flashcp.costmodel.fabric` prices groups that span nodes."""
+        rows every rank contributes to an all-gather; `window`: of a sliding-window layer. On one
+        node "two_level" is "needed" (no fabric to spare); `flashcp.costmodel.fabric` prices groups
+        that span nodes."""
         n = plan.cp_size
         if comm in ("needed", "two_level"):
-            t = self.comm.all_to_all_ms(max(plan.needed_tokens()) * row, n)
+            needed = plan.needed_tokens() if window is None else window_needed_tokens(plan, window)
+            t = self.comm.all_to_all_ms(max(needed) * row, n)
             return t, t
         return self.comm.all_gather_ms(pad * row, n), self.comm.reduce_scatter_ms(pad * row, n)
 
-    def _overlapped_forward(self, plan: Plan, shape: AttentionShape, comm_ms: float, copy: list[float]):
+    def _overlapped_forward(self, plan: Plan, shape: AttentionShape, comm_ms: float, copy: list[float],
+                            window: int | None = None):  # fmt: skip
         """Forward finish time with local-only shards run under the collective, per rank."""
         finish, fwd, copies = [], [], []
         for r, shards in enumerate(plan.ranks):
@@ -248,13 +269,13 @@ class CostModel:
             local = [s for s in shards if s.start == 0]
             remote = [s for s in shards if s.start > 0]
             if not local or not remote:  # nothing to overlap: the plain path
-                f_all, _ = self._call_ms(shards, shape)
+                f_all, _ = self._call_ms(shards, shape, window)
                 finish.append(comm_ms + f_all + copy[r])
                 fwd.append(f_all)
                 copies.append(copy[r])
                 continue
-            f_local, _ = self._call_ms(local, shape)
-            f_remote, _ = self._call_ms(remote, shape)
+            f_local, _ = self._call_ms(local, shape, window)
+            f_remote, _ = self._call_ms(remote, shape, window)
             extra = self.memory.ms(2 * 3 * shape.q_row_bytes * plan.tokens_per_rank)  # gather q, out; cat
             finish.append(max(comm_ms, f_local) + f_remote + copy[r] + extra)
             fwd.append(f_local + f_remote)
@@ -304,17 +325,32 @@ class CostModel:
 
     # --- all systems -------------------------------------------------------------------------
 
-    def step(self, system: str, shape: AttentionShape, plans: dict[str, Plan]) -> StepTime:
-        """Step time of `system`, given the window's plans keyed by planner strategy."""
+    def step(
+        self, system: str, shape: AttentionShape, plans: dict[str, Plan], window: int | None = None
+    ) -> StepTime:
+        """Step time of `system`, given the window's plans keyed by planner strategy; of one of its
+        sliding-window layers with `window` (`WINDOW_EXCHANGE`)."""
         if system in self.systems:
             strategy, comm, overlap = self.systems[system]
             if strategy not in plans:
                 raise KeyError(f"system {system!r} needs a {strategy!r} plan of the window")
-            return self.collective_step(plans[strategy], comm, shape, overlap)
+            if window is not None:
+                comm = WINDOW_EXCHANGE.get(comm, comm)
+            return self.collective_step(plans[strategy], comm, shape, overlap, window)
+        if window is not None and system in RING_SYSTEMS:
+            raise ValueError(f"the ring systems take no window, got system {system!r} with window {window}")
         if system in RING_SYSTEMS:
             any_plan = next(iter(plans.values()))
             return self.ring_step(any_plan.doc_lens, any_plan.cp_size, system, shape)
         raise ValueError(f"unknown system {system!r}; choose one of {', '.join(SYSTEMS)}")
+
+
+def key_rows(shards, window: int | None = None) -> list[int]:
+    """Key rows of each shard's sequence in a rank's varlen call: its document's prefix and itself,
+    or with a `window` itself and the at most W - 1 rows before it that its window reaches."""
+    if window is None:
+        return [s.start + s.length for s in shards]
+    return [s.length + min(s.start, window - 1) for s in shards]
 
 
 RING_LAYOUTS = {"ring": "ring", "zigzag": "per_doc"}  # ring system -> the planner strategy of its layout

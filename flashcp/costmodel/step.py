@@ -43,18 +43,24 @@ An MLA model (DeepSeek-V3 family) prices its attention layer at Q/K head dim nop
 own head dim (`AttentionShape`: the kernel at the larger, V padded) and, with `kv_lora_rank`, the
 latent exchange: latent rows on the wire and each rank's up-projection of its key rows.
 
+A model with sliding-window layers (`LlamaShape.window_layers` of `window` keys; gpt-oss: half its
+layers, W = 128) prices those layers with `CostModel.step(..., window=W)` (the kernel over the
+band, FlashCP's window rows, the baselines' halo of W - 1 rows per cut) and the rest as full
+layers; FlashCP plans balance both kinds' work (`LlamaShape.workload`, `flashcp.plan.Workload`).
+
 Memory is not modelled: Llama 3 70B on one node at DP = 1 would not fit without TP.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from flashcp import plan_shards
 from flashcp.costmodel.model import AttentionShape, CostModel
 from flashcp.costmodel.proxy import DENSE_MFU, FULL_AC_DENSE, H100_BF16_TFLOPS
-from flashcp.plan.plan import Plan
+from flashcp.plan.plan import Plan, Workload
 
 
 @dataclass(frozen=True)
@@ -75,6 +81,16 @@ class LlamaShape:
     v_head_dim: int | None = None  # MLA: V's head dim (head_dim is Q's and K's, nope + rope)
     kv_lora_rank: int | None = None  # MLA with the latent exchange (None: K/V rows are exchanged)
     rope_dim: int = 0  # MLA: the RoPE part of head_dim
+    window_layers: int = 0  # layers of sliding-window attention (the others attend the whole document)
+    window: int | None = None  # their keys per query (HF sliding_window)
+
+    @property
+    def workload(self) -> Workload:
+        """What FlashCP plans balance: both layer kinds' work, the counts reduced (equal ratios,
+        equal plans)."""
+        full = self.n_layers - self.window_layers
+        g = math.gcd(full, self.window_layers)
+        return Workload(full // g, self.window_layers // g, self.window)
 
     @property
     def active_params(self) -> float:
@@ -128,6 +144,15 @@ QWEN3_30B_A3B = LlamaShape("Qwen3 30B-A3B", 30.532e9, 2048, 48, 32, 4, 151936, e
 DEEPSEEK_V3_16B = mla_moe_shape("DeepSeek-V3 16B", dim=2048, n_layers=27, dense_layers=1, vocab=102400, heads=16,
                                 q_lora_rank=0, kv_lora_rank=512, nope=128, rope=64, v=128, dense_hidden=10944,
                                 moe_hidden=1408, experts=64, shared=2, top_k=6)  # fmt: skip
+# gpt-oss (OpenAI's model card, HF configs): hidden 2880, 64 query / 8 KV heads of 64, every other
+# layer a 128-key sliding window; 32 / 128 experts of 3 x 2880 x 2880 (SwiGLU), 4 per token; vocabulary
+# o200k_harmony. 20.91e9 / 116.83e9 parameters, 3.61e9 / 5.13e9 active (without the embedding).
+GPT_OSS_20B = LlamaShape("gpt-oss-20b", 20.91e9, 2880, 24, 64, 8, 201088, head_dim=64,
+                         expert_params=24 * 32 * 3 * 2880**2, experts=32, top_k=4, window_layers=12,
+                         window=128)  # fmt: skip
+GPT_OSS_120B = LlamaShape("gpt-oss-120b", 116.83e9, 2880, 36, 64, 8, 201088, head_dim=64,
+                          expert_params=36 * 128 * 3 * 2880**2, experts=128, top_k=4, window_layers=18,
+                          window=128)  # fmt: skip
 DEEPSEEK_V3_671B = mla_moe_shape("DeepSeek-V3 671B", dim=7168, n_layers=61, dense_layers=3, vocab=129280, heads=128,
                                  q_lora_rank=1536, kv_lora_rank=512, nope=128, rope=64, v=128, dense_hidden=18432,
                                  moe_hidden=2048, experts=256, shared=1, top_k=8)  # fmt: skip
@@ -171,9 +196,10 @@ class StepModel:
         self._plans: dict[tuple[str, tuple[int, ...]], Plan] = {} if plans is None else plans
 
     def plan(self, strategy: str, doc_lens: Sequence[int]) -> Plan:
-        key = (strategy, tuple(doc_lens))
+        workload = self.model.workload
+        key = (strategy, tuple(doc_lens), workload)
         if key not in self._plans:
-            self._plans[key] = plan_shards(list(doc_lens), self.cp, strategy=strategy)
+            self._plans[key] = plan_shards(list(doc_lens), self.cp, strategy=strategy, workload=workload)
         return self._plans[key]
 
     def dense_ms(self, tokens: int) -> float:
@@ -193,12 +219,18 @@ class StepModel:
         """All layers' attention of one window on its CP group (slowest rank): forward + backward,
         and the forward again that full activation checkpointing recomputes (0 without it)."""
         # ring systems read only the window's lengths off whichever plan they are given
-        systems = self.attention.systems
+        systems, m = self.attention.systems, self.model
         strategy = systems[system][0] if system in systems else "per_seq"
-        layer = self.attention.step(system, self.model.attention, {strategy: self.plan(strategy, doc_lens)})
+        plans = {strategy: self.plan(strategy, doc_lens)}
         # one rank runs one kernel whatever the system: the CP systems' measured ratios do not apply
-        scale = (self.assume.attention_scale.get(system, 1.0) if self.cp > 1 else 1.0) * self.model.n_layers
-        return layer.training * scale, (layer.inference * scale if self.assume.full_ac else 0.0)
+        scale = self.assume.attention_scale.get(system, 1.0) if self.cp > 1 else 1.0
+        training = inference = 0.0
+        for layers, window in ((m.n_layers - m.window_layers, None), (m.window_layers, m.window)):
+            if layers:
+                layer = self.attention.step(system, m.attention, plans, window)
+                training += layer.training * (scale * layers)
+                inference += layer.inference * (scale * layers) if self.assume.full_ac else 0.0
+        return training, inference
 
     def window_ms(self, system: str, doc_lens: Sequence[int]) -> tuple[float, float, float]:
         """(dense, attention, recompute) of one window on its CP group."""

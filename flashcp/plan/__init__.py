@@ -1,6 +1,7 @@
 """Sharding planners: which rank holds which piece of which document of a packed window.
 
     plan = plan_shards(doc_lens, cp_size, strategy="flashcp", target_imbalance=1.05)
+    plan = plan_shards(doc_lens, cp_size, workload=Workload(1, 1, 128))  # gpt-oss: every other layer a window
 
 Every strategy is a small function `(doc_lens, cp_size, **options) -> (ranks, info)` in a module
 of its own; `plan_shards` checks the input, runs it, normalises the shards and validates the
@@ -22,7 +23,7 @@ import inspect
 from collections.abc import Sequence
 from typing import Any
 
-from flashcp.plan.plan import Plan, Shard, normalized, shard_workload, validate
+from flashcp.plan.plan import CAUSAL, Plan, Shard, Workload, normalized, shard_workload, validate
 
 # name -> "module:function"; imported on first use so that e.g. scipy loads only for "ilp".
 STRATEGIES: dict[str, str] = {
@@ -50,6 +51,7 @@ def plan_shards(
     cp_size: int,
     strategy: str = "flashcp",
     target_imbalance: float = 1.05,
+    workload: Workload = CAUSAL,
     **options: Any,
 ) -> Plan:
     """Plan one window of documents (lengths in packed order) over `cp_size` ranks.
@@ -57,7 +59,10 @@ def plan_shards(
     The window length C = sum(doc_lens) must be divisible by `cp_size` so every rank can hold
     exactly C / cp_size tokens; documents themselves may have any positive length.
     `target_imbalance` (max / mean attention workload) is used by the strategies that balance
-    workload adaptively; the fixed-grid ones (per_seq, per_doc) ignore it.
+    workload adaptively; the fixed-grid ones (per_seq, per_doc) ignore it. `workload` is what
+    balance means (`Workload`: causal pairs by default, or a model with sliding-window layers):
+    the strategies that balance adaptively balance it (ilp: causal pairs only), and the plan's
+    metrics report it.
     """
     lens = tuple(int(x) for x in doc_lens)
     if not lens:
@@ -77,14 +82,18 @@ def plan_shards(
     fn, params = _strategy(strategy)
     if "target_imbalance" in params:
         options["target_imbalance"] = target_imbalance
+    if not isinstance(workload, Workload):
+        raise ValueError(f"workload must be a flashcp.plan.Workload, got {workload!r}")
+    if "workload" in params:
+        options["workload"] = workload
     unknown = set(options) - set(params)
     if unknown:
         raise ValueError(f"strategy {strategy!r} takes no option(s) {sorted(unknown)}")
     ranks, info = fn(lens, cp_size, **options)
     ranks, *rows = normalized(ranks)
-    plan = Plan(lens, cp_size, ranks, strategy, info)
+    plan = Plan(lens, cp_size, ranks, strategy, info, workload)
     validate(plan, rows)
     return plan
 
 
-__all__ = ["Plan", "Shard", "STRATEGIES", "plan_shards", "shard_workload"]
+__all__ = ["CAUSAL", "Plan", "Shard", "STRATEGIES", "Workload", "plan_shards", "shard_workload"]

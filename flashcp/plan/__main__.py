@@ -19,6 +19,13 @@ With --mla (a named shape, moonlight or deepseek_v3, or kv_lora_rank,rope,heads,
 table also gives the latent exchange's bytes per layer on the busiest rank, compact and needed
 (and over the fabric, two-level, with --ranks-per-node), in bf16, and each relative to the K/V
 all-gather of the same plan (`kv: ... x full`): what `cp_latent_attention` sends instead of K/V.
+
+With --window W (HF sliding_window: a query sees its last W keys) and --window-layers SHARE (the
+share of layers with that window, 0.5 or 12/24; default 1/2, as gpt-oss) the strategies balance
+the mixed workload of both layer kinds (`flashcp.plan.Workload`), the imbalance column is that
+workload's, and the table adds the busiest rank's K/V rows per layer, compact / needed, of a full
+layer and of a window layer (`flashcp.plan.window`): on `per_seq` the window's needed rows are a
+contiguous split's halo, W - 1 rows before each of its chunks.
 """
 
 from __future__ import annotations
@@ -29,15 +36,17 @@ import math
 import sys
 import time
 from collections.abc import Sequence
+from fractions import Fraction
 from typing import Any, NoReturn
 
 import numpy as np
 
 from flashcp.data.lengths import DISTRIBUTIONS, LengthPool, LengthSampler, length_sampler, pack_windows
-from flashcp.plan import STRATEGIES, Plan, plan_shards
+from flashcp.plan import CAUSAL, STRATEGIES, Plan, Workload, plan_shards
 from flashcp.plan.nodes import node_metrics
 from flashcp.plan.plan import row_bytes
 from flashcp.plan.ring import ring_metrics
+from flashcp.plan.window import window_metrics
 
 # MLA shapes: kv_lora_rank, qk_rope_head_dim, heads, qk_nope_head_dim, v_head_dim (their HF configs)
 MLA_SHAPES: dict[str, tuple[int, int, int, int, int]] = {
@@ -48,6 +57,9 @@ MLA_DTYPE_BYTES = 2  # bf16
 METRICS = ("imbalance", "comm_compact_ratio", "comm_needed_ratio", "ring_step_imbalance", "ring_comm_ratio",
            "split_docs", "min_shard_len", "plan_ms")
 DEFAULT_STRATEGIES = [s for s in STRATEGIES if s != "ilp"]
+# with --window: the busiest rank's rows of one full layer and of one window layer
+WINDOW_METRICS = ("comm_compact_tokens", "comm_needed_tokens", "window_compact_tokens",
+                  "window_needed_tokens")  # fmt: skip
 
 
 class _Parser(argparse.ArgumentParser):
@@ -88,6 +100,42 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
     return value
+
+
+def _window(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(
+            f"--window takes the keys a query sees (HF sliding_window), a positive integer, got {text!r}"
+        )
+    return value
+
+
+def _share(text: str) -> Fraction:
+    """A fraction in [0, 1], as a decimal or a count of layers (12/24)."""
+    try:
+        value = Fraction(text)
+    except (ValueError, ZeroDivisionError):
+        value = Fraction(-1)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(
+            f"--window-layers takes the share of layers with the window in [0, 1] (0.5 or 12/24), "
+            f"got {text!r}"
+        )
+    return value.limit_denominator(1000)
+
+
+def workload_from(args: argparse.Namespace) -> Workload:
+    """The workload of --window / --window-layers: layer counts in the share's ratio."""
+    if args.window is None:
+        if args.window_layers is not None:
+            raise ValueError("--window-layers needs --window (the keys a window layer's query sees)")
+        return CAUSAL
+    share = Fraction(1, 2) if args.window_layers is None else args.window_layers
+    return Workload(share.denominator - share.numerator, share.numerator, args.window)
 
 
 def _mla(text: str) -> tuple[str, tuple[int, ...]]:
@@ -141,6 +189,16 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"also the latent exchange's bytes per layer: {', '.join(MLA_SHAPES)} or "
         "kv_lora_rank,rope,heads,qk_nope,v",
     )  # fmt: skip
+    p.add_argument(
+        "--window", type=_window, metavar="W",
+        help="sliding-window layers of W keys (HF sliding_window, gpt-oss: 128): balance both layer kinds' "
+        "workload and add each kind's K/V rows per layer",
+    )
+    p.add_argument(
+        "--window-layers", type=_share, metavar="SHARE",
+        help="share of the layers with --window, in [0, 1]: 0.5 or a count such as 12/24 "
+        "(default 1/2, gpt-oss)",
+    )  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object keyed by strategy")
     return p
 
@@ -161,22 +219,27 @@ def windows_from(args: argparse.Namespace) -> tuple[list[list[int]], str]:
 
 def evaluate(
     windows: Sequence[Sequence[int]], cp: int, strategies: Sequence[str], target: float, ilp: dict[str, Any],
-    ranks_per_node: int | None = None, mla: tuple[int, ...] | None = None,
+    ranks_per_node: int | None = None, mla: tuple[int, ...] | None = None, workload: Workload = CAUSAL,
 ) -> dict[str, dict[str, list[float]]]:
     """Per strategy, each metric of `METRICS` for every window (and the fabric rows of the needed
-    exchange as ratios of the full all-gather, flat and two-level, with `ranks_per_node`; and the
-    latent exchange's MiB per layer and ratios to the K/V all-gather with an `mla` shape)."""
+    exchange as ratios of the full all-gather, flat and two-level, with `ranks_per_node`; the
+    latent exchange's MiB per layer and ratios to the K/V all-gather with an `mla` shape; and
+    with a `workload` with a window, its balance and `WINDOW_METRICS`)."""
     out: dict[str, dict[str, list[float]]] = {}
     for name in strategies:
         per = out.setdefault(name, {m: [] for m in METRICS})
         options = ilp if name == "ilp" else {}
         for lens in windows:
             t0 = time.perf_counter()
-            plan = plan_shards(lens, cp, strategy=name, target_imbalance=target, **options)
+            plan = plan_shards(lens, cp, strategy=name, target_imbalance=target, workload=workload, **options)
             per["plan_ms"].append((time.perf_counter() - t0) * 1e3)
             m = plan.metrics() | ring_metrics(plan)
             for key in METRICS[:-1]:
                 per[key].append(m[key])
+            if workload.window is not None:
+                m |= window_metrics(plan, workload.window)
+                for key in WINDOW_METRICS:
+                    per.setdefault(key, []).append(m[key])
             nodes = node_metrics(plan, ranks_per_node) if ranks_per_node else None
             if nodes:
                 full = m["comm_full_tokens"] or 1
@@ -235,6 +298,12 @@ def render(summary: dict[str, dict[str, dict[str, float]]], header: str) -> str:
              if "fabric_flat_inter_ratio" in s else []))  # fmt: skip
     if rows and "fabric_flat_inter_ratio" in next(iter(summary.values())):
         cols.append("fabric needed flat / two-level")
+    if rows and "window_compact_tokens" in next(iter(summary.values())):
+        cols += ["full-layer rows compact / needed", "window rows compact / needed"]
+        for row, s in zip(rows, summary.values()):
+            mean = {k: v["mean"] for k, v in s.items()}
+            row.append(f"{mean['comm_compact_tokens']:.0f} / {mean['comm_needed_tokens']:.0f}")
+            row.append(f"{mean['window_compact_tokens']:.0f} / {mean['window_needed_tokens']:.0f}")
     if rows and "latent_compact_mib" in next(iter(summary.values())):
         fabric = "latent_fabric_two_level_mib" in next(iter(summary.values()))
         cols += ["latent MiB compact / needed", "kv: x full compact / needed"]
@@ -252,6 +321,11 @@ def render(summary: dict[str, dict[str, dict[str, float]]], header: str) -> str:
         "comm columns are means of the per-window ratio to the full all-gather (1.0 = Llama3 / Per-Doc CP); "
         "ring comm: forward + backward (bf16 KV, float32 dK/dV sums) over the all-gather's + reduce-scatter's"
     )
+    if "window rows compact / needed" in cols:
+        lines.append(
+            "rows: K/V rows (tokens) the busiest rank receives per layer, means over windows; a window layer "
+            "receives the rows its windows reach (per_seq: the halo of W - 1 rows before each chunk)"
+        )
     if "latent MiB compact / needed" in cols:
         lines.append(
             "latent: MiB per layer the busiest rank receives (bf16), and as a multiple of the K/V all-gather "
@@ -270,7 +344,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         windows, source = windows_from(args)
         mla = args.mla[1] if args.mla else None
-        results = evaluate(windows, args.cp, strategies, args.target_imbalance, ilp, args.ranks_per_node, mla)
+        workload = workload_from(args)
+        results = evaluate(windows, args.cp, strategies, args.target_imbalance, ilp, args.ranks_per_node, mla,
+                           workload)  # fmt: skip
     except (ValueError, RuntimeError) as e:
         parser.error(str(e))
     summary = {name: {m: summarise(v) for m, v in per.items()} for name, per in results.items()}
@@ -282,6 +358,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{len(windows)} window(s) of {sum(windows[0])} tokens from {source}, "
             f"{docs:.1f} documents per window, CP size {args.cp}, target imbalance {args.target_imbalance}"
         )
+        if workload.window is not None:
+            header += (f"\nworkload: {workload.full_layers} full : {workload.window_layers} window layers, "
+                       f"W = {workload.window} (the imbalance counts both)")  # fmt: skip
         if args.mla:
             rank, rope, heads, nope, v = args.mla[1]
             latent, kv = rank + rope, heads * (nope + rope + v)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from flashcp.plan.plan import Shard, shard_workload
+from flashcp.plan.plan import CAUSAL, Shard, Workload
 
 
 class RankFill:
@@ -19,7 +19,7 @@ class RankFill:
     take (0 when token counts must come out exact). `work` is the exact workload of the shards
     placed, `sent` their tokens in non-last shards, and `bias` a per-rank workload the caller
     expects the rank to carry besides them (shards placed elsewhere, estimates); decisions use
-    `bias + work`.
+    `bias + work`. Workloads are `workload`'s, which every step of the plan shares through this.
     """
 
     def __init__(
@@ -28,6 +28,7 @@ class RankFill:
         spare: Sequence[int] | None = None,
         bias: Sequence[float] | None = None,
         sent: Sequence[int] | None = None,
+        workload: Workload = CAUSAL,
     ) -> None:
         n = len(room)
         self.shards: list[list[Shard]] = [[] for _ in range(n)]
@@ -36,10 +37,11 @@ class RankFill:
         self.bias = list(bias) if bias is not None else [0.0] * n
         self.sent = list(sent) if sent is not None else [0] * n
         self.work = [0] * n
+        self.workload = workload
 
     def add(self, rank: int, doc: int, start: int, length: int, last: bool) -> None:
         self.shards[rank].append(Shard(doc, start, length))
         self.room[rank] -= length
-        self.work[rank] += shard_workload(start, length)
+        self.work[rank] += self.workload.shard(start, length)
         if not last:
             self.sent[rank] += length

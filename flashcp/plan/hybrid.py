@@ -34,7 +34,7 @@ import numpy as np
 
 from flashcp.plan.fill import RankFill
 from flashcp.plan.per_doc import per_doc_layout
-from flashcp.plan.plan import Shard, shard_workload, shards_of
+from flashcp.plan.plan import CAUSAL, Shard, Workload, shard_workload, shards_of
 from flashcp.plan.rebalance import rebalance
 from flashcp.plan.whole_doc import GOAL_SHARE, Sorted, place_documents
 
@@ -49,9 +49,12 @@ NEGLIGIBLE = 0.02
 
 
 def plan_flashcp(
-    doc_lens: tuple[int, ...], cp_size: int, target_imbalance: float = 1.05, bounded: bool = True
+    doc_lens: tuple[int, ...], cp_size: int, target_imbalance: float = 1.05, bounded: bool = True,
+    workload: Workload = CAUSAL,
 ) -> tuple[list[list[Shard]], dict]:
-    """Hybrid plan meeting `target_imbalance` with few Per-Doc documents and small send buffers.
+    """Hybrid plan meeting `target_imbalance` of `workload` (`Workload`: causal pairs, or a
+    model's full and sliding-window layers together) with few Per-Doc documents and small send
+    buffers.
 
     `info["per_doc"]` lists the documents sharded Per-Doc (sorted). `info["target_met"]` is
     False only when no attempt met the target (even all-Per-Doc can miss a target of 1.0 by
@@ -60,7 +63,7 @@ def plan_flashcp(
     first, as Algorithm 1's loop (see `_Search`); the plans differ only where meeting the target
     is not monotone along the sequence.
     """
-    window = _Window(doc_lens, cp_size, target_imbalance)
+    window = _Window(doc_lens, cp_size, target_imbalance, workload)
     ranks, k, met, attempts = _Search(window, bounded).run()
     return ranks, {"per_doc": sorted(window.order[:k]), "target_met": met, "attempts": attempts}
 
@@ -93,7 +96,7 @@ class _Search:
         self.window, self.bounded = window, bounded
         order, lens = window.order, window.doc_lens
         longest = lens[order[0]]
-        self.sequence = [int(longest > window.per_rank or shard_workload(0, longest) > window.cap)]
+        self.sequence = [int(longest > window.per_rank or window.workload.shard(0, longest) > window.cap)]
         while self.sequence[-1] < len(order):
             k = self.sequence[-1]
             self.sequence.append(min(len(order), k + max(1, k // 2)))
@@ -147,11 +150,14 @@ class _Search:
 class _Window:
     """One window's documents and targets; `attempt(k)` plans it with the k longest Per-Doc."""
 
-    def __init__(self, doc_lens: tuple[int, ...], cp_size: int, target_imbalance: float) -> None:
+    def __init__(
+        self, doc_lens: tuple[int, ...], cp_size: int, target_imbalance: float, workload: Workload = CAUSAL
+    ) -> None:
         self.doc_lens = doc_lens
         self.n = cp_size
         self.per_rank = sum(doc_lens) // cp_size
-        self.docs = Sorted.of(doc_lens, range(len(doc_lens)))  # placement's, shared by the attempts
+        self.workload = workload
+        self.docs = Sorted.of(doc_lens, range(len(doc_lens)), workload)  # placement's, shared by the attempts
         self.order = [d for _, d, _ in self.docs.items]
         self.mean = self.docs.work[0] / cp_size
         self.target = target_imbalance
@@ -176,7 +182,8 @@ class _Window:
             return True
         length = self.doc_lens[self.order[k]]
         tokens, work, _ = self.per_doc_part(k - min(k, FLEXIBLE))
-        return length + min(tokens) <= self.per_rank and shard_workload(0, length) + min(work) <= self.cap
+        heavy = self.workload.shard(0, length) + min(work) > self.cap
+        return length + min(tokens) <= self.per_rank and not heavy
 
     def per_doc_part(self, count: int) -> tuple[list[int], list[int], list[int]]:
         """Tokens, workload and sent tokens per rank of `order[FLEXIBLE:FLEXIBLE + count]` laid
@@ -190,9 +197,8 @@ class _Window:
             )
             ends = starts + lengths
             sent = np.where(ends < np.asarray(self.doc_lens)[doc], lengths, 0)
-            adds = np.stack((lengths, (ends + starts + 1) * lengths, sent))  # 3 x n x 2 docs
+            adds = np.stack((lengths, self.workload.shards(starts, lengths), sent))  # 3 x n x 2 docs
             adds = adds[:, :, 0::2] + adds[:, :, 1::2]  # per document (the sum over an axis of 2 is slow)
-            adds[1] //= 2  # workloads: each term is even
             adds = adds.cumsum(2) + self.per_doc_totals[:, :, -1:]
             self.per_doc_totals = np.concatenate((self.per_doc_totals, adds), axis=2)
             self.per_doc_docs = np.concatenate((self.per_doc_docs, doc))
@@ -217,9 +223,10 @@ class _Window:
         return [shards[: 2 * count] for shards in self.per_doc_ranks]
 
     def last_chunk(self) -> float:
-        """Tokens of the longest document's last chunk: about LAST_CHUNK_SHARE of a rank's work."""
+        """Tokens of the longest document's last chunk: about LAST_CHUNK_SHARE of a rank's work
+        (each of its tokens costing about what the document's last one does)."""
         longest = self.doc_lens[self.order[0]]
-        return min(longest, LAST_CHUNK_SHARE * self.mean / longest)
+        return min(longest, LAST_CHUNK_SHARE * self.mean / self.workload.shard(longest - 1, 1))
 
     def sent_floor(self, k: int) -> float:
         """About the least any rank but one sends with the k longest documents Per-Doc."""
@@ -235,7 +242,7 @@ class _Window:
         the Per-Doc shards are added only when the attempt is kept; trades see only those of
         them they may take (`_tradeable`)."""
         if k == 0:
-            fill = RankFill([self.per_rank] * self.n)
+            fill = RankFill([self.per_rank] * self.n, workload=self.workload)
             place_documents(self.doc_lens, self.docs, fill)
             rebalance(self.doc_lens, fill, self.goal, self.trade_cap(fill.sent, 0))
             return lambda: fill.shards, fill.work, fill.sent
@@ -246,7 +253,7 @@ class _Window:
         # Trades take last pieces and whole documents only: the other plain Per-Doc chunks, most
         # of the shards, stay out of the trades' scans (and are made only if the attempt is kept).
         rank, column, chunks = self._tradeable(count)
-        fill = RankFill([0] * self.n)
+        fill = RankFill([0] * self.n, workload=self.workload)
         for r, shard in zip(rank, chunks):
             fill.shards[r].append(shard)
         for shards, more in zip(fill.shards, others):
@@ -293,7 +300,8 @@ class _Window:
         holder = sent.index(max(sent))
         last = self.last_chunk()
         length = sum(doc_lens[d] for d in flexible)
-        flex_work = sum(shard_workload(0, doc_lens[d]) for d in flexible)
+        cost = self.workload.shard
+        flex_work = sum(cost(0, doc_lens[d]) for d in flexible)
         even = (length + sum(sent) - last) / n
         share = [max(0.0, even - sent[r]) + (last if r == holder else 0.0) for r in range(n)]
         capacity = [self.per_rank - tokens[r] for r in range(n)]
@@ -303,6 +311,7 @@ class _Window:
             spare=[capacity[r] - room[r] for r in range(n)],
             bias=[work[r] + share[r] * flex_work / length for r in range(n)],
             sent=sent,
+            workload=self.workload,
         )
         place_documents(doc_lens, self.docs, fill, k)
 
@@ -320,10 +329,10 @@ class _Window:
             taken = [t - p for t, p in zip(taken, part)]
             if j == 0:
                 part[holder] += bonus
-            whole = shard_workload(0, size)
+            whole = cost(0, size)
             wants = [(mean - w) * whole / flex_work for w in work]  # the missing workload's share
             flex_work -= whole
-            shards, got, sends = balanced_head_tail(d, size, part, wants, holder)
+            shards, got, sends = balanced_head_tail(d, size, part, wants, holder, cost)
             for rank, pieces in zip(ranks, shards):
                 rank += pieces
             work = [w + g for w, g in zip(work, got)]
@@ -343,7 +352,8 @@ def _apportion(total: list[int], size: int) -> list[int]:
 
 
 def balanced_head_tail(
-    doc: int, length: int, tokens: list[int], work: list[float], outermost: int
+    doc: int, length: int, tokens: list[int], work: list[float], outermost: int,
+    cost: Callable[[int, int], int] = shard_workload,
 ) -> tuple[list[list[Shard]], list[int], list[int]]:
     """Head-tail chunks of one document sized so rank r gets `tokens[r]` tokens and ~`work[r]` workload.
 
@@ -358,13 +368,18 @@ def balanced_head_tail(
     head and tail lie furthest apart and the reachable workloads span the widest range. Equal
     tokens and workloads give Per-Doc's head-tail layout.
 
+    `cost` is the workload of a chunk (`Workload.shard`; causal pairs by default). The line
+    through h = 0 and h = tokens is the exact one above for causal pairs; window layers add a
+    part that is the same for every h once lo is past their window, and only the outermost
+    rank's chunks lie closer to the document's start: its error is shared out inwards as well.
+
     Returns per rank the two chunks, their exact workload and their sent tokens (those of
     chunks ending before the document's end), which the caller adds to its running totals:
     the loop knows them already, cheaper than summing the shards again once per attempt.
     """
     n = len(tokens)
     assert sum(tokens) == length and min(tokens) >= 0, (tokens, length)
-    middle = length / 2
+    middle = cost(0, length) / length - 0.5  # the mean density, less half a pair (causal: length / 2)
     inner = sorted(
         [(-abs(work[r] / tokens[r] - middle), r) for r in range(n) if r != outermost and tokens[r]]
     )
@@ -373,18 +388,21 @@ def balanced_head_tail(
     got, sent = [0] * n, [0] * n
     lo, hi = 0, length
     excess = 0.0  # workload placed so far beyond what those ranks wanted
-    # This loop runs for every rank, flexible document and attempt: Shard(...) and the
-    # workloads are spelled out (tuple.__new__ skips the named tuple's Python-level __new__).
+    # This loop runs for every rank, flexible document and attempt: Shard(...) is spelled out
+    # (tuple.__new__ skips the named tuple's Python-level __new__).
     for left, r in zip(range(len(nest), 0, -1), nest):  # left: ranks from r inwards
-        size, slack = tokens[r], hi - lo - tokens[r]
+        size = tokens[r]
         head = size
-        if left > 1 and slack:
+        if left > 1 and hi - lo > size:
             target = work[r] - excess / left
-            head = round((size * (2 * hi + 1 - size) - 2 * target) / (2 * slack))
-            head = size if head > size else max(head, 0)
+            all_tail = cost(hi - size, size)
+            drop = all_tail - cost(lo, size)  # workload lost moving all tokens from tail to head
+            if drop > 0:  # causal: size x slack, the line above
+                head = round((all_tail - target) / (drop / size))
+                head = size if head > size else max(head, 0)
         tail = size - head
         out[r] = [tuple.__new__(Shard, (doc, lo, head)), tuple.__new__(Shard, (doc, hi - tail, tail))]
-        got[r] = (head * (2 * lo + head + 1) + tail * (2 * hi - tail + 1)) // 2  # W, as above
+        got[r] = cost(lo, head) + cost(hi - tail, tail)
         sent[r] = (head if lo + head < length else 0) + (tail if hi < length else 0)
         excess += got[r] - work[r]
         lo, hi = lo + head, hi - tail

@@ -40,6 +40,58 @@ def shard_workload(start: int, length: int) -> int:
     return (2 * start + length + 1) * length // 2
 
 
+def _integer(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The attention workload planners balance: causal pairs summed over a model's layer kinds.
+
+    A full layer's query at document position p sees p + 1 keys; a sliding-window layer's
+    (Hugging Face `sliding_window` = `window`, gpt-oss: 128) sees min(p + 1, window): W per
+    token wherever the token lies past a document's first W positions, fewer before them. A shard
+    costs `full_layers` x its causal pairs + `window_layers` x its window pairs; only the ratio of
+    the two counts matters to balance. The default, `CAUSAL`, is `shard_workload` exactly: plans
+    made without window layers are the causal planners' own.
+    """
+
+    full_layers: int = 1
+    window_layers: int = 0
+    window: int | None = None
+
+    def __post_init__(self) -> None:
+        counts = (self.full_layers, self.window_layers)
+        if not all(_integer(c) and c >= 0 for c in counts) or not any(counts):
+            raise ValueError(f"layer counts must be integers >= 0, not both 0, got {counts}")
+        if self.window is not None and not (_integer(self.window) and self.window > 0):
+            raise ValueError(f"window must be a positive number of keys, got {self.window!r}")
+        if self.window_layers and self.window is None:
+            raise ValueError("window layers need a window (keys a query sees, HF sliding_window)")
+
+    def shard(self, start: int, length: int) -> int:
+        """Work of the queries [start, start + length) of a document. A window query sees its
+        p + 1 causal keys less the max(0, p + 1 - W) beyond the window: the causal pairs of the
+        same positions shifted back by W (those before the document's start count 0)."""
+        work = (self.full_layers + self.window_layers) * shard_workload(start, length)
+        if self.window_layers:
+            lo, hi = max(0, start - self.window), max(0, start + length - self.window)
+            work -= self.window_layers * shard_workload(lo, hi - lo)
+        return work
+
+    def shards(self, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """`shard` of every (start, length) pair, in int64 numpy."""
+        s, x = np.asarray(starts, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
+        work = (self.full_layers + self.window_layers) * ((2 * s + x + 1) * x // 2)
+        if self.window_layers:
+            lo, hi = np.maximum(s - self.window, 0), np.maximum(s + x - self.window, 0)
+            work -= self.window_layers * ((lo + hi + 1) * (hi - lo) // 2)
+        return work
+
+
+CAUSAL = Workload()
+
+
 @dataclass(frozen=True)
 class Plan:
     """Assignment of every token of a window to one of `cp_size` ranks.
@@ -54,6 +106,7 @@ class Plan:
     ranks: tuple[tuple[Shard, ...], ...]
     strategy: str
     info: dict[str, Any] = field(default_factory=dict, compare=False)
+    workload: Workload = field(default=CAUSAL, compare=False)  # what `workloads` and "imbalance" count
 
     @property
     def context(self) -> int:
@@ -68,7 +121,9 @@ class Plan:
         return shard.start + shard.length == self.doc_lens[shard.doc]
 
     def workloads(self) -> list[int]:
-        return [sum(shard_workload(s.start, s.length) for s in shards) for shards in self.ranks]
+        """Per rank, the plan's `workload` (causal pairs unless the plan was made for window layers)."""
+        cost = self.workload.shard
+        return [sum(cost(s.start, s.length) for s in shards) for shards in self.ranks]
 
     def send_tokens(self) -> list[int]:
         """Per rank, tokens in non-last shards: its contribution to the compact all-gather (Eq. 5)."""

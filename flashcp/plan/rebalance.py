@@ -9,6 +9,11 @@ x and y are long and of similar length (then t is close to |y| and the heads are
 workload moved divided by |x|): balance is bought with short heads. Both documents end up
 partially partitioned, as in the paper's Fig. 4. A rank holding only the tail of a cut document
 trades the front of that tail instead (see `rebalance`).
+
+With sliding-window layers (`flashcp.plan.Workload`) the trades are sized by the full layers
+alone: past a document's first W positions a window layer's work per token is the same
+everywhere, so swapping t tokens for t tokens moves none of it. Where y is shorter than W the
+window layers move a little more; the trade's exact workload is what the totals record.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import math
 from bisect import bisect_left, bisect_right
 
 from flashcp.plan.fill import RankFill
-from flashcp.plan.plan import Shard, shard_workload
+from flashcp.plan.plan import Shard
 
 # Trades per rank before rebalancing gives up (each trade fixes the busiest rank; the bound
 # only keeps pathological inputs cheap).
@@ -40,7 +45,9 @@ def rebalance(doc_lens: tuple[int, ...], fill: RankFill, goal: float, max_sent: 
     Token counts per rank are unchanged and no trade may leave a rank sending more than
     `max_sent` tokens. Returns the number of trades made.
     """
-    n = len(fill.room)
+    n, full_layers = len(fill.room), fill.workload.full_layers
+    if not full_layers:  # window layers only: a trade moves (almost) no work
+        return 0
     load = [b + w for b, w in zip(fill.bias, fill.work)]
     # Whole documents as (length, doc, rank), sorted: partner searches bisect by length.
     whole = sorted(
@@ -57,7 +64,7 @@ def rebalance(doc_lens: tuple[int, ...], fill: RankFill, goal: float, max_sent: 
         if need <= 0:
             break
         pieces = [s for s in fill.shards[a] if s.length > 1 and s.start + s.length == doc_lens[s.doc]]
-        search = _PartnerSearch(whole, lens, a, need, goal, load, fill.sent, max_sent)
+        search = _PartnerSearch(whole, lens, a, need, goal, load, fill.sent, max_sent, full_layers)
         best = min(
             (t for piece in pieces for t in (search.back(piece), search.front(piece)) if t is not None),
             default=None,
@@ -79,12 +86,14 @@ class _PartnerSearch:
     """The cheapest trade for the busiest rank `a`, partner by partner (see `rebalance`).
 
     A trade is (key, x piece on a, y on b, b, front, tokens moved); the key orders trades by
-    the largest send buffer they leave, then by the sent tokens they add.
+    the largest send buffer they leave, then by the sent tokens they add. `need` and the room
+    of partners are counted in causal pairs of one full layer (workload / `full_layers`).
     """
 
-    def __init__(self, whole, lens, a, need, goal, load, sent, max_sent) -> None:
-        self.whole, self.lens, self.a, self.need, self.goal = whole, lens, a, need, goal
+    def __init__(self, whole, lens, a, need, goal, load, sent, max_sent, full_layers) -> None:
+        self.whole, self.lens, self.a, self.need, self.goal = whole, lens, a, need / full_layers, goal
         self.load, self.sent, self.max_sent, self.top = load, sent, max_sent, max(sent)
+        self.full_layers = full_layers
 
     def _partners(self, index: int, step: int):
         """Whole documents of ranks with room for `need`, from `index` on in direction `step`."""
@@ -92,7 +101,7 @@ class _PartnerSearch:
         while 0 <= index < len(whole) and found < PARTNER_SCAN:
             ly, y, b = whole[index]
             index += step
-            room = self.goal - self.load[b]
+            room = (self.goal - self.load[b]) / self.full_layers
             if b != self.a and room >= self.need:
                 found += 1
                 yield ly, y, b, room
@@ -150,7 +159,7 @@ def _trade(fill: RankFill, a: int, x: Shard, y: Shard, b: int, front: bool, t: i
         gives, keeps = Shard(x.doc, x.start + x.length - t, t), Shard(x.doc, x.start, x.length - t)
     fill.shards[a] = [s for s in fill.shards[a] if s != x] + [keeps, Shard(y.doc, g, t)]
     fill.shards[b] = [s for s in fill.shards[b] if s != y] + [gives] + ([Shard(y.doc, 0, g)] if g else [])
-    moved = shard_workload(gives.start, t) - shard_workload(g, t)
+    moved = fill.workload.shard(gives.start, t) - fill.workload.shard(g, t)
     fill.work[a] -= moved
     fill.work[b] += moved
     if front:

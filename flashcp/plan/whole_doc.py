@@ -32,7 +32,7 @@ from typing import NamedTuple
 import numpy as np
 
 from flashcp.plan.fill import RankFill
-from flashcp.plan.plan import Shard, shard_workload, shards_of
+from flashcp.plan.plan import CAUSAL, Shard, Workload, shards_of
 from flashcp.plan.rebalance import rebalance
 
 # Rebalance until the busiest rank is within this share of the allowed excess over the mean
@@ -54,8 +54,8 @@ FEW_RANKS = 8
 class Sorted(NamedTuple):
     """Whole documents for `place_documents`, longest first: (-length, doc, True) items (the
     order of its heap of documents to place), each one's shard, and, for `_place_rounds`, their
-    lengths and workloads in numpy and the tokens and workload of every suffix (entry i: of
-    items[i:]). The hybrid's attempts share one and place suffixes of it."""
+    lengths and workloads (`Workload`'s) in numpy and the tokens and workload of every suffix
+    (entry i: of items[i:]). The hybrid's attempts share one and place suffixes of it."""
 
     items: list[tuple[int, int, bool]]
     shards: list[Shard]
@@ -65,12 +65,12 @@ class Sorted(NamedTuple):
     work: list[int]
 
     @staticmethod
-    def of(doc_lens: tuple[int, ...], docs: Iterable[int]) -> Sorted:
+    def of(doc_lens: tuple[int, ...], docs: Iterable[int], workload: Workload = CAUSAL) -> Sorted:
         docs = np.sort(np.fromiter(docs, dtype=np.int64))
         lens = np.asarray(doc_lens, dtype=np.int64)[docs]
         by_length = np.argsort(-lens, kind="stable")  # ties by document
         order, lens = docs[by_length].tolist(), lens[by_length]
-        costs, length = lens * (lens + 1) // 2, lens.tolist()
+        costs, length = workload.shards(np.zeros_like(lens), lens), lens.tolist()
         tokens, work = (np.append(np.cumsum(x[::-1])[::-1], 0).tolist() for x in (lens, costs))
         items = list(zip([-x for x in length], order, repeat(True)))
         shards = shards_of(order, repeat(0), length)
@@ -87,11 +87,11 @@ def place_documents(
     documents off one heap per attempt cost more than placing them in rounds."""
     n = len(fill.room)
     room, spare, work, bias, sent = fill.room, fill.spare, fill.work, fill.bias, fill.sent
-    whole = docs if isinstance(docs, Sorted) else Sorted.of(doc_lens, docs)
+    whole = docs if isinstance(docs, Sorted) else Sorted.of(doc_lens, docs, fill.workload)
     items, count, i = whole.items, len(whole.items), first
     heads: list[tuple[int, int, bool]] = []  # (-length, doc, False), a heap
     rest_tokens, rest_work = whole.tokens[i], whole.work[i]
-    shards = fill.shards
+    shards, cost_of = fill.shards, fill.workload.shard
     load = [b + w for b, w in zip(bias, work)]  # what decisions use (see RankFill)
     mirror = _Mirror(fill) if n >= VECTOR_RANKS else None
     short = ROUND_SHARE * sum(room) / n if n >= ROUND_FROM else 0
@@ -112,7 +112,7 @@ def place_documents(
             (neg, d, last), shard = items[i], whole.shards[i]
             i += 1
         length = -neg
-        cost = shard_workload(0, length)
+        cost = cost_of(0, length)
         rest_tokens -= length
         rest_work -= cost
         density = rest_work / rest_tokens if rest_tokens else 0.0
@@ -158,7 +158,7 @@ def place_documents(
         head = length - take
         heapq.heappush(heads, (-head, d, False))
         rest_tokens += head
-        rest_work += shard_workload(0, head)
+        rest_work += cost_of(0, head)
 
 
 def _place_rounds(
@@ -272,14 +272,14 @@ class _Mirror:
 
 
 def plan_whole_doc(
-    doc_lens: tuple[int, ...], cp_size: int, target_imbalance: float = 1.05
+    doc_lens: tuple[int, ...], cp_size: int, target_imbalance: float = 1.05, workload: Workload = CAUSAL
 ) -> tuple[list[list[Shard]], dict]:
-    """Whole-Doc sharding alone: exact tokens per rank, workload balanced as far as whole
+    """Whole-Doc sharding alone: exact tokens per rank, `workload` balanced as far as whole
     documents and short heads allow. A document much heavier than a rank's share of the work
     leaves the plan imbalanced; `flashcp` hands such documents to Per-Doc."""
     n = cp_size
-    mean = sum(shard_workload(0, x) for x in doc_lens) / n
-    fill = RankFill([sum(doc_lens) // n] * n)
+    mean = sum(workload.shard(0, x) for x in doc_lens) / n
+    fill = RankFill([sum(doc_lens) // n] * n, workload=workload)
     place_documents(doc_lens, range(len(doc_lens)), fill)
     moves = rebalance(doc_lens, fill, mean * (1 + GOAL_SHARE * (target_imbalance - 1)))
     return fill.shards, {"rebalance_moves": moves}

@@ -8,12 +8,13 @@ whole document needs nothing. One plan serves both layer kinds: the window layer
 the same plan's with those rows (`flashcp.dispatch.build_dispatch(..., window=W)`).
 
 Counted here in plain Python, apart from the dispatch's tensors, so that tests can hold the
-op's recorded rows to an independent prediction.
+op's recorded rows to an independent prediction; `window_metrics` puts the busiest rank's beside
+`Plan.metrics`. What window layers cost the planners to balance is `flashcp.plan.Workload`.
 """
 
 from __future__ import annotations
 
-from flashcp.plan.plan import Plan, row_bytes
+from flashcp.plan.plan import Plan, Shard, row_bytes
 
 
 def check_window(window: int | None) -> None:
@@ -37,13 +38,13 @@ def window_needed_tokens(plan: Plan, window: int) -> list[int]:
     check_window(window)
     needed = []
     for shards in plan.ranks:
-        reach: dict[int, list[tuple[int, int]]] = {}
+        by_doc: dict[int, list[Shard]] = {}  # one pass: Per-Doc plans hold thousands of documents
         for s in shards:
-            reach.setdefault(s.doc, []).append((max(0, s.start - window + 1), s.start))
+            by_doc.setdefault(s.doc, []).append(s)
         total = 0
-        for doc, spans in reach.items():
-            covered = _union(spans)
-            own = [(s.start, s.start + s.length) for s in shards if s.doc == doc]
+        for pieces in by_doc.values():
+            covered = _union([(max(0, s.start - window + 1), s.start) for s in pieces])
+            own = [(s.start, s.start + s.length) for s in pieces]
             total += sum(hi - lo for lo, hi in covered)
             total -= sum(max(0, min(hi, b) - max(lo, a)) for lo, hi in covered for a, b in own)
         needed.append(total)
@@ -80,3 +81,13 @@ def window_recv_bytes(plan: Plan, window: int, comm: str, num_kv_heads: int = 1,
     """`window_recv_tokens` in bytes of K and V over all KV heads (`row_bytes`)."""
     per_row = row_bytes(num_kv_heads, head_dim, dtype_bytes, v_head_dim)
     return [t * per_row for t in window_recv_tokens(plan, window, comm)]
+
+
+def window_metrics(plan: Plan, window: int) -> dict[str, float]:
+    """One window layer's exchange on the busiest rank, beside the full layers' of
+    `Plan.metrics`: rows received compact and needed, and as ratios of the full all-gather."""
+    full = (plan.cp_size - 1) * plan.tokens_per_rank
+    rows = {mode: max(window_recv_tokens(plan, window, mode)) for mode in ("compact", "needed")}
+    out: dict[str, float] = {f"window_{mode}_tokens": r for mode, r in rows.items()}
+    out.update({f"window_{mode}_ratio": r / full if full else 0.0 for mode, r in rows.items()})
+    return out
