@@ -75,7 +75,7 @@ from flashcp.costmodel.proxy import window_cost
 from flashcp.data.balance import WindowCost
 from flashcp.data.errors import DataChanged, DataError
 from flashcp.data.plan_worker import TIMEOUT_S as PLAN_WORKER_TIMEOUT_S
-from flashcp.dispatch import build_dispatch, COMM_MODES
+from flashcp.dispatch import build_dispatch
 from flashcp.plan.plan import row_bytes
 from flashcp.titan.models.attention import CPStep, flashcp_ropes, flashcp_windows
 from flashcp.titan.models.windows import build_layer_dispatches
@@ -379,16 +379,16 @@ class FlashCPTrainer(Trainer):
     def window_dispatcher(self) -> functools.partial:
         """`dispatcher(plan)`: this rank's dispatch of a window's plan (`LayerDispatches` when the model
         has sliding-window layers); picklable, for the plan worker."""
-        if self._flashcp_windows and self.flashcp.comm not in COMM_MODES:  # the config check refuses it first
-            raise ValueError(f"[flashcp] comm = {self.flashcp.comm!r}: sliding-window layers exchange by "
-                             f"{', '.join(COMM_MODES)}")  # fmt: skip
         if self.flashcp.comm == "ring":
+            if self._flashcp_windows:  # the config check refuses it first
+                raise ValueError("[flashcp] comm = 'ring' runs full attention only: not with sliding-window layers")
             return functools.partial(build_ring_dispatch, rank=self.cp_rank)
         if self.flashcp.comm == "two_level":
-            return functools.partial(build_two_level_dispatch, rank=self.cp_rank,
+            full = functools.partial(build_two_level_dispatch, rank=self.cp_rank,
                                      ranks_per_node=self.cp_ranks_per_node, overlap=self.flashcp.overlap)  # fmt: skip
-        full = functools.partial(build_dispatch, rank=self.cp_rank, comm=self.flashcp.comm,
-                                 overlap=self.flashcp.overlap)  # fmt: skip
+        else:
+            full = functools.partial(build_dispatch, rank=self.cp_rank, comm=self.flashcp.comm,
+                                     overlap=self.flashcp.overlap)  # fmt: skip
         if not self._flashcp_windows:
             return full
         return functools.partial(build_layer_dispatches, build=full, windows=self._flashcp_windows)

@@ -11,14 +11,15 @@ saves unquantized and the adapter maps only as MXFP4 blocks, by `_EXPERTS`). On 
 (documents of 23, 1, 4, 29 and 7 tokens: one token, shorter than the window, far longer; each
 seen by transformers alone from position 0) ours must give transformers' logits and every
 gradient (the sinks' included), with the same experts chosen for every token, to TOLERANCE at
-CP = 1, 2 and 4, with the flashcp strategy and the compact, needed and full exchanges (every
-strategy at CP = 2), and with the experts split over EP = 2 ranks borrowed from CP = 2.
+CP = 1, 2 and 4, with the flashcp strategy and the compact, needed, full and two-level exchanges
+(every strategy at CP = 2), and with the experts split over EP = 2 ranks borrowed from CP = 2.
 The controls show that the sinks, the window, the clamp and YaRN's softmax scale each move
 transformers' own logits far beyond the tolerance.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,6 +30,7 @@ import flashcp.titan  # noqa: F401  (TorchTitan shims before transformers / torc
 import torchtitan.distributed.utils as titan_dist
 from torchtitan.models.gpt_oss.sharding import set_gpt_oss_sharding_config
 
+from flashcp.attention import build_two_level_dispatch
 from flashcp.dispatch import build_dispatch
 from flashcp.plan import plan_shards, STRATEGIES
 from flashcp.titan.config import validate
@@ -184,8 +186,11 @@ def run_window(rank: int, group, folder: Path, tokens: torch.Tensor, plan, comm:
     titan_dist.set_spmd_backend("partial_dtensor")  # as the trainer sets it for FlashCP's jobs
     try:
         model = _our_model(folder, _ep_dims(plan.cp_size, ep) if ep > 1 else None)
-        dispatches = build_layer_dispatches(plan, lambda plan, window=None: build_dispatch(plan, rank, comm, window=window),
-                                            flashcp_windows(model))  # fmt: skip
+        if comm == "two_level":  # nodes of cp / 2 ranks
+            build = functools.partial(build_two_level_dispatch, rank=rank, ranks_per_node=plan.cp_size // 2)
+        else:
+            build = functools.partial(build_dispatch, rank=rank, comm=comm)
+        dispatches = build_layer_dispatches(plan, build, flashcp_windows(model))
         assert set(dispatches.windows) == {SLIDING_WINDOW}
         routes: list[torch.Tensor] = []
         for name, module in model.named_modules():
@@ -245,9 +250,9 @@ def pool(gloo_pool):
 
 
 # CP = 2: every strategy with the compact exchange, the needed and full exchanges and EP = 2 once;
-# CP = 4: flashcp with each exchange.
+# CP = 4: flashcp with the compact, needed and two-level exchanges (nodes of 2 ranks).
 CASES = [(2, s, "compact", 1) for s in STRATEGIES] + [(2, "flashcp", "needed", 1), (2, "flashcp", "full", 1),
-         (2, "flashcp", "compact", 2)] + [(4, "flashcp", comm, 1) for comm in ("compact", "needed", "full")]  # fmt: skip
+         (2, "flashcp", "compact", 2)] + [(4, "flashcp", comm, 1) for comm in ("compact", "needed", "two_level")]  # fmt: skip
 
 
 @pytest.mark.parametrize("cp", [2, 4])
@@ -258,3 +263,46 @@ def test_cp_matches_transformers(oracle, pool, cp):
             plan = plan_shards(DOC_LENS, cp, strategy, **PLAN_OPTIONS.get(strategy, {}))
             parts = pool.run(run_window, (folder, ref["tokens"], plan, comm, ep), size=cp)
             _check(parts, ref, f"CP={cp} EP={ep} {strategy}/{comm}")
+
+
+# A tiny gpt-oss the trainer runs (the tiny job's tokenizer has 4,096 tokens; 256-token windows).
+TRAIN_CONFIG = CONFIG | {"vocab_size": 4096, "hidden_size": 32, "num_hidden_layers": 2, "head_dim": 8,
+                         "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 16,
+                         "max_position_embeddings": 256}  # fmt: skip
+TRAIN_TOLERANCE = 1e-5  # absolute on losses and relative on gradients, float32
+
+
+def test_trainer_at_cp2_reproduces_cp1(tmp_path, gloo_pool):
+    """FlashCPTrainer on a gpt_oss config.json: each step's window dispatches (the full one and the
+    sliding window's) come from the loader, the sinks' gradients are summed over the CP ranks by
+    FSDP (dp_shard x cp) like every other weight's, neither dropped nor counted twice: from one seed
+    checkpoint, CP = 2's first gradients (the sinks' included) and 4 losses are CP = 1's."""
+    from harness import single_rank, tiny_job, train
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    transformers.GptOssConfig(**TRAIN_CONFIG).save_pretrained(folder)
+    model = {"hf_config": str(folder)}
+    with single_rank():
+        train(tiny_job(tmp_path / "seed", ("model",), model=model, checkpoint={"enable": True,
+                                                                              "create_seed_checkpoint": True}),
+              seed_checkpoint=True)  # fmt: skip
+    seed = {"enable": True, "initial_load_path": str(tmp_path / "seed/checkpoint/step-0")}
+    grads: dict[str, torch.Tensor] = {}
+    with single_rank():
+        losses = train(tiny_job(tmp_path / "cp1", ("model",), model=model, checkpoint=seed), first_grads=grads)
+    cfg = tiny_job(tmp_path / "cp2", ("model",), model=model, checkpoint=seed,
+                   parallelism={"context_parallel_degree": 2})  # fmt: skip
+    runs = gloo_pool(2).run(_train_rank, (cfg,))
+    assert any(name.endswith("attention.sinks") for name in grads)
+    for rank_losses, rank_grads in runs:
+        assert max(abs(rank_losses[s] - losses[s]) for s in losses) <= TRAIN_TOLERANCE, (rank_losses, losses)
+        for name, grad in grads.items():
+            assert _relative(rank_grads[name], grad) <= TRAIN_TOLERANCE, name
+
+
+def _train_rank(rank: int, group, cfg: dict) -> tuple[dict[int, float], dict[str, torch.Tensor]]:
+    from harness import train_on_pool_rank
+
+    grads: dict[str, torch.Tensor] = {}
+    return train_on_pool_rank(rank, group, cfg, first_grads=grads), grads

@@ -457,13 +457,12 @@ def test_a_gpt_oss_config_json_flashcp_cannot_train_is_one_line(tmp_path, change
 @pytest.mark.parametrize(
     "flashcp, message",
     [
-        ({"comm": "ring"}, r"^\[flashcp\] comm = 'ring' \(the ring takes no sinks\): not with a gpt_oss model"),
-        ({"comm": "two_level"}, r"^\[flashcp\] comm = 'two_level' \(the 128-key sliding-window layers exchange by "
-                                r"compact, full or needed\)"),
+        ({"comm": "ring"}, r"^\[flashcp\] comm = 'ring' \(the ring takes neither sinks nor sliding windows\): not "
+                           r"with a gpt_oss model"),
         ({"backend": "flash_attn"}, r"^\[flashcp\] backend = 'flash_attn' \(its kernel returns no LSE"),
     ],
 )  # fmt: skip
-def test_gpt_oss_refuses_exchanges_and_kernels_without_sinks_or_windows(flashcp, message):
+def test_gpt_oss_refuses_the_ring_and_kernels_without_sinks(flashcp, message):
     with pytest.raises(ConfigError, match=message):
         validate({"model": {"name": "gpt_oss", "flavor": "20b"}, "flashcp": flashcp})
     with pytest.raises(ConfigError, match=r"flavor = 'custom' builds llama3 and qwen3 sizes; a gpt_oss"):

@@ -17,7 +17,7 @@ from flashcp.titan.config.converters import check_converters, model_compiled
 from flashcp.titan.config.keys import check_value, ConfigError
 from flashcp.data.errors import DataError
 from flashcp.data.sources import DataConfig
-from flashcp.titan.config.model import check_model, model_experts, model_latent, model_sliding_window
+from flashcp.titan.config.model import check_model, model_experts, model_latent
 from flashcp.titan.config.schema import RANKS_PER_NODE_COMMS, RENAMED_SECTIONS, SCHEMA
 from flashcp.titan.config.sizes import check_host_objects
 from flashcp.titan.config.titan import ac_keys, section_config, TITAN_KEYS
@@ -313,17 +313,14 @@ def _check_latent(cfg: dict) -> None:
 
 def _check_sinks(cfg: dict) -> None:
     """gpt-oss under FlashCP's attention: its sinks need a kernel returning the LSE and an exchange that
-    takes them (not the ring), its sliding-window layers an exchange that cuts keys to the window."""
+    takes them and its sliding windows (not the ring)."""
     model, flashcp = cfg["model"], cfg["flashcp"]
     if model["name"] != "gpt_oss" or model["attention"] != "flashcp":
         return
-    window = model_sliding_window(cfg)
     refused = [
         (flashcp["backend"] == "flash_attn", "[flashcp] backend = 'flash_attn' (its kernel returns no LSE, which "
                                              "the sinks need; auto, torch and reference do)"),
-        (flashcp["comm"] == "ring", "[flashcp] comm = 'ring' (the ring takes no sinks)"),
-        (window is not None and flashcp["comm"] == "two_level",
-         f"[flashcp] comm = 'two_level' (the {window}-key sliding-window layers exchange by compact, full or needed)"),
+        (flashcp["comm"] == "ring", "[flashcp] comm = 'ring' (the ring takes neither sinks nor sliding windows)"),
     ]  # fmt: skip
     for bad, what in refused:
         if bad:

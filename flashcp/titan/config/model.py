@@ -5,7 +5,7 @@ registry, `flashcp.titan.models.registry`), `custom` sizes, or a Hugging Face `c
 read now); RoPE keys (`flashcp.titan.models.rope`) override the model's own. `model_dims` and
 `model_head_dim` give the layout checks and the pre-launch estimates the sizes without building it,
 `model_experts` the experts of a mixture-of-experts model (None for a dense one), `model_latent`
-DeepSeek-V3's latent attention (None for the others), `model_sliding_window` gpt-oss's window.
+DeepSeek-V3's latent attention (None for the others).
 """
 
 from __future__ import annotations
@@ -177,12 +177,6 @@ def model_latent(cfg: dict) -> Latent | None:
     """The job's multi-head latent attention (DeepSeek-V3), or None for Llama 3 / Qwen3 attention."""
     model = cfg["model"]
     return None if model["flavor"] == "custom" else _architecture(model).latent
-
-
-def model_sliding_window(cfg: dict) -> int | None:
-    """The job's sliding window (gpt-oss's sliding layers), or None when every layer attends in full."""
-    model = cfg["model"]
-    return None if model["flavor"] == "custom" else _architecture(model).sliding_window
 
 
 def custom_experts(model: dict) -> Experts | None:
