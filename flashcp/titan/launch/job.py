@@ -19,6 +19,7 @@ from flashcp.titan.components.heldout import held_out_data
 from flashcp.titan.components.loss import loss_config
 from flashcp.data.sources import DataConfig
 from flashcp.titan.models.spec import model_spec
+from flashcp.titan.models.windows import planner_workload
 from flashcp.titan.probe.prompts import ProbeSettings
 from flashcp.titan.trainer import FlashCPSettings, FlashCPTrainer
 from flashcp.titan.components.validate import FlashCPValidator
@@ -42,7 +43,8 @@ def trainer_config(cfg: dict[str, Any]) -> FlashCPTrainer.Config:
         # TorchTitan's own CP shards windows itself: plan them trivially for one rank.
         "cp_size": cp if flashcp_on else 1,
         "planner": (
-            {"strategy": fcp["strategy"], "target_imbalance": fcp["target_imbalance"]}
+            {"strategy": fcp["strategy"], "target_imbalance": fcp["target_imbalance"],
+             "workload": planner_workload(spec.model)}
             if flashcp_on else {"strategy": "per_seq"}
         ),
     }

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from flashcp.dispatch import Dispatch
-from flashcp.plan.plan import Plan
+from flashcp.plan.plan import CAUSAL, Plan, Workload
 
 
 @dataclass(frozen=True)
@@ -47,3 +47,17 @@ def build_layer_dispatches(plan: Plan, build: Callable[..., Dispatch], windows: 
     """`build(plan)` for the full layers and `build(plan, window=W)` for each window (picklable with
     functools.partial, for the loader's dispatch worker)."""
     return LayerDispatches(build(plan), {w: build(plan, window=w) for w in windows})
+
+
+def planner_workload(model_config) -> Workload:
+    """What the planner balances for a TorchTitan decoder config with FlashCP attention: causal pairs
+    (`CAUSAL`) when every layer is full, else full and window layers counted apart (gpt-oss: 12 and 12
+    of 24 with W = 128), so a rank of long documents is not charged window layers as full ones."""
+    windows = [getattr(layer.attention.inner_attention, "window", None) for layer in model_config.layers]
+    sizes = {w for w in windows if w}
+    if not sizes:
+        return CAUSAL
+    if len(sizes) > 1:  # one Workload holds one window; the planner then balances the smallest exactly
+        raise ValueError(f"the planner balances one sliding window per model, this one has {sorted(sizes)}")
+    return Workload(full_layers=windows.count(None), window_layers=len(windows) - windows.count(None),
+                    window=sizes.pop())  # fmt: skip
