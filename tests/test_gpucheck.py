@@ -1,30 +1,31 @@
 """`python -m flashcp.gpucheck --device cpu --quick`: what every section writes (`check_quick_output`, on
-the lease rehearsal's run of that command), the checks catch a wrong kernel and a broken exchange, and
-a failing section does not stop the rest."""
+the lease rehearsal's run of that command), the checks catch a wrong kernel, a broken exchange and a
+wrong sink correction, and a failing section does not stop the rest."""
 
 from __future__ import annotations
 
 import csv
 import dataclasses
 import json
+import math
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from flashcp.attention import kernels
+from flashcp.attention import kernels, sinks
 from flashcp.attention.simulate import SimulatedGroup
 from flashcp.costmodel.profiles import KERNEL_CSV_REQUIRED
 from flashcp.gpucheck import SECTIONS
-from flashcp.gpucheck import timing
+from flashcp.gpucheck import timing, window_sinks
 from flashcp.gpucheck.__main__ import main
 from flashcp.gpucheck.efficiency import sweep_calls
 from flashcp.gpucheck.report import Table
 from flashcp.gpucheck.sizes import GPU, QUICK
 
-FILES = ["summary.md", "env.json", "exactness.csv", "cp.csv", "critical_path.csv", "efficiency.csv",
-         "decoder.json", "kernel_calls.csv"]  # fmt: skip
+FILES = ["summary.md", "env.json", "exactness.csv", "cp.csv", "window_sinks.csv", "critical_path.csv",
+         "efficiency.csv", "decoder.json", "kernel_calls.csv"]  # fmt: skip
 
 
 def fewer_cp_sizes(monkeypatch, *sizes: int) -> None:
@@ -41,14 +42,14 @@ def _rows(path: Path) -> list[dict]:
 
 def check_quick_output(out: Path, last_line: str) -> None:
     """What `python -m flashcp.gpucheck --device cpu --quick --no-budgets` must leave in `out` and print
-    last: every section's file and status, every case of the two correctness sections passed. The
+    last: every section's file and status, every case of the three correctness sections passed. The
     suite's run of it is the lease rehearsal's part a (tests/test_gpu_lease.py), which calls this."""
     assert "sections passed or measured" in last_line, last_line
     assert sorted(p.name for p in out.iterdir()) == sorted(FILES)
     summary = (out / "summary.md").read_text()
     for title, _ in SECTIONS.values():
         assert f"## {title}" in summary
-    assert summary.count("status: **passed**") == 2 and summary.count("status: **measured**") == 3
+    assert summary.count("status: **passed**") == 3 and summary.count("status: **measured**") == 3
     env = json.loads((out / "env.json").read_text())
     assert env["backend reference"] == "available" and env["torch"]
 
@@ -60,6 +61,7 @@ def check_quick_output(out: Path, last_line: str) -> None:
     assert {(r["cp"], r["comm"]) for r in cp} >= {(n, c) for n in "248" for c in ("compact", "full", "needed", "ring")}
     assert {r["strategy"] for r in cp} >= {"per_seq", "per_doc", "whole_doc", "flashcp"}
     assert all(r["ok"] == "True" for r in cp)
+    check_window_sinks_rows(_rows(out / "window_sinks.csv"))
     assert {r["strategy"] for r in _rows(out / "critical_path.csv")} == {"per_seq", "per_doc", "flashcp", "ring", "zigzag"}
     assert {r["kind"] for r in _rows(out / "efficiency.csv")} == {"fig3", "sweep"}
     assert json.loads((out / "decoder.json").read_text())
@@ -69,6 +71,66 @@ def check_quick_output(out: Path, last_line: str) -> None:
     assert calls and set(KERNEL_CSV_REQUIRED) <= set(calls[0])
     assert all(len(r["q_lens"].split()) == len(r["k_lens"].split()) > 0 for r in calls)
     assert all(int(r["kv_heads"]) < int(r["heads"]) for r in calls)  # GQA, as the models have it
+
+
+def check_window_sinks_rows(rows: list[dict]) -> None:
+    """The window + sinks section's rows on a CPU: the reference kernel in both dtypes, every edge case and
+    tensor, all within tolerance; flex (no backward on a CPU) is not among them."""
+    assert {r["dtype"] for r in rows} == {"float32", "bfloat16"} and {r["implementation"] for r in rows} == {"reference"}
+    assert {r["tensor"] for r in rows} == {"out", "dq", "dk", "dv", "dsinks"}
+    assert {"W = 1", "a CP shard: more keys than queries", "no window (full causal)"} <= {r["case"] for r in rows}
+    assert {"1", "none"} <= {r["window"] for r in rows}
+    assert all(r["ok"] == "True" for r in rows)
+
+
+def test_the_window_sinks_section_passes_on_the_cpu(tmp_path):
+    assert main(["--out", str(tmp_path), "--device", "cpu", "--quick", "--no-budgets", "--sections", "window_sinks"]) == 0
+    check_window_sinks_rows(_rows(tmp_path / "window_sinks.csv"))
+    summary = (tmp_path / "summary.md").read_text()
+    assert "status: **passed**" in summary and "flex float32: not run: FlexAttention refuses a backward on CPU" in summary
+
+
+def _sink_counted_twice(monkeypatch):
+    real = sinks._SinkAttention.forward
+    monkeypatch.setattr(sinks._SinkAttention, "forward",
+                        staticmethod(lambda ctx, q, k, v, s, *rest: real(ctx, q, k, v, s + math.log(2), *rest)))
+
+
+def _dsinks_sign_flipped(monkeypatch):
+    real = sinks._SinkAttention.backward
+
+    def flipped(ctx, grad_out):
+        dq, dk, dv, dsinks, *rest = real(ctx, grad_out)
+        return (dq, dk, dv, -dsinks, *rest)
+
+    monkeypatch.setattr(sinks._SinkAttention, "backward", staticmethod(flipped))
+
+
+@pytest.mark.parametrize(("wrong", "failed"), [(_sink_counted_twice, {"out", "dq", "dk", "dv", "dsinks"}),
+                                               (_dsinks_sign_flipped, {"dsinks"})], ids=["forward", "backward"])
+def test_a_wrong_sink_correction_fails_the_window_sinks_section(tmp_path, monkeypatch, wrong, failed):
+    """The engine's sink correction made wrong in its forward (exp(sink) counted twice in the denominator)
+    or its backward (dsinks of the wrong sign): the float64 truth, written apart from it, sees each."""
+    wrong(monkeypatch)
+    assert main(["--out", str(tmp_path), "--device", "cpu", "--quick", "--no-budgets", "--sections", "window_sinks"]) == 1
+    assert "status: **failed**" in (tmp_path / "summary.md").read_text()
+    assert {r["tensor"] for r in _rows(tmp_path / "window_sinks.csv") if r["ok"] == "False"} == failed
+
+
+def test_flex_s_side_agrees_with_the_truth(monkeypatch):
+    """What only a GPU run uses, FlexAttention with a document + window mask_mod and the sink applied to
+    its LSE (autograd through it), here on the CPU with flex's refusal of a CPU backward lifted (its
+    eager backward is the same math on every device): W = 1 and a CP shard, in both dtypes."""
+    import torch.nn.attention.flex_attention as flex
+
+    monkeypatch.setattr(flex, "_validate_device", lambda *tensors: None)
+    for case in (window_sinks.cases(QUICK)[1], window_sinks.cases(QUICK)[4]):
+        for dtype in window_sinks.DTYPES:
+            gen = torch.Generator().manual_seed(0)
+            rows = window_sinks.check_case(case, dtype, ["reference", "flex"], QUICK, torch.device("cpu"), gen)
+            assert {(r["implementation"], r["against"]) for r in rows} == {
+                ("reference", "float64"), ("flex", "float64"), ("reference", "flex")}
+            assert all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]
 
 
 def test_a_wrong_kernel_fails_the_exactness_section(tmp_path, monkeypatch):
@@ -102,7 +164,7 @@ def test_a_crashing_section_is_reported_and_the_rest_still_run(tmp_path, monkeyp
     assert code == 1
     summary = (tmp_path / "summary.md").read_text()
     assert "status: **error: MemoryError: out of device memory**" in summary
-    assert "## 4. Kernel efficiency\n\nstatus: **measured**" in summary
+    assert "## 5. Kernel efficiency\n\nstatus: **measured**" in summary
     assert capsys.readouterr().out.splitlines()[-1].startswith("gpucheck: FAILED in critical_path")
 
 

@@ -13,17 +13,20 @@ still leaves its results) and ends within about 8 minutes on one H100. Sections:
 2. `cp`: the CP op end to end, N in {2, 4, 8} ranks simulated in one process
    (`flashcp.attention.simulate`), every strategy and comm mode (the ring too), forward and backward against
    single-device attention.
-3. `critical_path`: the slowest rank's forward and forward+backward kernel time per window at the
+3. `window_sinks`: sliding windows with learned sinks (gpt-oss) on every backend that takes sinks,
+   forward and backward (dq, dk, dv, dsinks), float32 and bfloat16, against dense float64 attention
+   with a sink column and against FlexAttention (document + window mask_mod, the sink on its LSE).
+4. `critical_path`: the slowest rank's forward and forward+backward kernel time per window at the
    paper's setting (C = 128K, N in {4, 8}, 16 / 32 heads of dim 128, bf16, wlbllm and pile); for
    the ring systems the sum over ring steps of the slowest rank's call and merge, with the ring's
    communication modelled.
-4. `efficiency`: the paper's Fig. 3 (one 128K document vs 16 x 8K, whole vs Per-Doc shards) and
+5. `efficiency`: the paper's Fig. 3 (one 128K document vs 16 x 8K, whole vs Per-Doc shards) and
    achieved TFLOP/s against shard length, per backend.
-5. `decoder`: a Llama 3 8B decoder layer forward+backward on 16K tokens with the FlashCP op:
+6. `decoder`: a Llama 3 8B decoder layer forward+backward on 16K tokens with the FlashCP op:
    attention vs dense time, peak memory.
 
-Files in DIR: summary.md, env.json, exactness.csv, cp.csv, critical_path.csv, efficiency.csv,
-decoder.json and kernel_calls.csv (every timed kernel call in the format the cost model reads:
+Files in DIR: summary.md, env.json, exactness.csv, cp.csv, window_sinks.csv, critical_path.csv,
+efficiency.csv, decoder.json and kernel_calls.csv (every timed kernel call in the format the cost model reads:
 `python benchmarks/costmodel.py refit --gpucheck DIR`). `--device cpu --quick` runs every section
 at toy sizes and is part of the test suite.
 
@@ -36,16 +39,17 @@ from __future__ import annotations
 import torch
 
 from flashcp.attention.kernels import BACKENDS
-from flashcp.gpucheck import cp_check, critical_path, decoder, efficiency, exactness
+from flashcp.gpucheck import cp_check, critical_path, decoder, efficiency, exactness, window_sinks
 
 SECTIONS = {
     "exactness": ("1. Kernel exactness", exactness.run),
     "cp": ("2. CP op on simulated ranks", cp_check.run),
-    "critical_path": ("3. Per-rank critical path", critical_path.run),
-    "efficiency": ("4. Kernel efficiency", efficiency.run),
-    "decoder": ("5. Llama 3 8B decoder layer", decoder.run),
+    "window_sinks": ("3. Sliding windows with sinks", window_sinks.run),
+    "critical_path": ("4. Per-rank critical path", critical_path.run),
+    "efficiency": ("5. Kernel efficiency", efficiency.run),
+    "decoder": ("6. Llama 3 8B decoder layer", decoder.run),
 }
-CORRECTNESS = ("exactness", "cp")  # sections that pass or fail; the others measure
+CORRECTNESS = ("exactness", "cp", "window_sinks")  # sections that pass or fail; the others measure
 
 
 def backends_for(device: torch.device) -> list[str]:

@@ -1,4 +1,4 @@
-"""Section 3: the per-rank critical path of each planner at the paper's setting.
+"""Section 4: the per-rank critical path of each planner at the paper's setting.
 
 A CP step waits for its slowest rank. For each packed window, CP size, (query, key/value) head
 count of a shipped model on one rank and strategy,

@@ -1,4 +1,4 @@
-"""Section 5: one Llama 3 8B decoder layer, forward and backward, with the FlashCP attention op.
+"""Section 6: one Llama 3 8B decoder layer, forward and backward, with the FlashCP attention op.
 
 An end-to-end step model needs two efficiencies from a GPU: how fast the dense part of a layer
 (its GEMMs) runs, and how fast the attention of a packed window runs. Both are measured here in

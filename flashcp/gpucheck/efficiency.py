@@ -1,4 +1,4 @@
-"""Section 4: how kernel efficiency depends on shard length (the paper's Fig. 3), per backend.
+"""Section 5: how kernel efficiency depends on shard length (the paper's Fig. 3), per backend.
 
 Two measurements on one rank's share of a C-token window (N ranks, T = C / N tokens):
 
