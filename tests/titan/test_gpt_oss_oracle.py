@@ -39,8 +39,8 @@ from flashcp.titan.models.decoders import state_dict_adapter
 from flashcp.titan.models.spec import model_spec
 from flashcp.titan.models.windows import build_layer_dispatches
 
-from tests.titan.test_hf_oracle import _ep_dims, _grad_share, _labels, _relative, check, PLAN_OPTIONS, \
-    ROUTE_MARGIN, transformers  # fmt: skip
+from tests.titan.test_hf_oracle import _ep_dims, _grad_share, _hf_reference, _labels, _relative, check, \
+    PLAN_OPTIONS, ROUTE_MARGIN, transformers  # fmt: skip
 
 from safetensors.torch import load_file
 
@@ -77,23 +77,9 @@ def _prepare(model) -> None:
 
 
 def _hf_run(model, tokens: torch.Tensor) -> dict:
-    """Each document alone through transformers; the mean cross-entropy's gradients; each layer's
-    top-k experts per token and the smallest gap between a token's k-th and (k+1)-th router score."""
-    routers = [m for name, m in model.named_modules() if name.endswith("mlp.router")]
-    calls: list[tuple] = []
-    hooks = [m.register_forward_hook(lambda m, args, out: calls.append(out)) for m in routers]
-    logits = torch.cat([model(input_ids=doc[None]).logits[0] for doc in tokens.split(list(DOC_LENS))])
-    for hook in hooks:
-        hook.remove()
-    labels = _labels(tokens, DOC_LENS)
-    loss = torch.nn.functional.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
-    (loss / (labels != -100).sum()).backward()
-    n, k = len(routers), model.config.num_experts_per_tok
-    routes = [torch.cat([calls[d * n + i][2] for d in range(len(DOC_LENS))]).sort(-1).values for i in range(n)]
-    probs = torch.cat([out[0].softmax(-1) for out in calls]).sort(-1, descending=True).values
-    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
-    return {"tokens": tokens, "logits": logits.detach(), "grads": grads, "routes": routes,
-            "margin": (probs[:, k - 1] - probs[:, k]).min().item()}  # fmt: skip
+    """Each document alone through transformers, as the other families' oracle runs it (its routers
+    are `mlp.router`, its experts' gradients stay fused)."""
+    return _hf_reference(model, tokens, DOC_LENS, router="mlp.router", fused_experts=False)
 
 
 def _hf_model(folder: Path, **changes):

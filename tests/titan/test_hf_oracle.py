@@ -129,12 +129,15 @@ def _labels(tokens: torch.Tensor, doc_lens=DOC_LENS) -> torch.Tensor:
     return labels
 
 
-def _hf_reference(model, tokens: torch.Tensor, doc_lens=DOC_LENS) -> dict:
+def _hf_reference(model, tokens: torch.Tensor, doc_lens=DOC_LENS, router: str = "mlp.gate",
+                  fused_experts: bool = True) -> dict:  # fmt: skip
     """Each document alone through transformers (positions from 0); loss over the packed window.
     An MoE model also gives each layer's top-k experts per token (sorted) and the smallest gap
-    between a token's k-th and (k+1)-th expert score (DeepSeek-V3's: sigmoid scores plus the bias)."""
+    between a token's k-th and (k+1)-th expert score (DeepSeek-V3's: sigmoid scores plus the bias).
+    `router`: the name ending of its routers; `fused_experts`: gradients split per expert, as the
+    adapter's names are (gpt-oss keeps them fused)."""
     labels = _labels(tokens, doc_lens)
-    routers = [m for name, m in model.named_modules() if name.endswith("mlp.gate")]
+    routers = [m for name, m in model.named_modules() if name.endswith(router)]
     calls: list[tuple] = []
     hooks = [m.register_forward_hook(lambda m, args, out: calls.append(out)) for m in routers]
     logits = torch.cat([model(input_ids=doc[None]).logits[0] for doc in tokens.split(list(doc_lens))])
@@ -142,8 +145,8 @@ def _hf_reference(model, tokens: torch.Tensor, doc_lens=DOC_LENS) -> dict:
         hook.remove()
     loss = torch.nn.functional.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
     (loss / (labels != -100).sum()).backward()
-    grads = _per_expert({name: p.grad.clone() for name, p in model.named_parameters()})
-    ref = {"tokens": tokens, "logits": logits.detach(), "grads": grads}
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    ref = {"tokens": tokens, "logits": logits.detach(), "grads": _per_expert(grads) if fused_experts else grads}
     if routers:  # calls: document by document, layer by layer
         n = len(routers)
         ref["routes"] = [torch.cat([calls[d * n + i][2] for d in range(len(doc_lens))]).sort(-1).values
