@@ -47,10 +47,11 @@ def _worker(rank: int, world_size: int, port: int, sizes: Sequence[int], tasks, 
 
     torch.set_num_threads(1)
     # A collective timeout as long as the pool's own turns a rank that died mid-collective into an error,
-    # not a hang; it only bounds hangs, so it is generous for a loaded machine.
+    # not a hang; it only bounds hangs, so it is generous for a loaded machine (a 4-rank float64 MoE oracle
+    # call took over 300 s in a loaded CI run and 70 s alone).
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-        timeout=timedelta(seconds=300),
+        timeout=timedelta(seconds=900),
     )
     groups = {n: dist.new_group(list(range(n))) if n < world_size else dist.group.WORLD for n in sizes}
     results.put((rank, "ready", None))
@@ -75,7 +76,7 @@ def _worker(rank: int, world_size: int, port: int, sizes: Sequence[int], tasks, 
 class DistributedPool:
     """`world_size` spawned gloo workers; `run` executes one function on the first `size` ranks."""
 
-    def __init__(self, world_size: int, sizes: Sequence[int] | None = None, timeout: float = 300.0):
+    def __init__(self, world_size: int, sizes: Sequence[int] | None = None, timeout: float = 900.0):
         self.world_size, self.timeout = world_size, timeout
         self.failed = False  # a call raised: some rank may still be inside a collective
         self.sizes = tuple(sorted(set(sizes or (world_size,))))
