@@ -11,7 +11,9 @@ batches of cases:
 
 `fn` must be importable by the workers (a module-level function of a test module). Ranks outside
 `size` sit the call out; the process group of the first `size` ranks is created at start-up for
-every size in `sizes`, since creating groups is itself a collective over all ranks.
+every size in `sizes`, since creating groups is itself a collective over all ranks. So a call that
+builds a mesh or a group (EP's ParallelDims) must run on all of the pool's ranks: one that created
+groups on some ranks only fails, naming itself, since the pool's next group would hang.
 
 `gloo_pool` (`shared` below) keeps one pool per world size in each test process, from one test
 file to the next. A worker restores its environment variables and the garbage collector's state
@@ -41,6 +43,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _group_count() -> int:
+    """How many process groups this rank has created: torch names each new group by this count, so a
+    rank whose count differs from the others' would wait forever for its peers in the next new group."""
+    return dist.distributed_c10d._world.group_count
+
+
 def _worker(rank: int, world_size: int, port: int, sizes: Sequence[int], tasks, results) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
@@ -48,13 +56,14 @@ def _worker(rank: int, world_size: int, port: int, sizes: Sequence[int], tasks, 
     torch.set_num_threads(1)
     # A collective timeout as long as the pool's own turns a rank that died mid-collective into an error,
     # not a hang; it only bounds hangs, so it is generous for a loaded machine (a 4-rank float64 MoE oracle
-    # call took over 300 s in a loaded CI run and 70 s alone).
+    # call took over 300 s in a loaded CI run and 70 s alone). It is shorter than the pool's own limit,
+    # so that a rank stuck in a collective comes back as gloo's error naming the collective.
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
         timeout=timedelta(seconds=900),
     )
     groups = {n: dist.new_group(list(range(n))) if n < world_size else dist.group.WORLD for n in sizes}
-    results.put((rank, "ready", None))
+    results.put((rank, "ready", None, _group_count()))
     while True:
         task = tasks.get()
         if task is None:
@@ -63,9 +72,9 @@ def _worker(rank: int, world_size: int, port: int, sizes: Sequence[int], tasks, 
         environ, collecting = dict(os.environ), gc.isenabled()
         try:
             out = fn(rank, groups[size], *args) if rank < size else None
-            results.put((rank, "ok", out))
+            results.put((rank, "ok", out, _group_count()))
         except Exception:  # the parent re-raises it with the worker's traceback
-            results.put((rank, "error", traceback.format_exc()))
+            results.put((rank, "error", traceback.format_exc(), _group_count()))
         finally:  # what one call set (RANK, WORLD_SIZE, ...; a trainer turns off gc) is not seen by the next
             os.environ.clear()
             os.environ.update(environ)
@@ -76,7 +85,7 @@ def _worker(rank: int, world_size: int, port: int, sizes: Sequence[int], tasks, 
 class DistributedPool:
     """`world_size` spawned gloo workers; `run` executes one function on the first `size` ranks."""
 
-    def __init__(self, world_size: int, sizes: Sequence[int] | None = None, timeout: float = 900.0):
+    def __init__(self, world_size: int, sizes: Sequence[int] | None = None, timeout: float = 1200.0):
         self.world_size, self.timeout = world_size, timeout
         self.failed = False  # a call raised: some rank may still be inside a collective
         self.sizes = tuple(sorted(set(sizes or (world_size,))))
@@ -98,7 +107,7 @@ class DistributedPool:
             p.start()
         self._collect("start-up")
 
-    def _next_result(self, what: str) -> tuple[int, str, Any]:
+    def _next_result(self, what: str) -> tuple[int, str, Any, int]:
         """The next worker reply; a worker that died or a call past `timeout` raises."""
         deadline = time.monotonic() + self.timeout
         while True:
@@ -115,15 +124,20 @@ class DistributedPool:
 
     def _collect(self, what: str) -> list[Any]:
         out: list[Any] = [None] * self.world_size
+        counts = [0] * self.world_size
         errors = []
         for _ in range(self.world_size):
-            rank, status, value = self._next_result(what)
+            rank, status, value, counts[rank] = self._next_result(what)
             if status == "error":
                 errors.append(f"rank {rank}:\n{value}")
             out[rank] = value
         if errors:
             self.failed = True
             raise RuntimeError(f"{what} failed on {len(errors)} worker(s):\n" + "\n".join(errors))
+        if len(set(counts)) > 1:  # the next group created on all ranks would hang: this pool is done
+            self.failed = True
+            raise RuntimeError(f"{what} created process groups on some ranks only (each rank's count: {counts}); "
+                               "a call that builds a mesh or group must run on all of a pool's ranks")
         return out
 
     def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), size: int | None = None) -> list[Any]:

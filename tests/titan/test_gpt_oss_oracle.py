@@ -230,11 +230,6 @@ def test_each_feature_moves_transformers_far_beyond_the_tolerance(oracle, change
     assert _relative(logits, ref["logits"]) > 1000 * TOLERANCE, change
 
 
-@pytest.fixture(scope="module")
-def pool(gloo_pool):
-    return gloo_pool(4, sizes=(2, 4))
-
-
 # CP = 2: every strategy with the compact exchange, the needed and full exchanges and EP = 2 once;
 # CP = 4: flashcp with the compact, needed and two-level exchanges (nodes of 2 ranks).
 CASES = [(2, s, "compact", 1) for s in STRATEGIES] + [(2, "flashcp", "needed", 1), (2, "flashcp", "full", 1),
@@ -242,12 +237,13 @@ CASES = [(2, s, "compact", 1) for s in STRATEGIES] + [(2, "flashcp", "needed", 1
 
 
 @pytest.mark.parametrize("cp", [2, 4])
-def test_cp_matches_transformers(oracle, pool, cp):
+def test_cp_matches_transformers(oracle, gloo_pool, cp):
     folder, ref = oracle
+    pool = gloo_pool(cp)  # a pool of exactly CP ranks: EP = 2 builds a mesh, which every pool rank must join
     for case_cp, strategy, comm, ep in CASES:
         if case_cp == cp:
             plan = plan_shards(DOC_LENS, cp, strategy, **PLAN_OPTIONS.get(strategy, {}))
-            parts = pool.run(run_window, (folder, ref["tokens"], plan, comm, ep), size=cp)
+            parts = pool.run(run_window, (folder, ref["tokens"], plan, comm, ep))
             _check(parts, ref, f"CP={cp} EP={ep} {strategy}/{comm}")
 
 
