@@ -54,7 +54,7 @@ def _worker(rank: int, world_size: int, port: int, sizes: Sequence[int], tasks, 
     import torch
 
     torch.set_num_threads(1)
-    # A collective timeout as long as the pool's own turns a rank that died mid-collective into an error,
+    # A collective timeout turns a rank that died mid-collective into an error,
     # not a hang; it only bounds hangs, so it is generous for a loaded machine (a 4-rank float64 MoE oracle
     # call took over 300 s in a loaded CI run and 70 s alone). It is shorter than the pool's own limit,
     # so that a rank stuck in a collective comes back as gloo's error naming the collective.
