@@ -1,9 +1,10 @@
-"""Create a tiny random Hugging Face Llama (or Qwen3, Qwen3-MoE, DeepSeek-V3) folder, to try importing / exporting without downloads.
+"""Create a tiny random Hugging Face Llama (or Qwen3, Qwen3-MoE, DeepSeek-V3, gpt-oss) folder, to try importing / exporting without downloads.
 
     python scripts/make_tiny_hf.py /tmp/tiny-llama           # Llama, vocab 4096 (the shipped tokenizer's)
     python scripts/make_tiny_hf.py /tmp/tiny-qwen3 --model-type qwen3
     python scripts/make_tiny_hf.py /tmp/tiny-qwen3-moe --model-type qwen3_moe   # 8 experts, top-2
     python scripts/make_tiny_hf.py /tmp/tiny-deepseek --model-type deepseek_v3  # MLA, a dense layer then MoE
+    python scripts/make_tiny_hf.py /tmp/tiny-gpt-oss --model-type gpt_oss       # window + full layers, sinks
 
 Written with `transformers` (the test extra: pip install -e .[test]) as `save_pretrained` writes
 any HF model: config.json and model.safetensors, plus the shipped tokenizer's files, so that the
@@ -26,7 +27,8 @@ TOKENIZER_DIR = ROOT / "data" / "default"  # the shipped tokenizer: 4,096 tokens
 def tiny_config(model_type: str = "llama", vocab_size: int = 4096, **overrides: Any) -> Any:
     """A small GQA config: 2 layers, 4 heads over 2 KV heads, dim 32, context 512 (Qwen3: head_dim 16, tied
     embeddings; Qwen3-MoE: Qwen3 untied, 8 experts of width 16 per layer, top-2; DeepSeek-V3: MLA with
-    kv_lora_rank 32 and q_lora_rank 24, YaRN, 3 layers, the first dense, then 8 experts, top-2, and a shared one)."""
+    kv_lora_rank 32 and q_lora_rank 24, YaRN, 3 layers, the first dense, then 8 experts, top-2, and a shared one;
+    gpt-oss: a sliding layer (16 keys) then a full one, heads of 8, YaRN, 8 biased experts of width 24, top-2)."""
     import transformers
 
     common = dict(
@@ -53,7 +55,15 @@ def tiny_config(model_type: str = "llama", vocab_size: int = 4096, **overrides: 
                                 "mscale_all_dim": 0.707, "original_max_position_embeddings": 128},
         }  # fmt: skip
         return transformers.DeepseekV3Config(**(common | mla | overrides))
-    raise ValueError(f"model type {model_type!r}: llama, qwen3, qwen3_moe or deepseek_v3")
+    if model_type == "gpt_oss":
+        oss = {
+            "head_dim": 8, "intermediate_size": 24, "num_local_experts": 8, "num_experts_per_tok": 2,
+            "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 16, "swiglu_limit": 7.0,
+            "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                                "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 128},
+        }  # fmt: skip
+        return transformers.GptOssConfig(**(common | oss | overrides))
+    raise ValueError(f"model type {model_type!r}: llama, qwen3, qwen3_moe, deepseek_v3 or gpt_oss")
 
 
 def make_tiny_hf(folder: Path, model_type: str = "llama", seed: int = 0, **overrides: Any) -> Path:
@@ -63,6 +73,11 @@ def make_tiny_hf(folder: Path, model_type: str = "llama", seed: int = 0, **overr
 
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides))
+    if model_type == "gpt_oss":  # transformers starts the biases at zero: drawn, so that they count
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("bias"):
+                    p.normal_(std=0.3)
     model.save_pretrained(folder, safe_serialization=True)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(TOKENIZER_DIR / name, Path(folder) / name)
@@ -73,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("folder", type=Path, help="where to write the model (must not exist)")
-    parser.add_argument("--model-type", default="llama", choices=("llama", "qwen3", "qwen3_moe", "deepseek_v3"))
+    parser.add_argument("--model-type", default="llama", choices=("llama", "qwen3", "qwen3_moe", "deepseek_v3", "gpt_oss"))
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.folder.exists():

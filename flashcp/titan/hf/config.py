@@ -4,17 +4,16 @@
     arch = architecture_from_hf(json_dict, where="...")  # the same from a parsed config.json
     to_hf_config(arch, torch_dtype="bfloat16", base=None) -> dict  # the config.json an export writes
 
-`Architecture` is FlashCP's description of a decoder (Llama 3.x: model_type "llama";
-Qwen3: "qwen3", with QK-norm and its own head_dim; Qwen3-MoE: "qwen3_moe", Qwen3 whose every
-feed-forward is a top-k routed mixture of experts, `experts`; DeepSeek-V3: "deepseek_v3", latent
-attention; gpt-oss: "gpt_oss", sliding-window layers among full ones, a learned sink per head,
-biased projections and biased experts with a clamped SwiGLU), the one value every consumer reads: the
-pre-launch checks (`flashcp.titan.config.model_dims`), the TorchTitan model config
+`Architecture` (`flashcp.titan.hf.architecture`, importable from here too) is FlashCP's description
+of a decoder (Llama 3.x: model_type "llama"; Qwen3: "qwen3", with QK-norm and its own head_dim;
+Qwen3-MoE: "qwen3_moe", Qwen3 whose every feed-forward is a top-k routed mixture of experts;
+DeepSeek-V3: "deepseek_v3", latent attention; gpt-oss: "gpt_oss", read and written by
+`flashcp.titan.hf.gpt_oss`), the one value every consumer reads: the pre-launch checks
+(`flashcp.titan.config.model_dims`), the TorchTitan model config
 (`flashcp.titan.models.decoders.titan_config(arch, attn_backend, max_seq_len)`), the job's model
 (`flashcp.titan.models.decoders.job_architecture(model_cfg, tokenizer_vocab, seq_len)`, also for named
 flavors) and HF import / export (`flashcp.titan.models.decoders.state_dict_adapter(model_config,
-hf_assets_path)`: TorchTitan's Llama3StateDictAdapter / Qwen3StateDictAdapter, which map names and,
-for Llama, permute q / k between HF's rotate-half layout and TorchTitan's adjacent pairs).
+hf_assets_path)`, the adapters of `flashcp.titan.hf.adapters`).
 `to_hf_config` writes the RoPE actually trained (`rope_theta`, `rope_scaling`) and the context
 (`max_position_embeddings`), starting from the base model's config.json when given so that its
 other entries (token ids, ...) carry over.
@@ -26,10 +25,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from flashcp.titan.hf import gpt_oss
+from flashcp.titan.hf.architecture import Architecture, Experts, HFConfigError, Latent
 from flashcp.titan.hf.files import FolderFileError, load_json, read_member
 from flashcp.titan.models.rope import Rope, rope_from_hf, rope_to_hf, RopeError
 
@@ -43,89 +43,7 @@ HF_NAMES = {
 }  # fmt: skip
 HF_MOE_NAME = ("qwen3_moe", "Qwen3MoeForCausalLM")  # a qwen3 architecture with experts
 HF_DEFAULT_THETA = 10000.0  # transformers' default rope_theta for both
-# gpt-oss: transformers' defaults where a config.json leaves them out (GptOssConfig).
-GPT_OSS_THETA = 150000.0
-GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
-                "original_max_position_embeddings": 4096}  # fmt: skip
-SWIGLU_ALPHA = 1.702  # gpt-oss's SwiGLU gain, fixed in TorchTitan's experts (torchtitan.models.gpt_oss.moe.swiglu)
-LAYER_TYPES = ("sliding_attention", "full_attention")  # HF layer_types
 MAX_CONFIG_BYTES = 1 << 20
-
-
-class HFConfigError(ValueError):
-    """A config.json FlashCP cannot train; the message names the file and the entry."""
-
-
-@dataclass(frozen=True)
-class Experts:
-    """The feed-forward as routed experts: Qwen3-MoE's (softmax router, no shared expert, every layer)
-    by default; DeepSeek-V3's add shared experts, a sigmoid router with group-limited choice and a
-    scale on the routed output."""
-
-    num_experts: int
-    top_k: int  # experts per token (HF num_experts_per_tok)
-    hidden_dim: int  # one expert's width (HF moe_intermediate_size)
-    route_norm: bool = True  # the top-k scores renormalised to sum to 1 (HF norm_topk_prob)
-    shared: int = 0  # shared experts, each hidden_dim wide, run on every token (HF n_shared_experts)
-    score_func: str = "softmax"  # softmax | sigmoid
-    route_scale: float = 1.0  # multiplies the top-k scores (HF routed_scaling_factor)
-    groups: int | None = None  # expert groups, of which each token picks `limited_groups` (HF n_group)
-    limited_groups: int | None = None  # HF topk_group
-    swiglu_limit: float | None = None
-    """gpt-oss's experts: biased projections and a SwiGLU whose gate and up inputs are clamped to this
-    (HF swiglu_limit; gain 1.702); None: an unbiased SiLU-gated feed-forward (Qwen3-MoE, DeepSeek-V3)."""
-
-
-@dataclass(frozen=True)
-class Latent:
-    """Multi-head latent attention (DeepSeek-V2/V3): K and V up-projected per head from one normalised
-    latent row (kv_lora_rank) per token, plus one RoPE key shared by all heads (qk_rope_head_dim)."""
-
-    kv_lora_rank: int
-    q_lora_rank: int  # 0: q projected directly from the hidden state (HF q_lora_rank null)
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
-    mscale: float = 1.0  # YaRN's softmax-scale correction, squared in the scale (HF rope_scaling.mscale_all_dim)
-    norm_eps: float = 1e-6  # RMSNorm eps of the latent (and q's) norm: transformers' fixed 1e-6
-
-
-@dataclass(frozen=True)
-class Architecture:
-    """A decoder: everything that fixes its parameters' shapes and its forward pass."""
-
-    name: str  # llama3 | qwen3 (qwen3: RMSNorm on q and k per head before RoPE) | deepseek_v3 (latent)
-    dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    hidden_dim: int  # feed-forward width (HF intermediate_size; deepseek_v3: its dense layers')
-    vocab_size: int
-    norm_eps: float
-    rope: Rope
-    tie_embeddings: bool = False
-    max_position_embeddings: int = 8192  # the context the model is meant for (export writes the trained one)
-    experts: Experts | None = None  # None: a dense feed-forward of hidden_dim in every layer
-    latent: Latent | None = None  # deepseek_v3's attention (head_dim: qk_nope + qk_rope; n_kv_heads = n_heads)
-    n_dense_layers: int = 0  # with experts: the first layers keep a dense feed-forward (HF first_k_dense_replace)
-    layer_types: tuple[str, ...] = ()
-    """Each layer's attention, "sliding_attention" or "full_attention" (HF layer_types); (): every layer
-    full. Not empty only when some layer slides."""
-    sliding_window: int | None = None  # keys a sliding layer's query sees, itself included (HF sliding_window)
-
-    @property
-    def qk_norm(self) -> bool:
-        return self.name == "qwen3"
-
-    @property
-    def sinks(self) -> bool:
-        """A learned sink logit per head in every softmax (gpt-oss), with biased q, k, v and o projections."""
-        return self.name == "gpt_oss"
-
-    def window(self, layer: int) -> int | None:
-        """The sliding window of layer `layer`; None: full attention."""
-        return self.sliding_window if self.layer_types and self.layer_types[layer] == LAYER_TYPES[0] else None
 
 
 def read_hf_config(path: str | Path) -> Architecture:
@@ -215,7 +133,7 @@ def architecture_from_hf(hf: dict[str, Any], where: str = "config.json") -> Arch
         f"{key} = {hf[key]!r}" for key, ok in (
             # gpt-oss's projections have biases (TorchTitan builds them), the others' none
             ("hidden_act", "silu"), ("attention_bias", name == "gpt_oss"), ("mlp_bias", False),
-            ("use_sliding_window", False), ("swiglu_alpha", SWIGLU_ALPHA),
+            ("use_sliding_window", False), ("swiglu_alpha", gpt_oss.SWIGLU_ALPHA),
         ) if key in hf and hf[key] != ok
     ]  # fmt: skip
     if name == "llama3" and head_dim != dim // n_heads:
@@ -231,17 +149,19 @@ def architecture_from_hf(hf: dict[str, Any], where: str = "config.json") -> Arch
         unsupported.append(f"num_attention_heads = {n_heads} not a multiple of num_key_value_heads = {n_kv}")
     if unsupported:
         raise HFConfigError(f"{where}: {'; '.join(unsupported)} is not supported")
-    if name == "gpt_oss" and not (hf.get("rope_parameters") or hf.get("rope_scaling")):
-        hf = hf | {"rope_scaling": GPT_OSS_ROPE}
     try:
-        rope = rope_from_hf(hf, GPT_OSS_THETA if name == "gpt_oss" else HF_DEFAULT_THETA)
+        if name == "gpt_oss":
+            rope = rope_from_hf(gpt_oss.with_default_rope(hf), gpt_oss.THETA)
+        else:
+            rope = rope_from_hf(hf, HF_DEFAULT_THETA)
     except (RopeError, KeyError, TypeError, ValueError) as e:
         raise HFConfigError(f"{where}: {e}") from e
     n_layers = value("num_hidden_layers", int)
     if name == "deepseek_v3":
         return _deepseek_v3(hf, value, rope, where)
     if name == "gpt_oss":
-        return _gpt_oss(hf, value, rope, where)
+        return gpt_oss.architecture(hf, value, rope, _norm_eps(value("rms_norm_eps", float, 1e-5), where), where,
+                                    _experts_key(hf))  # fmt: skip
     return Architecture(
         name=name,
         dim=dim,
@@ -303,38 +223,6 @@ def _deepseek_v3(hf: dict[str, Any], value, rope: Rope, where: str) -> Architect
         rope=rope, tie_embeddings=value("tie_word_embeddings", bool, False),
         max_position_embeddings=value("max_position_embeddings", int, 8192), experts=experts, latent=latent,
         n_dense_layers=dense,
-    )  # fmt: skip
-
-
-def _gpt_oss(hf: dict[str, Any], value, rope: Rope, where: str) -> Architecture:
-    """A gpt_oss config.json: sliding-window layers among full ones (HF layer_types, transformers'
-    alternation from a sliding layer 0 when absent), a sink per head, and in every layer top-k experts
-    of intermediate_size, routed by a softmax over the chosen experts' logits."""
-    n_layers = value("num_hidden_layers", int)
-    types = hf.get("layer_types")
-    if types is None:
-        types = [LAYER_TYPES[i % 2] for i in range(n_layers)]
-    if not isinstance(types, list) or len(types) != n_layers or any(t not in LAYER_TYPES for t in types):
-        shown = repr(types) if len(repr(types)) <= 120 else repr(types)[:117] + "..."
-        raise HFConfigError(f"{where}: layer_types must name 'sliding_attention' or 'full_attention' for each of "
-                            f"the {n_layers} layers (num_hidden_layers), got {shown}")  # fmt: skip
-    sliding = LAYER_TYPES[0] in types
-    experts = Experts(
-        num_experts=value(_experts_key(hf), int), top_k=value("num_experts_per_tok", int),
-        hidden_dim=value("intermediate_size", int), swiglu_limit=value("swiglu_limit", float, 7.0),
-    )  # fmt: skip
-    if experts.top_k > experts.num_experts:
-        raise HFConfigError(f"{where}: num_experts_per_tok = {experts.top_k} exceeds num_local_experts = "
-                            f"{experts.num_experts}")  # fmt: skip
-    n_heads = value("num_attention_heads", int)
-    return Architecture(
-        name="gpt_oss", dim=value("hidden_size", int), n_layers=n_layers, n_heads=n_heads,
-        n_kv_heads=value("num_key_value_heads", int, n_heads), head_dim=value("head_dim", int, 64),
-        hidden_dim=experts.hidden_dim, vocab_size=value("vocab_size", int),
-        norm_eps=_norm_eps(value("rms_norm_eps", float, 1e-5), where), rope=rope,
-        tie_embeddings=value("tie_word_embeddings", bool, False),
-        max_position_embeddings=value("max_position_embeddings", int, 131072), experts=experts,
-        layer_types=tuple(types) if sliding else (), sliding_window=value("sliding_window", int) if sliding else None,
     )  # fmt: skip
 
 
@@ -425,12 +313,7 @@ def to_hf_config(
     if arch.name == "deepseek_v3":
         return out | _deepseek_v3_entries(arch, out["rope_scaling"])
     if arch.name == "gpt_oss":
-        return out | {
-            "attention_bias": True, "num_local_experts": arch.experts.num_experts,
-            "num_experts_per_tok": arch.experts.top_k, "swiglu_limit": arch.experts.swiglu_limit,
-            "swiglu_alpha": SWIGLU_ALPHA, "layer_types": list(arch.layer_types) or [LAYER_TYPES[1]] * arch.n_layers,
-            "sliding_window": arch.sliding_window, "output_router_logits": False,
-        }  # fmt: skip
+        return out | gpt_oss.hf_entries(arch)
     if arch.name == "llama3":
         out["mlp_bias"] = False
     else:

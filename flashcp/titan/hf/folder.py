@@ -13,6 +13,8 @@ verified is verified from the files themselves, reading only their JSON headers:
   data offsets that fit the shape, the tensors' bytes tile the data without gaps or overlaps and
   the last one ends exactly at the end of the file (a truncated copy is named); the index maps
   tensor names to file names.
+- A folder of MXFP4 experts (the released gpt-oss checkpoints) is refused naming the command that
+  writes an unquantized copy (`flashcp.titan.hf.gpt_oss`).
 - Every tensor the model needs is present with its shape and a floating dtype, and no tensor is
   left unused (another size or architecture is named by its first keys). A tied model (one
   embedding for input and output) also loads a folder that stores `lm_head.weight` as well,
@@ -36,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from flashcp.titan.hf.files import FolderFileError, member, read_member
+from flashcp.titan.hf.gpt_oss import mxfp4_problem
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
@@ -179,6 +182,9 @@ def check_weights(folder: Path, expected: dict[str, tuple[int, ...]]) -> tuple[s
             if name in stored:
                 raise HFFolderError(f"{folder}: tensor {name} is stored twice ({path.name} and another file)")
             stored[name] = entry | {"file": path.name}
+    mxfp4 = mxfp4_problem(folder, stored)
+    if mxfp4:
+        raise HFFolderError(mxfp4)
     tied = TIED_HEAD not in expected and EMBEDDING in expected
     redundant = tied and TIED_HEAD in stored and EMBEDDING in stored
     if redundant:

@@ -2,7 +2,7 @@
 
     arch = job_architecture(cfg["model"], tokenizer_vocab, seq_len)  # named flavor, custom or HF config.json
     model_config = titan_config(arch, attn_backend="flex", max_seq_len=seq_len)
-    adapter = state_dict_adapter(model_config, hf_assets_path)       # TorchTitan's HF <-> TorchTitan mapping
+    adapter = state_dict_adapter(model_config, hf_assets_path)       # HF <-> TorchTitan (flashcp.titan.hf.adapters)
 
 Every model is built through one path: a named flavor's config from TorchTitan's registry is read
 back into an `Architecture` (`flashcp.titan.models.registry`), then every architecture is built with TorchTitan's
@@ -31,46 +31,19 @@ from torchtitan.models.common import (
 )
 from torchtitan.models.common.decoder import Decoder
 from torchtitan.models.deepseek_v3 import DeepSeekV3Model
-from torchtitan.models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter
 from torchtitan.models.gpt_oss import GptOssModel
-from torchtitan.models.gpt_oss.state_dict_adapter import GptOssStateDictAdapter
 from torchtitan.models.llama3 import Llama3Model
-from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
 from torchtitan.models.qwen3 import Qwen3Model
-from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
 from torchtitan.protocols.state_dict_adapter import BaseStateDictAdapter
 
 from flashcp.titan.config import ConfigError, custom_experts, TOKENIZER_SIZED_FLAVORS
+from flashcp.titan.hf.adapters import ADAPTERS
 from flashcp.titan.hf.config import Architecture, HFConfigError, read_hf_config, with_rope
 from flashcp.titan.models.experts import use_param_dtype_experts
 from flashcp.titan.models.registry import family, flavor_architecture, TITAN_SCALING
 from flashcp.titan.models.rope import FAMILY_ROPE, rope_for_job, RopeError
 from flashcp.titan.models.rotary import ScaledCosSinRoPE
 
-class TiedDeepSeekV3StateDictAdapter(DeepSeekV3StateDictAdapter):
-    """TorchTitan's DeepSeek-V3 adapter, with tied embeddings as its Qwen3 adapter handles them: an HF
-    folder of a tied model stores only the embedding (TorchTitan 0.3.0's DeepSeek-V3 adapter always
-    maps lm_head.weight), which is also the output projection's weight."""
-
-    def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        if self.model_config.enable_weight_tying:
-            state_dict = {k: v for k, v in state_dict.items() if k != "lm_head.weight"}
-            if self.fqn_to_index_mapping:
-                self.fqn_to_index_mapping.pop("lm_head.weight", None)
-        return super().to_hf(state_dict)
-
-    def from_hf(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
-        if self.model_config.enable_weight_tying and "lm_head.weight" not in hf_state_dict:
-            hf_state_dict = hf_state_dict | {"lm_head.weight": hf_state_dict["model.embed_tokens.weight"]}
-        return super().from_hf(hf_state_dict)
-
-
-ADAPTERS: dict[str, type[BaseStateDictAdapter]] = {
-    "llama3": Llama3StateDictAdapter,
-    "qwen3": Qwen3StateDictAdapter,
-    "deepseek_v3": TiedDeepSeekV3StateDictAdapter,
-    "gpt_oss": GptOssStateDictAdapter,
-}
 # The RMSNorm eps of each family's flavors, which a custom size takes with the family's RoPE.
 _NORM_EPS = {"llama3": 1e-5, "qwen3": 1e-6}
 
@@ -249,7 +222,7 @@ def _custom(model_cfg: dict[str, Any], tokenizer_vocab: int) -> Architecture:
 def state_dict_adapter(
     model_config: Decoder.Config, hf_assets_path: str | None = None
 ) -> BaseStateDictAdapter:
-    """TorchTitan's HF adapter for the model: `from_hf(hf_state) -> titan_state`, `to_hf(titan_state)`.
+    """The model's HF adapter (`flashcp.titan.hf.adapters`): `from_hf(hf_state) -> titan_state`, `to_hf(titan_state)`.
 
     `hf_assets_path` (a folder with model.safetensors.index.json) only sets how `to_hf` shards an
     HF save; None writes one file."""
