@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from flashcp.costmodel.kernel import DEFAULT_BWD_RATIO, KernelModel
 from flashcp.data.balance import WindowCost
+from flashcp.plan.plan import CAUSAL, Workload
 
 H100_BF16_TFLOPS = 989.0  # dense bf16 peak of an H100 SXM (datasheet)
 DENSE_MFU = 0.33  # TorchTitan, Llama 3.1 8B, 8 x H100, FSDP, no torch.compile (published)
@@ -44,10 +45,22 @@ def kernel_tflops(kernel: KernelModel, tokens: int, heads: int, head_dim: int) -
 
 
 def window_cost(dense_flops_per_token: float, attention_flops_per_pair: float, cp: int,
-                full_ac: bool = False) -> WindowCost:  # fmt: skip
+                full_ac: bool = False, workload: Workload = CAUSAL) -> WindowCost:  # fmt: skip
     """Seconds per token and per attended pair on one of `cp` ranks. `dense_flops_per_token`:
     6 x the non-embedding parameters; `attention_flops_per_pair`: 12 x heads x head_dim x layers
-    (forward and backward matmuls, as TorchTitan's MFU counts them)."""
+    (forward and backward matmuls, as TorchTitan's MFU counts them).
+
+    With sliding-window layers (`workload`, the model's layer counts) only the full layers' share is
+    priced per causal pair; a window layer's query sees min(p + 1, W) keys, W past its document's
+    first W tokens, so its share is priced as W pairs per token: above the exact count by
+    W (W - 1) / 2 pairs per document at most (`WindowCost` holds tokens and causal pairs only)."""
+    if not workload.full_layers:  # the balancer divides by the price of a causal pair
+        raise ValueError("the balance weighs causal pairs, which a model of sliding-window layers only never "
+                         "attends: set [data] balance = 'off' (its windows cost the same per token)")
+    layers = workload.full_layers + workload.window_layers
+    windowed = attention_flops_per_pair * workload.window_layers / layers * (workload.window or 0)
     dense = dense_flops_per_token * (FULL_AC_DENSE if full_ac else 1.0)
-    attention = attention_flops_per_pair * attention_factor(full_ac)
-    return WindowCost(dense / (DENSE_MFU * H100_BF16_TFLOPS * 1e12), attention / (ATTENTION_TFLOPS * 1e12), cp)
+    attention = attention_flops_per_pair * workload.full_layers / layers * attention_factor(full_ac)
+    per_token = dense / (DENSE_MFU * H100_BF16_TFLOPS * 1e12) + windowed * attention_factor(full_ac) / (
+        ATTENTION_TFLOPS * 1e12)  # fmt: skip
+    return WindowCost(per_token, attention / (ATTENTION_TFLOPS * 1e12), cp)

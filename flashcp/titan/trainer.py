@@ -78,7 +78,7 @@ from flashcp.data.plan_worker import TIMEOUT_S as PLAN_WORKER_TIMEOUT_S
 from flashcp.dispatch import build_dispatch
 from flashcp.plan.plan import row_bytes
 from flashcp.titan.models.attention import CPStep, flashcp_ropes, flashcp_windows
-from flashcp.titan.models.windows import build_layer_dispatches
+from flashcp.titan.models.windows import build_layer_dispatches, planner_workload
 from flashcp.titan import compat
 from flashcp.titan.components.checkpoint import CheckpointError, Checkpointer
 from flashcp.titan.components.data import PipelineTokenizer, WindowDataLoader
@@ -319,13 +319,16 @@ class FlashCPTrainer(Trainer):
             print(f"flashcp: preempted at step {self.step}: {where}", flush=True)
 
     def _window_cost(self) -> WindowCost:
-        """What the loader balances by: the model's FLOPs at measured efficiencies (`flashcp.costmodel.proxy`)."""
+        """What the loader balances by: the model's FLOPs at measured efficiencies (`flashcp.costmodel.proxy`),
+        window layers by the W keys their queries see."""
         m = self.metrics_processor
         full_ac = isinstance(self.config.activation_checkpoint, FullAC.Config)
-        return window_cost(m.dense_flops_per_token, m.attention_flops_per_pair, self.parallel_dims.cp, full_ac)
+        return window_cost(m.dense_flops_per_token, m.attention_flops_per_pair, self.parallel_dims.cp, full_ac,
+                           m.attention_workload)  # fmt: skip
 
     def _configure_metrics(self) -> None:
-        """Tell the metrics what one token and one attended (query, key) pair cost."""
+        """Tell the metrics what one token and one attended (query, key) pair cost, and which layers see at
+        most W keys per query (`planner_workload`: the MFU's pairs and the balance count them so)."""
         metrics = self.metrics_processor
         model = self.model_config
         attention = model.first_attention
@@ -341,6 +344,7 @@ class FlashCPTrainer(Trainer):
         per_pair = 6 * len(model.layers) * n_heads * (qk_dim + v_dim)  # QK^T and PV, forward + backward
         metrics.total_steps = self.config.training.steps
         metrics.attention_flops_per_pair = per_pair
+        metrics.attention_workload = planner_workload(model)
         # TorchTitan's per-token count includes full (unmasked) attention over seq_len keys.
         metrics.dense_flops_per_token = metrics.num_flops_per_token - per_pair * self.config.training.seq_len
         # K/V rows (what `kv: x full` compares with) and, for MLA, the latent rows the exchange moves

@@ -2,10 +2,12 @@
 
 TorchTitan counts attention FLOPs as if every token attended to the whole sequence; with packed
 documents under a document mask a token only sees its own document's prefix, so the MFU here
-counts exactly the (query, key) pairs the mask keeps: sum over documents of d (d + 1) / 2.
+counts exactly the (query, key) pairs the mask keeps: sum over documents of d (d + 1) / 2, and in a
+sliding-window layer (gpt-oss) at most W keys per query (`flashcp.plan.Workload`).
 Each logged step also reports the sharding plans of the windows this rank trained on since the
 last log (workload imbalance, KV bytes received per layer under the full, compact and needed
-exchanges, documents split across ranks, planning time; with `comm = "two_level"` across nodes
+exchanges, and a sliding-window layer's compact and needed ones apart, documents split across
+ranks, planning time; with `comm = "two_level"` across nodes
 also the busiest NIC's bytes per layer of the flat needed and the two-level exchange, and the
 latter's NVLink stage, `flashcp.plan.nodes`; with `comm = "ring"` the ring's bytes per layer,
 forward and backward, `flashcp.plan.ring.ring_transfers`), a data mixture's tokens per source in the
@@ -27,15 +29,17 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.tensorboard import SummaryWriter
 from torchtitan.components.metrics import _get_metrics_rank, BaseLogger, LoggerContainer, MetricsProcessor
 from torchtitan.tools.logging import logger
 from torchtitan.tools.utils import device_module, device_type
 
-from flashcp.plan import Plan
+from flashcp.plan import CAUSAL, Plan, Workload
 from flashcp.plan.nodes import node_metrics
 from flashcp.plan.ring import ring_transfers
+from flashcp.plan.window import window_metrics
 
 
 @dataclass
@@ -43,10 +47,10 @@ class WindowStats:
     """Sums over the windows one rank processed since the last log."""
 
     windows: int = 0
-    attention_pairs: int = 0
+    attention_pairs: float = 0.0  # per layer, averaged over the model's layers (`attention_pairs`)
     plan_ms: float = 0.0
     imbalance: list[float] = field(default_factory=list)
-    recv_bytes: dict[str, float] = field(default_factory=dict)  # comm mode -> bytes per layer
+    recv_bytes: dict[str, float] = field(default_factory=dict)  # comm mode -> bytes per layer (window_<mode>: W's)
     kv_full_bytes: float = 0.0  # what the K/V all-gather of the same plans receives per layer
     fabric_bytes: dict[str, float] = field(default_factory=dict)  # needed / two_level -> busiest NIC's bytes per layer
     nvlink_bytes: float = 0.0  # two_level's second stage: the busiest rank's bytes per layer
@@ -57,9 +61,11 @@ class WindowStats:
     new_source_tokens: dict[str, int] = field(default_factory=dict)  # of those, since the last log
 
 
-def attention_pairs(doc_lens: list[int]) -> int:
-    """(query, key) pairs a causal document mask keeps: d (d + 1) / 2 per document."""
-    return sum(d * (d + 1) // 2 for d in doc_lens)
+def attention_pairs(doc_lens: list[int], workload: Workload = CAUSAL) -> float:
+    """(query, key) pairs a causal document mask keeps, averaged over the `workload`'s layers: d (d + 1) / 2
+    per document in a full layer, min(p + 1, W) keys for the query at p in a sliding-window one."""
+    work = workload.shards(np.zeros(len(doc_lens), dtype=np.int64), np.asarray(doc_lens, dtype=np.int64))
+    return int(work.sum()) / (workload.full_layers + workload.window_layers)
 
 
 def shares(prefix: str, tokens: dict[str, int]) -> dict[str, float]:
@@ -98,10 +104,12 @@ class RunTensorBoardLogger(BaseLogger):
 class FlashCPMetrics(MetricsProcessor):
     """MetricsProcessor whose `log` reports document-masked MFU, FlashCP plan figures and an ETA.
 
-    The trainer sets `total_steps`, `dense_flops_per_token`, `attention_flops_per_pair` and
-    `kv_row_bytes` (an MLA model's latent rows also `exchange_row_bytes`: bytes are counted in the
-    rows the exchange moves, `kv: x full` against the K/V all-gather) after building the model, and
-    calls `record_window` for every window.
+    The trainer sets `total_steps`, `dense_flops_per_token`, `attention_flops_per_pair` (every layer's
+    FLOPs of one attended pair), `attention_workload` (the model's full and sliding-window layers: the
+    pairs are counted per layer with window layers' queries capped at W keys, and window layers'
+    rows are reported apart) and `kv_row_bytes` (an MLA model's latent rows also `exchange_row_bytes`:
+    bytes are counted in the rows the exchange moves, `kv: x full` against the K/V all-gather) after
+    building the model, and calls `record_window` for every window.
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -118,6 +126,7 @@ class FlashCPMetrics(MetricsProcessor):
         self.total_steps = 0
         self.dense_flops_per_token = 0
         self.attention_flops_per_pair = 0
+        self.attention_workload = CAUSAL  # the model's full and sliding-window layers (planner_workload)
         self.kv_row_bytes = 0  # bytes of one token's K and V on one rank (heads / tp)
         self.exchange_row_bytes = 0  # bytes of one row the exchange moves (MLA: a latent row); 0: K/V's
         self.kv_dtype_bytes = 2  # bytes of one of their elements
@@ -161,7 +170,7 @@ class FlashCPMetrics(MetricsProcessor):
             old = s.deferral.get(key, 0.0)
             s.deferral[key] = max(old, value) if key == "delay_max" else old + value
         s.windows += 1
-        s.attention_pairs += attention_pairs(plan.doc_lens)
+        s.attention_pairs += attention_pairs(plan.doc_lens, self.attention_workload)
         s.plan_ms += plan_ms
         s.docs += len(plan.doc_lens)
         if plan.cp_size > 1:
@@ -173,6 +182,11 @@ class FlashCPMetrics(MetricsProcessor):
                 rows = m[f"comm_{mode}_tokens"]
                 s.recv_bytes[mode] = s.recv_bytes.get(mode, 0.0) + rows * row
             s.kv_full_bytes += m["comm_full_tokens"] * self.kv_row_bytes
+            if self.attention_workload.window_layers:  # at most W - 1 rows before each cut shard
+                w = window_metrics(plan, self.attention_workload.window)
+                for mode in ("compact", "needed"):
+                    rows = w[f"window_{mode}_tokens"]
+                    s.recv_bytes[f"window_{mode}"] = s.recv_bytes.get(f"window_{mode}", 0.0) + rows * row
             if self.comm == "ring":  # KV blocks both ways, and the dK/dV sums (float32: twice bf16's bytes)
                 sums_row = self.kv_row_bytes // self.kv_dtype_bytes * max(self.kv_dtype_bytes, 4)
                 fwd, bwd = ring_transfers(plan.tokens_per_rank, plan.cp_size, self.kv_row_bytes, sums_row)

@@ -52,8 +52,9 @@ def build_layer_dispatches(plan: Plan, build: Callable[..., Dispatch], windows: 
 def planner_workload(model_config) -> Workload:
     """What the planner balances for a TorchTitan decoder config with FlashCP attention: causal pairs
     (`CAUSAL`) when every layer is full, else full and window layers counted apart (gpt-oss: 12 and 12
-    of 24 with W = 128), so a rank of long documents is not charged window layers as full ones."""
-    windows = [getattr(layer.attention.inner_attention, "window", None) for layer in model_config.layers]
+    of 24 with W = 128), so a rank of long documents is not charged window layers as full ones.
+    The metrics take the same counts for the pairs the model attends (`attention_pairs`)."""
+    windows = [_window(layer) for layer in model_config.layers]
     sizes = {w for w in windows if w}
     if not sizes:
         return CAUSAL
@@ -61,3 +62,9 @@ def planner_workload(model_config) -> Workload:
         raise ValueError(f"the planner balances one sliding window per model, this one has {sorted(sizes)}")
     return Workload(full_layers=windows.count(None), window_layers=len(windows) - windows.count(None),
                     window=sizes.pop())  # fmt: skip
+
+
+def _window(layer) -> int | None:
+    """A layer's sliding window; None for full attention, and for a layer without an attention config
+    (a hybrid model's linear layer), counted with the full ones as the metrics' FLOPs count it."""
+    return getattr(getattr(getattr(layer, "attention", None), "inner_attention", None), "window", None)
