@@ -87,6 +87,18 @@ def test_round_trip_gives_transformers_logits_and_exports_bf16(tiny, tmp_path):
         assert (load_export(half)(IDS).logits - reference).abs().max() <= 0.1 * reference.abs().max()
 
 
+def test_a_tied_gpt_oss_round_trips_storing_the_embedding_only(tmp_path):
+    hf = make_tiny_hf(tmp_path / "tied", model_type="gpt_oss", tie_word_embeddings=True)
+    _, out, config = negligible_export(tmp_path, hf)
+    with safe_open(out / "model.safetensors", "pt") as f:
+        assert "lm_head.weight" not in f.keys() and "model.embed_tokens.weight" in f.keys()
+    assert config["tie_word_embeddings"] is True
+    original = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
+    with torch.no_grad():
+        reference, exported = original(IDS).logits, load_export(out)(IDS).logits
+    assert (exported - reference).abs().max() <= 1e-6 * reference.abs().max()
+
+
 def _mxfp4_folder(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
     """A tiny gpt-oss stored as the released checkpoints are: bf16 tensors, each expert matrix as
     random MXFP4 blocks and scales (hidden 64 and intermediate 32: multiples of 32), in two files
