@@ -8,13 +8,13 @@ from __future__ import annotations
 from types import SimpleNamespace as NS
 
 import pytest
-from torchtitan.distributed.activation_checkpoint import FullAC
 
 from flashcp import plan_shards
 from flashcp.costmodel.proxy import ATTENTION_TFLOPS, attention_factor, DENSE_MFU, H100_BF16_TFLOPS, window_cost
 from flashcp.plan import CAUSAL, Workload
-from flashcp.titan.config import load_job, resolve_config_path
+from flashcp.titan.config import load_job, resolve_config_path  # flashcp.titan before torchtitan: its shims
 from flashcp.titan.launch.job import trainer_config
+from torchtitan.distributed.activation_checkpoint import FullAC  # noqa: I001
 
 SEQ_LEN = 1024
 LENS = [700, 60, 128, 136]  # one longer than a rank's 512 tokens: the plan cuts it
@@ -54,6 +54,20 @@ def _pairs(lens: list[int], window: int | None) -> int:
     return sum(1 for d in lens for q in range(d) for k in range(q + 1) if window is None or q - k < window)
 
 
+def window_rows(plan, window: int) -> tuple[int, int]:
+    """The busiest rank's rows one window layer receives, token by token: compact, the (N - 1) x largest
+    sum over a rank's non-last shards of their last min(length, W - 1) rows; needed, the rows of other
+    ranks within W - 1 before a shard's start."""
+    owner = {(s.doc, t): r for r, shards in enumerate(plan.ranks) for s in shards
+             for t in range(s.start, s.start + s.length)}  # fmt: skip
+    last = {doc: max(t for d, t in owner if d == doc) for doc, _ in owner}
+    sent = [sum(min(s.length, window - 1) for s in shards if s.start + s.length - 1 != last[s.doc])
+            for shards in plan.ranks]  # fmt: skip
+    needed = [len({(s.doc, t) for s in shards for t in range(max(0, s.start - window + 1), s.start)
+                   if owner[s.doc, t] != r}) for r, shards in enumerate(plan.ranks)]  # fmt: skip
+    return (plan.cp_size - 1) * max(sent), max(needed)
+
+
 def test_the_mfu_counts_window_layers_by_the_pairs_they_attend(gpt_oss):
     from flashcp.titan.trainer import FlashCPTrainer
 
@@ -91,17 +105,11 @@ def test_the_log_reports_a_window_layers_rows_apart(gpt_oss):
     metrics.ntokens_since_last_log += SEQ_LEN
     metrics.log(step=1, global_avg_loss=1.0, global_max_loss=1.0, grad_norm=1.0)
 
-    owner = {(s.doc, t): r for r, shards in enumerate(plan.ranks) for s in shards
-             for t in range(s.start, s.start + s.length)}  # fmt: skip
-    last = {doc: max(t for d, t in owner if d == doc) for doc, _ in owner}
-    sent = [sum(min(s.length, window - 1) for s in shards if s.start + s.length - 1 != last[s.doc])
-            for shards in plan.ranks]  # fmt: skip
-    needed = [len({(s.doc, t) for s in shards for t in range(max(0, s.start - window + 1), s.start)
-                   if owner[s.doc, t] != r}) for r, shards in enumerate(plan.ranks)]  # fmt: skip
-    assert plan.metrics()["split_docs"] >= 1 and max(sent) > 0
+    compact, needed = window_rows(plan, window)
+    assert plan.metrics()["split_docs"] >= 1 and compact > 0
     m, row = logged[0], metrics.kv_row_bytes
-    assert m["flashcp/kv_recv_bytes_per_layer_window_compact"] == (plan.cp_size - 1) * max(sent) * row
-    assert m["flashcp/kv_recv_bytes_per_layer_window_needed"] == max(needed) * row
+    assert m["flashcp/kv_recv_bytes_per_layer_window_compact"] == compact * row
+    assert m["flashcp/kv_recv_bytes_per_layer_window_needed"] == needed * row
     assert m["flashcp/kv_recv_bytes_per_layer_window_compact"] < m["flashcp/kv_recv_bytes_per_layer_compact"]
 
 

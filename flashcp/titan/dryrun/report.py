@@ -126,6 +126,14 @@ def format_report(r: Report) -> str:
             + (f"; the ring {mib['ring']:.1f} MiB forward, {mib['ring_backward']:.1f} MiB backward (KV and "
                f"float32 dK/dV sums)" if "ring" in mib else "")
         )
+    if "window" in r.plan:  # sliding-window layers: at most W - 1 rows before each cut shard
+        mib = {k.removeprefix("kv_recv_bytes_per_layer_window_"): v / 2**20 for k, v in r.plan.items()
+               if k.startswith("kv_recv_bytes_per_layer_window_")}  # fmt: skip
+        lines.append(
+            f"window layers ({r.plan['window_layers']} of {r.plan['window_layers'] + r.plan['full_layers']}, "
+            f"W = {r.plan['window']}): KV received per layer compact {mib['compact']:.2f} MiB, needed "
+            f"{mib['needed']:.2f} MiB (the figures above are the full layers')"
+        )
     if "kv_fabric_bytes_per_layer_two_level" in r.plan:  # comm = "two_level" across nodes
         mib = {k.removeprefix("kv_").removesuffix("_bytes_per_layer_two_level"): v / 2**20
                for k, v in r.plan.items() if k.startswith("kv_") and k.endswith("two_level")}  # fmt: skip

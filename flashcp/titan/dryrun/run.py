@@ -46,6 +46,7 @@ from flashcp.titan.dryrun.report import low_precision_report, offload_time, Repo
 from flashcp.titan.models.offload import LayerInputOffload
 from flashcp.titan.models.rotary import rotation
 from flashcp.titan.models.tiled_mlp import tile_count
+from flashcp.titan.models.windows import LayerDispatches
 
 KERNEL = "dryrun"  # the attention backend name the dry run registers while it runs
 
@@ -323,16 +324,26 @@ def _label_regions(trainer, tracker: CategoryTracker) -> list[Any]:
 
 def _plan_figures(trainer) -> dict[str, float]:
     """The window's imbalance and KV bytes received per layer (compact / full / needed; an MLA model's
-    in latent rows, with the bytes of one latent and one K/V row)."""
+    in latent rows, with the bytes of one latent and one K/V row; a model with sliding-window layers
+    also a window layer's compact / needed, with W and the layer counts)."""
     metrics = trainer.metrics_processor
     figures = {key.removeprefix("flashcp/"): value for key, value in metrics._flashcp_metrics().items()}
+    workload = metrics.attention_workload
+    if workload.window_layers:
+        figures |= {"window": workload.window, "window_layers": workload.window_layers,
+                    "full_layers": workload.full_layers}  # fmt: skip
     if metrics.exchange_row_bytes:  # MLA: the bytes above are latent rows; a K/V row's for comparison
         figures |= {"latent_row_bytes": metrics.exchange_row_bytes, "kv_row_bytes": metrics.kv_row_bytes}
     return figures
 
 
 def _shape_and_layout(trainer, dispatch, job: dict[str, Any]) -> tuple[ModelShape, Layout]:
+    """The model's shape and this rank's layout; FlashCP's rows are a full layer's, the largest (a
+    sliding-window layer receives at most W - 1 rows before each cut shard)."""
     from torchtitan.distributed.activation_checkpoint import FullAC
+
+    if isinstance(dispatch, LayerDispatches):
+        dispatch = dispatch.full
 
     model, dims, cfg = trainer.model_config, trainer.parallel_dims, trainer.config
     ac = job["activation_checkpoint"]

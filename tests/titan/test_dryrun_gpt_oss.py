@@ -1,0 +1,43 @@
+"""The dry run of a gpt-oss job (the tiny one of debug_gpt_oss_cpu, CP 2): it runs with the window layers'
+own dispatch beside the full one and reports a window layer's K/V rows apart from a full layer's, in
+`--json` and in the table, counted here token by token from the window's plan
+(`test_window_metrics.window_rows`)."""
+
+from __future__ import annotations
+
+import json
+
+from test_window_metrics import window_rows
+
+from flashcp.titan.components.metrics import FlashCPMetrics
+from flashcp.titan.dryrun import cli
+from flashcp.titan.dryrun.report import format_report, Report
+
+ARGS = ["--config", "debug_gpt_oss_cpu", "--world-size", "2", "--training.mixed_precision_param", "bfloat16",
+        "--data.source", "synthetic", "--data.synthetic_lengths", "wlbllm", "--training.seq_len", "2048"]  # fmt: skip
+
+
+def test_a_gpt_oss_dry_run_reports_its_window_layers_rows_apart(monkeypatch, capsys):
+    plans = []
+    record = FlashCPMetrics.record_window
+    monkeypatch.setattr(FlashCPMetrics, "record_window", lambda self, plan, *a, **k: (plans.append(plan),
+                                                                                     record(self, plan, *a, **k)))
+    capsys.readouterr()
+    code = cli.main([*ARGS, "--json"])
+    out = capsys.readouterr()
+    assert code == 0, out.err[-3000:]
+    report = json.loads(out.out)
+    plan = report["plan"]
+    assert (plan["window"], plan["window_layers"], plan["full_layers"]) == (128, 2, 2)
+    (window,) = plans
+    compact, needed = window_rows(window, 128)
+    row = 2 * 2 * 16 * 2  # K and V, 2 KV heads of 16, bf16
+    assert compact > 0, "the synthetic window cuts no document: pick another seq_len"
+    assert plan["kv_recv_bytes_per_layer_window_compact"] == compact * row
+    assert plan["kv_recv_bytes_per_layer_window_needed"] == needed * row
+    assert plan["kv_recv_bytes_per_layer_window_compact"] < plan["kv_recv_bytes_per_layer_compact"]
+    assert report["fits"] and report["estimate_gib"]["flashcp_buffers"] > 0
+    text = format_report(Report(**{k: v for k, v in report.items() if k != "fits"}))
+    (line,) = [line for line in text.splitlines() if line.startswith("window layers")]
+    assert line == (f"window layers (2 of 4, W = 128): KV received per layer compact {compact * row / 2**20:.2f} "
+                    f"MiB, needed {needed * row / 2**20:.2f} MiB (the figures above are the full layers')")
