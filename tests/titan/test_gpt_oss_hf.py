@@ -6,10 +6,10 @@
 - Round trip: import -> one step at lr 1e-12 -> export gives transformers' original logits (fp32),
   and `--dtype bfloat16` writes a bf16 folder that loads.
 - MXFP4: a tiny synthetic MXFP4 folder (blocks and scales drawn at random, sharded with an index)
-  is refused at import in one line naming the converter; `python -m flashcp.titan.hf.dequant`
+  is refused in one line naming the converter, before launch and by the ranks; `python -m flashcp.titan.hf.dequant`
   writes every expert matrix exactly as transformers' own MXFP4 dequantization
-  (`convert_moe_packed_tensors`) gives it, a folder that transformers loads and FlashCP imports,
-  holding at most one expert's matrix (or a bounded row block) in memory at a time.
+  (`convert_moe_packed_tensors`) gives it, a bf16 folder that transformers loads and FlashCP
+  imports exactly, holding at most one expert's matrix (or a bounded row block) in memory at a time.
 - Bad input is one line and nothing is written: layer_types that do not fit num_hidden_layers or
   name an unknown type, a folder with no MXFP4 matrices, blocks without scales, a target in use.
 """
@@ -34,6 +34,7 @@ from titan.harness import load_export, single_rank, train  # noqa: E402
 from titan.test_gpt_oss_oracle import _our_model  # noqa: E402
 from titan.test_hf_checkpoint import hf_job, IDS, negligible_export  # noqa: E402
 
+from flashcp.titan.components.checkpoint import CheckpointError  # noqa: E402
 from flashcp.titan.config import ConfigError  # noqa: E402
 from flashcp.titan.hf import dequant  # noqa: E402
 from flashcp.titan.launch.preflight import check_inputs  # noqa: E402
@@ -134,8 +135,10 @@ def test_an_mxfp4_folder_is_refused_in_one_line_naming_the_converter(tmp_path):
     folder, _ = _mxfp4_folder(tmp_path)
     with pytest.raises(ConfigError) as e:
         check_inputs(hf_job(tmp_path / "run", folder))
-    line = str(e.value)
-    assert "\n" not in line and "MXFP4" in line and f"python -m flashcp.titan.hf.dequant {folder}" in line, line
+    with single_rank(), pytest.raises(CheckpointError) as at_load:  # the ranks check again before reading
+        train(hf_job(tmp_path / "run", folder))
+    for line in (str(e.value), str(at_load.value)):
+        assert "\n" not in line and "MXFP4" in line and f"python -m flashcp.titan.hf.dequant {folder}" in line, line
 
 
 def test_dequant_gives_transformers_values_and_a_folder_both_load(tmp_path, monkeypatch):
@@ -171,11 +174,11 @@ def test_dequant_gives_transformers_values_and_a_folder_both_load(tmp_path, monk
     assert (out / "tokenizer.json").read_bytes() == (folder / "tokenizer.json").read_bytes()
     model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
     assert torch.equal(model.model.layers[1].mlp.experts.down_proj, converted["model.layers.1.mlp.experts.down_proj"])
-    cfg = hf_job(tmp_path / "run", out, training={"steps": 1})
-    check_inputs(cfg)
-    with single_rank():
-        losses = train(cfg)
-    assert torch.isfinite(torch.tensor(losses[1]))
+    check_inputs(hf_job(tmp_path / "check", out))
+    _, exported, _ = negligible_export(tmp_path, out)  # the bf16 folder imported exactly (fp32 training)
+    weights = load_file(exported / "model.safetensors")
+    assert weights.keys() == converted.keys()
+    assert max((weights[k] - v.float()).abs().max() for k, v in converted.items()) <= 1e-9  # lr 1e-12
 
 
 def _bad_layer_types(tiny: Path, tmp_path: Path, layer_types: list[str]) -> Path:
