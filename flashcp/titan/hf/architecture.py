@@ -57,7 +57,7 @@ class Latent:
 class Architecture:
     """A decoder: everything that fixes its parameters' shapes and its forward pass."""
 
-    name: str  # llama3 | qwen3 (qwen3: RMSNorm on q and k per head before RoPE) | deepseek_v3 (latent)
+    name: str  # llama3 | qwen3 (RMSNorm on q and k per head before RoPE) | deepseek_v3 (latent) | gpt_oss
     dim: int
     n_layers: int
     n_heads: int

@@ -8,8 +8,8 @@ context actually used, the job's tokenizer file and the HF folder the job starte
 so no job file is needed and a published `step-N` folder copied elsewhere still exports; an
 unfinished save (`step-N.partial-*`) is refused even when it holds a manifest. The checkpoint is
 verified against its manifest like every load, read as data only (`flashcp.run.safe_load`) and
-strictly (the model's keys and shapes exactly), converted by the model's TorchTitan
-state_dict_adapter, and written as `model.safetensors` (or shards with
+strictly (the model's keys and shapes exactly), converted by the model's
+state_dict_adapter (`flashcp.titan.hf.adapters`), and written as `model.safetensors` (or shards with
 `model.safetensors.index.json` above `max_shard_bytes`), `config.json`, `generation_config.json`
 and the tokenizer's files, into a fresh folder beside the target that is renamed into place at
 the end: a crash leaves no half export under the target's name.
