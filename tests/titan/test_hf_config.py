@@ -455,15 +455,17 @@ def test_a_gpt_oss_config_json_flashcp_cannot_train_is_one_line(tmp_path, change
 
 
 @pytest.mark.parametrize(
-    "flashcp, message",
+    "change, message",
     [
-        ({"comm": "ring"}, r"^\[flashcp\] comm = 'ring' \(the ring takes neither sinks nor sliding windows\): not "
-                           r"with a gpt_oss model"),
-        ({"backend": "flash_attn"}, r"^\[flashcp\] backend = 'flash_attn' \(its kernel returns no LSE"),
+        ({"flashcp": {"comm": "ring"}}, r"^\[flashcp\] comm = 'ring' \(the ring takes neither sinks nor sliding "
+                                        r"windows\): not with a gpt_oss model"),
+        ({"flashcp": {"backend": "flash_attn"}}, r"^\[flashcp\] backend = 'flash_attn' \(its kernel returns no LSE"),
+        ({"parallelism": {"tensor_parallel_degree": 2}}, r"^\[parallelism\] tensor_parallel_degree > 1 .*wo\.bias's "
+                                                         r"gradient 1/TP"),
     ],
 )  # fmt: skip
-def test_gpt_oss_refuses_the_ring_and_kernels_without_sinks(flashcp, message):
+def test_gpt_oss_refuses_the_ring_tp_and_kernels_without_sinks(change, message):
     with pytest.raises(ConfigError, match=message):
-        validate({"model": {"name": "gpt_oss", "flavor": "20b"}, "flashcp": flashcp})
+        validate({"model": {"name": "gpt_oss", "flavor": "20b"}, **change})
     with pytest.raises(ConfigError, match=r"flavor = 'custom' builds llama3 and qwen3 sizes; a gpt_oss"):
         validate({"model": {"name": "gpt_oss", "flavor": "custom", "dim": 64, "n_layers": 2, "n_heads": 4}})

@@ -318,6 +318,10 @@ def _check_sinks(cfg: dict) -> None:
     if model["name"] != "gpt_oss" or model["attention"] != "flashcp":
         return
     refused = [
+        # TorchTitan 0.3.0's ScaledBiasRowwiseLinear adds wo.bias / TP on each TP rank but takes the bias's
+        # local gradient as the replicated one: 1/TP of it (tests/titan/test_hf_import_ranks.py).
+        (cfg["parallelism"]["tensor_parallel_degree"] != 1, "[parallelism] tensor_parallel_degree > 1 (TorchTitan's "
+                                                            "TP plan leaves attention.wo.bias's gradient 1/TP of its value)"),
         (flashcp["backend"] == "flash_attn", "[flashcp] backend = 'flash_attn' (its kernel returns no LSE, which "
                                              "the sinks need; auto, torch and reference do)"),
         (flashcp["comm"] == "ring", "[flashcp] comm = 'ring' (the ring takes neither sinks nor sliding windows)"),
