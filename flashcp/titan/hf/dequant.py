@@ -26,7 +26,6 @@ import math
 import os
 import shutil
 import sys
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,9 +34,9 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from flashcp.run.publish import fsync_dir
 from flashcp.titan.hf.config import HFConfigError, read_hf_json
-from flashcp.titan.hf.export import check_target, DTYPES, ExportError, parse_size
+from flashcp.titan.hf.export import (check_target, DTYPES, ExportError, parse_size, shard_groups, shard_names,
+                                     staged_folder, write_index)
 from flashcp.titan.hf.files import FolderFileError, member
 from flashcp.titan.hf.folder import CONFIG, DTYPE_BYTES, FLOAT_DTYPES, HFFolderError, INDEX, read_header, weight_files
 
@@ -149,19 +148,6 @@ def _write_file(path: Path, tensors: list[_Tensor], dtype: torch.dtype) -> None:
         os.fsync(f.fileno())
 
 
-def _shards(tensors: list[_Tensor], max_bytes: int) -> list[list[_Tensor]]:
-    """Tensors in order, a new file whenever the next would pass `max_bytes` (a larger tensor alone)."""
-    shards: list[list[_Tensor]] = [[]]
-    size = 0
-    for t in tensors:
-        if shards[-1] and size + t.nbytes > max_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(t)
-        size += t.nbytes
-    return shards
-
-
 def convert(src: Path, dst: Path, dtype: str = "bfloat16", max_shard_bytes: int = 5 * 10**9) -> list[Path]:
     """Write the MXFP4 folder `src` as the unquantized folder `dst` (see the module docstring); the
     files written. DequantError / ExportError / HFFolderError / HFConfigError name what is wrong."""
@@ -174,31 +160,15 @@ def convert(src: Path, dst: Path, dtype: str = "bfloat16", max_shard_bytes: int 
     for name in side:
         member(src, name)  # a regular file inside the folder, before anything is written
     config = {k: v for k, v in config.items() if k != "quantization_config"} | {"torch_dtype": dtype, "dtype": dtype}
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    partial = dst.with_name(f".{dst.name}.partial-{uuid.uuid4().hex[:12]}")
-    partial.mkdir()
-    try:
-        shards = _shards(tensors, max_shard_bytes)
-        names = ["model.safetensors"] if len(shards) == 1 else [
-            f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]  # fmt: skip
-        for name, shard in zip(names, shards):
-            _write_file(partial / name, shard, torch_dtype)
-        if len(shards) > 1:
-            weight_map = {t.name: name for name, shard in zip(names, shards) for t in shard}
-            total = sum(t.nbytes for t in tensors)
-            (partial / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
-                                                    indent=2))  # fmt: skip
+    groups = shard_groups([t.nbytes for t in tensors], max_shard_bytes)
+    with staged_folder(dst) as partial:
+        files = shard_names(len(groups))
+        for file, group in zip(files, groups):
+            _write_file(partial / file, [tensors[i] for i in group], torch_dtype)
+        write_index(partial, files, [[tensors[i].name for i in group] for group in groups], sum(t.nbytes for t in tensors))
         (partial / CONFIG).write_text(json.dumps(config, indent=2))
         for name in side:
             shutil.copyfile(member(src, name), partial / name)
-        check_target(dst)
-        if dst.exists():
-            dst.rmdir()
-        os.rename(partial, dst)
-        fsync_dir(dst.parent)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
     return sorted(dst.iterdir())
 
 

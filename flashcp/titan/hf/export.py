@@ -34,6 +34,8 @@ import re
 import shutil
 import stat
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -224,24 +226,60 @@ def write_folder(out: Path, weights: dict[str, torch.Tensor], hf_config: dict[st
 
 def _write_folder(out: Path, weights: dict[str, torch.Tensor], hf_config: dict[str, Any],
                   side: dict[str, bytes], max_shard_bytes: int) -> list[Path]:  # fmt: skip
+    names = list(weights)
+    groups = shard_groups([t.numel() * t.element_size() for t in weights.values()], max_shard_bytes)
+    with staged_folder(out) as partial:
+        files = shard_names(len(groups))
+        for file, group in zip(files, groups):
+            save_file({names[i]: weights[names[i]] for i in group}, partial / file, metadata={"format": "pt"})
+        write_index(partial, files, [[names[i] for i in group] for group in groups],
+                    sum(t.numel() * t.element_size() for t in weights.values()))  # fmt: skip
+        (partial / CONFIG).write_text(json.dumps(hf_config, indent=2))
+        for name, content in side.items():
+            (partial / name).write_bytes(content)
+    return sorted(out.iterdir())
+
+
+def shard_groups(sizes: list[int], max_bytes: int) -> list[list[int]]:
+    """Indices of `sizes` in order, a new shard whenever the next would pass `max_bytes` (a larger one alone)."""
+    groups: list[list[int]] = [[]]
+    size = 0
+    for i, nbytes in enumerate(sizes):
+        if groups[-1] and size + nbytes > max_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(i)
+        size += nbytes
+    return groups
+
+
+def shard_names(count: int) -> list[str]:
+    """HF's file names for `count` safetensors shards."""
+    return [SINGLE] if count == 1 else [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+
+
+def write_index(folder: Path, files: list[str], keys: list[list[str]], total_bytes: int) -> None:
+    """`model.safetensors.index.json` (which file holds each key) when there is more than one file."""
+    if len(files) > 1:
+        weight_map = {key: file for file, group in zip(files, keys) for key in group}
+        index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
+        (folder / INDEX).write_text(json.dumps(index, indent=2))
+
+
+@contextmanager
+def staged_folder(out: Path) -> Iterator[Path]:
+    """A fresh folder beside `out` to write into, renamed to `out` when the block ends without error
+    (its files synced, with the umask's mode: safetensors writes 0600), removed when it raises; `out`
+    is checked again just before the rename, so nothing that appeared meanwhile is replaced."""
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(f".{out.name}.partial-{uuid.uuid4().hex[:12]}")
     partial.mkdir()
     try:
-        shards = _shards(weights, max_shard_bytes)
-        names = [SINGLE] if len(shards) == 1 else [f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-                                                  for i in range(1, len(shards) + 1)]  # fmt: skip
-        for name, shard in zip(names, shards):
-            save_file(shard, partial / name, metadata={"format": "pt"})
-        if len(shards) > 1:
-            total = sum(t.numel() * t.element_size() for t in weights.values())
-            weight_map = {k: name for name, shard in zip(names, shards) for k in shard}
-            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-            (partial / INDEX).write_text(json.dumps(index, indent=2))
-        (partial / CONFIG).write_text(json.dumps(hf_config, indent=2))
-        for name, content in side.items():
-            (partial / name).write_bytes(content)
-        mode = stat.S_IMODE((partial / CONFIG).stat().st_mode)  # a new file's (the umask's); safetensors: 0600
+        yield partial
+        probe = partial / f".mode-{uuid.uuid4().hex[:8]}"
+        probe.touch()
+        mode = stat.S_IMODE(probe.stat().st_mode)  # a new file's (the umask's)
+        probe.unlink()
         for path in partial.iterdir():
             path.chmod(mode)
             with open(path, "rb") as f:
@@ -254,21 +292,6 @@ def _write_folder(out: Path, weights: dict[str, torch.Tensor], hf_config: dict[s
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
-    return sorted(out.iterdir())
-
-
-def _shards(weights: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
-    """Tensors in order, a new shard whenever the next would pass `max_bytes` (a larger tensor alone)."""
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, tensor in weights.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + nbytes > max_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = tensor
-        size += nbytes
-    return shards
 
 
 def token_ids(tokenizer: str | None) -> dict[str, int]:
