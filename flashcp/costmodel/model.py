@@ -219,8 +219,6 @@ class CostModel:
         local = plan.tokens_per_rank
         if comm not in EXCHANGE_MODES:
             raise ValueError(f"unknown comm mode {comm!r}; choose one of {', '.join(EXCHANGE_MODES)}")
-        if window is not None and comm == "two_level":
-            raise ValueError("the two-level exchange takes no window (flashcp.dispatch refuses it)")
         if comm == "full":
             send = [local] * n
         else:
