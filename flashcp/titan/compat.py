@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import os
 import sys
 import types
@@ -121,6 +122,56 @@ def _activates(impl: str) -> bool:
                        "attention uses torch's built-in FlashAttention-2")  # fmt: skip
         return False
     return True
+
+
+# TorchTitan 0.3.0: torchtitan/models/qwen3_5/model.py imports flash-linear-attention's (`fla`, CUDA and
+# triton only, not a FlashCP dependency) Gated DeltaNet kernels and causal convolution at module level.
+# FlashCP runs those layers on its own ops (flashcp.titan.models.gated_deltanet), so without fla these
+# names are stubs that raise if called. Delete once TorchTitan imports fla lazily.
+_FLA_NAMES = {
+    "fla.modules.conv.triton.ops": ("CausalConv1dFunction",),
+    "fla.ops.gated_delta_rule": ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"),
+    "fla.ops.gated_delta_rule.chunk": ("ChunkGatedDeltaRuleFunction",),
+    "fla.ops.gated_delta_rule.fused_recurrent": ("FusedRecurrentFunction",),
+}
+
+
+def import_qwen3_5() -> types.ModuleType:
+    """TorchTitan's `torchtitan.models.qwen3_5`, importable without fla (see `_FLA_NAMES`).
+
+    The stub modules are in `sys.modules` only during that import: left there, they would make
+    transformers' availability checks (`importlib.util.find_spec("fla")`) fail or believe fla is
+    installed."""
+    name = "torchtitan.models.qwen3_5"
+    if name in sys.modules or importlib.util.find_spec("fla") is not None:
+        return importlib.import_module(name)
+    stubs: dict[str, types.ModuleType] = {}
+    for module, names in _FLA_NAMES.items():
+        parts = module.split(".")
+        for i in range(1, len(parts) + 1):
+            stubs.setdefault(".".join(parts[:i]), types.ModuleType(".".join(parts[:i])))
+        for attr in names:
+            setattr(stubs[module], attr, _fla_stub(f"{module}.{attr}"))
+    sys.modules.update(stubs)
+    try:
+        return importlib.import_module(name)
+    finally:
+        for stub in stubs:
+            sys.modules.pop(stub, None)
+
+
+def _fla_stub(name: str) -> Any:
+    """A stand-in for fla's `name`: an autograd Function (TorchTitan registers those with spmd_types)
+    or a function, either raising one line if run."""
+
+    def missing(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(f"{name} was called, but flash-linear-attention is not installed: run Qwen3.5's "
+                           "Gated DeltaNet layers as flashcp.titan.models.gated_deltanet's")  # fmt: skip
+
+    if name.endswith("Function"):
+        return type(name.rsplit(".", 1)[1], (torch.autograd.Function,),
+                    {"forward": staticmethod(missing), "backward": staticmethod(missing)})  # fmt: skip
+    return missing
 
 
 @contextlib.contextmanager
