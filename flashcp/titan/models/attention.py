@@ -26,6 +26,7 @@ the same at every step, so a new window neither breaks the graph nor recompiles 
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -171,8 +172,12 @@ class FlashCPAttention(Module):
 def sinks_of(out_transform: Callable) -> torch.Tensor:
     """The learned sinks (one logit per local head) of the attention module whose `out_transform` this
     is (gpt-oss's `_apply_sinks`): the op applies them (see the module docstring). Under TP they are
-    split by head as q is (TorchTitan's layout); the local shard, its gradient kept sharded."""
-    sinks = getattr(getattr(out_transform, "__self__", None), "sinks", None)
+    split by head as q is (TorchTitan's layout); the local shard, its gradient kept sharded.
+    The owner is found by type, not `getattr(out_transform, "__self__", None)`: compiling a block
+    under FSDP, dynamo (torch 2.13) answers that getattr with the default (it asks the unbound
+    function for `__self__`), and the block would fail here."""
+    owner = out_transform.__self__ if isinstance(out_transform, types.MethodType) else None
+    sinks = getattr(owner, "sinks", None)
     if not isinstance(sinks, torch.Tensor):
         raise TypeError(f"FlashCP's attention takes an out_transform only as learned sinks (a method of a module "
                         f"with a `sinks` parameter, gpt-oss's), got {out_transform!r}")  # fmt: skip
