@@ -4,10 +4,11 @@ gpt-oss's block has what the Llama / Qwen3 compiled runs (test_parity.py) do not
 layer whose op key is the step's dispatch for its window (`CPStep.key_for`), learned sinks read
 through TorchTitan's `out_transform` and passed into the op as an input, and an MoE with a biased
 router, expert biases and a clamped SwiGLU. Each block must be one graph (fullgraph: a break is an
-error; the sinks' lookup was one, `sinks_of`) and the compiled job must train the eager job's
-losses and first gradients, the sinks' included. One case, under full activation checkpointing
-(the CPU job's mode): the compiled backward recomputes the block, the op and its KV exchange with
-it. Without checkpointing the same comparison gave losses equal and gradients within 5.7e-7.
+error; tracing the sinks' lookup raised until `sinks_of` found their module by type) and the
+compiled job must train the eager job's losses and first gradients, the sinks' included. One
+case, under full activation checkpointing (the CPU job's mode): the compiled backward recomputes
+the block, the op and its KV exchange with it. Without checkpointing the same comparison gave
+equal losses and gradients within 5.7e-7.
 """
 
 from __future__ import annotations
