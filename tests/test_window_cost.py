@@ -18,6 +18,7 @@ from flashcp import plan_shards
 from flashcp.costmodel import AttentionShape
 from flashcp.costmodel.fabric import multinode_model
 from flashcp.costmodel.kernel import call_counts
+from flashcp.costmodel.model import window_exchange
 from flashcp.costmodel.step import GPT_OSS_20B, GPT_OSS_120B, LLAMA3_8B, MeshAssumptions, StepModel
 from flashcp.plan import CAUSAL, Workload
 from flashcp.plan.fill import RankFill
@@ -206,7 +207,8 @@ def test_the_baselines_window_layers_exchange_a_halo():
     """Llama3 CP's per_seq plan of [300, 200] on 2 ranks, W = 16: rank 0 holds document 0's
     [0, 125) and document 1's [75, 200), rank 1 the rest; each needs the 15 rows before its cut
     (a halo, point to point), where its full layers all-gather 250 rows a rank. FlashCP's system
-    all-gathers the 15 rows its one non-last shard a rank can send. Ring systems take no window."""
+    with window_comm = "compact" all-gathers the 15 rows its one non-last shard a rank can send.
+    Ring systems take no window."""
     plan = plan_shards([300, 200], 2, "per_seq")
     expected = [[(0, 0, 125), (1, 75, 125)], [(0, 125, 175), (1, 0, 75)]]
     assert [list(shards) for shards in plan.ranks] == expected
@@ -215,7 +217,7 @@ def test_the_baselines_window_layers_exchange_a_halo():
     assert halo.comm_fwd == halo.comm_bwd == pytest.approx(model.comm.all_to_all_ms(15 * row, 2))
     assert model.step("llama3", SHAPE, {"per_seq": plan}).comm_fwd == pytest.approx(
         model.comm.all_gather_ms(250 * row, 2))  # fmt: skip
-    compact = model.step("flashcp", SHAPE, {"flashcp": plan}, window=16)
+    compact = model.step("flashcp", SHAPE, {"flashcp": plan}, window=16, window_comm="compact")
     assert compact.comm_fwd == pytest.approx(model.comm.all_gather_ms(15 * row, 2))
     with pytest.raises(ValueError, match="ring systems take no window"):
         model.step("zigzag", SHAPE, {"per_seq": plan}, window=16)
@@ -247,3 +249,40 @@ def test_gpt_oss_steps_price_each_layer_kind():
         expected = 12 * full.training + 12 * window.training
         assert model.step(system, [[lens]]).attention == pytest.approx(expected)
         assert window.training < full.training
+
+
+def test_window_layers_exchange_by_the_rule_the_trainer_follows():
+    """window_exchange: auto picks needed beside compact, full and needed, two_level beside two_level;
+    an explicit mode is kept; two_level beside another comm, the ring and unknown names are refused."""
+    for comm in ("compact", "full", "needed"):
+        assert window_exchange(comm) == "needed"
+        assert [window_exchange(comm, w) for w in ("compact", "full", "needed")] == ["compact", "full", "needed"]
+        with pytest.raises(ValueError, match=f"^window_comm = 'two_level' needs comm = 'two_level' .*got comm = '{comm}'$"):
+            window_exchange(comm, "two_level")
+    assert window_exchange("two_level") == window_exchange("two_level", "two_level") == "two_level"
+    assert window_exchange("two_level", "compact") == "compact"
+    with pytest.raises(ValueError, match="not comm = 'ring'"):
+        window_exchange("ring")
+    with pytest.raises(ValueError, match="^unknown window exchange 'halo'"):
+        window_exchange("compact", "halo")
+
+
+def test_flashcp_window_layers_are_priced_needed_unless_told_otherwise():
+    """On a plan that cuts most documents (five of 3000 tokens on 8 ranks of 2048), FlashCP's compact
+    all-gather of a window layer pads every rank to the busiest sender: the step model prices FlashCP's
+    window layers with the needed all-to-all-v under auto, the compact all-gather only when asked, and
+    its full layers compact either way."""
+    attention, lens = synthetic_model(), [3000] * 5 + [1384]
+    model = StepModel(attention, GPT_OSS_20B, 8, 1, MeshAssumptions(full_ac=False))
+    plan = model.plan("flashcp", lens)
+    shape, row = GPT_OSS_20B.attention, GPT_OSS_20B.attention.exchange_row_bytes
+    needed = attention.collective_step(plan, "needed", shape, window=W)
+    compact = attention.collective_step(plan, "compact", shape, window=W)
+    assert needed.comm_fwd == pytest.approx(attention.comm.all_to_all_ms(max(window_needed_tokens(plan, W)) * row, 8))
+    assert needed.comm_fwd < compact.comm_fwd
+    full = attention.collective_step(plan, "compact", shape)
+    assert model.step("flashcp", [[lens]]).attention == pytest.approx(12 * full.training + 12 * needed.training)
+    told = StepModel(attention, GPT_OSS_20B, 8, 1, MeshAssumptions(full_ac=False), window_comm="compact")
+    assert told.step("flashcp", [[lens]]).attention == pytest.approx(12 * full.training + 12 * compact.training)
+    with pytest.raises(ValueError, match="^unknown window exchange 'halo'"):
+        StepModel(attention, GPT_OSS_20B, 8, 1, window_comm="halo")

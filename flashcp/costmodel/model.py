@@ -41,10 +41,13 @@ Ring systems (P2P ring with blockwise kernels, step-synchronous):
 Sliding-window layers (`window` W, HF `sliding_window`; gpt-oss alternates them with full layers)
 run on the same plan as the full layers, as `build_dispatch(..., window=W)` does: a shard's key
 rows are its own plus at most W - 1 before it, and the kernel visits only the key blocks of the
-band. FlashCP all-gathers the rows windows can reach (`flashcp.plan.window`, compact) or sends
-exactly those (needed). ASSUMED: Llama3 and Per-Doc CP exchange a halo for their window layers, the
-W - 1 rows before each of their chunks, point to point (priced as the needed all-to-all-v), not
-the full all-gather their full layers use; ring systems and the two-level exchange take no window.
+band. A window layer exchanges by `window_exchange(comm, window_comm)`, the rule the trainer's
+`[flashcp] window_comm` follows: with "auto" exactly the rows its windows reach (needed; two_level
+for a two_level job), whatever the full layers' comm, since a compact all-gather pads every rank
+to the busiest sender's W - 1 rows per cut shard; an explicit mode prices that one (compact: the
+rows windows can reach, all-gathered, `flashcp.plan.window`). ASSUMED: Llama3 and Per-Doc CP
+exchange a halo for their window layers, the W - 1 rows before each of their chunks, point to
+point (the same rule: needed, not the full all-gather their full layers use); ring systems take no window.
 """
 
 from __future__ import annotations
@@ -73,9 +76,31 @@ COLLECTIVE_SYSTEMS: dict[str, tuple[str, str, bool]] = {
 # groups that span nodes (flashcp.attention.two_level)
 EXCHANGE_MODES = ("full", "compact", "needed", "two_level")
 RING_SYSTEMS = ("ring", "zigzag")
-# A window layer's exchange by its system's full-layer mode (see the module docstring), where it differs.
-WINDOW_EXCHANGE = {"full": "needed", "two_level": "needed"}
 SYSTEMS = (*COLLECTIVE_SYSTEMS, *RING_SYSTEMS)
+WINDOW_COMMS = ("auto", *EXCHANGE_MODES)  # a sliding-window layer's exchange ([flashcp] window_comm)
+
+
+def check_window_comm(window_comm: str) -> None:
+    """ValueError unless `window_comm` names a window layer's exchange (`WINDOW_COMMS`)."""
+    if window_comm not in WINDOW_COMMS:
+        raise ValueError(f"unknown window exchange {window_comm!r}; choose one of {', '.join(WINDOW_COMMS)}")
+
+
+def window_exchange(comm: str, window_comm: str = "auto") -> str:
+    """The exchange of a sliding-window layer whose full layers exchange by `comm`: `window_comm` as
+    given, or with "auto" the needed all-to-all-v (only the W - 1 rows before each cut; a compact
+    all-gather pads every rank to the busiest sender, 72-87 % of the full all-gather at 128K on CP
+    32-64, counted) and, for a two_level job, two_level (its routes already send a window's suffix once
+    per node). ValueError naming the combination the dispatch cannot build."""
+    check_window_comm(window_comm)
+    if comm not in EXCHANGE_MODES:
+        raise ValueError(f"sliding-window layers run beside comm {', '.join(EXCHANGE_MODES)}, not comm = {comm!r}")
+    if window_comm == "two_level" and comm != "two_level":
+        raise ValueError(f"window_comm = 'two_level' needs comm = 'two_level' (the node layout it routes by), "
+                         f"got comm = {comm!r}")  # fmt: skip
+    if window_comm != "auto":
+        return window_comm
+    return "two_level" if comm == "two_level" else "needed"
 
 
 @dataclass(frozen=True)
@@ -324,16 +349,17 @@ class CostModel:
     # --- all systems -------------------------------------------------------------------------
 
     def step(
-        self, system: str, shape: AttentionShape, plans: dict[str, Plan], window: int | None = None
+        self, system: str, shape: AttentionShape, plans: dict[str, Plan], window: int | None = None,
+        window_comm: str = "auto",
     ) -> StepTime:
         """Step time of `system`, given the window's plans keyed by planner strategy; of one of its
-        sliding-window layers with `window` (`WINDOW_EXCHANGE`)."""
+        sliding-window layers with `window`, exchanging by `window_exchange(its comm, window_comm)`."""
         if system in self.systems:
             strategy, comm, overlap = self.systems[system]
             if strategy not in plans:
                 raise KeyError(f"system {system!r} needs a {strategy!r} plan of the window")
             if window is not None:
-                comm = WINDOW_EXCHANGE.get(comm, comm)
+                comm = window_exchange(comm, window_comm)
             return self.collective_step(plans[strategy], comm, shape, overlap, window)
         if window is not None and system in RING_SYSTEMS:
             raise ValueError(f"the ring systems take no window, got system {system!r} with window {window}")

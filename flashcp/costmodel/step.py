@@ -45,8 +45,10 @@ latent exchange: latent rows on the wire and each rank's up-projection of its ke
 
 A model with sliding-window layers (`LlamaShape.window_layers` of `window` keys; gpt-oss: half its
 layers, W = 128) prices those layers with `CostModel.step(..., window=W)` (the kernel over the
-band, FlashCP's window rows, the baselines' halo of W - 1 rows per cut) and the rest as full
-layers; FlashCP plans balance both kinds' work (`LlamaShape.workload`, `flashcp.plan.Workload`).
+band; the exchange `model.window_exchange` picks, as the trainer's `[flashcp] window_comm`: by
+default FlashCP's needed window rows, the baselines' halo of W - 1 rows per cut; `window_comm`
+overrides it) and the rest as full layers; FlashCP plans balance both kinds' work
+(`LlamaShape.workload`, `flashcp.plan.Workload`).
 
 Memory is not modelled: Llama 3 70B on one node at DP = 1 would not fit without TP.
 """
@@ -58,7 +60,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from flashcp import plan_shards
-from flashcp.costmodel.model import AttentionShape, CostModel
+from flashcp.costmodel.model import AttentionShape, check_window_comm, CostModel
 from flashcp.costmodel.proxy import DENSE_MFU, FULL_AC_DENSE, H100_BF16_TFLOPS
 from flashcp.plan.plan import Plan, Workload
 
@@ -186,12 +188,16 @@ class StepModel:
     """Step time of `model` on a DP x CP mesh for one CP system; see the module docstring."""
 
     def __init__(self, attention: CostModel, model: LlamaShape, cp: int, dp: int,
-                 assumptions: MeshAssumptions | None = None, plans: dict | None = None, ep: int = 1):  # fmt: skip
+                 assumptions: MeshAssumptions | None = None, plans: dict | None = None, ep: int = 1,
+                 window_comm: str = "auto"):  # fmt: skip
         """`plans`: a cache of window plans to share between models of the same CP size; `ep`: an MoE
-        model's expert-parallel ranks (borrowed from DP x CP)."""
+        model's expert-parallel ranks (borrowed from DP x CP); `window_comm`: the sliding-window layers'
+        exchange (`model.window_exchange`; "auto": what the trainer's default runs)."""
         if ep > 1 and (not model.experts or (dp * cp) % ep or model.experts % ep):
             raise ValueError(f"ep = {ep} needs a mixture of experts whose experts and DP x CP ({dp * cp}) it divides")
         self.attention, self.model, self.cp, self.dp, self.ep = attention, model, cp, dp, ep
+        check_window_comm(window_comm)
+        self.window_comm = window_comm
         self.assume = assumptions or MeshAssumptions()
         self._plans: dict[tuple[str, tuple[int, ...]], Plan] = {} if plans is None else plans
 
@@ -227,7 +233,7 @@ class StepModel:
         training = inference = 0.0
         for layers, window in ((m.n_layers - m.window_layers, None), (m.window_layers, m.window)):
             if layers:
-                layer = self.attention.step(system, m.attention, plans, window)
+                layer = self.attention.step(system, m.attention, plans, window, self.window_comm)
                 training += layer.training * (scale * layers)
                 inference += layer.inference * (scale * layers) if self.assume.full_ac else 0.0
         return training, inference

@@ -18,8 +18,8 @@ TorchTitan's; this subclass only changes how a batch reaches the model:
    dispatch's `token_index` order and hands every attention layer the dispatch and CP group
    (`CPStep`, through the decoder's `attention_masks` argument). A model with sliding-window layers
    (gpt-oss) gets, beside the full dispatch, one per window, built from the same plan by the same
-   thread or worker (`LayerDispatches`); its sinks' gradients, like every weight's, are summed over
-   the CP ranks by FSDP (dp_shard x cp).
+   thread or worker (`LayerDispatches`) with its own exchange (`[flashcp] window_comm`); its sinks'
+   gradients, like every weight's, are summed over the CP ranks by FSDP (dp_shard x cp).
 3. Labels stay whole-window until then, so TorchTitan's count of valid tokens (summed over
    data-parallel ranks only) is the global count; each rank's loss is its token sum over that
    count and the reported loss is the sum over DP x CP ranks. CP = 1 and CP = N therefore give
@@ -71,6 +71,7 @@ from torchtitan.trainer import Trainer
 
 from flashcp.attention import build_two_level_dispatch, group_ranks_per_node, NodeLayoutError
 from flashcp.attention.ring import build_ring_dispatch
+from flashcp.costmodel.model import window_exchange
 from flashcp.costmodel.proxy import window_cost
 from flashcp.data.balance import WindowCost
 from flashcp.data.errors import DataChanged, DataError
@@ -103,6 +104,7 @@ class FlashCPSettings:
     plan_worker: bool = True
     plan_worker_timeout_seconds: float = PLAN_WORKER_TIMEOUT_S  # a worker silent this long: a WorkerError naming it
     ranks_per_node: int = 0  # comm = "two_level": the CP group's ranks per node; 0: from the launch
+    window_comm: str = "auto"  # sliding-window layers' exchange (window_exchange); auto: needed / two_level
 
 
 def document_positions(doc_lens: list[int]) -> torch.Tensor:
@@ -157,6 +159,11 @@ class FlashCPTrainer(Trainer):
         self._configure_metrics()
         self._flashcp_ropes = flashcp_ropes(self.model_parts[0])  # RoPEs whose rows each step computes
         self._flashcp_windows = flashcp_windows(self.model_parts[0])  # sliding windows each step dispatches
+        if self._flashcp_windows and self.flashcp.comm != "ring":  # the ring with windows: refused below
+            exchange = window_exchange(self.flashcp.comm, self.flashcp.window_comm)
+            self.metrics_processor.window_comm = exchange
+            logger.info(f"sliding-window layers exchange K/V by {exchange} ([flashcp] window_comm = "
+                        f"{self.flashcp.window_comm!r}), the full layers by {self.flashcp.comm}")  # fmt: skip
         if self.flashcp.enable:
             worker = self.flashcp.plan_worker and dims.cp > 1
             self.dataloader.loader.dispatch_with(self.window_dispatcher(), worker=worker, finish=self.pin_dispatch,
@@ -387,15 +394,20 @@ class FlashCPTrainer(Trainer):
             if self._flashcp_windows:  # the config check refuses it first
                 raise ValueError("[flashcp] comm = 'ring' runs full attention only: not with sliding-window layers")
             return functools.partial(build_ring_dispatch, rank=self.cp_rank)
-        if self.flashcp.comm == "two_level":
-            full = functools.partial(build_two_level_dispatch, rank=self.cp_rank,
-                                     ranks_per_node=self.cp_ranks_per_node, overlap=self.flashcp.overlap)  # fmt: skip
-        else:
-            full = functools.partial(build_dispatch, rank=self.cp_rank, comm=self.flashcp.comm,
-                                     overlap=self.flashcp.overlap)  # fmt: skip
+        full = self._dispatch_builder(self.flashcp.comm)
         if not self._flashcp_windows:
             return full
-        return functools.partial(build_layer_dispatches, build=full, windows=self._flashcp_windows)
+        window = self._dispatch_builder(window_exchange(self.flashcp.comm, self.flashcp.window_comm))
+        return functools.partial(build_layer_dispatches, build=full, windows=self._flashcp_windows,
+                                 build_window=window)  # fmt: skip
+
+    def _dispatch_builder(self, comm: str) -> functools.partial:
+        """`builder(plan, window=None)`: this rank's dispatch exchanging by `comm` (compact, full, needed
+        or two_level, on the job's node layout)."""
+        if comm == "two_level":
+            return functools.partial(build_two_level_dispatch, rank=self.cp_rank,
+                                     ranks_per_node=self.cp_ranks_per_node, overlap=self.flashcp.overlap)  # fmt: skip
+        return functools.partial(build_dispatch, rank=self.cp_rank, comm=comm, overlap=self.flashcp.overlap)
 
     def pin_dispatch(self, dispatch: Any) -> Any:
         """Pinned on GPUs, so that post_dataloading_process's copy to the device does not block the host."""

@@ -1,5 +1,6 @@
 """The dry run of a gpt-oss job (the tiny one of debug_gpt_oss_cpu, CP 2): it runs with the window layers'
-own dispatch beside the full one and reports a window layer's K/V rows apart from a full layer's, in
+own dispatch beside the full one and reports a window layer's K/V rows apart from a full layer's (both
+window exchanges' and the one its layers run), in
 `--json` and in the table, counted here token by token from the window's plan
 (`test_window_metrics.window_rows`)."""
 
@@ -36,8 +37,11 @@ def test_a_gpt_oss_dry_run_reports_its_window_layers_rows_apart(monkeypatch, cap
     assert plan["kv_recv_bytes_per_layer_window_compact"] == compact * row
     assert plan["kv_recv_bytes_per_layer_window_needed"] == needed * row
     assert plan["kv_recv_bytes_per_layer_window_compact"] < plan["kv_recv_bytes_per_layer_compact"]
+    # the window layers run the needed exchange ([flashcp] window_comm = "auto" beside comm = "compact")
+    assert (plan["window_comm"], plan["kv_recv_bytes_per_layer_window"]) == ("needed", needed * row)
     assert report["fits"] and report["estimate_gib"]["flashcp_buffers"] > 0
     text = format_report(Report(**{k: v for k, v in report.items() if k != "fits"}))
     (line,) = [line for line in text.splitlines() if line.startswith("window layers")]
-    assert line == (f"window layers (2 of 4, W = 128): KV received per layer compact {compact * row / 2**20:.2f} "
-                    f"MiB, needed {needed * row / 2**20:.2f} MiB (the figures above are the full layers')")
+    assert line == (f"window layers (2 of 4, W = 128): KV received per layer {needed * row / 2**20:.2f} MiB by "
+                    f"needed ([flashcp] window_comm; compact {compact * row / 2**20:.2f} MiB, needed "
+                    f"{needed * row / 2**20:.2f} MiB; the figures above are the full layers')")

@@ -91,26 +91,33 @@ def test_the_mfu_counts_window_layers_by_the_pairs_they_attend(gpt_oss):
     assert metrics.dense_flops_per_token == 10**12 - per_pair * len(windows) * SEQ_LEN
 
 
-def test_the_log_reports_a_window_layers_rows_apart(gpt_oss):
+@pytest.mark.parametrize("window_comm", [None, "compact", "full", "two_level"])
+def test_the_log_reports_a_window_layers_rows_apart(gpt_oss, window_comm):
     """A window layer's compact exchange sends the last min(length, W - 1) rows of each non-last shard;
-    its needed one the rows of other ranks within W - 1 before each shard's start."""
+    its needed one the rows of other ranks within W - 1 before each shard's start; the exchange its
+    layers run (`window`) is the metrics' `window_comm`: needed by default (auto beside compact), the
+    full all-gather's rows with full, the needed rows with two_level."""
     from flashcp.titan.trainer import FlashCPTrainer
 
     metrics, window = _metrics(), 128
     FlashCPTrainer._configure_metrics(_trainer(gpt_oss, metrics))
+    if window_comm is not None:
+        metrics.window_comm = window_comm
     logged = []
     metrics.logger.log = lambda values, step: logged.append(values)
-    plan = plan_shards(LENS, 2, "flashcp")
+    plan = plan_shards(LENS, 4, "flashcp")  # on 4 ranks, where compact pads to the busiest sender
     metrics.record_window(plan, plan_ms=1.0)
     metrics.ntokens_since_last_log += SEQ_LEN
     metrics.log(step=1, global_avg_loss=1.0, global_max_loss=1.0, grad_norm=1.0)
 
     compact, needed = window_rows(plan, window)
-    assert plan.metrics()["split_docs"] >= 1 and compact > 0
+    assert plan.metrics()["split_docs"] >= 1 and compact > needed
     m, row = logged[0], metrics.kv_row_bytes
     assert m["flashcp/kv_recv_bytes_per_layer_window_compact"] == compact * row
     assert m["flashcp/kv_recv_bytes_per_layer_window_needed"] == needed * row
     assert m["flashcp/kv_recv_bytes_per_layer_window_compact"] < m["flashcp/kv_recv_bytes_per_layer_compact"]
+    used = {None: needed, "compact": compact, "full": 3 * SEQ_LEN // 4, "two_level": needed}[window_comm]
+    assert m["flashcp/kv_recv_bytes_per_layer_window"] == used * row
 
 
 def test_a_model_without_window_layers_logs_no_window_rows():

@@ -6,7 +6,8 @@ counts exactly the (query, key) pairs the mask keeps: sum over documents of d (d
 sliding-window layer (gpt-oss) at most W keys per query (`flashcp.plan.Workload`).
 Each logged step also reports the sharding plans of the windows this rank trained on since the
 last log (workload imbalance, KV bytes received per layer under the full, compact and needed
-exchanges, and a sliding-window layer's compact and needed ones apart, documents split across
+exchanges, and a sliding-window layer's compact and needed ones apart with the one its layers run,
+`kv_recv_bytes_per_layer_window` (`[flashcp] window_comm`), documents split across
 ranks, planning time; with `comm = "two_level"` across nodes
 also the busiest NIC's bytes per layer of the flat needed and the two-level exchange, and the
 latter's NVLink stage, `flashcp.plan.nodes`; with `comm = "ring"` the ring's bytes per layer,
@@ -50,7 +51,7 @@ class WindowStats:
     attention_pairs: float = 0.0  # per layer, averaged over the model's layers (`attention_pairs`)
     plan_ms: float = 0.0
     imbalance: list[float] = field(default_factory=list)
-    recv_bytes: dict[str, float] = field(default_factory=dict)  # comm mode -> bytes per layer (window_<mode>: W's)
+    recv_bytes: dict[str, float] = field(default_factory=dict)  # comm mode -> bytes per layer (window_<mode>: W's; window: the one run)
     kv_full_bytes: float = 0.0  # what the K/V all-gather of the same plans receives per layer
     fabric_bytes: dict[str, float] = field(default_factory=dict)  # needed / two_level -> busiest NIC's bytes per layer
     nvlink_bytes: float = 0.0  # two_level's second stage: the busiest rank's bytes per layer
@@ -132,6 +133,7 @@ class FlashCPMetrics(MetricsProcessor):
         self.kv_dtype_bytes = 2  # bytes of one of their elements
         self.ranks_per_node = 0  # comm = "two_level": the CP group's ranks per node (fabric figures); 0: none
         self.comm = "compact"  # the job's KV exchange: "ring" adds the ring's bytes and its ratio on the log line
+        self.window_comm = "needed"  # the sliding-window layers' exchange (window_exchange; auto beside compact)
         self.stats = WindowStats()
         self._start: tuple[int, float] | None = None  # (step, time) of the first logged step
 
@@ -184,9 +186,12 @@ class FlashCPMetrics(MetricsProcessor):
             s.kv_full_bytes += m["comm_full_tokens"] * self.kv_row_bytes
             if self.attention_workload.window_layers:  # at most W - 1 rows before each cut shard
                 w = window_metrics(plan, self.attention_workload.window)
-                for mode in ("compact", "needed"):
-                    rows = w[f"window_{mode}_tokens"]
-                    s.recv_bytes[f"window_{mode}"] = s.recv_bytes.get(f"window_{mode}", 0.0) + rows * row
+                rows = {"full": m["comm_full_tokens"], "compact": w["window_compact_tokens"],
+                        "needed": w["window_needed_tokens"], "two_level": w["window_needed_tokens"]}  # fmt: skip
+                # both modes, then "window": the one the window layers run (two_level delivers the needed rows)
+                for key, mode in (("window_compact", "compact"), ("window_needed", "needed"),
+                                  ("window", self.window_comm)):  # fmt: skip
+                    s.recv_bytes[key] = s.recv_bytes.get(key, 0.0) + rows[mode] * row
             if self.comm == "ring":  # KV blocks both ways, and the dK/dV sums (float32: twice bf16's bytes)
                 sums_row = self.kv_row_bytes // self.kv_dtype_bytes * max(self.kv_dtype_bytes, 4)
                 fwd, bwd = ring_transfers(plan.tokens_per_rank, plan.cp_size, self.kv_row_bytes, sums_row)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from flashcp.costmodel.model import window_exchange
 from flashcp.titan.config.converters import check_converters, model_compiled
 from flashcp.titan.config.keys import check_value, ConfigError
 from flashcp.data.errors import DataError
@@ -119,6 +120,7 @@ def _check_semantics(cfg: dict) -> None:
     check_converters(cfg, cfg["_given"])
     _check_attention(cfg)
     _check_ranks_per_node(cfg)  # after [flashcp] is reset for TorchTitan's attention
+    _check_window_comm(cfg)
     _check_ring(cfg)
     _check_plan_worker(cfg)
     _check_settings_in_effect(cfg)
@@ -134,6 +136,18 @@ def _check_ranks_per_node(cfg: dict) -> None:
             f"[flashcp] ranks_per_node must be 0 (from the launch) or a divisor of context_parallel_degree "
             f"({cp}): the CP group's ranks per node, got {g}"
         )
+
+
+def _check_window_comm(cfg: dict) -> None:
+    """`[flashcp] window_comm` is an exchange the window dispatch can build beside `comm`
+    (`window_exchange`: two_level only on the job's own node layout); the ring takes no window."""
+    fcp = cfg["flashcp"]
+    if fcp["comm"] == "ring":  # _check_settings_in_effect names a window_comm set beside it
+        return
+    try:
+        window_exchange(fcp["comm"], fcp["window_comm"])
+    except ValueError as e:
+        raise ConfigError(f"[flashcp] {e}") from e
 
 
 def _check_plan_worker(cfg: dict) -> None:
@@ -177,6 +191,7 @@ def _check_settings_in_effect(cfg: dict) -> None:
             ("flashcp", "ranks_per_node", fcp["comm"] in RANKS_PER_NODE_COMMS, f"comm = {fcp['comm']!r}",
              f"comm = {_quoted(RANKS_PER_NODE_COMMS)}"),
             ("flashcp", "plan_worker_timeout_seconds", fcp["plan_worker"], "plan_worker = false", "plan_worker = true"),
+            ("flashcp", "window_comm", fcp["comm"] != "ring", "comm = 'ring'", "a collective comm"),
         ]  # fmt: skip
     for section, key, in_effect, mode, users in rules:
         if key in _given(cfg, section) and not in_effect:

@@ -14,6 +14,7 @@ import typing
 
 from flashcp.attention.kernels import BACKENDS as KERNELS
 from flashcp.attention.two_level import EXCHANGES
+from flashcp.costmodel.model import WINDOW_COMMS
 from flashcp.data.sources import DataConfig
 from flashcp.plan import STRATEGIES
 from flashcp.titan.config.converters import CONVERTER_KEYS
@@ -70,6 +71,9 @@ OWN_SECTIONS: dict[str, dict[str, Key]] = {
         "ranks_per_node": Key(int, 0, doc="two_level only: the CP group's ranks per node; 0: from the launch "
                               "(LOCAL_WORLD_SIZE and the CP mesh). Set, it simulates nodes (tests) and must "
                               "divide context_parallel_degree"),
+        "window_comm": Key(str, "auto", WINDOW_COMMS, "sliding-window layers' (gpt-oss) KV exchange; auto: needed "
+                           "(the W - 1 rows before each cut, all-to-all-v), two_level with comm = 'two_level'; "
+                           "compact | full | needed | two_level (needs comm = 'two_level') as given"),
         "backend": Key(str, "auto", BACKENDS, "varlen kernel; auto: flash_attn, torch, then reference"),
         "overlap": Key(bool, False, doc="compute all-local shards while the KV exchange is in flight"),
         "plan_worker": Key(bool, True, doc="with CP > 1, plan and dispatch each window in a child process, "

@@ -54,7 +54,7 @@ class Report:
     peak_gib: float
     by_category: dict[str, float]
     estimate_gib: dict[str, float]
-    plan: dict[str, float]
+    plan: dict[str, float | str]
     loss_chunks: int
     seconds: float
     host_gib: float = 0.0  # tracked: the offloaded layer inputs one rank keeps in host memory
@@ -129,10 +129,12 @@ def format_report(r: Report) -> str:
     if "window" in r.plan:  # sliding-window layers: at most W - 1 rows before each cut shard
         mib = {k.removeprefix("kv_recv_bytes_per_layer_window_"): v / 2**20 for k, v in r.plan.items()
                if k.startswith("kv_recv_bytes_per_layer_window_")}  # fmt: skip
+        used = r.plan["kv_recv_bytes_per_layer_window"] / 2**20
         lines.append(
             f"window layers ({r.plan['window_layers']} of {r.plan['window_layers'] + r.plan['full_layers']}, "
-            f"W = {r.plan['window']}): KV received per layer compact {mib['compact']:.2f} MiB, needed "
-            f"{mib['needed']:.2f} MiB (the figures above are the full layers')"
+            f"W = {r.plan['window']}): KV received per layer {used:.2f} MiB by {r.plan['window_comm']} ([flashcp] "
+            f"window_comm; compact {mib['compact']:.2f} MiB, needed {mib['needed']:.2f} MiB; the figures above are "
+            "the full layers')"
         )
     if "kv_fabric_bytes_per_layer_two_level" in r.plan:  # comm = "two_level" across nodes
         mib = {k.removeprefix("kv_").removesuffix("_bytes_per_layer_two_level"): v / 2**20

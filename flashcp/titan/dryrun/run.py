@@ -322,16 +322,17 @@ def _label_regions(trainer, tracker: CategoryTracker) -> list[Any]:
     return handles
 
 
-def _plan_figures(trainer) -> dict[str, float]:
+def _plan_figures(trainer) -> dict[str, float | str]:
     """The window's imbalance and KV bytes received per layer (compact / full / needed; an MLA model's
     in latent rows, with the bytes of one latent and one K/V row; a model with sliding-window layers
-    also a window layer's compact / needed, with W and the layer counts)."""
+    also a window layer's compact / needed and those of the exchange its layers run, `window_comm`, with
+    W and the layer counts)."""
     metrics = trainer.metrics_processor
     figures = {key.removeprefix("flashcp/"): value for key, value in metrics._flashcp_metrics().items()}
     workload = metrics.attention_workload
     if workload.window_layers:
         figures |= {"window": workload.window, "window_layers": workload.window_layers,
-                    "full_layers": workload.full_layers}  # fmt: skip
+                    "full_layers": workload.full_layers, "window_comm": metrics.window_comm}  # fmt: skip
     if metrics.exchange_row_bytes:  # MLA: the bytes above are latent rows; a K/V row's for comparison
         figures |= {"latent_row_bytes": metrics.exchange_row_bytes, "kv_row_bytes": metrics.kv_row_bytes}
     return figures

@@ -2,7 +2,9 @@
 
 gpt-oss alternates layers whose queries see their last W keys with full ones. Both kinds run on
 the same plan and the same rows; a window layer's exchange is smaller (`build_dispatch(...,
-window=W)`: at most W - 1 rows before each shard). The trainer builds them together wherever it
+window=W)`: at most W - 1 rows before each shard), and runs its own exchange (`[flashcp]
+window_comm`, `flashcp.costmodel.model.window_exchange`: by default the needed all-to-all-v, since a
+compact all-gather pads every rank to the busiest sender). The trainer builds them together wherever it
 builds a window's dispatch (the loader's thread or its plan worker, whose process imports this
 module to unpickle the builder: so it imports torch and the engine only, not TorchTitan) and
 moves them as one (`to`, `pin_memory`); `CPStep.of` hands each layer its own.
@@ -43,10 +45,12 @@ class LayerDispatches:
         return LayerDispatches(self.full.pin_memory(), {w: d.pin_memory() for w, d in self.windows.items()})
 
 
-def build_layer_dispatches(plan: Plan, build: Callable[..., Dispatch], windows: tuple[int, ...]) -> LayerDispatches:
-    """`build(plan)` for the full layers and `build(plan, window=W)` for each window (picklable with
-    functools.partial, for the loader's dispatch worker)."""
-    return LayerDispatches(build(plan), {w: build(plan, window=w) for w in windows})
+def build_layer_dispatches(plan: Plan, build: Callable[..., Dispatch], windows: tuple[int, ...],
+                           build_window: Callable[..., Dispatch] | None = None) -> LayerDispatches:  # fmt: skip
+    """`build(plan)` for the full layers and `build_window(plan, window=W)` (default `build`: the same
+    exchange) for each window; picklable with functools.partial, for the loader's dispatch worker."""
+    build_window = build if build_window is None else build_window
+    return LayerDispatches(build(plan), {w: build_window(plan, window=w) for w in windows})
 
 
 def planner_workload(model_config) -> Workload:
