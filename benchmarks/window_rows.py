@@ -15,11 +15,14 @@ the windows:
 - halo Llama3 / Per-Doc: the rows the windows of the per_seq (contiguous head-tail split,
   at most 2 (W - 1)) and Per-Doc plans reach, exchanged point to point.
 Then the modelled training step (s) of each model per system (`flashcp.costmodel.step.StepModel`:
-one window per step, DP 1, EP 8, full AC; window layers priced by `CostModel.step(..., window=W)`,
-FlashCP's window layers exchanging compact rows, the baselines' a halo). The layer model is
-unscaled (`paper_ratio_scales` calibrates causal layers on one node); CP > 8 spans nodes of 8
-GPUs (`multinode_model`). Calibration: ../shared/data/gpu_profiles (H100 FlashAttention profile,
-H200 nccl-tests), --profiles to change; without them only the rows are printed.
+one window per step, DP 1, EP 8, full AC; window layers priced by `CostModel.step(..., window=W)`
+with the exchange the trainer's default `[flashcp] window_comm = "auto"` runs: FlashCP's window
+layers the needed rows, the baselines' a halo), and FlashCP's with its window layers all-gathering
+their compact rows (`window_comm = "compact"`, what every window layer ran before window_comm).
+The layer model is unscaled (`paper_ratio_scales` calibrates causal layers on one node); CP > 8
+spans nodes of 8 GPUs (`multinode_model`). Calibration: ../shared/data/gpu_profiles (H100
+FlashAttention profile, H200 nccl-tests), --profiles to change; without them only the rows are
+printed. `--json X` also writes the table to X with the suffix .md.
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ from flashcp.plan.window import window_needed_tokens, window_recv_tokens  # noqa
 SHARED_PROFILES = ROOT.parent / "shared" / "data" / "gpu_profiles"
 MODELS = {"20b": GPT_OSS_20B, "120b": GPT_OSS_120B}
 SYSTEMS = ("llama3", "per_doc", "flashcp")
+# (column suffix, system, window_comm): the step columns, auto's exchange then FlashCP's compact window layers
+STEPS = (*((s, s, "auto") for s in SYSTEMS), ("flashcp_window_compact", "flashcp", "compact"))
 ROWS = ("all_gather", "flashcp_full", "flashcp_window_compact", "flashcp_window_needed", "halo_llama3",
         "halo_per_doc", "flashcp_imbalance")  # fmt: skip
 EP = 8
@@ -76,9 +81,9 @@ def setting(dist: str, context: int, cp: int, windows: int, attention: CostModel
         values = rows(lens, cp, window, plans)
         if attention is not None:
             for name, shape in MODELS.items():
-                model = StepModel(attention, shape, cp, 1, MeshAssumptions(), plans, ep=EP)
-                for system in SYSTEMS:
-                    values[f"{name}.{system}_s"] = model.step(system, [[lens]]).total / 1e3
+                for column, system, window_comm in STEPS:
+                    model = StepModel(attention, shape, cp, 1, MeshAssumptions(), plans, ep=EP, window_comm=window_comm)
+                    values[f"{name}.{column}_s"] = model.step(system, [[lens]]).total / 1e3
         for key, value in values.items():
             sums.setdefault(key, []).append(value)
     return {"dist": dist, "context": context, "cp": cp, "windows": windows,
@@ -90,7 +95,7 @@ def markdown(results: list[dict]) -> str:
     head = ["window", "CP", "all-gather", "FlashCP full", "FlashCP window compact / needed",
             "halo Llama3 / Per-Doc", "FlashCP imbalance"]  # fmt: skip
     if modelled:
-        head += [f"{n} step s: Llama3 / Per-Doc / FlashCP" for n in MODELS]
+        head += [f"{n} step s: Llama3 / Per-Doc / FlashCP (window compact)" for n in MODELS]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in results:
         cells = [
@@ -100,7 +105,8 @@ def markdown(results: list[dict]) -> str:
             f"{r['halo_llama3']:,.0f} / {r['halo_per_doc']:,.0f}", f"{r['flashcp_imbalance']:.3f}",
         ]
         if modelled:
-            cells += [" / ".join(f"{r[f'{n}.{s}_s']:.2f}" for s in SYSTEMS) for n in MODELS]
+            compact = (f" ({r[f'{n}.flashcp_window_compact_s']:.2f})" for n in MODELS)
+            cells += [" / ".join(f"{r[f'{n}.{s}_s']:.2f}" for s in SYSTEMS) + c for n, c in zip(MODELS, compact)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -131,15 +137,19 @@ def main(argv: list[str] | None = None) -> int:
             for cp in args.cp:
                 results.append(setting(dist, context, cp, args.windows, models[cp] if models else None))
                 print(f"{dist} {context // 1024}K CP {cp} done", file=sys.stderr, flush=True)
-    print(f"gpt-oss (W = {GPT_OSS_20B.window}, 1 full : 1 window layer): K/V rows the busiest rank receives "
-          f"per layer (2 KiB each), means of {args.windows} windows per setting")  # fmt: skip
-    print(markdown(results))
+    table = (f"gpt-oss (W = {GPT_OSS_20B.window}, 1 full : 1 window layer): K/V rows the busiest rank receives "
+             f"per layer (2 KiB each, counted), means of {args.windows} windows per setting; step seconds modelled, "
+             "window layers by window_comm auto (FlashCP's in parentheses: compact)\n" + markdown(results))  # fmt: skip
+    print(table)
     if models is None:
         print(f"(no modelled step times: calibration tables not found at {args.profiles})")
     if args.json:
         payload = {"command": "python benchmarks/window_rows.py " + " ".join(argv or sys.argv[1:]),
-                   "modelled": "rows are counted from plans; step seconds are modelled", "results": results}
+                   "modelled": "rows are counted from plans; step seconds are modelled (window layers by "
+                               "window_comm auto; flashcp_window_compact: FlashCP's with window_comm compact)",
+                   "results": results}  # fmt: skip
         args.json.write_text(json.dumps(payload, indent=1) + "\n")
+        args.json.with_suffix(".md").write_text(table + "\n")
     return 0
 
 

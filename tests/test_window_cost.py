@@ -257,7 +257,8 @@ def test_window_layers_exchange_by_the_rule_the_trainer_follows():
     for comm in ("compact", "full", "needed"):
         assert window_exchange(comm) == "needed"
         assert [window_exchange(comm, w) for w in ("compact", "full", "needed")] == ["compact", "full", "needed"]
-        with pytest.raises(ValueError, match=f"^window_comm = 'two_level' needs comm = 'two_level' .*got comm = '{comm}'$"):
+        refused = f"^window_comm = 'two_level' needs comm = 'two_level' .*got comm = '{comm}'$"
+        with pytest.raises(ValueError, match=refused):
             window_exchange(comm, "two_level")
     assert window_exchange("two_level") == window_exchange("two_level", "two_level") == "two_level"
     assert window_exchange("two_level", "compact") == "compact"

@@ -26,18 +26,21 @@ LENS = [3000] * 5 + [1384]  # five documents longer than a rank's 2048 tokens on
 
 def test_the_default_is_auto(tmp_path):
     assert tiny_job(tmp_path)["flashcp"]["window_comm"] == "auto"
-    assert tiny_job(tmp_path, flashcp={"comm": "two_level", "window_comm": "compact"})["flashcp"]["window_comm"] == "compact"
+    told = tiny_job(tmp_path, flashcp={"comm": "two_level", "window_comm": "compact"})
+    assert told["flashcp"]["window_comm"] == "compact"
 
 
 @pytest.mark.parametrize(
     "flashcp, message",
     [
-        ({"window_comm": "halo"}, "[flashcp] window_comm must be one of auto, full, compact, needed, two_level; got 'halo'"),
+        ({"window_comm": "halo"}, "[flashcp] window_comm must be one of auto, full, compact, needed, two_level; "
+                                  "got 'halo'"),
         ({"window_comm": 1}, "[flashcp] window_comm must be a string, got 1 (int)"),
         ({"window_comm": "two_level"}, "[flashcp] window_comm = 'two_level' needs comm = 'two_level' (the node layout "
                                        "it routes by), got comm = 'compact'"),
-        ({"comm": "ring", "window_comm": "needed"}, "[flashcp] window_comm = 'needed' has no effect with comm = 'ring': "
-                                                    "only a collective comm uses it; remove it or choose that mode"),
+        ({"comm": "ring", "window_comm": "needed"}, "[flashcp] window_comm = 'needed' has no effect with comm = "
+                                                    "'ring': only a collective comm uses it; remove it or choose "
+                                                    "that mode"),
     ],
 )  # fmt: skip
 def test_bad_values_are_refused_in_one_line(tmp_path, flashcp, message):

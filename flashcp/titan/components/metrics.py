@@ -51,7 +51,8 @@ class WindowStats:
     attention_pairs: float = 0.0  # per layer, averaged over the model's layers (`attention_pairs`)
     plan_ms: float = 0.0
     imbalance: list[float] = field(default_factory=list)
-    recv_bytes: dict[str, float] = field(default_factory=dict)  # comm mode -> bytes per layer (window_<mode>: W's; window: the one run)
+    # comm mode -> bytes per layer (window_<mode>: a window layer's; window: the mode its layers run)
+    recv_bytes: dict[str, float] = field(default_factory=dict)
     kv_full_bytes: float = 0.0  # what the K/V all-gather of the same plans receives per layer
     fabric_bytes: dict[str, float] = field(default_factory=dict)  # needed / two_level -> busiest NIC's bytes per layer
     nvlink_bytes: float = 0.0  # two_level's second stage: the busiest rank's bytes per layer
