@@ -20,6 +20,8 @@ TorchTitan's; this subclass only changes how a batch reaches the model:
    (gpt-oss) gets, beside the full dispatch, one per window, built from the same plan by the same
    thread or worker (`LayerDispatches`) with its own exchange (`[flashcp] window_comm`); its sinks'
    gradients, like every weight's, are summed over the CP ranks by FSDP (dp_shard x cp).
+   A Qwen3.5 model (Gated DeltaNet layers) gets its linear layers' dispatch beside the full one, built
+   in the same place (`HybridDispatches`), and its blocks the dict of both steps (`hybrid_masks`).
 3. Labels stay whole-window until then, so TorchTitan's count of valid tokens (summed over
    data-parallel ranks only) is the global count; each rank's loss is its token sum over that
    count and the reported loss is the sum over DP x CP ranks. CP = 1 and CP = N therefore give
@@ -79,6 +81,9 @@ from flashcp.data.plan_worker import TIMEOUT_S as PLAN_WORKER_TIMEOUT_S
 from flashcp.dispatch import build_dispatch
 from flashcp.plan.plan import row_bytes
 from flashcp.titan.models.attention import CPStep, flashcp_ropes, flashcp_windows
+from flashcp.titan.models.gated_deltanet import (
+    build_hybrid_dispatches, deltanet_conv_width, HybridDispatches, hybrid_masks,
+)
 from flashcp.titan.models.windows import build_layer_dispatches, planner_workload
 from flashcp.titan import compat
 from flashcp.titan.components.checkpoint import CheckpointError, Checkpointer
@@ -159,6 +164,7 @@ class FlashCPTrainer(Trainer):
         self._configure_metrics()
         self._flashcp_ropes = flashcp_ropes(self.model_parts[0])  # RoPEs whose rows each step computes
         self._flashcp_windows = flashcp_windows(self.model_parts[0])  # sliding windows each step dispatches
+        self._flashcp_conv_width = deltanet_conv_width(self.model_parts[0])  # Gated DeltaNet layers: their width
         if self._flashcp_windows and self.flashcp.comm != "ring":  # the ring with windows: refused below
             exchange = window_exchange(self.flashcp.comm, self.flashcp.window_comm)
             self.metrics_processor.window_comm = exchange
@@ -348,7 +354,9 @@ class FlashCPTrainer(Trainer):
         else:
             n_kv = attention.n_kv_heads or n_heads
             qk_dim = v_dim = attention.head_dim or model.dim // n_heads  # Qwen3's differs from dim / n_heads
-        per_pair = 6 * len(model.layers) * n_heads * (qk_dim + v_dim)  # QK^T and PV, forward + backward
+        # QK^T and PV, forward + backward. A Qwen3.5 model's Gated DeltaNet layers are counted as full
+        # attention layers for now (their FLOPs are linear in the tokens): its MFU and balance costs are not exact.
+        per_pair = 6 * len(model.layers) * n_heads * (qk_dim + v_dim)
         metrics.total_steps = self.config.training.steps
         metrics.attention_flops_per_pair = per_pair
         metrics.attention_workload = planner_workload(model)
@@ -395,6 +403,9 @@ class FlashCPTrainer(Trainer):
                 raise ValueError("[flashcp] comm = 'ring' runs full attention only: not with sliding-window layers")
             return functools.partial(build_ring_dispatch, rank=self.cp_rank)
         full = self._dispatch_builder(self.flashcp.comm)
+        if self._flashcp_conv_width:  # Qwen3.5: its Gated DeltaNet layers' dispatch beside the full layers'
+            return functools.partial(build_hybrid_dispatches, build=full, rank=self.cp_rank,
+                                     conv_width=self._flashcp_conv_width)  # fmt: skip
         if not self._flashcp_windows:
             return full
         window = self._dispatch_builder(window_exchange(self.flashcp.comm, self.flashcp.window_comm))
@@ -480,7 +491,10 @@ class FlashCPTrainer(Trainer):
         dispatch = input_dict["dispatch"].to(self.device, non_blocking=True)
         inputs = input_dict["input"][:, dispatch.token_index]
         labels = labels[:, dispatch.token_index]
-        step = CPStep.of(self._flashcp_ropes, dispatch, self.cp_group)
+        if isinstance(dispatch, HybridDispatches):  # Qwen3.5: the full layers' CPStep, the linear ones' LinearStep
+            step = hybrid_masks(dispatch, self.cp_group, self._flashcp_ropes)
+        else:
+            step = CPStep.of(self._flashcp_ropes, dispatch, self.cp_group)
         extra = {"positions": dispatch.positions[None], "attention_masks": step}
         return inputs, labels, extra
 

@@ -469,3 +469,54 @@ def test_gpt_oss_refuses_the_ring_tp_and_kernels_without_sinks(change, message):
         validate({"model": {"name": "gpt_oss", "flavor": "20b"}, **change})
     with pytest.raises(ConfigError, match=r"flavor = 'custom' builds llama3 and qwen3 sizes; a gpt_oss"):
         validate({"model": {"name": "gpt_oss", "flavor": "custom", "dim": 64, "n_layers": 2, "n_heads": 4}})
+
+
+TINY_QWEN3_5 = Path(__file__).resolve().parents[2] / "train_configs/hf/tiny_qwen3_5"
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"parallelism": {"tensor_parallel_degree": 2}}, r"^\[parallelism\] tensor_parallel_degree > 1 \(no TP plan"),
+        ({"compile": {"enable": True}}, r"^\[compile\] enable with 'model' \(the linear-attention ops are not "),
+        ({"flashcp": {"comm": "ring"}}, r"^\[flashcp\] comm = 'ring' "),
+        ({"flashcp": {"overlap": True}}, r"^\[flashcp\] overlap = true"),
+        ({"model": {"attention": "flex"}}, r"^\[model\] attention = 'flex' \(its Gated DeltaNet layers run on "),
+        ({"checkpoint": {"enable": True, "last_save_in_hf": True}}, r"^\[checkpoint\] initial_load_in_hf / "
+                                                                    r"last_save_in_hf \(no HF weight import"),
+    ],
+)  # fmt: skip
+def test_qwen3_5_refuses_tp_compile_the_ring_overlap_and_hf_weights(change, message):
+    model = {"hf_config": str(TINY_QWEN3_5)} | change.pop("model", {})
+    with pytest.raises(ConfigError, match=message + r".*: not with a qwen3_5 model \(hybrid Gated DeltaNet\)$") as e:
+        validate({"model": model, **change})
+    assert "\n" not in str(e.value)
+    assert validate({"model": {"hf_config": str(TINY_QWEN3_5)}})["model"]["name"] == "qwen3_5"
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"vision_config": {"depth": 2}}, r"a vision-language config \(vision_config / \*ForConditionalGeneration\): "
+                                          r"FlashCP trains text decoders only"),
+        ({"architectures": ["Qwen3_5ForConditionalGeneration"]}, r"a vision-language config"),
+        ({"model_type": "qwen3_5_moe_text"}, r"model_type 'qwen3_5_moe_text' is not supported \(of mixture-of-experts"),
+        ({"layer_types": ["linear_attention", "full_attention", "linear_attention", "linear_attention"]},
+         r"layer_types .*: TorchTitan's builder makes layer i full exactly where \(i \+ 1\) % 2 == 0"),
+        ({"layer_types": ["linear_attention"] * 3}, r"layer_types must name 'linear_attention' or 'full_attention' "
+                                                    r"for each of the 4 layers"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e7}}, r"rope type 'yarn': FlashCP "
+                                                                                       r"builds Qwen3.5's default"),
+    ],
+)  # fmt: skip
+def test_a_qwen3_5_config_json_flashcp_cannot_train_is_one_line(tmp_path, change, message):
+    """Text decoders only (no vision tower, no MoE variant yet), in the layer layout TorchTitan builds."""
+    hf = json.loads((TINY_QWEN3_5 / "config.json").read_text()) | change
+    with pytest.raises(ConfigError, match=r"^\[model\] hf_config: .*config\.json: " + message) as e:
+        validate({"model": {"hf_config": str(hf_folder(tmp_path, hf))}})
+    assert "\n" not in str(e.value)
+
+
+def test_qwen3_5_is_named_by_an_hf_config_only():
+    with pytest.raises(ConfigError, match=r"^\[model\] name = 'qwen3_5' is built from an hf_config only"):
+        validate({"model": {"name": "qwen3_5"}})

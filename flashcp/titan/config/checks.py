@@ -262,6 +262,7 @@ def _check_unsupported(cfg: dict) -> None:
     _check_experts(cfg)
     _check_latent(cfg)
     _check_sinks(cfg)
+    _check_hybrid(cfg)
     if debug["batch_invariant"]:
         raise ConfigError("[debug] batch_invariant: TorchTitan 0.3.0's trainer has no batch-invariant mode "
                           "for pre-training")  # fmt: skip
@@ -344,6 +345,26 @@ def _check_sinks(cfg: dict) -> None:
     for bad, what in refused:
         if bad:
             raise ConfigError(f"{what}: not with a gpt_oss model (learned sinks in every attention layer)")
+
+
+def _check_hybrid(cfg: dict) -> None:
+    """What FlashCP's Qwen3.5 (`flashcp.titan.models.gated_deltanet`) does not run yet, refused with the reason."""
+    if cfg["model"]["name"] != "qwen3_5":
+        return
+    flashcp, par, ckpt = cfg["flashcp"], cfg["parallelism"], cfg["checkpoint"]
+    refused = [
+        (cfg["model"]["attention"] != "flashcp", f"[model] attention = {cfg['model']['attention']!r} (its Gated "
+                                                 "DeltaNet layers run on FlashCP's ops only)"),
+        (par["tensor_parallel_degree"] != 1, "[parallelism] tensor_parallel_degree > 1 (no TP plan for its layers)"),
+        (model_compiled(cfg), "[compile] enable with 'model' (the linear-attention ops are not registered ops yet)"),
+        (flashcp["comm"] == "ring", "[flashcp] comm = 'ring' (no ring dispatch beside the linear layers')"),
+        (flashcp["overlap"], "[flashcp] overlap = true"),
+        (ckpt["initial_load_in_hf"] or ckpt["last_save_in_hf"], "[checkpoint] initial_load_in_hf / last_save_in_hf "
+                                                                "(no HF weight import or export yet)"),
+    ]  # fmt: skip
+    for bad, what in refused:
+        if bad:
+            raise ConfigError(f"{what}: not with a qwen3_5 model (hybrid Gated DeltaNet)")
 
 
 def _check_profiler(cfg: dict) -> None:

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from flashcp.titan.config.keys import ConfigError, Key
 from flashcp.titan.hf.config import Architecture, Experts, HFConfigError, Latent, read_hf_config
-from flashcp.titan.models.registry import dense_flavors, flavor_architecture, REFUSED_FAMILIES, REGISTRIES, refusal
+from flashcp.titan.models.registry import (
+    dense_flavors, flavor_architecture, HF_ONLY_FAMILIES, REFUSED_FAMILIES, REGISTRIES, refusal,
+)  # fmt: skip
 from flashcp.titan.models.rope import attention_scale_factor, FAMILY_ROPE, rope_for_job, RopeError, SCALINGS
 
 CUSTOM_MODEL_KEYS = (
@@ -25,7 +27,8 @@ EXPERT_KEYS = ("num_experts", "num_experts_per_tok", "moe_hidden_dim")  # a cust
 TOKENIZER_SIZED_FLAVORS = ("debugmodel",)
 
 MODEL_KEYS: dict[str, Key] = {
-    "name": Key(str, "llama3", (*REGISTRIES, *REFUSED_FAMILIES), "the model family (TorchTitan's registry)"),
+    "name": Key(str, "llama3", (*REGISTRIES, *HF_ONLY_FAMILIES, *REFUSED_FAMILIES),
+                "the model family (TorchTitan's registry)"),
     "flavor": Key(str, "debugmodel", doc="a flavor TorchTitan registers for the family (Qwen3-MoE's included), "
                   "or custom"),
     "hf_config": Key(str, doc="a Hugging Face model folder (or its config.json) giving the architecture "
@@ -111,6 +114,8 @@ def _check_architecture(cfg: dict) -> None:
         if "name" in given and model["name"] != arch.name:
             raise ConfigError(f"[model] name = {model['name']!r} but {model['hf_config']} holds a {arch.name} model")
         model["name"], model["flavor"], base = arch.name, "hf", arch.rope
+    elif model["name"] in HF_ONLY_FAMILIES:
+        raise ConfigError(f"[model] name = {model['name']!r} {HF_ONLY_FAMILIES[model['name']]}")
     else:
         name, flavor, flavors = model["name"], model["flavor"], dense_flavors(model["name"])
         if reason := refusal(name, flavor):

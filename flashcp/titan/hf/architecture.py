@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from flashcp.titan.models.rope import Rope
 
 LAYER_TYPES = ("sliding_attention", "full_attention")  # HF layer_types
+LINEAR_ATTENTION = "linear_attention"  # HF layer_types: a Qwen3.5 Gated DeltaNet layer
 
 
 class HFConfigError(ValueError):
@@ -54,10 +55,25 @@ class Latent:
 
 
 @dataclass(frozen=True)
+class Hybrid:
+    """Qwen3.5's hybrid text decoder: Gated DeltaNet layers (HF linear_*) between gated full-attention
+    ones that rotate `rotary_dim` of each head's columns (HF partial_rotary_factor x head_dim) by MRoPE,
+    which on text (one position per token) is plain RoPE whatever its sections."""
+
+    key_heads: int  # HF linear_num_key_heads
+    value_heads: int  # HF linear_num_value_heads
+    key_head_dim: int
+    value_head_dim: int
+    conv_width: int  # the causal convolution's taps (HF linear_conv_kernel_dim)
+    rotary_dim: int
+    mrope_section: tuple[int, ...] = ()  # (): TorchTitan's default
+
+
+@dataclass(frozen=True)
 class Architecture:
     """A decoder: everything that fixes its parameters' shapes and its forward pass."""
 
-    name: str  # llama3 | qwen3 (RMSNorm on q and k per head before RoPE) | deepseek_v3 (latent) | gpt_oss
+    name: str  # llama3 | qwen3 (RMSNorm on q and k per head before RoPE) | deepseek_v3 (latent) | gpt_oss | qwen3_5
     dim: int
     n_layers: int
     n_heads: int
@@ -74,8 +90,9 @@ class Architecture:
     n_dense_layers: int = 0  # with experts: the first layers keep a dense feed-forward (HF first_k_dense_replace)
     layer_types: tuple[str, ...] = ()
     """Each layer's attention, "sliding_attention" or "full_attention" (HF layer_types); (): every layer
-    full. Not empty only when some layer slides."""
+    full. Not empty only when some layer slides, or with `hybrid` ("linear_attention" or "full_attention")."""
     sliding_window: int | None = None  # keys a sliding layer's query sees, itself included (HF sliding_window)
+    hybrid: Hybrid | None = None  # qwen3_5: its Gated DeltaNet layers and partial RoPE
 
     @property
     def qk_norm(self) -> bool:

@@ -29,13 +29,14 @@ from pathlib import Path
 from typing import Any
 
 from flashcp.titan.hf import gpt_oss
-from flashcp.titan.hf.architecture import Architecture, Experts, HFConfigError, Latent
+from flashcp.titan.hf.architecture import Architecture, Experts, HFConfigError, Hybrid, Latent, LINEAR_ATTENTION
 from flashcp.titan.hf.files import FolderFileError, load_json, read_member
 from flashcp.titan.models.rope import Rope, rope_from_hf, rope_to_hf, RopeError
 
 # HF model_type -> FlashCP / TorchTitan model name, and back with its HF class.
 MODEL_TYPES = {
     "llama": "llama3", "qwen3": "qwen3", "qwen3_moe": "qwen3", "deepseek_v3": "deepseek_v3", "gpt_oss": "gpt_oss",
+    "qwen3_5_text": "qwen3_5",
 }  # fmt: skip
 HF_NAMES = {
     "llama3": ("llama", "LlamaForCausalLM"), "qwen3": ("qwen3", "Qwen3ForCausalLM"),
@@ -105,6 +106,10 @@ def architecture_from_hf(hf: dict[str, Any], where: str = "config.json") -> Arch
     """The architecture of a parsed config.json (transformers 4.x or 5.x layout)."""
     _check_numbers(hf, where)
     model_type = hf.get("model_type")
+    classes = hf.get("architectures") if isinstance(hf.get("architectures"), list) else []
+    if "vision_config" in hf or any("ConditionalGeneration" in str(c) for c in classes):
+        raise HFConfigError(f"{where}: a vision-language config (vision_config / *ForConditionalGeneration): FlashCP "
+                            "trains text decoders only (Qwen3.5: its text config.json, model_type qwen3_5_text)")
     if model_type not in MODEL_TYPES:
         moe = " (of mixture-of-experts models, qwen3_moe, deepseek_v3 and gpt_oss only)" if "moe" in str(model_type) else ""
         raise HFConfigError(
@@ -159,6 +164,8 @@ def architecture_from_hf(hf: dict[str, Any], where: str = "config.json") -> Arch
     n_layers = value("num_hidden_layers", int)
     if name == "deepseek_v3":
         return _deepseek_v3(hf, value, rope, where)
+    if name == "qwen3_5":
+        return _qwen3_5(hf, value, rope, where)
     if name == "gpt_oss":
         return gpt_oss.architecture(hf, value, rope, _norm_eps(value("rms_norm_eps", float, 1e-5), where), where,
                                     _experts_key(hf))  # fmt: skip
@@ -177,6 +184,39 @@ def architecture_from_hf(hf: dict[str, Any], where: str = "config.json") -> Arch
         max_position_embeddings=value("max_position_embeddings", int, 8192),
         experts=_experts(hf, value, n_layers, where) if model_type == "qwen3_moe" else None,
     )
+
+
+def _qwen3_5(hf: dict[str, Any], value, rope: Rope, where: str) -> Architecture:
+    """A Qwen3.5 text config.json: its layer kinds as TorchTitan's builder lays them out (every
+    interval-th layer full, the rest Gated DeltaNet) and default RoPE on part of each head."""
+    n_layers, head_dim = value("num_hidden_layers", int), value("head_dim", int)
+    kinds = hf.get("layer_types")
+    if not isinstance(kinds, list) or len(kinds) != n_layers or set(kinds) - {LINEAR_ATTENTION, "full_attention"}:
+        raise HFConfigError(f"{where}: layer_types must name 'linear_attention' or 'full_attention' for each of "
+                            f"the {n_layers} layers")  # fmt: skip
+    interval = kinds.index("full_attention") + 1 if "full_attention" in kinds else n_layers + 1
+    if [(i + 1) % interval == 0 for i in range(n_layers)] != [k == "full_attention" for k in kinds]:
+        raise HFConfigError(f"{where}: layer_types {kinds}: TorchTitan's builder makes layer i full exactly "
+                            f"where (i + 1) % {interval} == 0")  # fmt: skip
+    if rope.scaling != "none":
+        raise HFConfigError(f"{where}: rope type {rope.scaling!r}: FlashCP builds Qwen3.5's default RoPE only")
+    params = hf.get("rope_parameters") or {}
+    factor = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if not isinstance(factor, (int, float)) or not 0 < factor <= 1:
+        raise HFConfigError(f"{where}: partial_rotary_factor must be in (0, 1], got {factor!r}")
+    return Architecture(
+        name="qwen3_5", dim=value("hidden_size", int), n_layers=n_layers, n_heads=value("num_attention_heads", int),
+        n_kv_heads=value("num_key_value_heads", int), head_dim=head_dim, hidden_dim=value("intermediate_size", int),
+        vocab_size=value("vocab_size", int), norm_eps=_norm_eps(value("rms_norm_eps", float, 1e-6), where),
+        rope=rope, tie_embeddings=value("tie_word_embeddings", bool, False),
+        max_position_embeddings=value("max_position_embeddings", int, 8192), layer_types=tuple(kinds),
+        hybrid=Hybrid(
+            key_heads=value("linear_num_key_heads", int), value_heads=value("linear_num_value_heads", int),
+            key_head_dim=value("linear_key_head_dim", int), value_head_dim=value("linear_value_head_dim", int),
+            conv_width=value("linear_conv_kernel_dim", int), rotary_dim=int(head_dim * factor),
+            mrope_section=tuple(params.get("mrope_section", ())),
+        ),
+    )  # fmt: skip
 
 
 def _deepseek_v3(hf: dict[str, Any], value, rope: Rope, where: str) -> Architecture:
@@ -285,6 +325,8 @@ def to_hf_config(
     arch: Architecture, torch_dtype: str = "bfloat16", base: dict[str, Any] | None = None
 ) -> dict:
     """config.json for `arch` (AutoModelForCausalLM loads it), over the base model's config.json if given."""
+    if arch.hybrid:
+        raise HFConfigError("a qwen3_5 model is not exported yet (no HF weight export for Qwen3.5)")
     model_type, hf_class = HF_MOE_NAME if arch.experts and arch.name == "qwen3" else HF_NAMES[arch.name]
     # An export's weights are unquantized whatever the base's were (gpt-oss publishes MXFP4 experts).
     dropped = ("rope_parameters", "transformers_version", "quantization_config")

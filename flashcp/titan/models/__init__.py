@@ -1,4 +1,4 @@
-"""The job's models: TorchTitan's Llama 3 / Qwen3 / DeepSeek-V3 / gpt-oss decoders with FlashCP's attention swapped in from outside.
+"""The job's models: TorchTitan's Llama 3 / Qwen3 / DeepSeek-V3 / gpt-oss / Qwen3.5 decoders with FlashCP's attention swapped in from outside.
 
 - `spec`: the job's model as a TorchTitan ModelSpec (parallelize, FSDP, the attention swap);
 - `decoders`: FlashCP's `Architecture` <-> TorchTitan's model configs, built by TorchTitan's builders;
@@ -9,6 +9,8 @@
 - `offload`: full activation checkpointing's saved layer inputs in host memory (`[activation_checkpoint] offload`);
 - `rotary`: RoPE rows for this rank's tokens, once per step, instead of a table in every layer;
 - `windows`: a sliding-window model's dispatches (its full layers' and one per window), built together;
+- `gated_deltanet`: Qwen3.5's hybrid text decoder (Gated DeltaNet on FlashCP's linear-attention ops),
+  its dispatches and steps;
 - `tiled_mlp`: the MLP over sequence tiles (`[activation_checkpoint] mlp_tiles`).
 
 May import: torch, TorchTitan, the core (plan, dispatch, attention), `flashcp.titan.config` (its

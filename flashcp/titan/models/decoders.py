@@ -40,6 +40,7 @@ from flashcp.titan.config import ConfigError, custom_experts, TOKENIZER_SIZED_FL
 from flashcp.titan.hf.adapters import ADAPTERS
 from flashcp.titan.hf.config import Architecture, HFConfigError, read_hf_config, with_rope
 from flashcp.titan.models.experts import use_param_dtype_experts
+from flashcp.titan.models.gated_deltanet import qwen3_5_decoder
 from flashcp.titan.models.registry import family, flavor_architecture, TITAN_SCALING
 from flashcp.titan.models.rope import FAMILY_ROPE, rope_for_job, RopeError
 from flashcp.titan.models.rotary import ScaledCosSinRoPE
@@ -76,7 +77,11 @@ def titan_config(arch: Architecture, attn_backend: str, max_seq_len: int) -> Dec
     """TorchTitan's model config for `arch`, its RoPE cache covering positions < max_seq_len.
 
     YaRN's attention factor is not in it (TorchTitan's RoPE is a pure rotation): FlashCP's attention
-    applies it (`rope.attention_scale_factor`, see flashcp.titan.models.spec)."""
+    applies it (`rope.attention_scale_factor`, see flashcp.titan.models.spec). Qwen3.5 (`arch.hybrid`)
+    is built with FlashCP's Gated DeltaNet and attention whatever `attn_backend` (fla's kernels and
+    TorchTitan's CP do not run here; the job check refuses other attentions)."""
+    if arch.hybrid:
+        return qwen3_5_decoder(arch, max_seq_len)
     rope = titan_rope(arch, max_seq_len)
     tied, dim, vocab = arch.tie_embeddings, arch.dim, arch.vocab_size
     if arch.name == "llama3":

@@ -17,36 +17,46 @@ Gating, normalisation and the recurrence compute in at least float32 (transforme
 bf16 models) and in float64 for a float64 model, which the exactness tests need. The step's dispatch
 arrives as a `LinearStep` in `attention_masks` (Qwen3.5's block hands a linear layer
 `attention_masks["deltanet"]`, a full one `["quadratic_attention"]`: `hybrid_step` builds both).
-`qwen3_5_text_config` builds the whole text decoder from a config.json: TorchTitan's Qwen3.5 blocks
-(its gated full attention with partial RoPE keeps its own MRoPE, FlashCP's attention inside) in a
-plain TorchTitan `Decoder`, without Qwen3.5's vision encoder.
+`qwen3_5_decoder` builds the whole text decoder from its `Architecture` (`[model] hf_config`, read
+by `flashcp.titan.hf.config`; `qwen3_5_text_config` from a parsed config.json): TorchTitan's Qwen3.5
+blocks (its gated full attention with partial RoPE keeps its own MRoPE, FlashCP's attention inside)
+in a plain TorchTitan `Decoder`, without Qwen3.5's vision encoder. The trainer builds each window's
+`HybridDispatches` where it builds a dispatch (the loader's thread or plan worker) and hands the
+blocks `hybrid_masks`.
 
     model = qwen3_5_text_config(config_json, max_seq_len).build()
     masks, positions = hybrid_step(plan, rank, group)            # once per step
     logits = model(tokens[masks["deltanet"].dispatch.token_index][None], positions, masks)
 
 Checked against transformers per document at CP 1 and 2: the layer (`tests/titan/test_gdn_layer.py`)
-and the decoder (`tests/titan/test_gdn_oracle.py`). Not yet: tensor parallelism (heads split),
-DTensor inputs, compile, a GPU kernel for the linear layers (`flashcp.attention.linear_cp`), the
-trainer, job files and HF import.
+and the decoder (`tests/titan/test_gdn_oracle.py`); in the trainer CP 2 trains CP 1's losses
+(`tests/titan/test_hybrid_train.py`). Not yet: tensor parallelism (heads split), DTensor inputs,
+compile, a GPU kernel for the linear layers (`flashcp.attention.linear_cp`), HF weight import and
+export, and counting the linear layers' FLOPs as their own.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torchtitan.models import llama3 as titan_llama3
 from torchtitan.models.common import Embedding, Linear
 from torchtitan.models.common.decoder import Decoder
+from torchtitan.models.utils import get_moe_model_nparams_and_flops
 
 from flashcp.attention.linear_cp import cp_causal_conv1d, cp_gated_delta
 from flashcp.attention.linear_dispatch import build_linear_dispatch, LinearDispatch
-from flashcp.dispatch import build_dispatch
+from flashcp.dispatch import _map_tensors, build_dispatch, Dispatch
 from flashcp.plan.plan import Plan
 from flashcp.titan.compat import import_qwen3_5
+from flashcp.titan.hf.config import Architecture, architecture_from_hf
 from flashcp.titan.models.attention import CPStep, FlashCPAttention
 
 qwen3_5 = import_qwen3_5()
@@ -128,28 +138,40 @@ def flashcp_deltanet(config: GatedDeltaNet.Config, chunk_size: int = 64) -> Flas
 
 
 
+class HybridDecoder(Decoder):
+    """TorchTitan's plain Decoder counted as its Qwen3.5 model counts (`Qwen35Model`, whose vision
+    encoder is not built here): the Gated DeltaNet layers' FLOPs as full attention's, for now."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Decoder.Config):
+        def get_nparams_and_flops(self, model: torch.nn.Module, seq_len: int) -> tuple[int, int]:
+            attention = self.first_attention
+            return get_moe_model_nparams_and_flops(self, model, attention.n_heads, 2 * attention.head_dim, seq_len)
+
+
 def qwen3_5_text_config(hf: dict, max_seq_len: int, backend: str = "auto", chunk_size: int = 64
                         ) -> Decoder.Config:  # fmt: skip
-    """The decoder of a Qwen3.5 text config.json (`Qwen3_5TextConfig`) by TorchTitan's builder
-    (`_build_qwen35_layers`: OffsetRMSNorm, gated full attention with partial RoPE, SwiGLU), its
-    Gated DeltaNet layers FlashCP's and its full attention's inner attention `FlashCPAttention`
-    (q and k arrive rotated by the layer's MRoPE, given the step's in-document positions).
-    ValueError names what it does not build."""
-    rope, kinds = hf["rope_parameters"], list(hf["layer_types"])
-    interval = kinds.index("full_attention") + 1 if "full_attention" in kinds else len(kinds) + 1
-    if [(i + 1) % interval == 0 for i in range(len(kinds))] != [k == "full_attention" for k in kinds]:
-        raise ValueError(f"layer_types {kinds}: TorchTitan's builder makes every {interval}th layer full")
-    if rope.get("rope_type", "default") != "default":
-        raise ValueError(f"rope_type {rope['rope_type']!r}: FlashCP builds Qwen3.5's default RoPE only")
-    dim, head_dim, eps = hf["hidden_size"], hf["head_dim"], hf["rms_norm_eps"]
-    rotary_dim = int(head_dim * rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
-    sections = {"mrope_section": rope["mrope_section"]} if "mrope_section" in rope else {}
-    linear = {"n_key_heads": hf["linear_num_key_heads"], "n_value_heads": hf["linear_num_value_heads"],
-              "key_head_dim": hf["linear_key_head_dim"], "value_head_dim": hf["linear_value_head_dim"]}
+    """The decoder of a parsed Qwen3.5 text config.json (`Qwen3_5TextConfig`), read as the trainer
+    reads `[model] hf_config`; HFConfigError names what it does not build."""
+    return qwen3_5_decoder(architecture_from_hf(hf), max_seq_len, backend, chunk_size)
+
+
+def qwen3_5_decoder(arch: Architecture, max_seq_len: int, backend: str = "auto", chunk_size: int = 64
+                    ) -> Decoder.Config:  # fmt: skip
+    """The decoder of a qwen3_5 `arch` by TorchTitan's builder (`_build_qwen35_layers`: OffsetRMSNorm,
+    gated full attention with partial RoPE, SwiGLU), its Gated DeltaNet layers FlashCP's and its full
+    attention's inner attention `FlashCPAttention` (q and k arrive rotated by the layer's MRoPE, given
+    the step's in-document positions)."""
+    hybrid, dim, eps = arch.hybrid, arch.dim, arch.norm_eps
+    kinds = arch.layer_types
+    interval = kinds.index("full_attention") + 1 if "full_attention" in kinds else arch.n_layers + 1
+    sections = {"mrope_section": list(hybrid.mrope_section)} if hybrid.mrope_section else {}
+    linear = {"n_key_heads": hybrid.key_heads, "n_value_heads": hybrid.value_heads,
+              "key_head_dim": hybrid.key_head_dim, "value_head_dim": hybrid.value_head_dim}
     layers = qwen3_5._build_qwen35_layers(
-        n_layers=len(kinds), dim=dim, n_heads=hf["num_attention_heads"], n_kv_heads=hf["num_key_value_heads"],
-        head_dim=head_dim, rotary_dim=rotary_dim, hidden_dim=hf["intermediate_size"], **linear,
-        rope=qwen3_5.MRoPE.Config(dim=rotary_dim, max_seq_len=max_seq_len, theta=rope["rope_theta"],
+        n_layers=arch.n_layers, dim=dim, n_heads=arch.n_heads, n_kv_heads=arch.n_kv_heads,
+        head_dim=arch.head_dim, rotary_dim=hybrid.rotary_dim, hidden_dim=arch.hidden_dim, **linear,
+        rope=qwen3_5.MRoPE.Config(dim=hybrid.rotary_dim, max_seq_len=max_seq_len, theta=arch.rope.theta,
                                   **sections),
         full_attention_interval=interval, attn_backend="flex",
     )  # fmt: skip
@@ -157,26 +179,80 @@ def qwen3_5_text_config(hf: dict, max_seq_len: int, backend: str = "auto", chunk
         layer.attention_norm.eps = layer.ffn_norm.eps = eps
         if layer.delta_net is not None:
             titan = qwen3_5._qwen35_deltanet_config(
-                dim=dim, layer_id=layer_id, conv_kernel_size=hf["linear_conv_kernel_dim"], **linear)
+                dim=dim, layer_id=layer_id, conv_kernel_size=hybrid.conv_width, **linear)
             layer.delta_net = flashcp_deltanet(titan, chunk_size)
             layer.delta_net.norm.eps = eps
         else:
             layer.attention.q_norm.eps = layer.attention.k_norm.eps = eps
             layer.attention.inner_attention = FlashCPAttention.Config(backend=backend)
-    vocab = hf["vocab_size"]
-    return Decoder.Config(
-        dim=dim, vocab_size=vocab, layers=layers, enable_weight_tying=hf.get("tie_word_embeddings", False),
-        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim),
-        norm=qwen3_5.OffsetRMSNorm.Config(dim=dim, eps=eps),
-        lm_head=Linear.Config(in_features=dim, out_features=vocab),
+    vocab = arch.vocab_size
+    return HybridDecoder.Config(
+        dim=dim, vocab_size=vocab, layers=layers, enable_weight_tying=arch.tie_embeddings,
+        # TorchTitan's Qwen3.5 initialisers; a tied embedding is the output projection's weight, initialised there.
+        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=(
+            titan_llama3._EMBEDDING_SKIP_INIT if arch.tie_embeddings else qwen3_5._EMBEDDING_INIT)),
+        norm=qwen3_5.OffsetRMSNorm.Config(dim=dim, eps=eps, param_init=qwen3_5._OFFSET_NORM_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=qwen3_5._output_linear_init(dim)),
     )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class HybridDispatches:
+    """A hybrid window's dispatches: the full layers' and the Gated DeltaNet layers' (same rows, same
+    order: `token_index` and `positions` are the full one's); built where the trainer builds a
+    window's dispatch (the loader's thread or its plan worker) and moved like one `Dispatch`."""
+
+    full: Dispatch
+    linear: LinearDispatch
+
+    @property
+    def token_index(self) -> torch.Tensor:
+        return self.full.token_index
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.full.positions
+
+    def to(self, device: torch.device | str, non_blocking: bool = True) -> HybridDispatches:
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> HybridDispatches:
+        return self._map(torch.Tensor.pin_memory)
+
+    def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> HybridDispatches:
+        """`fn` on every tensor, the linear fold's (M rows, B rows) pairs included."""
+        linear = dataclasses.replace(_map_tensors(self.linear, fn),
+                                     fold_steps=tuple((fn(m), fn(b)) for m, b in self.linear.fold_steps))  # fmt: skip
+        return HybridDispatches(_map_tensors(self.full, fn), linear)
+
+
+def build_hybrid_dispatches(plan: Plan, build: Callable[[Plan], Dispatch], rank: int, conv_width: int
+                            ) -> HybridDispatches:  # fmt: skip
+    """`build(plan)` for the full layers and this rank's linear dispatch (picklable with
+    functools.partial, for the loader's dispatch worker)."""
+    return HybridDispatches(build(plan), build_linear_dispatch(plan, rank, conv_width))
+
+
+def hybrid_masks(dispatches: HybridDispatches, group: dist.ProcessGroup | None,
+                 ropes: dict[tuple, Any] | None = None) -> dict[str, CPStep | LinearStep]:  # fmt: skip
+    """One window's `attention_masks` for a qwen3_5 model, under Qwen3.5's block keys: the full
+    layers' `CPStep` (with the rows of `ropes`, `flashcp_ropes(model)`) and the linear layers' `LinearStep`."""
+    return {"quadratic_attention": CPStep.of(ropes or {}, dispatches.full, group),
+            "deltanet": LinearStep(dispatches.linear, group)}  # fmt: skip
+
+
+def deltanet_conv_width(model: torch.nn.Module) -> int | None:
+    """The convolution width of the Gated DeltaNet layers of `model` (None: it has none); one
+    `LinearDispatch` serves them all, so they must share it."""
+    widths = {m.conv_kernel_size for m in model.modules() if isinstance(m, FlashCPGatedDeltaNet)}
+    if len(widths) > 1:
+        raise ValueError(f"Gated DeltaNet layers of conv widths {sorted(widths)}: one linear dispatch serves one")
+    return widths.pop() if widths else None
 
 
 def hybrid_step(plan: Plan, rank: int, group: dist.ProcessGroup | None, comm: str = "compact",
                 conv_width: int = 4) -> tuple[dict, torch.Tensor]:  # fmt: skip
-    """One window's `attention_masks` for `qwen3_5_text_config`'s model (the full layers' `CPStep`,
-    the linear layers' `LinearStep`, under Qwen3.5's block keys) and the `positions [1, T]` its MRoPE
-    reads, for this rank's rows in the two dispatches' shared order."""
-    d = build_dispatch(plan, rank, comm)
-    linear = LinearStep(build_linear_dispatch(plan, rank, conv_width), group)
-    return {"quadratic_attention": CPStep(d, group), "deltanet": linear}, d.positions[None]
+    """One window's `attention_masks` for `qwen3_5_text_config`'s model (`hybrid_masks`) and the
+    `positions [1, T]` its MRoPE reads, for this rank's rows in the two dispatches' shared order."""
+    d = build_hybrid_dispatches(plan, functools.partial(build_dispatch, rank=rank, comm=comm), rank, conv_width)
+    return hybrid_masks(d, group), d.positions[None]

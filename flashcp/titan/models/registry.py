@@ -43,12 +43,20 @@ REFUSED_FAMILIES = {
     "kimi_k2_7": "is a vision-language model (TorchTitan's KimiK25Model: a vision encoder before an MLA decoder); "
                  "FlashCP trains text decoders only (Kimi K2's text model is a deepseek_v3 hf_config)",
 }  # fmt: skip
+# Families FlashCP builds from an `[model] hf_config` only (TorchTitan's registered flavors are not text decoders).
+HF_ONLY_FAMILIES = {
+    "qwen3_5": "is built from an hf_config only (a Qwen3.5 text config.json): TorchTitan registers its "
+               "vision-language flavors",
+}  # fmt: skip
 # FlashCP's name of each RoPE scaling -> TorchTitan's.
 TITAN_SCALING = {"none": "none", "llama3": "llama", "yarn": "yarn"}
 
 
 def family(model_config: Decoder.Config) -> str:
-    """The family of a TorchTitan model config: "llama3", "qwen3", "deepseek_v3" or "gpt_oss"."""
+    """The family of a TorchTitan model config: "llama3", "qwen3", "deepseek_v3", "gpt_oss" or "qwen3_5"
+    (a plain Decoder with Gated DeltaNet layers, `flashcp.titan.models.gated_deltanet`)."""
+    if any(getattr(layer, "delta_net", None) is not None for layer in model_config.layers):
+        return "qwen3_5"
     if isinstance(model_config, DeepSeekV3Model.Config):
         return "deepseek_v3"
     if isinstance(model_config, GptOssModel.Config):

@@ -1,4 +1,4 @@
-"""The job's Llama 3 / Qwen3 / DeepSeek-V3 / gpt-oss as a TorchTitan ModelSpec, its attention swapped for FlashCP's from outside.
+"""The job's Llama 3 / Qwen3 / DeepSeek-V3 / gpt-oss / Qwen3.5 as a TorchTitan ModelSpec, its attention swapped for FlashCP's from outside.
 
 The architecture comes from `flashcp.titan.models.decoders` (a TorchTitan flavor, a custom size or an HF
 config.json, with the job's RoPE keys), built by TorchTitan's own per-layer builders. With
@@ -18,6 +18,9 @@ step's window dispatch, its sinks inside the op: `flashcp.titan.models.attention
 (biased experts, clamped SwiGLU) are parallelised as Qwen3-MoE's. The sinks are parameters of
 the attention modules, sharded by FSDP over dp_shard x cp like every weight, so their gradient,
 each CP rank's from its own queries, is summed over the CP ranks as every other one.
+
+Qwen3.5's hybrid text decoder (`flashcp.titan.models.gated_deltanet`) is built on FlashCP's Gated
+DeltaNet and attention; its blocks are checkpointed and FSDP-sharded as every other family's (no TP).
 
 Qwen3-MoE layers are TorchTitan's (router, token dispatcher, grouped experts computed in the
 weights' dtype: `flashcp.titan.models.experts`). With `expert_parallel_degree` > 1 the experts are
@@ -78,7 +81,13 @@ def model_spec(
     # RoPE covers every position inside a document: < seq_len (TorchTitan's tables; FlashCP computes
     # each step's rows instead, flashcp.titan.models.rotary).
     model = titan_config(arch, "flex" if attention == "flashcp" else attention, max_seq_len=seq_len)
-    if attention == "flashcp" and arch.latent:
+    if attention == "flashcp" and arch.hybrid:
+        # Qwen3.5: built on FlashCP's ops (its full layers keep their MRoPE); only the kernel is the job's.
+        for layer in model.layers:
+            if layer.attention is not None:
+                layer.attention.inner_attention.backend = flashcp_cfg["backend"]
+        parallelize = parallelize_flashcp
+    elif attention == "flashcp" and arch.latent:
         # MLA: the latent rows cross the CP group (YaRN's correction is TorchTitan's mscale, in its scale).
         use_flashcp_latent_attention(model, backend=flashcp_cfg["backend"])
         parallelize = parallelize_flashcp
@@ -107,7 +116,7 @@ def model_spec(
         pipelining_fn=None,
         # MoE: the aux-loss-free expert bias update (a no-op registration for dense models).
         post_optimizer_build_fn=partial(register_expert_balancing, compiled=compiled),
-        state_dict_adapter=ADAPTERS[arch.name],
+        state_dict_adapter=ADAPTERS.get(arch.name),  # None for qwen3_5: no HF import / export yet
     )
 
 
