@@ -84,7 +84,7 @@ from flashcp.titan.models.attention import CPStep, flashcp_ropes, flashcp_window
 from flashcp.titan.models.gated_deltanet import (
     build_hybrid_dispatches, deltanet_conv_width, HybridDispatches, hybrid_masks,
 )
-from flashcp.titan.models.windows import build_layer_dispatches, planner_workload
+from flashcp.titan.models.windows import attention_layers, build_layer_dispatches, planner_workload
 from flashcp.titan import compat
 from flashcp.titan.components.checkpoint import CheckpointError, Checkpointer
 from flashcp.titan.components.data import PipelineTokenizer, WindowDataLoader
@@ -354,13 +354,13 @@ class FlashCPTrainer(Trainer):
         else:
             n_kv = attention.n_kv_heads or n_heads
             qk_dim = v_dim = attention.head_dim or model.dim // n_heads  # Qwen3's differs from dim / n_heads
-        # QK^T and PV, forward + backward. A Qwen3.5 model's Gated DeltaNet layers are counted as full
-        # attention layers for now (their FLOPs are linear in the tokens): its MFU and balance costs are not exact.
-        per_pair = 6 * len(model.layers) * n_heads * (qk_dim + v_dim)
+        # QK^T and PV, forward + backward, in the layers that attend (a Qwen3.5 model's Gated DeltaNet layers
+        # do not: their projections and recurrence are per-token FLOPs, `HybridDecoder`)
+        per_pair = 6 * len(attention_layers(model)) * n_heads * (qk_dim + v_dim)
         metrics.total_steps = self.config.training.steps
         metrics.attention_flops_per_pair = per_pair
         metrics.attention_workload = planner_workload(model)
-        # TorchTitan's per-token count includes full (unmasked) attention over seq_len keys.
+        # TorchTitan's per-token count includes full (unmasked) attention over seq_len keys in those layers.
         metrics.dense_flops_per_token = metrics.num_flops_per_token - per_pair * self.config.training.seq_len
         # K/V rows (what `kv: x full` compares with) and, for MLA, the latent rows the exchange moves
         metrics.kv_row_bytes = row_bytes(n_kv // self.parallel_dims.tp, qk_dim, dtype_bytes, v_dim)

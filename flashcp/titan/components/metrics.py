@@ -106,12 +106,13 @@ class RunTensorBoardLogger(BaseLogger):
 class FlashCPMetrics(MetricsProcessor):
     """MetricsProcessor whose `log` reports document-masked MFU, FlashCP plan figures and an ETA.
 
-    The trainer sets `total_steps`, `dense_flops_per_token`, `attention_flops_per_pair` (every layer's
-    FLOPs of one attended pair), `attention_workload` (the model's full and sliding-window layers: the
-    pairs are counted per layer with window layers' queries capped at W keys, and window layers'
-    rows are reported apart) and `kv_row_bytes` (an MLA model's latent rows also `exchange_row_bytes`:
-    bytes are counted in the rows the exchange moves, `kv: x full` against the K/V all-gather) after
-    building the model, and calls `record_window` for every window.
+    The trainer sets `total_steps`, `dense_flops_per_token`, `attention_flops_per_pair` (every attending
+    layer's FLOPs of one attended pair: a hybrid's Gated DeltaNet layers attend none, their FLOPs are
+    per token), `attention_workload` (the model's full and sliding-window layers: the pairs are counted
+    per layer with window layers' queries capped at W keys, and window layers' rows are reported apart)
+    and `kv_row_bytes` (an MLA model's latent rows also `exchange_row_bytes`: bytes are counted in the
+    rows the exchange moves, `kv: x full` against the K/V all-gather) after building the model, and
+    calls `record_window` for every window.
     """
 
     @dataclass(kw_only=True, slots=True)

@@ -32,7 +32,8 @@ Checked against transformers per document at CP 1 and 2: the layer (`tests/titan
 and the decoder (`tests/titan/test_gdn_oracle.py`); in the trainer CP 2 trains CP 1's losses
 (`tests/titan/test_hybrid_train.py`). Not yet: tensor parallelism (heads split), DTensor inputs,
 compile, a GPU kernel for the linear layers (`flashcp.attention.linear_cp`), HF weight import and
-export, and counting the linear layers' FLOPs as their own.
+export. The metrics and the balance count the linear layers' FLOPs per token (`HybridDecoder`), the
+full layers' per attended pair (`flashcp.titan.models.windows.planner_workload`).
 """
 
 from __future__ import annotations
@@ -138,15 +139,29 @@ def flashcp_deltanet(config: GatedDeltaNet.Config, chunk_size: int = 64) -> Flas
 
 
 
+def deltanet_flops_per_token(config: Decoder.Config) -> int:
+    """FLOPs per token of the Gated DeltaNet layers' recurrence, forward + backward: per value head three
+    products with its d_k x d_v state (read by k, written, read by q; the recurrent form's count, as
+    TorchTitan counts attention without its kernels' recomputation), 2 FLOPs a multiply-add, x3 with
+    backward. Linear in the tokens: it belongs to the per-token count, not to the attended pairs."""
+    return sum(18 * layer.delta_net.key_head_dim * layer.delta_net.in_proj_v.out_features
+               for layer in config.layers if layer.delta_net is not None)  # fmt: skip
+
+
 class HybridDecoder(Decoder):
     """TorchTitan's plain Decoder counted as its Qwen3.5 model counts (`Qwen35Model`, whose vision
-    encoder is not built here): the Gated DeltaNet layers' FLOPs as full attention's, for now."""
+    encoder is not built here), plus the Gated DeltaNet recurrence that count leaves out."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(Decoder.Config):
         def get_nparams_and_flops(self, model: torch.nn.Module, seq_len: int) -> tuple[int, int]:
+            """Per token: 6 x the non-embedding parameters (a Gated DeltaNet layer's projections, convolution
+            and gates among them), the full-attention layers' QK^T and PV over seq_len keys (TorchTitan's
+            count skips layers without attention), and the Gated DeltaNet layers' recurrence."""
             attention = self.first_attention
-            return get_moe_model_nparams_and_flops(self, model, attention.n_heads, 2 * attention.head_dim, seq_len)
+            head_dims = 2 * attention.head_dim
+            nparams, flops = get_moe_model_nparams_and_flops(self, model, attention.n_heads, head_dims, seq_len)
+            return nparams, flops + deltanet_flops_per_token(self)
 
 
 def qwen3_5_text_config(hf: dict, max_seq_len: int, backend: str = "auto", chunk_size: int = 64

@@ -53,15 +53,23 @@ def build_layer_dispatches(plan: Plan, build: Callable[..., Dispatch], windows: 
     return LayerDispatches(build(plan), {w: build_window(plan, window=w) for w in windows})
 
 
+def attention_layers(model_config) -> list:
+    """The layers that attend (query, key) pairs: all but a hybrid model's Gated DeltaNet layers (a
+    `delta_net`, no attention), whose cost is linear in the tokens and counted per token (`HybridDecoder`)."""
+    return [layer for layer in model_config.layers if getattr(layer, "delta_net", None) is None]
+
+
 def planner_workload(model_config) -> Workload:
     """What the planner balances for a TorchTitan decoder config with FlashCP attention: causal pairs
-    (`CAUSAL`) when every layer is full, else full and window layers counted apart (gpt-oss: 12 and 12
-    of 24 with W = 128), so a rank of long documents is not charged window layers as full ones.
-    The metrics take the same counts for the pairs the model attends (`attention_pairs`)."""
-    windows = [_window(layer) for layer in model_config.layers]
+    (`CAUSAL`) when every layer is full, else the attention layers' kinds counted apart (gpt-oss: 12 full
+    and 12 window of 24 with W = 128; Qwen3.5: its full layers only), so a rank of long documents is not
+    charged window or Gated DeltaNet layers as full ones. The metrics take the same counts for the pairs
+    the model attends (`attention_pairs`)."""
+    layers = attention_layers(model_config)
+    windows = [_window(layer) for layer in layers]
     sizes = {w for w in windows if w}
     if not sizes:
-        return CAUSAL
+        return CAUSAL if len(layers) == len(model_config.layers) else Workload(full_layers=len(layers))
     if len(sizes) > 1:  # one Workload holds one window; the planner then balances the smallest exactly
         raise ValueError(f"the planner balances one sliding window per model, this one has {sorted(sizes)}")
     return Workload(full_layers=windows.count(None), window_layers=len(windows) - windows.count(None),
@@ -69,6 +77,5 @@ def planner_workload(model_config) -> Workload:
 
 
 def _window(layer) -> int | None:
-    """A layer's sliding window; None for full attention, and for a layer without an attention config
-    (a hybrid model's linear layer), counted with the full ones as the metrics' FLOPs count it."""
+    """An attention layer's sliding window; None for full attention."""
     return getattr(getattr(getattr(layer, "attention", None), "inner_attention", None), "window", None)
