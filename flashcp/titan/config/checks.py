@@ -10,7 +10,9 @@ config objects, all before any process starts. Checks that need the number of ra
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 from typing import Any
 
 from flashcp.costmodel.model import window_exchange
@@ -359,12 +361,28 @@ def _check_hybrid(cfg: dict) -> None:
         (model_compiled(cfg), "[compile] enable with 'model' (the linear-attention ops are not registered ops yet)"),
         (flashcp["comm"] == "ring", "[flashcp] comm = 'ring' (no ring dispatch beside the linear layers')"),
         (flashcp["overlap"], "[flashcp] overlap = true"),
-        (ckpt["initial_load_in_hf"] or ckpt["last_save_in_hf"], "[checkpoint] initial_load_in_hf / last_save_in_hf "
-                                                                "(no HF weight import or export yet)"),
+        (ckpt["last_save_in_hf"], "[checkpoint] last_save_in_hf (no Qwen3.5 config.json is written for an export "
+                                  "yet; initial_load_in_hf imports a text-only folder)"),
+        (ckpt["initial_load_in_hf"] and _vision_folder(ckpt["initial_load_path"]),
+         f"[checkpoint] initial_load_path {ckpt['initial_load_path']} is a vision-language folder (its text weights "
+         "are model.language_model.*, beside model.visual.*; FlashCP imports a text-only Qwen3_5ForCausalLM "
+         "folder's model.*)"),
     ]  # fmt: skip
     for bad, what in refused:
         if bad:
             raise ConfigError(f"{what}: not with a qwen3_5 model (hybrid Gated DeltaNet)")
+
+
+def _vision_folder(folder: str) -> bool:
+    """Whether the HF folder's config.json is a vision-language model's (checked again when its
+    weights are read: their names would not match)."""
+    try:
+        hf = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):  # none or unreadable: the folder's own check names it
+        return False
+    if not isinstance(hf, dict):
+        return False
+    return "vision_config" in hf or any("ConditionalGeneration" in str(c) for c in hf.get("architectures") or ())
 
 
 def _check_profiler(cfg: dict) -> None:

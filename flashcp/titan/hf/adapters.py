@@ -13,6 +13,9 @@
   [E, out, in]: a transpose, nothing permuted. The transposes are views (a DTensor's too, its
   placements moved with the dims), so DCP's HF reader fills the model's own parameters, each rank
   its share of the experts.
+- Qwen3.5's text decoder (`Qwen35TextStateDictAdapter`): TorchTitan's adapter names the released
+  vision-language checkpoints' text weights (`model.language_model.*`); a text-only
+  `Qwen3_5ForCausalLM` folder, the only kind FlashCP trains from, holds them as `model.*`.
 """
 
 from __future__ import annotations
@@ -25,7 +28,10 @@ from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
 from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
 from torchtitan.protocols.state_dict_adapter import BaseStateDictAdapter
 
+from flashcp.titan.compat import import_qwen3_5
+
 HEAD, EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
+TEXT, VLM_TEXT = "model.", "model.language_model."  # a Qwen3.5 text folder's prefix, and the VLM's
 _EXPERTS = "moe.routed_experts.inner_experts"
 # transformers' unquantized gpt-oss experts -> TorchTitan's, and whether the matrix is transposed.
 GPT_OSS_EXPERTS = {"gate_up_proj": ("mlp1_weight_EGD", True), "gate_up_proj_bias": ("mlp1_bias_EG", False),
@@ -78,9 +84,25 @@ class GptOssStateDictAdapter(TiedHead, TitanGptOssStateDictAdapter):
         return out
 
 
+class Qwen35TextStateDictAdapter(import_qwen3_5().Qwen35StateDictAdapter):
+    """TorchTitan's Qwen3.5 adapter with the text-only folder's names (see the module docstring)."""
+
+    def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return {_renamed(k, VLM_TEXT, TEXT): v for k, v in super().to_hf(state_dict).items()}
+
+    def from_hf(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
+        return super().from_hf({_renamed(k, TEXT, VLM_TEXT): v for k, v in hf_state_dict.items()})
+
+
+def _renamed(key: str, old: str, new: str) -> str:
+    """`key` with the prefix `old` replaced by `new` (other keys, lm_head.weight, as they are)."""
+    return new + key.removeprefix(old) if key.startswith(old) else key
+
+
 ADAPTERS: dict[str, type[BaseStateDictAdapter]] = {
     "llama3": Llama3StateDictAdapter,
     "qwen3": Qwen3StateDictAdapter,
     "deepseek_v3": TiedDeepSeekV3StateDictAdapter,
     "gpt_oss": GptOssStateDictAdapter,
+    "qwen3_5": Qwen35TextStateDictAdapter,
 }

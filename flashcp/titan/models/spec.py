@@ -116,7 +116,7 @@ def model_spec(
         pipelining_fn=None,
         # MoE: the aux-loss-free expert bias update (a no-op registration for dense models).
         post_optimizer_build_fn=partial(register_expert_balancing, compiled=compiled),
-        state_dict_adapter=ADAPTERS.get(arch.name),  # None for qwen3_5: no HF import / export yet
+        state_dict_adapter=ADAPTERS.get(arch.name),
     )
 
 
