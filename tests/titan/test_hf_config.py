@@ -482,11 +482,9 @@ TINY_QWEN3_5 = Path(__file__).resolve().parents[2] / "train_configs/hf/tiny_qwen
         ({"flashcp": {"comm": "ring"}}, r"^\[flashcp\] comm = 'ring' "),
         ({"flashcp": {"overlap": True}}, r"^\[flashcp\] overlap = true"),
         ({"model": {"attention": "flex"}}, r"^\[model\] attention = 'flex' \(its Gated DeltaNet layers run on "),
-        ({"checkpoint": {"enable": True, "last_save_in_hf": True}}, r"^\[checkpoint\] last_save_in_hf \(no Qwen3.5 "
-                                                                    r"config.json is written for an export yet"),
     ],
 )  # fmt: skip
-def test_qwen3_5_refuses_tp_compile_the_ring_overlap_and_hf_weights(change, message):
+def test_qwen3_5_refuses_tp_compile_the_ring_and_overlap(change, message):
     model = {"hf_config": str(TINY_QWEN3_5)} | change.pop("model", {})
     with pytest.raises(ConfigError, match=message + r".*: not with a qwen3_5 model \(hybrid Gated DeltaNet\)$") as e:
         validate({"model": model, **change})

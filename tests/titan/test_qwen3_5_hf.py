@@ -6,8 +6,8 @@
   layers, 1 full), saved by `save_pretrained`, is imported (`initial_load_in_hf`) on 1 rank and on
   2 gloo ranks (CP 2, FSDP over them): the first step's loss agrees to TOLERANCE and every gradient
   to GRAD_TOLERANCE.
-- Back: the imported checkpoint's weights, through the adapter's `to_hf`, load strictly into
-  transformers' model and give the original's logits (fp32, one document at a time: transformers'
+- Back: the imported checkpoint exported (`python -m flashcp.titan.export`) is a qwen3_5_text folder
+  transformers loads, with the original's keys and logits (fp32, one document at a time: transformers'
   torch Gated DeltaNet ignores packing).
 - A folder with a tensor missing or reshaped is refused on every rank in one line naming the key.
 - A vision-language folder (`model.language_model.*`, `model.visual.*`) is refused before launch.
@@ -26,16 +26,14 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig  # noqa: E402
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForCausalLM  # noqa: E402
 
-from titan.harness import single_rank, tiny_job, train, train_on_pool_rank  # noqa: E402
+from titan.harness import load_export, single_rank, tiny_job, train, train_on_pool_rank  # noqa: E402
 from titan.test_hf_import_ranks import first_step, import_job  # noqa: E402
 from titan.test_gdn_oracle import CONFIG as ORACLE_CONFIG, hf_model, to_titan  # noqa: E402
 from titan.test_hybrid_train import GATE  # noqa: E402
 
 from flashcp.titan.config import ConfigError  # noqa: E402
-from flashcp.titan.hf.config import read_hf_config  # noqa: E402
-from flashcp.titan.hf.export import read_weights  # noqa: E402
 from flashcp.titan.launch.preflight import check_inputs  # noqa: E402
-from flashcp.titan.models.decoders import state_dict_adapter, titan_config  # noqa: E402
+from flashcp.titan.models.decoders import state_dict_adapter  # noqa: E402
 from flashcp.titan.models.gated_deltanet import qwen3_5_text_config  # noqa: E402
 
 TINY = Path(__file__).resolve().parents[2] / "train_configs/hf/tiny_qwen3_5"
@@ -113,20 +111,26 @@ def test_import_on_two_ranks_gives_the_one_rank_step(imported, gloo_pool, tmp_pa
         assert gaps[worst] <= GRAD_TOLERANCE, f"rank {rank}: {worst}'s gradient off by {gaps[worst]:.1e} (relative)"
 
 
-def test_the_imported_weights_map_back_to_transformers_logits(imported):
+def test_the_export_of_the_import_gives_transformers_logits(imported, tmp_path):
+    """`python -m flashcp.titan.export` of the imported step-1: a qwen3_5_text folder transformers
+    loads, holding the folder's keys, with the original's logits."""
+    from flashcp.titan.export import main as export_main
+
     hf, original, step, _, _ = imported
-    config = titan_config(read_hf_config(hf), attn_backend="flex", max_seq_len=2048)
-    hf_weights = state_dict_adapter(config).to_hf(read_weights(step, config))
-    assert hf_weights.keys() == load_file(hf / "model.safetensors").keys()
-    exported = Qwen3_5ForCausalLM(original.config).eval()
-    exported.load_state_dict(hf_weights, strict=True)
+    out = tmp_path / "export"
+    assert export_main(["--checkpoint", str(step), "--out", str(out)]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "qwen3_5_text" and config["architectures"] == ["Qwen3_5ForCausalLM"]
+    assert config["layer_types"] == original.config.layer_types
+    assert load_file(out / "model.safetensors").keys() == load_file(hf / "model.safetensors").keys()
+    exported = load_export(out)
     ids = torch.randint(0, original.config.vocab_size, (sum(DOC_LENS),), generator=torch.Generator().manual_seed(0))
     worst = 0.0
     with torch.no_grad():
         for doc in ids.split(DOC_LENS):
             reference, ours = original(doc[None]).logits, exported(doc[None]).logits
             worst = max(worst, float((ours - reference).abs().max() / reference.abs().max()))
-    print(f"imported -> transformers: logits off by {worst:.1e} (relative)")
+    print(f"import -> export -> transformers: logits off by {worst:.1e} (relative)")
     assert worst <= LOGITS_TOLERANCE
 
 

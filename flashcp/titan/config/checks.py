@@ -361,8 +361,6 @@ def _check_hybrid(cfg: dict) -> None:
         (model_compiled(cfg), "[compile] enable with 'model' (the linear-attention ops are not registered ops yet)"),
         (flashcp["comm"] == "ring", "[flashcp] comm = 'ring' (no ring dispatch beside the linear layers')"),
         (flashcp["overlap"], "[flashcp] overlap = true"),
-        (ckpt["last_save_in_hf"], "[checkpoint] last_save_in_hf (no Qwen3.5 config.json is written for an export "
-                                  "yet; initial_load_in_hf imports a text-only folder)"),
         (ckpt["initial_load_in_hf"] and _vision_folder(ckpt["initial_load_path"]),
          f"[checkpoint] initial_load_path {ckpt['initial_load_path']} is a vision-language folder (its text weights "
          "are model.language_model.*, beside model.visual.*; FlashCP imports a text-only Qwen3_5ForCausalLM "

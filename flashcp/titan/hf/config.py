@@ -326,7 +326,7 @@ def to_hf_config(
 ) -> dict:
     """config.json for `arch` (AutoModelForCausalLM loads it), over the base model's config.json if given."""
     if arch.hybrid:
-        raise HFConfigError("a qwen3_5 model is not exported yet (no HF weight export for Qwen3.5)")
+        return _qwen3_5_config(arch, torch_dtype, base)
     model_type, hf_class = HF_MOE_NAME if arch.experts and arch.name == "qwen3" else HF_NAMES[arch.name]
     # An export's weights are unquantized whatever the base's were (gpt-oss publishes MXFP4 experts).
     dropped = ("rope_parameters", "transformers_version", "quantization_config")
@@ -367,6 +367,28 @@ def to_hf_config(
             "decoder_sparse_step": 1, "mlp_only_layers": [], "output_router_logits": False,
         }  # fmt: skip
     return out
+
+
+def _qwen3_5_config(arch: Architecture, torch_dtype: str, base: dict[str, Any] | None) -> dict[str, Any]:
+    """Qwen3_5ForCausalLM's text config.json (transformers 5: RoPE in rope_parameters, partial over each
+    head), over a qwen3_5_text base's other entries."""
+    hybrid = arch.hybrid
+    same = base is not None and base.get("model_type") == "qwen3_5_text"
+    out = {k: v for k, v in base.items() if k not in ("transformers_version", "quantization_config")} if same else {}
+    rope = {"rope_type": "default", "rope_theta": arch.rope.theta, "partial_rotary_factor": hybrid.rotary_dim / arch.head_dim}
+    if hybrid.mrope_section:
+        rope["mrope_section"] = list(hybrid.mrope_section)
+    return out | {
+        "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "hidden_size": arch.dim,
+        "num_hidden_layers": arch.n_layers, "num_attention_heads": arch.n_heads, "num_key_value_heads": arch.n_kv_heads,
+        "head_dim": arch.head_dim, "intermediate_size": arch.hidden_dim, "vocab_size": arch.vocab_size,
+        "rms_norm_eps": arch.norm_eps, "tie_word_embeddings": arch.tie_embeddings,
+        "max_position_embeddings": arch.max_position_embeddings, "hidden_act": "silu", "attention_bias": False,
+        "layer_types": list(arch.layer_types), "linear_num_key_heads": hybrid.key_heads,
+        "linear_num_value_heads": hybrid.value_heads, "linear_key_head_dim": hybrid.key_head_dim,
+        "linear_value_head_dim": hybrid.value_head_dim, "linear_conv_kernel_dim": hybrid.conv_width,
+        "rope_parameters": rope, "torch_dtype": torch_dtype, "dtype": torch_dtype,
+    }  # fmt: skip
 
 
 def _deepseek_v3_entries(arch: Architecture, rope_scaling: dict[str, Any] | None) -> dict[str, Any]:

@@ -31,8 +31,8 @@ blocks `hybrid_masks`.
 Checked against transformers per document at CP 1 and 2: the layer (`tests/titan/test_gdn_layer.py`)
 and the decoder (`tests/titan/test_gdn_oracle.py`); in the trainer CP 2 trains CP 1's losses
 (`tests/titan/test_hybrid_train.py`). Not yet: tensor parallelism (heads split), DTensor inputs,
-compile, a GPU kernel for the linear layers (`flashcp.attention.linear_cp`), HF weight import and
-export. The metrics and the balance count the linear layers' FLOPs per token (`HybridDecoder`), the
+compile, a GPU kernel for the linear layers (`flashcp.attention.linear_cp`). HF weights: text-only
+folders in and out (`flashcp.titan.hf.adapters`). The metrics and the balance count the linear layers' FLOPs per token (`HybridDecoder`), the
 full layers' per attended pair (`flashcp.titan.models.windows.planner_workload`).
 """
 
