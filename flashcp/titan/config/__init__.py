@@ -10,8 +10,8 @@ config classes (`titan`), plus FlashCP's own `[job]`, `[model]`, `[data]`, `[los
 `[flashcp]` and `[validation]` (`schema`, `model`); `flashcp.titan.launch.job` turns a validated job
 into `Trainer.Config`. The modules of this package: `keys` (one key and its value check),
 `file` (TOML, bounds, `--section.key value` overrides), `checks` (names, types and every check
-needing no world size), `sizes` (the model's sizes against memory), `layout` (the world size and the
-machine). This front door holds the names others import and the `--check` / `--keys` command line
+needing no world size), `families` (what each model family refuses), `sizes` (the model's sizes
+against memory), `layout` (the world size and the machine). This front door holds the names others import and the `--check` / `--keys` command line
 (`__main__`).
 
 A bad file fails with one `error: ...` line naming the key and what it accepts. Only TorchTitan's
