@@ -8,7 +8,8 @@
 of a decoder (Llama 3.x: model_type "llama"; Qwen3: "qwen3", with QK-norm and its own head_dim;
 Qwen3-MoE: "qwen3_moe", Qwen3 whose every feed-forward is a top-k routed mixture of experts;
 DeepSeek-V3: "deepseek_v3", latent attention; gpt-oss: "gpt_oss", read and written by
-`flashcp.titan.hf.gpt_oss`), the one value every consumer reads: the pre-launch checks
+`flashcp.titan.hf.gpt_oss`; Qwen3.5: "qwen3_5_text", hybrid Gated DeltaNet, by
+`flashcp.titan.hf.qwen3_5`), the one value every consumer reads: the pre-launch checks
 (`flashcp.titan.config.model_dims`), the TorchTitan model config
 (`flashcp.titan.models.decoders.titan_config(arch, attn_backend, max_seq_len)`), the job's model
 (`flashcp.titan.models.decoders.job_architecture(model_cfg, tokenizer_vocab, seq_len)`, also for named
@@ -28,8 +29,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from flashcp.titan.hf import gpt_oss
-from flashcp.titan.hf.architecture import Architecture, Experts, HFConfigError, Hybrid, Latent, LINEAR_ATTENTION
+from flashcp.titan.hf import gpt_oss, qwen3_5
+from flashcp.titan.hf.architecture import Architecture, Experts, HFConfigError, Latent
 from flashcp.titan.hf.files import FolderFileError, load_json, read_member
 from flashcp.titan.models.rope import Rope, rope_from_hf, rope_to_hf, RopeError
 
@@ -165,7 +166,7 @@ def architecture_from_hf(hf: dict[str, Any], where: str = "config.json") -> Arch
     if name == "deepseek_v3":
         return _deepseek_v3(hf, value, rope, where)
     if name == "qwen3_5":
-        return _qwen3_5(hf, value, rope, where)
+        return qwen3_5.architecture(hf, value, rope, _norm_eps(value("rms_norm_eps", float, 1e-6), where), where)
     if name == "gpt_oss":
         return gpt_oss.architecture(hf, value, rope, _norm_eps(value("rms_norm_eps", float, 1e-5), where), where,
                                     _experts_key(hf))  # fmt: skip
@@ -184,39 +185,6 @@ def architecture_from_hf(hf: dict[str, Any], where: str = "config.json") -> Arch
         max_position_embeddings=value("max_position_embeddings", int, 8192),
         experts=_experts(hf, value, n_layers, where) if model_type == "qwen3_moe" else None,
     )
-
-
-def _qwen3_5(hf: dict[str, Any], value, rope: Rope, where: str) -> Architecture:
-    """A Qwen3.5 text config.json: its layer kinds as TorchTitan's builder lays them out (every
-    interval-th layer full, the rest Gated DeltaNet) and default RoPE on part of each head."""
-    n_layers, head_dim = value("num_hidden_layers", int), value("head_dim", int)
-    kinds = hf.get("layer_types")
-    if not isinstance(kinds, list) or len(kinds) != n_layers or set(kinds) - {LINEAR_ATTENTION, "full_attention"}:
-        raise HFConfigError(f"{where}: layer_types must name 'linear_attention' or 'full_attention' for each of "
-                            f"the {n_layers} layers")  # fmt: skip
-    interval = kinds.index("full_attention") + 1 if "full_attention" in kinds else n_layers + 1
-    if [(i + 1) % interval == 0 for i in range(n_layers)] != [k == "full_attention" for k in kinds]:
-        raise HFConfigError(f"{where}: layer_types {kinds}: TorchTitan's builder makes layer i full exactly "
-                            f"where (i + 1) % {interval} == 0")  # fmt: skip
-    if rope.scaling != "none":
-        raise HFConfigError(f"{where}: rope type {rope.scaling!r}: FlashCP builds Qwen3.5's default RoPE only")
-    params = hf.get("rope_parameters") or {}
-    factor = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    if not isinstance(factor, (int, float)) or not 0 < factor <= 1:
-        raise HFConfigError(f"{where}: partial_rotary_factor must be in (0, 1], got {factor!r}")
-    return Architecture(
-        name="qwen3_5", dim=value("hidden_size", int), n_layers=n_layers, n_heads=value("num_attention_heads", int),
-        n_kv_heads=value("num_key_value_heads", int), head_dim=head_dim, hidden_dim=value("intermediate_size", int),
-        vocab_size=value("vocab_size", int), norm_eps=_norm_eps(value("rms_norm_eps", float, 1e-6), where),
-        rope=rope, tie_embeddings=value("tie_word_embeddings", bool, False),
-        max_position_embeddings=value("max_position_embeddings", int, 8192), layer_types=tuple(kinds),
-        hybrid=Hybrid(
-            key_heads=value("linear_num_key_heads", int), value_heads=value("linear_num_value_heads", int),
-            key_head_dim=value("linear_key_head_dim", int), value_head_dim=value("linear_value_head_dim", int),
-            conv_width=value("linear_conv_kernel_dim", int), rotary_dim=int(head_dim * factor),
-            mrope_section=tuple(params.get("mrope_section", ())),
-        ),
-    )  # fmt: skip
 
 
 def _deepseek_v3(hf: dict[str, Any], value, rope: Rope, where: str) -> Architecture:
@@ -326,7 +294,7 @@ def to_hf_config(
 ) -> dict:
     """config.json for `arch` (AutoModelForCausalLM loads it), over the base model's config.json if given."""
     if arch.hybrid:
-        return _qwen3_5_config(arch, torch_dtype, base)
+        return qwen3_5.hf_config(arch, torch_dtype, base)
     model_type, hf_class = HF_MOE_NAME if arch.experts and arch.name == "qwen3" else HF_NAMES[arch.name]
     # An export's weights are unquantized whatever the base's were (gpt-oss publishes MXFP4 experts).
     dropped = ("rope_parameters", "transformers_version", "quantization_config")
@@ -367,28 +335,6 @@ def to_hf_config(
             "decoder_sparse_step": 1, "mlp_only_layers": [], "output_router_logits": False,
         }  # fmt: skip
     return out
-
-
-def _qwen3_5_config(arch: Architecture, torch_dtype: str, base: dict[str, Any] | None) -> dict[str, Any]:
-    """Qwen3_5ForCausalLM's text config.json (transformers 5: RoPE in rope_parameters, partial over each
-    head), over a qwen3_5_text base's other entries."""
-    hybrid = arch.hybrid
-    same = base is not None and base.get("model_type") == "qwen3_5_text"
-    out = {k: v for k, v in base.items() if k not in ("transformers_version", "quantization_config")} if same else {}
-    rope = {"rope_type": "default", "rope_theta": arch.rope.theta, "partial_rotary_factor": hybrid.rotary_dim / arch.head_dim}
-    if hybrid.mrope_section:
-        rope["mrope_section"] = list(hybrid.mrope_section)
-    return out | {
-        "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "hidden_size": arch.dim,
-        "num_hidden_layers": arch.n_layers, "num_attention_heads": arch.n_heads, "num_key_value_heads": arch.n_kv_heads,
-        "head_dim": arch.head_dim, "intermediate_size": arch.hidden_dim, "vocab_size": arch.vocab_size,
-        "rms_norm_eps": arch.norm_eps, "tie_word_embeddings": arch.tie_embeddings,
-        "max_position_embeddings": arch.max_position_embeddings, "hidden_act": "silu", "attention_bias": False,
-        "layer_types": list(arch.layer_types), "linear_num_key_heads": hybrid.key_heads,
-        "linear_num_value_heads": hybrid.value_heads, "linear_key_head_dim": hybrid.key_head_dim,
-        "linear_value_head_dim": hybrid.value_head_dim, "linear_conv_kernel_dim": hybrid.conv_width,
-        "rope_parameters": rope, "torch_dtype": torch_dtype, "dtype": torch_dtype,
-    }  # fmt: skip
 
 
 def _deepseek_v3_entries(arch: Architecture, rope_scaling: dict[str, Any] | None) -> dict[str, Any]:
