@@ -16,7 +16,7 @@ from flashcp.costmodel.proxy import window_cost
 from flashcp.plan import Workload
 from flashcp.titan.config import load_job, resolve_config_path  # flashcp.titan before torchtitan: its shims
 from flashcp.titan.launch.job import trainer_config
-from test_window_metrics import _metrics, _pairs, _trainer, LENS, SEQ_LEN
+from test_window_metrics import _log_window, _metrics, _pairs, _trainer, LENS, SEQ_LEN
 
 CONFIG = Path(__file__).resolve().parents[2] / "train_configs/hf/tiny_qwen3_5/config.json"
 
@@ -46,11 +46,7 @@ def test_the_mfu_counts_the_full_layers_pairs_and_the_linear_layers_per_token(hy
 
     metrics = _metrics()
     FlashCPTrainer._configure_metrics(_trainer(hybrid, metrics))
-    logged = []
-    metrics.logger.log = lambda values, step: logged.append(values)
-    metrics.record_window(plan_shards(LENS, 2, "flashcp"), plan_ms=1.0)
-    metrics.ntokens_since_last_log += SEQ_LEN
-    metrics.log(step=1, global_avg_loss=1.0, global_max_loss=1.0, grad_norm=1.0)
+    logged = [_log_window(metrics, plan_shards(LENS, 2, "flashcp"))]
 
     attention = hybrid.first_attention
     per_pair = 12 * attention.n_heads * attention.head_dim  # QK^T and PV: 2 FLOPs a multiply-add, x3 backward

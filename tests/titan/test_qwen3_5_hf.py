@@ -26,8 +26,8 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig  # noqa: E402
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForCausalLM  # noqa: E402
 
-from titan.harness import load_export, single_rank, tiny_job, train, train_on_pool_rank  # noqa: E402
-from titan.test_hf_import_ranks import first_step, import_job  # noqa: E402
+from titan.harness import load_export, single_rank, tiny_job, train  # noqa: E402
+from titan.test_hf_import_ranks import _refusal, first_step, import_job  # noqa: E402
 from titan.test_gdn_oracle import CONFIG as ORACLE_CONFIG, hf_model, to_titan  # noqa: E402
 from titan.test_hybrid_train import GATE  # noqa: E402
 
@@ -132,17 +132,6 @@ def test_the_export_of_the_import_gives_transformers_logits(imported, tmp_path):
             worst = max(worst, float((ours - reference).abs().max() / reference.abs().max()))
     print(f"import -> export -> transformers: logits off by {worst:.1e} (relative)")
     assert worst <= LOGITS_TOLERANCE
-
-
-def _refusal(rank: int, group, cfg: dict) -> str:
-    """DistributedPool task: the one line a rank fails with."""
-    from flashcp.titan.components.checkpoint import CheckpointError
-
-    try:
-        train_on_pool_rank(rank, group, cfg)
-    except CheckpointError as e:
-        return str(e)
-    return "trained"
 
 
 @pytest.mark.parametrize("change", ["missing", "reshaped"])

@@ -44,6 +44,16 @@ def _metrics():
     return metrics
 
 
+def _log_window(metrics, plan, tokens: int = SEQ_LEN) -> dict:
+    """What `metrics.log` writes for one step over `plan`'s window of `tokens` tokens."""
+    logged = []
+    metrics.logger.log = lambda values, step: logged.append(values)
+    metrics.record_window(plan, plan_ms=1.0)
+    metrics.ntokens_since_last_log += tokens
+    metrics.log(step=1, global_avg_loss=1.0, global_max_loss=1.0, grad_norm=1.0)
+    return logged[0]
+
+
 def _windows(model_config) -> list[int | None]:
     return [layer.attention.inner_attention.window for layer in model_config.layers]
 
@@ -75,11 +85,7 @@ def test_the_mfu_counts_window_layers_by_the_pairs_they_attend(gpt_oss):
     assert windows == [128, None, 128, None]
     metrics = _metrics()
     FlashCPTrainer._configure_metrics(_trainer(gpt_oss, metrics))
-    logged = []
-    metrics.logger.log = lambda values, step: logged.append(values)
-    metrics.record_window(plan_shards(LENS, 2, "flashcp"), plan_ms=1.0)
-    metrics.ntokens_since_last_log += SEQ_LEN
-    metrics.log(step=1, global_avg_loss=1.0, global_max_loss=1.0, grad_norm=1.0)
+    logged = [_log_window(metrics, plan_shards(LENS, 2, "flashcp"))]
 
     attention = gpt_oss.first_attention
     per_pair = 12 * attention.n_heads * attention.head_dim  # QK^T and PV: 2 FLOPs a multiply-add, x3 with backward
@@ -103,12 +109,8 @@ def test_the_log_reports_a_window_layers_rows_apart(gpt_oss, window_comm):
     FlashCPTrainer._configure_metrics(_trainer(gpt_oss, metrics))
     if window_comm is not None:
         metrics.window_comm = window_comm
-    logged = []
-    metrics.logger.log = lambda values, step: logged.append(values)
     plan = plan_shards(LENS, 4, "flashcp")  # on 4 ranks, where compact pads to the busiest sender
-    metrics.record_window(plan, plan_ms=1.0)
-    metrics.ntokens_since_last_log += SEQ_LEN
-    metrics.log(step=1, global_avg_loss=1.0, global_max_loss=1.0, grad_norm=1.0)
+    logged = [_log_window(metrics, plan)]
 
     compact, needed = window_rows(plan, window)
     assert plan.metrics()["split_docs"] >= 1 and compact > needed
@@ -123,10 +125,7 @@ def test_the_log_reports_a_window_layers_rows_apart(gpt_oss, window_comm):
 def test_a_model_without_window_layers_logs_no_window_rows():
     metrics = _metrics()
     metrics.kv_row_bytes = 8
-    logged = []
-    metrics.logger.log = lambda values, step: logged.append(values)
-    metrics.record_window(plan_shards(LENS, 2, "flashcp"), plan_ms=1.0)
-    metrics.log(step=1, global_avg_loss=1.0, global_max_loss=1.0, grad_norm=1.0)
+    logged = [_log_window(metrics, plan_shards(LENS, 2, "flashcp"), tokens=0)]
     assert metrics.attention_workload is CAUSAL
     assert "flashcp/kv_recv_bytes_per_layer_compact" in logged[0]
     assert not any("per_layer_window" in key for key in logged[0])
