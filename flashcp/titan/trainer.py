@@ -81,10 +81,10 @@ from flashcp.data.plan_worker import TIMEOUT_S as PLAN_WORKER_TIMEOUT_S
 from flashcp.dispatch import build_dispatch
 from flashcp.plan.plan import row_bytes
 from flashcp.titan.models.attention import CPStep, flashcp_ropes, flashcp_windows
-from flashcp.titan.models.gated_deltanet import (
-    build_hybrid_dispatches, deltanet_conv_width, HybridDispatches, hybrid_masks,
+from flashcp.titan.models.gated_deltanet import deltanet_conv_width, hybrid_masks
+from flashcp.titan.models.windows import (
+    attention_layers, build_hybrid_dispatches, build_layer_dispatches, HybridDispatches, planner_workload,
 )
-from flashcp.titan.models.windows import attention_layers, build_layer_dispatches, planner_workload
 from flashcp.titan import compat
 from flashcp.titan.components.checkpoint import CheckpointError, Checkpointer
 from flashcp.titan.components.data import PipelineTokenizer, WindowDataLoader

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,12 +52,13 @@ from torchtitan.models.common.decoder import Decoder
 from torchtitan.models.utils import get_moe_model_nparams_and_flops
 
 from flashcp.attention.linear_cp import cp_causal_conv1d, cp_gated_delta
-from flashcp.attention.linear_dispatch import build_linear_dispatch, LinearDispatch
-from flashcp.dispatch import _map_tensors, build_dispatch, Dispatch
+from flashcp.attention.linear_dispatch import LinearDispatch
+from flashcp.dispatch import build_dispatch
 from flashcp.plan.plan import Plan
 from flashcp.titan.compat import import_qwen3_5
 from flashcp.titan.hf.config import Architecture, architecture_from_hf
 from flashcp.titan.models.attention import CPStep, FlashCPAttention
+from flashcp.titan.models.windows import build_hybrid_dispatches, HybridDispatches
 
 qwen3_5 = import_qwen3_5()
 GatedDeltaNet = qwen3_5.GatedDeltaNet
@@ -209,43 +209,6 @@ def qwen3_5_decoder(arch: Architecture, max_seq_len: int, backend: str = "auto",
         norm=qwen3_5.OffsetRMSNorm.Config(dim=dim, eps=eps, param_init=qwen3_5._OFFSET_NORM_INIT),
         lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=qwen3_5._output_linear_init(dim)),
     )  # fmt: skip
-
-
-@dataclass(frozen=True)
-class HybridDispatches:
-    """A hybrid window's dispatches: the full layers' and the Gated DeltaNet layers' (same rows, same
-    order: `token_index` and `positions` are the full one's); built where the trainer builds a
-    window's dispatch (the loader's thread or its plan worker) and moved like one `Dispatch`."""
-
-    full: Dispatch
-    linear: LinearDispatch
-
-    @property
-    def token_index(self) -> torch.Tensor:
-        return self.full.token_index
-
-    @property
-    def positions(self) -> torch.Tensor:
-        return self.full.positions
-
-    def to(self, device: torch.device | str, non_blocking: bool = True) -> HybridDispatches:
-        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
-
-    def pin_memory(self) -> HybridDispatches:
-        return self._map(torch.Tensor.pin_memory)
-
-    def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> HybridDispatches:
-        """`fn` on every tensor, the linear fold's (M rows, B rows) pairs included."""
-        linear = dataclasses.replace(_map_tensors(self.linear, fn),
-                                     fold_steps=tuple((fn(m), fn(b)) for m, b in self.linear.fold_steps))  # fmt: skip
-        return HybridDispatches(_map_tensors(self.full, fn), linear)
-
-
-def build_hybrid_dispatches(plan: Plan, build: Callable[[Plan], Dispatch], rank: int, conv_width: int
-                            ) -> HybridDispatches:  # fmt: skip
-    """`build(plan)` for the full layers and this rank's linear dispatch (picklable with
-    functools.partial, for the loader's dispatch worker)."""
-    return HybridDispatches(build(plan), build_linear_dispatch(plan, rank, conv_width))
 
 
 def hybrid_masks(dispatches: HybridDispatches, group: dist.ProcessGroup | None,

@@ -1,4 +1,5 @@
-"""A sliding-window model's dispatches: one for its full-attention layers, one per window.
+"""Per-layer dispatches: a sliding-window model's (one for its full-attention layers, one per window)
+and a hybrid model's (the full layers' and its Gated DeltaNet layers' linear dispatch).
 
 gpt-oss alternates layers whose queries see their last W keys with full ones. Both kinds run on
 the same plan and the same rows; a window layer's exchange is smaller (`build_dispatch(...,
@@ -12,22 +13,21 @@ moves them as one (`to`, `pin_memory`); `CPStep.of` hands each layer its own.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from flashcp.dispatch import Dispatch
+from flashcp.attention.linear_dispatch import build_linear_dispatch, LinearDispatch
+from flashcp.dispatch import _map_tensors, Dispatch
 from flashcp.plan.plan import CAUSAL, Plan, Workload
 
 
-@dataclass(frozen=True)
-class LayerDispatches:
-    """A window's dispatch for the full-attention layers and one per sliding window (same rows, same
-    order: `token_index` and `positions` are the full one's); built and moved like one `Dispatch`."""
+class _FullRows:
+    """Per-layer dispatches of one window run the same rows in the same order: the full layers'."""
 
     full: Dispatch
-    windows: dict[int, Dispatch]  # sliding window W -> build_dispatch(plan, ..., window=W)
 
     @property
     def token_index(self) -> torch.Tensor:
@@ -36,6 +36,15 @@ class LayerDispatches:
     @property
     def positions(self) -> torch.Tensor:
         return self.full.positions
+
+
+@dataclass(frozen=True)
+class LayerDispatches(_FullRows):
+    """A window's dispatch for the full-attention layers and one per sliding window; built and moved
+    like one `Dispatch`."""
+
+    full: Dispatch
+    windows: dict[int, Dispatch]  # sliding window W -> build_dispatch(plan, ..., window=W)
 
     def to(self, device: torch.device | str, non_blocking: bool = True) -> LayerDispatches:
         return LayerDispatches(self.full.to(device, non_blocking),
@@ -51,6 +60,34 @@ def build_layer_dispatches(plan: Plan, build: Callable[..., Dispatch], windows: 
     exchange) for each window; picklable with functools.partial, for the loader's dispatch worker."""
     build_window = build if build_window is None else build_window
     return LayerDispatches(build(plan), {w: build_window(plan, window=w) for w in windows})
+
+
+@dataclass(frozen=True)
+class HybridDispatches(_FullRows):
+    """A hybrid window's dispatches (Qwen3.5): the full layers' and the Gated DeltaNet layers'; built
+    and moved like one `Dispatch`."""
+
+    full: Dispatch
+    linear: LinearDispatch
+
+    def to(self, device: torch.device | str, non_blocking: bool = True) -> HybridDispatches:
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> HybridDispatches:
+        return self._map(torch.Tensor.pin_memory)
+
+    def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> HybridDispatches:
+        """`fn` on every tensor, the linear fold's (M rows, B rows) pairs included."""
+        linear = dataclasses.replace(_map_tensors(self.linear, fn),
+                                     fold_steps=tuple((fn(m), fn(b)) for m, b in self.linear.fold_steps))  # fmt: skip
+        return HybridDispatches(_map_tensors(self.full, fn), linear)
+
+
+def build_hybrid_dispatches(plan: Plan, build: Callable[[Plan], Dispatch], rank: int, conv_width: int
+                            ) -> HybridDispatches:  # fmt: skip
+    """`build(plan)` for the full layers and this rank's linear dispatch (picklable with
+    functools.partial, for the loader's dispatch worker)."""
+    return HybridDispatches(build(plan), build_linear_dispatch(plan, rank, conv_width))
 
 
 def attention_layers(model_config) -> list:
