@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import inspect
 import sys
 import types
 
@@ -48,14 +49,32 @@ LAYOUTS = {
 }
 
 
+# transformers binds flash-linear-attention's (and causal-conv1d's) CUDA kernels in place of these
+# at import when the packages are installed; the oracle is their torch reference on CPU.
+HF_KERNELS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
+              "causal_conv1d_update")  # fmt: skip
+
+
 @contextlib.contextmanager
-def at_least_float32():
-    """transformers' Qwen3.5 module with its float32 casts read as "at least float32" (float64 stays)."""
+def torch_kernels(*modules: types.ModuleType):
+    """transformers' Qwen3.5 module (or `modules`, e.g. Qwen3-Next's) on its torch kernels."""
+    with pytest.MonkeyPatch.context() as mp:
+        for module in modules or (modeling_qwen3_5,):
+            for name in HF_KERNELS:
+                if hasattr(module, name):
+                    mp.setattr(module, name, inspect.unwrap(getattr(module, name)))
+        yield
+
+
+@contextlib.contextmanager
+def at_least_float32(*modules: types.ModuleType):
+    """`torch_kernels`, with the modules' float32 casts read as "at least float32" (float64 stays)."""
     torch64 = types.ModuleType("torch")
     torch64.__dict__.update(vars(torch))
     torch64.float32 = torch.float64
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(modeling_qwen3_5, "torch", torch64)
+    with torch_kernels(*modules), pytest.MonkeyPatch.context() as mp:
+        for module in modules or (modeling_qwen3_5,):
+            mp.setattr(module, "torch", torch64)
         mp.setattr(torch.Tensor, "float", lambda t: t.to(torch.promote_types(t.dtype, torch.float32)))
         yield
 
@@ -92,7 +111,7 @@ def oracle(dtype: torch.dtype, doc_lens: list[int], patched: bool):
     layer = hf_layer(dtype)
     x, gy = window(dtype, sum(doc_lens))
     x.requires_grad_()
-    with at_least_float32() if patched else contextlib.nullcontext():
+    with at_least_float32() if patched else torch_kernels():
         y = torch.cat([layer(doc[None])[0] for doc in x.split(doc_lens)])
     (y * gy).sum().backward()
     grads = titan_state({n: p.grad for n, p in layer.named_parameters()})
