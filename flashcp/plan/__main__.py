@@ -26,6 +26,11 @@ the mixed workload of both layer kinds (`flashcp.plan.Workload`), the imbalance 
 workload's, and the table adds the busiest rank's K/V rows per layer, compact / needed, of a full
 layer and of a window layer (`flashcp.plan.window`): on `per_seq` the window's needed rows are a
 contiguous split's halo, W - 1 rows before each of its chunks.
+
+With --linear SHAPE (a hybrid: qwen3_5_9b, qwen3_5_27b or the path of its text config.json) the
+strategies balance its full layers' pairs and its Gated DeltaNet layers' work (`LinearLayers`), and
+the table adds one linear layer's state summaries the busiest rank receives, and the mean rank, in
+MiB (`flashcp.plan.linear`), each over a contiguous split's summary all-gather (fla's layout).
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ import numpy as np
 
 from flashcp.data.lengths import DISTRIBUTIONS, LengthPool, LengthSampler, length_sampler, pack_windows
 from flashcp.plan import CAUSAL, STRATEGIES, Plan, Workload, plan_shards
+from flashcp.plan.linear import HYBRID_SHAPES, hybrid_shape, linear_metrics
 from flashcp.plan.nodes import node_metrics
 from flashcp.plan.plan import row_bytes
 from flashcp.plan.ring import ring_metrics
@@ -129,7 +135,12 @@ def _share(text: str) -> Fraction:
 
 
 def workload_from(args: argparse.Namespace) -> Workload:
-    """The workload of --window / --window-layers: layer counts in the share's ratio."""
+    """The workload of --window / --window-layers (layer counts in the share's ratio) or --linear."""
+    if args.linear is not None:
+        if args.window is not None:
+            raise ValueError("--linear and --window: the planner balances one kind besides full layers")
+        lin = hybrid_shape(args.linear)
+        return Workload(full_layers=lin.full_layers, linear=lin)
     if args.window is None:
         if args.window_layers is not None:
             raise ValueError("--window-layers needs --window (the keys a window layer's query sees)")
@@ -199,6 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="share of the layers with --window, in [0, 1]: 0.5 or a count such as 12/24 "
         "(default 1/2, gpt-oss)",
     )  # fmt: skip
+    p.add_argument("--linear", metavar="SHAPE", help=f"a hybrid's linear layers: {', '.join(HYBRID_SHAPES)} or "
+                   "its text config.json; adds their state bytes per layer")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object keyed by strategy")
     return p
 
@@ -240,6 +253,8 @@ def evaluate(
                 m |= window_metrics(plan, workload.window)
                 for key in WINDOW_METRICS:
                     per.setdefault(key, []).append(m[key])
+            for key, value in (linear_metrics(plan, workload.linear) if workload.linear else {}).items():
+                per.setdefault(key, []).append(value)
             nodes = node_metrics(plan, ranks_per_node) if ranks_per_node else None
             if nodes:
                 full = m["comm_full_tokens"] or 1
@@ -314,6 +329,12 @@ def render(summary: dict[str, dict[str, dict[str, float]]], header: str) -> str:
             row.append(f"{mean['latent_compact_kv_full']:.4f} / {mean['latent_needed_kv_full']:.4f}")
             if fabric:
                 row.append(f"{mean['latent_fabric_two_level_mib']:.2f} ({mean['latent_fabric_two_level_kv_full']:.4f})")
+    if rows and "state_recv_bytes" in next(iter(summary.values())):
+        cols.append("state MiB busiest / mean (x contiguous)")
+        for row, s in zip(rows, summary.values()):
+            mean = {k: v["mean"] / 2**20 for k, v in s.items()}
+            row.append(f"{mean['state_recv_bytes']:.1f} / {mean['state_recv_bytes_mean']:.1f} "
+                       f"({mean['state_recv_bytes'] / mean['state_contiguous_bytes']:.2f})")  # fmt: skip
     width = [max(len(r[i]) for r in [cols, *rows]) for i in range(len(cols))]
     lines = [header, "  ".join(c.ljust(w) for c, w in zip(cols, width))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, width)) for r in rows]
@@ -361,6 +382,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if workload.window is not None:
             header += (f"\nworkload: {workload.full_layers} full : {workload.window_layers} window layers, "
                        f"W = {workload.window} (the imbalance counts both)")  # fmt: skip
+        if workload.linear is not None:
+            header += (f"\nhybrid: {workload.full_layers} full : {workload.linear.layers} Gated DeltaNet layers "
+                       "(the imbalance counts both, in FLOPs)")  # fmt: skip
         if args.mla:
             rank, rope, heads, nope, v = args.mla[1]
             latent, kv = rank + rope, heads * (nope + rope + v)

@@ -34,7 +34,7 @@ import numpy as np
 
 from flashcp.plan.fill import RankFill
 from flashcp.plan.per_doc import per_doc_layout
-from flashcp.plan.plan import CAUSAL, Shard, Workload, shard_workload, shards_of
+from flashcp.plan.plan import CAUSAL, normalize, Plan, Shard, Workload, shard_workload, shards_of
 from flashcp.plan.rebalance import rebalance
 from flashcp.plan.whole_doc import GOAL_SHARE, Sorted, place_documents
 
@@ -109,9 +109,13 @@ class _Search:
         if i not in self.tried:
             window = self.window
             shards, work, sent = window.attempt(self.sequence[i])
+            largest = max(sent)
+            if window.workload.linear is not None:  # what the cuts add to linear layers: the whole plan's
+                work, state = window.linear_costs(shards())
+                largest += state
             imbalance = max(work) / window.mean
             met = imbalance <= window.target
-            self.tried[i] = ((not met, max(sent) if met else imbalance), shards)
+            self.tried[i] = ((not met, largest if met else imbalance), shards)
         return self.tried[i][0]
 
     def met(self, i: int) -> bool:
@@ -173,6 +177,12 @@ class _Window:
         self.per_doc_totals = np.zeros((3, cp_size, 1), dtype=np.int64)
         self.per_doc_pointer = 0
         self.per_doc_ranks: list[list[Shard]] = [[] for _ in range(cp_size)]
+
+    def linear_costs(self, ranks: list[list[Shard]]) -> tuple[list[int], int]:
+        """A hybrid model's workloads of an attempt with what its cuts add (summary passes, folds) and
+        the state and halo bytes they send, in send-buffer tokens (`LinearLayers`)."""
+        plan = Plan(self.doc_lens, self.n, normalize(ranks), "flashcp", workload=self.workload)
+        return plan.workloads(), self.workload.linear.exchange_tokens(plan)
 
     def longest_whole_fits(self, k: int) -> bool:
         """Whether the longest document left out of Per-Doc with the k longest in it, order[k],

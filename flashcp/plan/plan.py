@@ -54,11 +54,17 @@ class Workload:
     costs `full_layers` x its causal pairs + `window_layers` x its window pairs; only the ratio of
     the two counts matters to balance. The default, `CAUSAL`, is `shard_workload` exactly: plans
     made without window layers are the causal planners' own.
+
+    A hybrid model's linear-attention layers (`linear`, `flashcp.plan.linear.LinearLayers`: Gated
+    DeltaNet) attend no pairs; their work is linear in tokens, plus what cutting a document adds (a
+    summary pass, folds, state bytes), which only a whole plan shows (`linear.cut_work`). With them
+    the unit is forward FLOPs: a pair costs `linear.pair_flops` per attending layer.
     """
 
     full_layers: int = 1
     window_layers: int = 0
     window: int | None = None
+    linear: Any = None  # flashcp.plan.linear.LinearLayers (it imports this module)
 
     def __post_init__(self) -> None:
         counts = (self.full_layers, self.window_layers)
@@ -77,7 +83,7 @@ class Workload:
         if self.window_layers:
             lo, hi = max(0, start - self.window), max(0, start + length - self.window)
             work -= self.window_layers * shard_workload(lo, hi - lo)
-        return work
+        return work if self.linear is None else self.linear.pair_flops * work + self.linear.token_flops * length
 
     def shards(self, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         """`shard` of every (start, length) pair, in int64 numpy."""
@@ -86,7 +92,7 @@ class Workload:
         if self.window_layers:
             lo, hi = np.maximum(s - self.window, 0), np.maximum(s + x - self.window, 0)
             work -= self.window_layers * ((lo + hi + 1) * (hi - lo) // 2)
-        return work
+        return work if self.linear is None else self.linear.pair_flops * work + self.linear.token_flops * x
 
 
 CAUSAL = Workload()
@@ -121,9 +127,13 @@ class Plan:
         return shard.start + shard.length == self.doc_lens[shard.doc]
 
     def workloads(self) -> list[int]:
-        """Per rank, the plan's `workload` (causal pairs unless the plan was made for window layers)."""
+        """Per rank, the plan's `workload` (causal pairs unless the plan was made for window layers;
+        a hybrid model's FLOPs, with what its cut documents add to the linear layers)."""
         cost = self.workload.shard
-        return [sum(cost(s.start, s.length) for s in shards) for shards in self.ranks]
+        work = [sum(cost(s.start, s.length) for s in shards) for shards in self.ranks]
+        if self.workload.linear is not None:
+            work = [w + c for w, c in zip(work, self.workload.linear.cut_work(self))]
+        return work
 
     def send_tokens(self) -> list[int]:
         """Per rank, tokens in non-last shards: its contribution to the compact all-gather (Eq. 5)."""

@@ -14,6 +14,7 @@ import torch
 from flashcp import plan_shards
 from flashcp.costmodel.proxy import window_cost
 from flashcp.plan import Workload
+from flashcp.plan.linear import linear_comm, LinearLayers
 from flashcp.titan.config import load_job, resolve_config_path  # flashcp.titan before torchtitan: its shims
 from flashcp.titan.launch.job import trainer_config
 from test_window_metrics import _log_window, _metrics, _pairs, _trainer, LENS, SEQ_LEN
@@ -36,9 +37,39 @@ def _full_layers() -> int:
     return json.loads(CONFIG.read_text())["layer_types"].count("full_attention")
 
 
-def test_the_planner_balances_the_full_layers_only(job, hybrid):
+def test_the_planner_balances_the_full_layers_pairs_and_the_linear_layers_per_token(job, hybrid):
+    """The full layers' pairs, and the Gated DeltaNet layers by the config.json's sizes (`LinearLayers`:
+    per token, plus what cuts add), weighed against a full layer's pair and bf16 K/V row."""
+    hf = json.loads(CONFIG.read_text())
+    key_dim = hf["linear_num_key_heads"] * hf["linear_key_head_dim"]
+    linear = LinearLayers(
+        layers=hf["layer_types"].count("linear_attention"), heads=hf["linear_num_value_heads"],
+        key_dim=hf["linear_key_head_dim"], value_dim=hf["linear_value_head_dim"],
+        pair_flops=4 * hf["num_attention_heads"] * hf["head_dim"],
+        kv_row_bytes=hf["num_key_value_heads"] * 2 * hf["head_dim"] * 2, full_layers=_full_layers(),
+        conv_channels=2 * key_dim + hf["linear_num_value_heads"] * hf["linear_value_head_dim"],
+        conv_width=hf["linear_conv_kernel_dim"],
+    )  # fmt: skip
     assert _full_layers() == 1 < len(hybrid.layers)
-    assert job.dataloader.planner["workload"] == Workload(full_layers=_full_layers())
+    assert job.dataloader.planner["workload"] == Workload(full_layers=_full_layers(), linear=linear)
+
+
+def test_the_metrics_report_the_linear_layers_state_and_halo_bytes(hybrid):
+    """Beside the K/V bytes: what a Gated DeltaNet layer's forward receives (busiest rank and mean),
+    the plan's `linear_comm` (which tests/test_linear_cp.py holds the op's sends to)."""
+    from flashcp.titan.trainer import FlashCPTrainer
+
+    metrics = _metrics()
+    FlashCPTrainer._configure_metrics(_trainer(hybrid, metrics))
+    plan = plan_shards(LENS, 2, "per_doc")  # every document cut: summaries and halos both ways
+    logged = _log_window(metrics, plan)
+    lin = metrics.attention_workload.linear
+    comm = linear_comm(plan, lin.heads, lin.key_dim, lin.value_dim, lin.conv_channels, dtype_bytes=2)
+    assert min(comm.state_recv) > 0 and min(comm.halo_recv) > 0
+    for kind, rows in (("state", comm.state_recv), ("halo", comm.halo_recv)):
+        assert logged[f"flashcp/{kind}_recv_bytes_per_layer"] == max(rows)
+        assert logged[f"flashcp/{kind}_recv_bytes_per_layer_mean"] == sum(rows) / 2
+    assert logged["flashcp/kv_recv_bytes_per_layer_compact"] > 0
 
 
 def test_the_mfu_counts_the_full_layers_pairs_and_the_linear_layers_per_token(hybrid):
@@ -92,3 +123,14 @@ def test_the_balance_does_not_price_linear_layers_as_quadratic(hybrid):
     # a rank of one long document: the linear layers would have weighed 4 x its attention
     long_doc, short_docs = cost([SEQ_LEN]), cost([SEQ_LEN // 8] * 8)
     assert control([SEQ_LEN]) - control([SEQ_LEN // 8] * 8) > 3 * (long_doc - short_docs) > 0
+
+
+@pytest.mark.parametrize("name, flavor", [("qwen3_5_9b", "9B"), ("qwen3_5_27b", "27B")])
+def test_the_named_hybrid_shapes_are_torchtitans(name: str, flavor: str):
+    """The planner CLI's --linear shapes (config.json keys) price what TorchTitan's registry builds."""
+    from torchtitan.models.qwen3_5 import qwen3_5_configs
+
+    from flashcp.plan.linear import hybrid_shape
+    from flashcp.titan.models.windows import linear_layers
+
+    assert linear_layers(qwen3_5_configs[flavor](attn_backend="varlen")) == hybrid_shape(name)

@@ -7,7 +7,9 @@ sliding-window layer (gpt-oss) at most W keys per query (`flashcp.plan.Workload`
 Each logged step also reports the sharding plans of the windows this rank trained on since the
 last log (workload imbalance, KV bytes received per layer under the full, compact and needed
 exchanges, and a sliding-window layer's compact and needed ones apart with the one its layers run,
-`kv_recv_bytes_per_layer_window` (`[flashcp] window_comm`), documents split across
+`kv_recv_bytes_per_layer_window` (`[flashcp] window_comm`); a hybrid model's Gated DeltaNet layers'
+state summaries and conv halo rows received per layer beside them, `state_recv_bytes_per_layer`,
+busiest rank and mean, `flashcp.plan.linear.linear_comm`), documents split across
 ranks, planning time; with `comm = "two_level"` across nodes
 also the busiest NIC's bytes per layer of the flat needed and the two-level exchange, and the
 latter's NVLink stage, `flashcp.plan.nodes`; with `comm = "ring"` the ring's bytes per layer,
@@ -38,6 +40,7 @@ from torchtitan.tools.logging import logger
 from torchtitan.tools.utils import device_module, device_type
 
 from flashcp.plan import CAUSAL, Plan, Workload
+from flashcp.plan.linear import linear_comm
 from flashcp.plan.nodes import node_metrics
 from flashcp.plan.ring import ring_transfers
 from flashcp.plan.window import window_metrics
@@ -56,6 +59,7 @@ class WindowStats:
     kv_full_bytes: float = 0.0  # what the K/V all-gather of the same plans receives per layer
     fabric_bytes: dict[str, float] = field(default_factory=dict)  # needed / two_level -> busiest NIC's bytes per layer
     nvlink_bytes: float = 0.0  # two_level's second stage: the busiest rank's bytes per layer
+    state_bytes: dict[str, float] = field(default_factory=dict)  # a linear layer's state / halo bytes (busiest, mean)
     split_docs: int = 0
     docs: int = 0
     deferral: dict[str, float] = field(default_factory=dict)  # sums of the loader's per-step figures (max: max)
@@ -66,7 +70,8 @@ class WindowStats:
 def attention_pairs(doc_lens: list[int], workload: Workload = CAUSAL) -> float:
     """(query, key) pairs a causal document mask keeps, averaged over the `workload`'s layers: d (d + 1) / 2
     per document in a full layer, min(p + 1, W) keys for the query at p in a sliding-window one."""
-    work = workload.shards(np.zeros(len(doc_lens), dtype=np.int64), np.asarray(doc_lens, dtype=np.int64))
+    attending = dataclasses.replace(workload, linear=None)  # a hybrid's linear layers attend no pairs
+    work = attending.shards(np.zeros(len(doc_lens), dtype=np.int64), np.asarray(doc_lens, dtype=np.int64))
     return int(work.sum()) / (workload.full_layers + workload.window_layers)
 
 
@@ -194,6 +199,8 @@ class FlashCPMetrics(MetricsProcessor):
                 for key, mode in (("window_compact", "compact"), ("window_needed", "needed"),
                                   ("window", self.window_comm)):  # fmt: skip
                     s.recv_bytes[key] = s.recv_bytes.get(key, 0.0) + rows[mode] * row
+            if self.attention_workload.linear is not None:
+                self._record_state(plan)
             if self.comm == "ring":  # KV blocks both ways, and the dK/dV sums (float32: twice bf16's bytes)
                 sums_row = self.kv_row_bytes // self.kv_dtype_bytes * max(self.kv_dtype_bytes, 4)
                 fwd, bwd = ring_transfers(plan.tokens_per_rank, plan.cp_size, self.kv_row_bytes, sums_row)
@@ -204,6 +211,16 @@ class FlashCPMetrics(MetricsProcessor):
                 for mode, key in (("needed", "flat_inter_bytes"), ("two_level", "two_level_inter_bytes")):
                     s.fabric_bytes[mode] = s.fabric_bytes.get(mode, 0.0) + nodes[key]
                 s.nvlink_bytes += nodes["two_level_intra_bytes"]
+
+    def _record_state(self, plan: Plan) -> None:
+        """A Gated DeltaNet layer's forward receives per rank: summaries (float32) and conv halo rows."""
+        lin, s = self.attention_workload.linear, self.stats
+        comm = linear_comm(plan, lin.heads, lin.key_dim, lin.value_dim, lin.conv_channels,
+                           dtype_bytes=self.kv_dtype_bytes, conv_width=lin.conv_width)  # fmt: skip
+        for kind, rows in (("state", comm.state_recv), ("halo", comm.halo_recv)):
+            for key, value in ((f"{kind}_recv_bytes_per_layer", max(rows)),
+                               (f"{kind}_recv_bytes_per_layer_mean", sum(rows) / len(rows))):  # fmt: skip
+                s.state_bytes[key] = s.state_bytes.get(key, 0.0) + value
 
     def _flashcp_metrics(self) -> dict[str, float]:
         s = self.stats
@@ -231,6 +248,7 @@ class FlashCPMetrics(MetricsProcessor):
                 if "ring" in s.recv_bytes:  # forward + backward over the all-gather's + reduce-scatter's
                     ring = s.recv_bytes["ring"] + s.recv_bytes["ring_backward"]
                     out["flashcp/comm_ring_over_full"] = ring / (2 * s.kv_full_bytes)
+            out |= {f"flashcp/{key}": total / s.windows for key, total in s.state_bytes.items()}
             for mode, total in s.fabric_bytes.items():
                 out[f"flashcp/kv_fabric_bytes_per_layer_{mode}"] = total / s.windows
             if s.fabric_bytes:

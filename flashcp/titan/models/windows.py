@@ -21,7 +21,8 @@ import torch
 
 from flashcp.attention.linear_dispatch import build_linear_dispatch, LinearDispatch
 from flashcp.dispatch import _map_tensors, Dispatch
-from flashcp.plan.plan import CAUSAL, Plan, Workload
+from flashcp.plan.linear import LinearLayers
+from flashcp.plan.plan import CAUSAL, Plan, row_bytes, Workload
 
 
 class _FullRows:
@@ -99,18 +100,35 @@ def attention_layers(model_config) -> list:
 def planner_workload(model_config) -> Workload:
     """What the planner balances for a TorchTitan decoder config with FlashCP attention: causal pairs
     (`CAUSAL`) when every layer is full, else the attention layers' kinds counted apart (gpt-oss: 12 full
-    and 12 window of 24 with W = 128; Qwen3.5: its full layers only), so a rank of long documents is not
+    and 12 window of 24 with W = 128; Qwen3.5: its full layers' pairs and its Gated DeltaNet layers'
+    `LinearLayers`, linear in tokens plus what cut documents add), so a rank of long documents is not
     charged window or Gated DeltaNet layers as full ones. The metrics take the same counts for the pairs
     the model attends (`attention_pairs`)."""
     layers = attention_layers(model_config)
     windows = [_window(layer) for layer in layers]
     sizes = {w for w in windows if w}
     if not sizes:
-        return CAUSAL if len(layers) == len(model_config.layers) else Workload(full_layers=len(layers))
+        if len(layers) == len(model_config.layers):
+            return CAUSAL
+        return Workload(full_layers=len(layers), linear=linear_layers(model_config))
     if len(sizes) > 1:  # one Workload holds one window; the planner then balances the smallest exactly
         raise ValueError(f"the planner balances one sliding window per model, this one has {sorted(sizes)}")
     return Workload(full_layers=windows.count(None), window_layers=len(windows) - windows.count(None),
                     window=sizes.pop())  # fmt: skip
+
+
+def linear_layers(model_config) -> LinearLayers:
+    """A hybrid decoder's Gated DeltaNet layers as the planner prices them, beside its full layers' K/V
+    rows in bf16 (what a cut's state bytes are weighed against; `flashcp.plan.linear.LinearLayers`)."""
+    linear = [layer.delta_net for layer in model_config.layers if getattr(layer, "delta_net", None) is not None]
+    net, attention = linear[0], model_config.first_attention
+    full = len(model_config.layers) - len(linear)
+    return LinearLayers(
+        layers=len(linear), heads=net.in_proj_v.out_features // net.value_head_dim, key_dim=net.key_head_dim,
+        value_dim=net.value_head_dim, pair_flops=4 * attention.n_heads * attention.head_dim,
+        kv_row_bytes=row_bytes(attention.n_kv_heads or attention.n_heads, attention.head_dim), full_layers=full,
+        conv_channels=2 * net.in_proj_q.out_features + net.in_proj_v.out_features, conv_width=net.conv_kernel_size,
+    )  # fmt: skip
 
 
 def _window(layer) -> int | None:
