@@ -1,4 +1,4 @@
-"""Qwen3.5's hybrid text decoder (Gated DeltaNet + full attention) in FlashCPTrainer: CP 2 = CP 1.
+"""Qwen3.5's hybrid text decoder (Gated DeltaNet + full attention) in FlashCPTrainer: CP 2 and 4 = CP 1.
 
 The shipped tiny config.json (train_configs/hf/tiny_qwen3_5: 3 Gated DeltaNet layers, 1 full) through
 the job's one build path (`[model] hf_config`), full activation checkpointing and FSDP over the CP
@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 CONFIG = Path(__file__).resolve().parents[2] / "train_configs/hf/tiny_qwen3_5"
@@ -40,22 +41,35 @@ def _block_scales(grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {name: scales[block[name]] for name in grads}
 
 
-def test_trainer_at_cp2_reproduces_cp1(tmp_path, gloo_pool):
-    """From one seed checkpoint, CP = 2's 4 losses and first gradients (every parameter's: the Gated
-    DeltaNet layers' A_log, dt_bias, conv and projections, the full layer's) are CP = 1's, with the
-    linear layers' dispatch built per step beside the full one's and documents continued on rank 1."""
+@pytest.fixture(scope="module")
+def cp1(tmp_path_factory) -> tuple[dict, dict[int, float], dict[str, torch.Tensor]]:
+    """The seed checkpoint every run starts from, and CP = 1's 4 losses and first gradients."""
     from harness import single_rank, tiny_job, train
 
+    tmp = tmp_path_factory.mktemp("hybrid")
     with single_rank():
-        train(tiny_job(tmp_path / "seed", ("model",), checkpoint={"enable": True, "create_seed_checkpoint": True},
+        train(tiny_job(tmp / "seed", ("model",), checkpoint={"enable": True, "create_seed_checkpoint": True},
                        **JOB), seed_checkpoint=True)  # fmt: skip
-    seed = {"enable": True, "initial_load_path": str(tmp_path / "seed/checkpoint/step-0")}
+    seed = {"enable": True, "initial_load_path": str(tmp / "seed/checkpoint/step-0")}
     grads: dict[str, torch.Tensor] = {}
     with single_rank():
-        losses = train(tiny_job(tmp_path / "cp1", ("model",), checkpoint=seed, **JOB), first_grads=grads)
-    cfg = tiny_job(tmp_path / "cp2", ("model",), checkpoint=seed, parallelism={"context_parallel_degree": 2}, **JOB)
-    runs = gloo_pool(2).run(_train_rank, (cfg,))
+        losses = train(tiny_job(tmp / "cp1", ("model",), checkpoint=seed, **JOB), first_grads=grads)
     assert len(losses) == 4 and any(name.endswith("A_log") for name in grads)
+    return seed, losses, grads
+
+
+# CP 2 with the compact exchange of the full layers; CP 4 over two nodes of two ranks with the two-level one.
+@pytest.mark.parametrize(("cp", "flashcp"), [(2, {}), (4, {"comm": "two_level", "ranks_per_node": 2})])
+def test_trainer_reproduces_cp1(tmp_path, gloo_pool, cp1, cp, flashcp):
+    """From one seed checkpoint, CP = 2's and 4's losses and first gradients (every parameter's: the
+    Gated DeltaNet layers' A_log, dt_bias, conv and projections, the full layer's) are CP = 1's, with
+    the linear layers' dispatch built per step beside the full one's and documents continued on other ranks."""
+    from harness import tiny_job
+
+    seed, losses, grads = cp1
+    job = JOB | {"flashcp": JOB["flashcp"] | flashcp}
+    cfg = tiny_job(tmp_path / f"cp{cp}", ("model",), checkpoint=seed, parallelism={"context_parallel_degree": cp}, **job)
+    runs = gloo_pool(cp).run(_train_rank, (cfg,))
     assert sum(continued for _, _, continued in runs) > 0  # some rank started a document another rank began
     scales = _block_scales(grads)
     for rank_losses, rank_grads, _ in runs:
