@@ -4,6 +4,7 @@ than those made for the attention layers alone."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 
@@ -119,3 +120,40 @@ def test_the_planner_cli_refuses_a_bad_hybrid_in_one_line(argv, message, capsys)
         main([*argv, "--windows", "1"])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and message in err and err.count("\n") == 1
+
+
+def test_the_step_model_prices_linear_layers_beside_the_full_ones() -> None:
+    """A hybrid's attention time: its full layers as a full model's, plus per linear layer the slowest
+    rank's kernel (recurrence and cut work at linear_tflops, x3 with the backward) and the state and
+    halo all-to-all-v both ways; full AC runs their forward again."""
+    from test_costmodel import synthetic_model
+
+    from flashcp.costmodel.step import LlamaShape, MeshAssumptions, QWEN3_5_9B, StepModel
+
+    attention, cp = synthetic_model(), 4
+    lens = [9000, 3000, 2000, 1000, 1000, 384]  # the longest cut over several ranks
+    model = StepModel(attention, QWEN3_5_9B, cp=cp, dp=1)
+    plan = model.plan("flashcp", lens)
+    assert plan.workload == Workload(full_layers=8, linear=QWEN3_5_9B.linear) and plan.metrics()["split_docs"]
+    comm = linear_comm(plan, 32, 128, 128, QWEN3_5_9B.linear.conv_channels)
+    link = max(max(map(sum, zip(comm.state_sent, comm.halo_sent))), max(map(sum, zip(comm.state_recv, comm.halo_recv))))
+    work = max(QWEN3_5_9B.linear.token_flops * plan.tokens_per_rank + c for c in QWEN3_5_9B.linear.cut_work(plan))
+    compute = work / (MeshAssumptions().linear_tflops * 1e12) * 1e3
+    exchange = 24 * attention.comm.all_to_all_ms(link, cp)
+    assert model.linear_ms(plan) == pytest.approx((compute, exchange)) and exchange > 0
+
+    full = dataclasses.replace(QWEN3_5_9B, linear=None, n_layers=8)  # the 8 full layers alone, same plan
+    layer = attention.step("flashcp", full.attention, {"flashcp": plan})
+    training, again = model.attention_ms("flashcp", lens)
+    assert training == pytest.approx(8 * layer.training + 3 * compute + 2 * exchange)
+    assert again == pytest.approx(8 * layer.inference + compute + exchange)
+    assert isinstance(full, LlamaShape) and full.workload == CAUSAL
+
+
+def test_a_whole_document_plan_has_no_state_exchange_in_the_step_model() -> None:
+    from test_costmodel import synthetic_model
+
+    from flashcp.costmodel.step import QWEN3_5_9B, StepModel
+
+    model = StepModel(synthetic_model(), QWEN3_5_9B, cp=4, dp=1)
+    assert model.linear_ms(model.plan("flashcp", [1024] * 4))[1] == 0.0

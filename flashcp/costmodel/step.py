@@ -50,6 +50,14 @@ default FlashCP's needed window rows, the baselines' halo of W - 1 rows per cut;
 overrides it) and the rest as full layers; FlashCP plans balance both kinds' work
 (`LlamaShape.workload`, `flashcp.plan.Workload`).
 
+A hybrid model (`LlamaShape.linear`, `flashcp.plan.linear.LinearLayers`: Qwen3.5's Gated DeltaNet
+layers, 3 of every 4) prices its full layers as above and its linear layers on the slowest rank:
+their recurrence, linear in its tokens, plus what its cut pieces add (middle pieces' summary pass,
+folds; `LinearLayers.cut_work`), at `linear_tflops` (ASSUMED until a GPU check measures the kernel;
+x3 with the backward), and the state and conv-halo all-to-all-v of the plan (`linear_comm`, its
+busiest rank's bytes; the backward sends as many back). FlashCP plans balance both kinds
+(`Workload.linear`). The projections of every layer kind are dense work per token, as above.
+
 Memory is not modelled: Llama 3 70B on one node at DP = 1 would not fit without TP.
 """
 
@@ -62,6 +70,7 @@ from dataclasses import dataclass, field
 from flashcp import plan_shards
 from flashcp.costmodel.model import AttentionShape, check_window_comm, CostModel
 from flashcp.costmodel.proxy import DENSE_MFU, FULL_AC_DENSE, H100_BF16_TFLOPS
+from flashcp.plan.linear import HYBRID_SHAPES, hybrid_from_hf, linear_comm, LinearLayers
 from flashcp.plan.plan import Plan, Workload
 
 
@@ -85,11 +94,18 @@ class LlamaShape:
     rope_dim: int = 0  # MLA: the RoPE part of head_dim
     window_layers: int = 0  # layers of sliding-window attention (the others attend the whole document)
     window: int | None = None  # their keys per query (HF sliding_window)
+    linear: LinearLayers | None = None  # a hybrid's Gated DeltaNet layers (counted in n_layers too)
+
+    @property
+    def full_layers(self) -> int:
+        return self.n_layers - self.window_layers - (self.linear.layers if self.linear else 0)
 
     @property
     def workload(self) -> Workload:
         """What FlashCP plans balance: both layer kinds' work, the counts reduced (equal ratios,
-        equal plans)."""
+        equal plans); a hybrid's full layers and its `linear` ones."""
+        if self.linear is not None:
+            return Workload(full_layers=self.full_layers, linear=self.linear)
         full = self.n_layers - self.window_layers
         g = math.gcd(full, self.window_layers)
         return Workload(full // g, self.window_layers // g, self.window)
@@ -155,6 +171,10 @@ GPT_OSS_20B = LlamaShape("gpt-oss-20b", 20.91e9, 2880, 24, 64, 8, 201088, head_d
 GPT_OSS_120B = LlamaShape("gpt-oss-120b", 116.83e9, 2880, 36, 64, 8, 201088, head_dim=64,
                           expert_params=36 * 128 * 3 * 2880**2, experts=128, top_k=4, window_layers=18,
                           window=128)  # fmt: skip
+# TorchTitan's qwen3_5 9B flavor, text decoder (its vision encoder left out): 32 layers, every 4th full
+# attention (16 heads of 256, 4 K/V heads), the others Gated DeltaNet; untied 248,320-token vocabulary.
+QWEN3_5_9B = LlamaShape("Qwen3.5 9B", 8.953803264e9, 4096, 32, 16, 4, 248320, head_dim=256,
+                        linear=hybrid_from_hf(HYBRID_SHAPES["qwen3_5_9b"]))  # fmt: skip
 DEEPSEEK_V3_671B = mla_moe_shape("DeepSeek-V3 671B", dim=7168, n_layers=61, dense_layers=3, vocab=129280, heads=128,
                                  q_lora_rank=1536, kv_lora_rank=512, nope=128, rope=64, v=128, dense_hidden=18432,
                                  moe_hidden=2048, experts=256, shared=1, top_k=8)  # fmt: skip
@@ -170,6 +190,7 @@ class MeshAssumptions:
     inter_node_busbw_gbps: float = 40.0  # ASSUMED: FSDP across nodes, 400 Gb/s NIC per GPU, 80 % achieved
     gpus_per_node: int = 8
     fsdp_bytes_per_param: float = 8.0  # bf16 all-gather x 2 + fp32 reduce-scatter
+    linear_tflops: float = 0.25 * H100_BF16_TFLOPS  # ASSUMED: a chunked Gated DeltaNet kernel on LinearLayers' FLOPs
 
 
 @dataclass
@@ -231,12 +252,29 @@ class StepModel:
         # one rank runs one kernel whatever the system: the CP systems' measured ratios do not apply
         scale = self.assume.attention_scale.get(system, 1.0) if self.cp > 1 else 1.0
         training = inference = 0.0
-        for layers, window in ((m.n_layers - m.window_layers, None), (m.window_layers, m.window)):
+        for layers, window in ((m.full_layers, None), (m.window_layers, m.window)):
             if layers:
                 layer = self.attention.step(system, m.attention, plans, window, self.window_comm)
                 training += layer.training * (scale * layers)
                 inference += layer.inference * (scale * layers) if self.assume.full_ac else 0.0
+        if m.linear is not None:
+            compute, exchange = self.linear_ms(plans[strategy])
+            training += 3 * compute + 2 * exchange
+            inference += compute + exchange if self.assume.full_ac else 0.0
         return training, inference
+
+    def linear_ms(self, plan: Plan) -> tuple[float, float]:
+        """A hybrid's linear layers' forward on the slowest rank: the kernel's time (recurrence and what
+        cuts add) and the state and halo exchange's (all layers; `linear_comm`'s busiest rank)."""
+        lin, n = self.model.linear, plan.cp_size
+        work = max(lin.token_flops * plan.tokens_per_rank + c for c in lin.cut_work(plan))
+        compute = work / (self.assume.linear_tflops * 1e12) * 1e3
+        if n == 1:
+            return compute, 0.0
+        comm = linear_comm(plan, lin.heads, lin.key_dim, lin.value_dim, lin.conv_channels, conv_width=lin.conv_width)
+        link = max(max(a + b for a, b in zip(comm.state_sent, comm.halo_sent)),
+                   max(a + b for a, b in zip(comm.state_recv, comm.halo_recv)))  # fmt: skip
+        return compute, lin.layers * self.attention.comm.all_to_all_ms(link, n) if link else 0.0
 
     def window_ms(self, system: str, doc_lens: Sequence[int]) -> tuple[float, float, float]:
         """(dense, attention, recompute) of one window on its CP group."""
