@@ -18,7 +18,7 @@ float32 at least (bf16 inputs), return outputs in q's dtype and states in the co
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -140,17 +140,20 @@ def chunk_gated_delta(
 
 def affine_summary(
     k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, seq_lens: Sequence[int],
-    chunk_size: int = 64,
+    chunk_size: int = 64, kernel: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Each sequence's map `S_out = M S_in + B`: `B [N, H, d_k, d_v]` and `M [N, H, d_k, d_k]`.
 
-    The state's columns evolve independently, so one chunked run over the values `[v | 0]` from
-    the initial state `[0 | I]` yields `[B | M]` (q does not enter the state; k stands in)."""
+    The state's columns evolve independently (the update multiplies S on the left; a value column
+    only adds into its own state column), so one run over the values `[v | 0]` from the initial
+    state `[0 | I]` yields `[B | M]` exactly, by any kernel with `chunk_gated_delta`'s contract
+    (`kernel`, default that one; `flashcp.attention.gdn_kernels`). q does not enter the state; k
+    stands in."""
     t, h, dk = k.shape
     dv, n = v.shape[2], len(seq_lens)
     dtype = _compute_dtype(k)
     eye = torch.eye(dk, dtype=dtype, device=k.device).expand(n, h, dk, dk)
     initial = torch.cat([eye.new_zeros(n, h, dk, dv), eye], -1)
     values = torch.cat([v.to(dtype), v.new_zeros(t, h, dk, dtype=dtype)], -1)
-    _, final = chunk_gated_delta(k, k, values, g, beta, seq_lens, initial, chunk_size)
+    _, final = (kernel or chunk_gated_delta)(k, k, values, g, beta, seq_lens, initial, chunk_size)
     return final[..., :dv], final[..., dv:]

@@ -17,12 +17,17 @@ local path. For the few cut ones (`flashcp.plan.linear`):
 - `cp_causal_conv1d`, the depthwise causal convolution (width W) before it, receives each
   continued piece's W - 1 preceding pre-convolution rows from their owners.
 
-Everything local is differentiable torch (the chunked reference kernel,
-`flashcp.attention.gated_delta`); the exchanges are autograd functions whose backward is the
-transposed all-to-all-v, so the gradients of received summaries and halo rows return to the ranks
-that computed them. Each exchange's bytes are `flashcp.plan.linear.linear_comm`'s
-(`record_comm` logs them). No GPU kernel yet: flash-linear-attention's `chunk_gated_delta_rule`
-(initial states per sequence) and `causal_conv1d` would replace the two local pieces.
+The local pieces run on one kernel chosen per call (`backend`, `flashcp.attention.gdn_kernels`):
+flash-linear-attention's `chunk_gated_delta_rule` on CUDA tensors (per-sequence initial states
+and final states, float32), the chunked torch reference (`flashcp.attention.gated_delta`) on
+CPU and in float64; the middle pieces' `[B | M]` come from the same kernel (`affine_summary`).
+Both are differentiable; the exchanges are autograd functions whose backward is the transposed
+all-to-all-v, so the gradients of received summaries and halo rows return to the ranks that
+computed them. Each exchange's bytes are `flashcp.plan.linear.linear_comm`'s (`record_comm` logs
+them). The convolution stays torch: one gather and a width-W weighted sum, bandwidth-bound and a
+small share of the layer next to its projections; fla's `causal_conv1d` would need the halo rows
+spliced into each piece's start as an initial conv state, for no measured gain yet.
+`python -m flashcp.gpucheck --only gdn` checks the op sharded against one device on a GPU.
 """
 
 from __future__ import annotations
@@ -31,7 +36,8 @@ import torch
 import torch.distributed as dist
 
 from flashcp.attention.collectives import _record, Collectives, collectives
-from flashcp.attention.gated_delta import affine_summary, chunk_gated_delta
+from flashcp.attention.gated_delta import affine_summary
+from flashcp.attention.gdn_kernels import gdn_kernel
 from flashcp.attention.linear_dispatch import LinearDispatch, PieceBatch, Route
 
 
@@ -116,15 +122,16 @@ def _pieces(batch: PieceBatch, *rows: torch.Tensor) -> list[torch.Tensor]:
 
 def cp_gated_delta(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, d: LinearDispatch,
-    group: dist.ProcessGroup | Collectives | None = None, chunk_size: int = 64,
+    group: dist.ProcessGroup | Collectives | None = None, chunk_size: int = 64, backend: str = "auto",
 ) -> torch.Tensor:  # fmt: skip
     """The gated delta rule over every document of the window (see `gated_delta`): `q, k
     [T, H, d_k]` (L2-normalised, q scaled), `v [T, H, d_v]`, log-decay `g` and `beta [T, H]`.
-    Returns `o [T, H, d_v]`."""
+    Returns `o [T, H, d_v]`. `backend`: "auto", "fla" or "reference" (`gdn_kernels`)."""
     _check_rows(d, q, k, v, g, beta)
     comms = _comms(d, group)
-    o_first, final = chunk_gated_delta(*_pieces(d.first, q, k, v, g, beta), d.first.lens, None, chunk_size)
-    b_mid, m_mid = affine_summary(*_pieces(d.middle, k, v, g, beta), d.middle.lens, chunk_size)
+    kernel = gdn_kernel(backend, q, v, chunk_size)
+    o_first, final = kernel(*_pieces(d.first, q, k, v, g, beta), d.first.lens, None, chunk_size)
+    b_mid, m_mid = affine_summary(*_pieces(d.middle, k, v, g, beta), d.middle.lens, chunk_size, kernel)
     b = torch.cat([final.index_select(0, d.first_summaries), b_mid])
     routes = (None,) * 6 + (d.b_route, d.m_route)
     o_first, q, k, v, g, beta, b, m = _Exchange.apply(routes, comms, o_first, q, k, v, g, beta, b, m_mid)
@@ -133,5 +140,5 @@ def cp_gated_delta(
         n = len(m_rows)
         state = torch.cat([m.index_select(0, m_rows) @ state[:n] + b.index_select(0, b_rows), state[n:]])
     cont = _pieces(d.continued, q, k, v, g, beta)
-    o_cont, _ = chunk_gated_delta(*cont, d.continued.lens, state, chunk_size)
+    o_cont, _ = kernel(*cont, d.continued.lens, state, chunk_size)
     return torch.cat([o_first, o_cont]).index_select(0, d.inverse)
