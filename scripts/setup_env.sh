@@ -16,7 +16,7 @@ ready() {
     [[ -x "$VENV/bin/python" ]] && "$VENV/bin/python" -c "
 import importlib.metadata as m
 for name in ('torch', 'torchtitan', 'triton', 'tensorboard', 'tokenizers', 'sentencepiece',
-             'datasets', 'pytest', 'pytest-xdist', 'hypothesis', 'transformers', 'safetensors'):
+             'datasets', 'pytest', 'pytest-xdist', 'hypothesis', 'transformers', 'safetensors', 'fla-core'):
     m.version(name)
 " 2>/dev/null
 }
