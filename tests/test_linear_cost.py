@@ -81,16 +81,15 @@ def _state_recv(plan) -> int:
 
 @pytest.mark.parametrize("dist", ["wlbllm", "pile"])
 def test_hybrid_plans_send_no_more_state_than_attention_only_plans(dist: str) -> None:
-    """128K windows at CP 8 and 32: per window the plan made for the hybrid model's cost receives at
-    most the state bytes of the plan made for its full layers alone, and in all less at CP 32."""
+    """128K windows at CP 8 and 32: the plans made for the hybrid model's cost receive no more state
+    bytes in all than those made for its full layers alone (a window's layout may differ either way),
+    and less at CP 32, where cut documents span 64 pieces."""
     for cp in (8, 32):
         hybrid = attention = 0
-        for lens in pack_windows(length_sampler(dist, seed=0), 131072, 3):
-            h = _state_recv(plan_shards(lens, cp, workload=HYBRID))
-            a = _state_recv(plan_shards(lens, cp, workload=ATTENTION_ONLY))
-            assert h <= a, (cp, lens)
-            hybrid, attention = hybrid + h, attention + a
-        assert hybrid < attention or cp == 8
+        for lens in pack_windows(length_sampler(dist, seed=0), 131072, 6):
+            hybrid += _state_recv(plan_shards(lens, cp, workload=HYBRID))
+            attention += _state_recv(plan_shards(lens, cp, workload=ATTENTION_ONLY))
+        assert hybrid < attention or (cp == 8 and hybrid == attention)
 
 
 def test_bad_linear_shapes_are_one_line() -> None:

@@ -109,11 +109,10 @@ class _Search:
         if i not in self.tried:
             window = self.window
             shards, work, sent = window.attempt(self.sequence[i])
-            largest = max(sent)
-            if window.workload.linear is not None:  # what the cuts add to linear layers: the whole plan's
-                work, state = window.linear_costs(shards())
-                largest += state
             imbalance = max(work) / window.mean
+            largest = max(sent)
+            if window.workload.linear is not None:  # a cut's state and halo bytes: the whole plan's
+                largest += window.linear_costs(shards())
             met = imbalance <= window.target
             self.tried[i] = ((not met, largest if met else imbalance), shards)
         return self.tried[i][0]
@@ -178,11 +177,13 @@ class _Window:
         self.per_doc_pointer = 0
         self.per_doc_ranks: list[list[Shard]] = [[] for _ in range(cp_size)]
 
-    def linear_costs(self, ranks: list[list[Shard]]) -> tuple[list[int], int]:
-        """A hybrid model's workloads of an attempt with what its cuts add (summary passes, folds) and
-        the state and halo bytes they send, in send-buffer tokens (`LinearLayers`)."""
+    def linear_costs(self, ranks: list[list[Shard]]) -> int:
+        """The state and halo bytes a hybrid model's cuts send under an attempt, in send-buffer tokens
+        (`LinearLayers.exchange_tokens`). What cuts add to the linear layers' compute (summary passes,
+        folds: `Plan.workloads`) stays out of the target: Per-Doc layouts balance the rest, and charging
+        it there tipped attempts that met over the target, so that more documents were cut."""
         plan = Plan(self.doc_lens, self.n, normalize(ranks), "flashcp", workload=self.workload)
-        return plan.workloads(), self.workload.linear.exchange_tokens(plan)
+        return self.workload.linear.exchange_tokens(plan)
 
     def longest_whole_fits(self, k: int) -> bool:
         """Whether the longest document left out of Per-Doc with the k longest in it, order[k],

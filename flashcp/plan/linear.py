@@ -55,10 +55,12 @@ def halo_sources(pieces: list[Piece], j: int, width: int) -> list[tuple[int, int
     """(owner, owner's local row) of the up to `width - 1` rows before piece `j` of one document,
     in document order: the taps of the causal convolution that reach back before the piece."""
     rows = []
-    for pos in range(max(0, pieces[j].start - width + 1), pieces[j].start):
-        i = max(i for i in range(j) if pieces[i].start <= pos)
+    i = j - 1
+    for pos in range(pieces[j].start - 1, max(0, pieces[j].start - width + 1) - 1, -1):  # backwards: i only falls
+        while pieces[i].start > pos:
+            i -= 1
         rows.append((pieces[i].owner, pieces[i].local_start + pos - pieces[i].start))
-    return rows
+    return rows[::-1]
 
 
 class LinearComm(NamedTuple):
@@ -77,12 +79,23 @@ def linear_comm(plan: Plan, heads: int, k_dim: int, v_dim: int, conv_channels: i
     summary by several of its pieces, travels once."""
     n = plan.cp_size
     out = LinearComm([0] * n, [0] * n, [0] * n, [0] * n)
+    first, middle = (summary_values(heads, k_dim, v_dim, f) * state_bytes for f in (True, False))
     for pieces in doc_pieces(plan):
-        for i, p in enumerate(pieces[:-1]):
-            size = summary_values(heads, k_dim, v_dim, i == 0) * state_bytes
-            for dest in {q.owner for q in pieces[i + 1:]} - {p.owner}:
-                out.state_sent[p.owner] += size
-                out.state_recv[dest] += size
+        # piece i goes to every other owner of a later piece; a rank receives every other owner's pieces
+        # before its own last one (one pass each way, not piece x rank: Per-Doc plans at CP 64 hold
+        # thousands of pieces)
+        later: set[int] = set()
+        for i in range(len(pieces) - 2, -1, -1):
+            later.add(pieces[i + 1].owner)
+            out.state_sent[pieces[i].owner] += (first if i == 0 else middle) * (len(later) - (pieces[i].owner in later))
+        sent_before, own = 0, {}  # bytes of the pieces before piece j: all of them, and per owner its own
+        last = {p.owner: j for j, p in enumerate(pieces)}
+        for j, p in enumerate(pieces):
+            if last[p.owner] == j:
+                out.state_recv[p.owner] += sent_before - own.get(p.owner, 0)
+            size = (first if j == 0 else middle) if j < len(pieces) - 1 else 0
+            sent_before += size
+            own[p.owner] = own.get(p.owner, 0) + size
         rows = {(q.owner, src) for j, q in enumerate(pieces) for src in halo_sources(pieces, j, conv_width)}
         for dest, (owner, _) in rows:
             if owner != dest:

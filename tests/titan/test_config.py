@@ -42,6 +42,7 @@ SHIPPED = {
     "qwen3_30b_a3b_128k": (16, True, {"dp_shard": 2, "cp": 8, "tp": 1}),
     "deepseek_v3_16b_128k": (16, True, {"dp_shard": 2, "cp": 8, "tp": 1}),
     "gpt_oss_20b_128k": (8, True, {"dp_shard": 1, "cp": 8, "tp": 1}),
+    "qwen3_5_9b_128k": (8, True, {"dp_shard": 1, "cp": 8, "tp": 1}),
 }
 # Recipes that read a Hugging Face folder and token stores the user prepares (absent on CI).
 RECIPES = ("llama3_8b_extend_128k", "qwen3_8b_128k", "qwen3_30b_a3b_128k")

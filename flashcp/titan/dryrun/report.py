@@ -136,6 +136,14 @@ def format_report(r: Report) -> str:
             f"window_comm; compact {mib['compact']:.2f} MiB, needed {mib['needed']:.2f} MiB; the figures above are "
             "the full layers')"
         )
+    if "state_recv_bytes_per_layer" in r.plan:  # a hybrid's Gated DeltaNet layers (dryrun/linear.py)
+        mib = {k: v / 2**20 for k, v in r.plan.items() if k.startswith(("state_", "halo_"))}
+        lines.append(
+            f"Gated DeltaNet layers: state summaries received per layer {mib['state_recv_bytes_per_layer']:.1f} MiB "
+            f"on the busiest rank (mean {mib['state_recv_bytes_per_layer_mean']:.1f} MiB, float32; tracked at the "
+            f"busiest), conv halo rows {mib['halo_recv_bytes_per_layer']:.2f} MiB; the estimate prices these layers "
+            "as full-attention ones"
+        )
     if "kv_fabric_bytes_per_layer_two_level" in r.plan:  # comm = "two_level" across nodes
         mib = {k.removeprefix("kv_").removesuffix("_bytes_per_layer_two_level"): v / 2**20
                for k, v in r.plan.items() if k.startswith("kv_") and k.endswith("two_level")}  # fmt: skip

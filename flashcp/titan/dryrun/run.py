@@ -7,7 +7,8 @@ Builds the job as rank 0 of W ranks on TorchTitan's fake process group (`comm.mo
 fake tensors (shapes and sizes, no memory, no values), draws one window from the job's data (its
 plan and this rank's dispatch are real), and runs one forward / backward / optimizer step under
 `flashcp.titan.dryrun.memtrack`. Attention runs torch's `varlen_attn` op, whose registered fake kernel
-has FlashAttention-2's output and saved-tensor shapes. It prints the peak per category next to
+has FlashAttention-2's output and saved-tensor shapes; a hybrid's Gated DeltaNet layers run a stand-in
+with flash-linear-attention's footprint and the busiest rank's state summaries (`dryrun/linear.py`). It prints the peak per category next to
 the analytic estimate (`flashcp.titan.dryrun.estimate`) and the window's plan figures
 (`flashcp.titan.dryrun.report`). Not
 counted: the CUDA context, NCCL buffers and allocator fragmentation, hence `--reserve-gib`.
@@ -41,12 +42,13 @@ from flashcp.titan.config.converters import converted_linears
 from flashcp.titan.config.model import model_experts
 from flashcp.titan.dryrun.estimate import estimate, GIB, Layout, LowPrecision, ModelShape
 from flashcp.titan.dryrun.hfload import plan_hf_import
+from flashcp.titan.dryrun.linear import gated_delta_stand_in
 from flashcp.titan.dryrun.memtrack import CategoryTracker
 from flashcp.titan.dryrun.report import low_precision_report, offload_time, Report
 from flashcp.titan.models.offload import LayerInputOffload
 from flashcp.titan.models.rotary import rotation
 from flashcp.titan.models.tiled_mlp import tile_count
-from flashcp.titan.models.windows import LayerDispatches
+from flashcp.titan.models.windows import HybridDispatches, LayerDispatches
 
 KERNEL = "dryrun"  # the attention backend name the dry run registers while it runs
 
@@ -56,9 +58,6 @@ def dry_run(cfg: dict[str, Any], world_size: int, gpu_gib: float = 80.0, reserve
     """Build rank 0 of a `world_size`-rank job on fake tensors and measure one step (see the module doc)."""
     if cfg["model"]["attention"] != "flashcp":
         raise ConfigError("the dry run drives FlashCP's attention: model.attention must be 'flashcp'")
-    if cfg["model"]["name"] == "qwen3_5":  # its state exchange sizes a buffer by the plan's data on fake tensors
-        raise ConfigError("the dry run does not size hybrid Gated DeltaNet models (qwen3_5) yet: their linear "
-                          "layers' state exchange is not modelled on fake tensors")  # fmt: skip
     degrees = check_layout(_cpu_checkable(cfg), world_size, has_cuda=False)
     if model_experts(cfg) is not None and cfg["training"]["mixed_precision_param"] != "bfloat16":
         raise ConfigError("the dry run sizes a mixture-of-experts job with [training] mixed_precision_param = "
@@ -233,7 +232,7 @@ def _measure(trainer, input_dict: dict[str, Any], labels: torch.Tensor) -> tuple
         tracker = CategoryTracker(model, optimizers.optimizers[0])
         handles = _label_regions(trainer, tracker)
         try:
-            with tracker, _host_copies(tracker):
+            with tracker, _host_copies(tracker), gated_delta_stand_in(trainer, tracker):
                 valid = (labels != IGNORE_INDEX).sum()
                 trainer.forward_backward_step(input_dict=input_dict, labels=labels, global_valid_tokens=valid)
                 dist_utils.clip_grad_norm_(params, trainer.config.training.max_norm, foreach=True,
@@ -346,7 +345,7 @@ def _shape_and_layout(trainer, dispatch, job: dict[str, Any]) -> tuple[ModelShap
     sliding-window layer receives at most W - 1 rows before each cut shard)."""
     from torchtitan.distributed.activation_checkpoint import FullAC
 
-    if isinstance(dispatch, LayerDispatches):
+    if isinstance(dispatch, (LayerDispatches, HybridDispatches)):
         dispatch = dispatch.full
 
     model, dims, cfg = trainer.model_config, trainer.parallel_dims, trainer.config
@@ -354,7 +353,9 @@ def _shape_and_layout(trainer, dispatch, job: dict[str, Any]) -> tuple[ModelShap
     attention = model.first_attention
     tokens = cfg.training.seq_len // dims.cp
     rope_row = rotation(attention.rope, torch.zeros(1, dtype=torch.long))  # one position's RoPE row
-    tables = hasattr(trainer.model_parts[0].layers["0"].attention.rope, "cache")  # TorchTitan's, else per step
+    first = next(i for i, layer in enumerate(model.layers) if layer.attention is not None)  # a hybrid's: not "0"
+    block = trainer.model_parts[0].layers[str(first)]
+    tables = hasattr((getattr(block, "attention", None) or block.attn).rope, "cache")  # TorchTitan's, else per step
     moe = next((layer.moe for layer in model.layers if layer.moe is not None), None)
     dense = [layer.feed_forward for layer in model.layers if layer.moe is None]  # DeepSeek's first layers
     experts = {} if moe is None else dict(
