@@ -15,7 +15,13 @@ in q's dtype, the final states in float32 or float64), so the CP op and `affine_
   gate flags off: FlashCP's caller has normalised and scaled q and k and computed g and beta, as
   for the reference. q, k and beta run in v's dtype (a bf16 model's activations, as TorchTitan's
   Qwen3.5 feeds fla), g in float32; its float32 dots are Triton's default TF32. fla also takes
-  fewer key heads than value heads (GVA); this contract repeats key heads beforehand.
+  fewer key heads than value heads (GVA); this contract repeats key heads beforehand. The middle
+  pieces' `[B | M]` summaries are one more call of the same kernel (`affine_summary`: values
+  `[v | 0]` from the initial state `[0 | I]`, V = d_v + d_k wide). That is exact, not an
+  approximation: the rule multiplies the state on the left and adds each value column into its own
+  state column, and fla computes each block of V columns apart from the others, so the identity
+  columns come out as M and the value columns as B (float32 under the interpreter: about 1e-7 of
+  the tensors' scale from the float64 reference, `tests/test_gdn_kernels.py`).
 - "reference": `chunk_gated_delta`, plain torch, any device and dtype (float64 included).
 
 "auto" takes fla when it accepts the inputs, else the reference (with a warning on CUDA, where the
@@ -99,7 +105,8 @@ def _fla_run(
 def gdn_kernel(name: str, q: torch.Tensor, v: torch.Tensor, chunk_size: int = 64) -> Kernel:
     """The kernel of backend `name` ("auto": fla if it accepts the inputs) or a one-line error."""
     if name not in ("auto", *GDN_BACKENDS):
-        raise ValueError(f"unknown Gated DeltaNet backend {name!r}; choose auto or one of {', '.join(GDN_BACKENDS)}")
+        choices = ", ".join(GDN_BACKENDS)
+        raise ValueError(f"unknown Gated DeltaNet backend {name!r}; choose auto or one of {choices}")
     if name == "reference":
         return chunk_gated_delta
     reason = _fla_reject(q, v, chunk_size)
