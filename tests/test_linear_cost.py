@@ -17,7 +17,8 @@ from flashcp.plan.linear import linear_comm, LinearLayers
 
 # Qwen3.5-9B: 8 full layers (16 heads of 256, 4 K/V heads), 24 Gated DeltaNet (32 value heads of 128)
 QWEN3_5_9B = LinearLayers(layers=24, heads=32, key_dim=128, value_dim=128, pair_flops=4 * 16 * 256,
-                          kv_row_bytes=4 * 2 * 256 * 2, full_layers=8, conv_channels=2 * 16 * 128 + 32 * 128)  # fmt: skip
+                          kv_row_bytes=4 * 2 * 256 * 2, full_layers=8,
+                          conv_channels=2 * 16 * 128 + 32 * 128)  # fmt: skip
 HYBRID = Workload(full_layers=8, linear=QWEN3_5_9B)
 ATTENTION_ONLY = Workload(full_layers=8)
 
@@ -135,7 +136,8 @@ def test_the_step_model_prices_linear_layers_beside_the_full_ones() -> None:
     plan = model.plan("flashcp", lens)
     assert plan.workload == Workload(full_layers=8, linear=QWEN3_5_9B.linear) and plan.metrics()["split_docs"]
     comm = linear_comm(plan, 32, 128, 128, QWEN3_5_9B.linear.conv_channels)
-    link = max(max(map(sum, zip(comm.state_sent, comm.halo_sent))), max(map(sum, zip(comm.state_recv, comm.halo_recv))))
+    link = max(max(map(sum, zip(comm.state_sent, comm.halo_sent))),
+               max(map(sum, zip(comm.state_recv, comm.halo_recv))))
     work = max(QWEN3_5_9B.linear.token_flops * plan.tokens_per_rank + c for c in QWEN3_5_9B.linear.cut_work(plan))
     compute = work / (MeshAssumptions().linear_tflops * 1e12) * 1e3
     exchange = 24 * attention.comm.all_to_all_ms(link, cp)

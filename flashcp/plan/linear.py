@@ -87,7 +87,8 @@ def linear_comm(plan: Plan, heads: int, k_dim: int, v_dim: int, conv_channels: i
         later: set[int] = set()
         for i in range(len(pieces) - 2, -1, -1):
             later.add(pieces[i + 1].owner)
-            out.state_sent[pieces[i].owner] += (first if i == 0 else middle) * (len(later) - (pieces[i].owner in later))
+            peers = len(later) - (pieces[i].owner in later)
+            out.state_sent[pieces[i].owner] += (first if i == 0 else middle) * peers
         sent_before, own = 0, {}  # bytes of the pieces before piece j: all of them, and per owner its own
         last = {p.owner: j for j, p in enumerate(pieces)}
         for j, p in enumerate(pieces):
@@ -140,7 +141,8 @@ class LinearLayers:
     def __post_init__(self) -> None:
         sizes = (self.layers, self.heads, self.key_dim, self.value_dim, self.pair_flops)
         if not all(isinstance(v, int) and v > 0 for v in sizes):
-            raise ValueError(f"linear layers, heads, key and value dims and pair FLOPs must be positive integers, got {sizes}")
+            raise ValueError(f"linear layers, heads, key and value dims and pair FLOPs must be positive "
+                             f"integers, got {sizes}")
 
     @property
     def token_flops(self) -> int:
@@ -196,7 +198,8 @@ def hybrid_from_hf(config: dict, dtype_bytes: int = 2) -> LinearLayers:
     kinds = [kinds[i % len(kinds)] for i in range(layers)]  # a pattern shorter than the layers repeats
     full = kinds.count("full_attention")
     if not full or full == layers:
-        raise ValueError(f"a hybrid needs both full and linear attention layers, this config has {full} full of {layers}")
+        raise ValueError(f"a hybrid needs both full and linear attention layers, this config has {full} "
+                         f"full of {layers}")
     heads, dk, dv = text["linear_num_value_heads"], text["linear_key_head_dim"], text["linear_value_head_dim"]
     head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
     return LinearLayers(

@@ -8,10 +8,10 @@ fake tensors (shapes and sizes, no memory, no values), draws one window from the
 plan and this rank's dispatch are real), and runs one forward / backward / optimizer step under
 `flashcp.titan.dryrun.memtrack`. Attention runs torch's `varlen_attn` op, whose registered fake kernel
 has FlashAttention-2's output and saved-tensor shapes; a hybrid's Gated DeltaNet layers run a stand-in
-with flash-linear-attention's footprint and the busiest rank's state summaries (`dryrun/linear.py`). It prints the peak per category next to
-the analytic estimate (`flashcp.titan.dryrun.estimate`) and the window's plan figures
-(`flashcp.titan.dryrun.report`). Not
-counted: the CUDA context, NCCL buffers and allocator fragmentation, hence `--reserve-gib`.
+with flash-linear-attention's footprint and the busiest rank's state summaries (`dryrun/linear.py`).
+It prints the peak per category next to the analytic estimate (`flashcp.titan.dryrun.estimate`)
+and the window's plan figures (`flashcp.titan.dryrun.report`). Not counted: the CUDA context, NCCL
+buffers and allocator fragmentation, hence `--reserve-gib`.
 With `[activation_checkpoint] offload` the layer inputs sent to host memory are tracked apart
 (`host_gib`, against `--host-gib` per rank: 1/8 of a 2 TB node by default), and the copies' time
 is modelled against the layer's compute (`offload`). A job that does not fit exits 1 with one line
