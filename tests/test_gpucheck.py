@@ -23,9 +23,10 @@ from flashcp.gpucheck.__main__ import main
 from flashcp.gpucheck.efficiency import sweep_calls
 from flashcp.gpucheck.report import Table
 from flashcp.gpucheck.sizes import GPU, QUICK
+from test_gpucheck_gdn import check_gdn_rows
 
 FILES = ["summary.md", "env.json", "exactness.csv", "cp.csv", "window_sinks.csv", "critical_path.csv",
-         "efficiency.csv", "decoder.json", "kernel_calls.csv"]  # fmt: skip
+         "efficiency.csv", "decoder.json", "kernel_calls.csv", "gdn.csv", "gdn_timing.csv"]  # fmt: skip
 
 
 def fewer_cp_sizes(monkeypatch, *sizes: int) -> None:
@@ -42,14 +43,14 @@ def _rows(path: Path) -> list[dict]:
 
 def check_quick_output(out: Path, last_line: str) -> None:
     """What `python -m flashcp.gpucheck --device cpu --quick --no-budgets` must leave in `out` and print
-    last: every section's file and status, every case of the three correctness sections passed. The
+    last: every section's file and status, every case of the four correctness sections passed. The
     suite's run of it is the lease rehearsal's part a (tests/test_gpu_lease.py), which calls this."""
     assert "sections passed or measured" in last_line, last_line
     assert sorted(p.name for p in out.iterdir()) == sorted(FILES)
     summary = (out / "summary.md").read_text()
     for title, _ in SECTIONS.values():
         assert f"## {title}" in summary
-    assert summary.count("status: **passed**") == 3 and summary.count("status: **measured**") == 3
+    assert summary.count("status: **passed**") == 4 and summary.count("status: **measured**") == 3
     env = json.loads((out / "env.json").read_text())
     assert env["backend reference"] == "available" and env["torch"]
 
@@ -62,6 +63,7 @@ def check_quick_output(out: Path, last_line: str) -> None:
     assert {r["strategy"] for r in cp} >= {"per_seq", "per_doc", "whole_doc", "flashcp"}
     assert all(r["ok"] == "True" for r in cp)
     check_window_sinks_rows(_rows(out / "window_sinks.csv"))
+    check_gdn_rows(_rows(out / "gdn.csv"))
     assert {r["strategy"] for r in _rows(out / "critical_path.csv")} == {"per_seq", "per_doc", "flashcp", "ring", "zigzag"}
     assert {r["kind"] for r in _rows(out / "efficiency.csv")} == {"fig3", "sweep"}
     assert json.loads((out / "decoder.json").read_text())

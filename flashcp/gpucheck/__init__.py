@@ -4,7 +4,7 @@
 
 Needs torch (>= 2.11) and numpy only: no torchtitan, no pytest, no network, so it runs on a bare
 GPU machine. It prints its progress, writes every row the moment it is measured (a run cut off
-still leaves its results) and ends within about 8 minutes on one H100. Sections:
+still leaves its results) and ends within about 9 minutes on one H100. Sections:
 
 1. `exactness`: every attention backend that runs here, forward and backward, fp16 and bf16,
    GQA ratios 1/4/8, against the reference kernel in float32 (bottom-right causal shards with
@@ -24,9 +24,14 @@ still leaves its results) and ends within about 8 minutes on one H100. Sections:
    achieved TFLOP/s against shard length, per backend.
 6. `decoder`: a Llama 3 8B decoder layer forward+backward on 16K tokens with the FlashCP op:
    attention vs dense time, peak memory.
+7. `gdn`: the Gated DeltaNet CP op (Qwen3.5's linear layers: `cp_causal_conv1d`, `cp_gated_delta`),
+   N in {2, 4, 8} simulated ranks, FlashCP / Per-Doc plans and one document cut across every rank
+   beside 1-token documents, float32 and bf16, forward and backward (y, o and dx, dconv_weight, dq,
+   dk, dv, dg, dbeta) against the op unsharded, with flash-linear-attention's kernel on CUDA (the
+   reference on a CPU); and fla's forward / forward+backward time against the reference.
 
-Files in DIR: summary.md, env.json, exactness.csv, cp.csv, window_sinks.csv, critical_path.csv,
-efficiency.csv, decoder.json and kernel_calls.csv (every timed kernel call in the format the cost model reads:
+Files in DIR: summary.md, env.json, exactness.csv, cp.csv, window_sinks.csv, gdn.csv, gdn_timing.csv,
+critical_path.csv, efficiency.csv, decoder.json and kernel_calls.csv (every timed kernel call in the format the cost model reads:
 `python benchmarks/costmodel.py refit --gpucheck DIR`). `--device cpu --quick` runs every section
 at toy sizes and is part of the test suite.
 
@@ -39,7 +44,7 @@ from __future__ import annotations
 import torch
 
 from flashcp.attention.kernels import BACKENDS
-from flashcp.gpucheck import cp_check, critical_path, decoder, efficiency, exactness, window_sinks
+from flashcp.gpucheck import cp_check, critical_path, decoder, efficiency, exactness, gdn, window_sinks
 
 SECTIONS = {
     "exactness": ("1. Kernel exactness", exactness.run),
@@ -48,8 +53,9 @@ SECTIONS = {
     "critical_path": ("4. Per-rank critical path", critical_path.run),
     "efficiency": ("5. Kernel efficiency", efficiency.run),
     "decoder": ("6. Llama 3 8B decoder layer", decoder.run),
+    "gdn": ("7. Gated DeltaNet CP op on simulated ranks", gdn.run),
 }
-CORRECTNESS = ("exactness", "cp", "window_sinks")  # sections that pass or fail; the others measure
+CORRECTNESS = ("exactness", "cp", "window_sinks", "gdn")  # sections that pass or fail; the others measure
 
 
 def backends_for(device: torch.device) -> list[str]:

@@ -43,16 +43,17 @@ from typing import Any
 from flashcp.gpucheck.lease_start import PARTS, check_args, outdir
 
 # Seconds per part on one H100 (the GPU parts run one after another, the dry run beside them on the
-# CPU): 185 + 220 + 150 = 555 s, so that with the wheels' install (~30 s) and the packing the lease
+# CPU): 210 + 195 + 150 = 555 s, so that with the wheels' install (~30 s) and the packing the lease
 # fits one 10-minute command of a lent machine.
-BUDGETS_S = {"gpucheck": 185, "train": 220, "dryrun": 420, "frontier": 150}
+BUDGETS_S = {"gpucheck": 210, "train": 195, "dryrun": 420, "frontier": 150}
 # The rehearsal's: a few seconds of work per run, but each run is a process that imports torch and
 # TorchTitan, which on a loaded 2-core machine takes tens of seconds.
 QUICK_BUDGETS_S = {"gpucheck": 200, "train": 420, "dryrun": 300, "frontier": 240}
-# The check's sections within its part: the three correctness sections whole (window_sinks: about 10-20 s
-# on an H100, estimated), the measuring ones shortened.
-GPUCHECK_BUDGETS_S = {"exactness": 48, "cp": 55, "window_sinks": 15, "critical_path": 32, "efficiency": 12,
-                      "decoder": 12}  # fmt: skip
+# The check's sections within its part: the four correctness sections whole (window_sinks: about 10-20 s
+# on an H100, estimated; gdn: fla's Triton kernels compiled for two dtypes, then small runs, estimated),
+# the measuring ones shortened.
+GPUCHECK_BUDGETS_S = {"exactness": 48, "cp": 55, "window_sinks": 15, "critical_path": 20, "efficiency": 8,
+                      "decoder": 8, "gdn": 45}  # fmt: skip
 MAX_FILES, MAX_FILE_BYTES, LOG_TAIL_BYTES = 8, 16 * 2**20, 2**20
 WORK = "work"  # OUTDIR/work: the parts' raw output, packed at the end
 MEASURED = "measured"  # OUTDIR/work/measured: the GPU parts are over (the dry run part then joins)

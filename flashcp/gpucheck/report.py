@@ -173,7 +173,7 @@ def environment(device: torch.device) -> dict[str, Any]:
 
     env: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "host": platform.node(),
                            "python": platform.python_version(), "torch": torch.__version__,
-                           "flash-attn": _version("flash-attn")}  # fmt: skip
+                           "flash-attn": _version("flash-attn"), "fla-core": _version("fla-core")}  # fmt: skip
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         env.update({
