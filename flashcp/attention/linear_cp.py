@@ -27,7 +27,7 @@ computed them. Each exchange's bytes are `flashcp.plan.linear.linear_comm`'s (`r
 them). The convolution stays torch: one gather and a width-W weighted sum, bandwidth-bound and a
 small share of the layer next to its projections; fla's `causal_conv1d` would need the halo rows
 spliced into each piece's start as an initial conv state, for no measured gain yet.
-`python -m flashcp.gpucheck --only gdn` checks the op sharded against one device on a GPU.
+`python -m flashcp.gpucheck --sections gdn` checks the op sharded against one device on a GPU.
 """
 
 from __future__ import annotations
