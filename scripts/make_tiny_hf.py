@@ -1,10 +1,12 @@
-"""Create a tiny random Hugging Face Llama (or Qwen3, Qwen3-MoE, DeepSeek-V3, gpt-oss) folder, to try importing / exporting without downloads.
+"""Create a tiny random Hugging Face Llama (or Qwen3, Qwen3-MoE, DeepSeek-V3, gpt-oss, Qwen3.5-MoE, Qwen3-Next) folder, to try importing / exporting without downloads.
 
     python scripts/make_tiny_hf.py /tmp/tiny-llama           # Llama, vocab 4096 (the shipped tokenizer's)
     python scripts/make_tiny_hf.py /tmp/tiny-qwen3 --model-type qwen3
     python scripts/make_tiny_hf.py /tmp/tiny-qwen3-moe --model-type qwen3_moe   # 8 experts, top-2
     python scripts/make_tiny_hf.py /tmp/tiny-deepseek --model-type deepseek_v3  # MLA, a dense layer then MoE
     python scripts/make_tiny_hf.py /tmp/tiny-gpt-oss --model-type gpt_oss       # window + full layers, sinks
+    python scripts/make_tiny_hf.py /tmp/tiny-qwen3-5-moe --model-type qwen3_5_moe_text  # Gated DeltaNet + MoE
+    python scripts/make_tiny_hf.py /tmp/tiny-qwen3-next --model-type qwen3_next  # the same, fused projections
 
 Written with `transformers` (the test extra: pip install -e .[test]) as `save_pretrained` writes
 any HF model: config.json and model.safetensors, plus the shipped tokenizer's files, so that the
@@ -28,7 +30,9 @@ def tiny_config(model_type: str = "llama", vocab_size: int = 4096, **overrides: 
     """A small GQA config: 2 layers, 4 heads over 2 KV heads, dim 32, context 512 (Qwen3: head_dim 16, tied
     embeddings; Qwen3-MoE: Qwen3 untied, 8 experts of width 16 per layer, top-2; DeepSeek-V3: MLA with
     kv_lora_rank 32 and q_lora_rank 24, YaRN, 3 layers, the first dense, then 8 experts, top-2, and a shared one;
-    gpt-oss: a sliding layer (16 keys) then a full one, heads of 8, YaRN, 8 biased experts of width 24, top-2)."""
+    gpt-oss: a sliding layer (16 keys) then a full one, heads of 8, YaRN, 8 biased experts of width 24, top-2;
+    Qwen3.5-MoE text and Qwen3-Next: 3 Gated DeltaNet layers (2 key heads, 4 value heads, of 8) then a gated
+    full one (heads of 8, RoPE on half), 8 experts of width 16, top-2, and a sigmoid-gated shared one of 24)."""
     import transformers
 
     common = dict(
@@ -63,7 +67,19 @@ def tiny_config(model_type: str = "llama", vocab_size: int = 4096, **overrides: 
                                 "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 128},
         }  # fmt: skip
         return transformers.GptOssConfig(**(common | oss | overrides))
-    raise ValueError(f"model type {model_type!r}: llama, qwen3, qwen3_moe, deepseek_v3 or gpt_oss")
+    if model_type in ("qwen3_5_moe_text", "qwen3_next"):
+        hybrid = {
+            "num_hidden_layers": 4, "head_dim": 8, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+            "linear_key_head_dim": 8, "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4, "num_experts": 8,
+            "num_experts_per_tok": 2, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 24,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        }  # fmt: skip
+        if model_type == "qwen3_next":
+            return transformers.Qwen3NextConfig(**(common | hybrid | overrides))
+        common.pop("intermediate_size")  # the MoE text decoder has no dense feed-forward
+        return transformers.Qwen3_5MoeTextConfig(**(common | hybrid | overrides))
+    raise ValueError(f"model type {model_type!r}: llama, qwen3, qwen3_moe, deepseek_v3, gpt_oss, qwen3_5_moe_text "
+                     "or qwen3_next")
 
 
 def make_tiny_hf(folder: Path, model_type: str = "llama", seed: int = 0, **overrides: Any) -> Path:
@@ -88,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("folder", type=Path, help="where to write the model (must not exist)")
-    parser.add_argument("--model-type", default="llama", choices=("llama", "qwen3", "qwen3_moe", "deepseek_v3", "gpt_oss"))
+    parser.add_argument("--model-type", default="llama", choices=("llama", "qwen3", "qwen3_moe", "deepseek_v3",
+                                                                  "gpt_oss", "qwen3_5_moe_text", "qwen3_next"))
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.folder.exists():

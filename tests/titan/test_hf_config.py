@@ -498,7 +498,7 @@ def test_qwen3_5_refuses_tp_compile_the_ring_and_overlap(change, message):
         ({"vision_config": {"depth": 2}}, r"a vision-language config \(vision_config / \*ForConditionalGeneration\): "
                                           r"FlashCP trains text decoders only"),
         ({"architectures": ["Qwen3_5ForConditionalGeneration"]}, r"a vision-language config"),
-        ({"model_type": "qwen3_5_moe_text"}, r"model_type 'qwen3_5_moe_text' is not supported \(of mixture-of-experts"),
+        ({"model_type": "qwen3_5_moe_text"}, r"num_experts is missing"),
         ({"layer_types": ["linear_attention", "full_attention", "linear_attention", "linear_attention"]},
          r"layer_types .*: TorchTitan's builder makes layer i full exactly where \(i \+ 1\) % 2 == 0"),
         ({"layer_types": ["linear_attention"] * 3}, r"layer_types must name 'linear_attention' or 'full_attention' "
@@ -508,7 +508,8 @@ def test_qwen3_5_refuses_tp_compile_the_ring_and_overlap(change, message):
     ],
 )  # fmt: skip
 def test_a_qwen3_5_config_json_flashcp_cannot_train_is_one_line(tmp_path, change, message):
-    """Text decoders only (no vision tower, no MoE variant yet), in the layer layout TorchTitan builds."""
+    """Text decoders only (no vision tower; the MoE text decoder with its experts), in the layer layout
+    TorchTitan builds."""
     hf = json.loads((TINY_QWEN3_5 / "config.json").read_text()) | change
     with pytest.raises(ConfigError, match=r"^\[model\] hf_config: .*config\.json: " + message) as e:
         validate({"model": {"hf_config": str(hf_folder(tmp_path, hf))}})

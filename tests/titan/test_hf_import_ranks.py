@@ -91,7 +91,7 @@ def _rewrite(hf: Path, out: Path, change: str) -> str:
     if config["model_type"] == "gpt_oss":  # each layer's experts in one tensor, [E, in, out]
         key, extra = (f"model.layers.{layer}.mlp.experts.down_proj" for layer in (last, last + 1))
     else:
-        experts = config.get("num_local_experts") or config["n_routed_experts"]
+        experts = config.get("num_local_experts") or config.get("num_experts") or config["n_routed_experts"]
         key, extra = (f"model.layers.{last}.mlp.experts.{e}.down_proj.weight" for e in (experts - 1, experts))
     if change == "extra":
         tensors[extra] = tensors[key].clone()

@@ -28,6 +28,7 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForCausalLM  # n
 
 from titan.harness import load_export, single_rank, tiny_job, train  # noqa: E402
 from titan.test_hf_import_ranks import _refusal, first_step, import_job  # noqa: E402
+from titan.test_gdn_layer import torch_kernels  # noqa: E402
 from titan.test_gdn_oracle import CONFIG as ORACLE_CONFIG, hf_model, to_titan  # noqa: E402
 from titan.test_hybrid_train import GATE  # noqa: E402
 
@@ -126,7 +127,7 @@ def test_the_export_of_the_import_gives_transformers_logits(imported, tmp_path):
     exported = load_export(out)
     ids = torch.randint(0, original.config.vocab_size, (sum(DOC_LENS),), generator=torch.Generator().manual_seed(0))
     worst = 0.0
-    with torch.no_grad():
+    with torch.no_grad(), torch_kernels():  # transformers' torch Gated DeltaNet, also where fla is installed
         for doc in ids.split(DOC_LENS):
             reference, ours = original(doc[None]).logits, exported(doc[None]).logits
             worst = max(worst, float((ours - reference).abs().max() / reference.abs().max()))

@@ -38,6 +38,9 @@ class Experts:
     swiglu_limit: float | None = None
     """gpt-oss's experts: biased projections and a SwiGLU whose gate and up inputs are clamped to this
     (HF swiglu_limit; gain 1.702); None: an unbiased SiLU-gated feed-forward (Qwen3-MoE, DeepSeek-V3)."""
+    gated_shared_dim: int = 0
+    """Qwen3.5-MoE / Qwen3-Next: one shared expert this wide (HF shared_expert_intermediate_size) whose
+    output a per-token sigmoid gate scales; 0: none (DeepSeek-V3's ungated ones are `shared`)."""
 
 
 @dataclass(frozen=True)
@@ -56,7 +59,7 @@ class Latent:
 
 @dataclass(frozen=True)
 class Hybrid:
-    """Qwen3.5's hybrid text decoder: Gated DeltaNet layers (HF linear_*) between gated full-attention
+    """Qwen3.5's (and Qwen3-Next's) hybrid text decoder: Gated DeltaNet layers (HF linear_*) between gated full-attention
     ones that rotate `rotary_dim` of each head's columns (HF partial_rotary_factor x head_dim) by MRoPE,
     which on text (one position per token) is plain RoPE whatever its sections."""
 
@@ -67,6 +70,9 @@ class Hybrid:
     conv_width: int  # the causal convolution's taps (HF linear_conv_kernel_dim)
     rotary_dim: int
     mrope_section: tuple[int, ...] = ()  # (): TorchTitan's default
+    model_type: str = "qwen3_5_text"
+    """The HF layout its folders use: qwen3_5_text, qwen3_5_moe_text (experts), or qwen3_next (experts;
+    q, k, v, z and b, a fused per key-head group in two projections, `flashcp.titan.hf.qwen3_next`)."""
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,8 @@
 of a decoder (Llama 3.x: model_type "llama"; Qwen3: "qwen3", with QK-norm and its own head_dim;
 Qwen3-MoE: "qwen3_moe", Qwen3 whose every feed-forward is a top-k routed mixture of experts;
 DeepSeek-V3: "deepseek_v3", latent attention; gpt-oss: "gpt_oss", read and written by
-`flashcp.titan.hf.gpt_oss`; Qwen3.5: "qwen3_5_text", hybrid Gated DeltaNet, by
-`flashcp.titan.hf.qwen3_5`), the one value every consumer reads: the pre-launch checks
+`flashcp.titan.hf.gpt_oss`; Qwen3.5: "qwen3_5_text" and "qwen3_5_moe_text", hybrid Gated DeltaNet, by
+`flashcp.titan.hf.qwen3_5`; Qwen3-Next: "qwen3_next", by `flashcp.titan.hf.qwen3_next`), the one value every consumer reads: the pre-launch checks
 (`flashcp.titan.config.model_dims`), the TorchTitan model config
 (`flashcp.titan.models.decoders.titan_config(arch, attn_backend, max_seq_len)`), the job's model
 (`flashcp.titan.models.decoders.job_architecture(model_cfg, tokenizer_vocab, seq_len)`, also for named
@@ -29,7 +29,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from flashcp.titan.hf import gpt_oss, qwen3_5
+from flashcp.titan.hf import gpt_oss, qwen3_5, qwen3_next
 from flashcp.titan.hf.architecture import Architecture, Experts, HFConfigError, Latent
 from flashcp.titan.hf.files import FolderFileError, load_json, read_member
 from flashcp.titan.models.rope import Rope, rope_from_hf, rope_to_hf, RopeError
@@ -37,7 +37,7 @@ from flashcp.titan.models.rope import Rope, rope_from_hf, rope_to_hf, RopeError
 # HF model_type -> FlashCP / TorchTitan model name, and back with its HF class.
 MODEL_TYPES = {
     "llama": "llama3", "qwen3": "qwen3", "qwen3_moe": "qwen3", "deepseek_v3": "deepseek_v3", "gpt_oss": "gpt_oss",
-    "qwen3_5_text": "qwen3_5",
+    "qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5", "qwen3_next": "qwen3_5",
 }  # fmt: skip
 HF_NAMES = {
     "llama3": ("llama", "LlamaForCausalLM"), "qwen3": ("qwen3", "Qwen3ForCausalLM"),
@@ -112,7 +112,7 @@ def architecture_from_hf(hf: dict[str, Any], where: str = "config.json") -> Arch
         raise HFConfigError(f"{where}: a vision-language config (vision_config / *ForConditionalGeneration): FlashCP "
                             "trains text decoders only (Qwen3.5: its text config.json, model_type qwen3_5_text)")
     if model_type not in MODEL_TYPES:
-        moe = " (of mixture-of-experts models, qwen3_moe, deepseek_v3 and gpt_oss only)" if "moe" in str(model_type) else ""
+        moe = " (of mixture-of-experts models, qwen3_moe, deepseek_v3, gpt_oss, qwen3_5_moe_text and qwen3_next only)" if "moe" in str(model_type) else ""
         raise HFConfigError(
             f"{where}: model_type {model_type!r} is not supported{moe}; supported: {', '.join(MODEL_TYPES)}"
         )
@@ -166,7 +166,8 @@ def architecture_from_hf(hf: dict[str, Any], where: str = "config.json") -> Arch
     if name == "deepseek_v3":
         return _deepseek_v3(hf, value, rope, where)
     if name == "qwen3_5":
-        return qwen3_5.architecture(hf, value, rope, _norm_eps(value("rms_norm_eps", float, 1e-6), where), where)
+        read = qwen3_next.architecture if model_type == "qwen3_next" else qwen3_5.architecture
+        return read(hf, value, rope, _norm_eps(value("rms_norm_eps", float, 1e-6), where), where)
     if name == "gpt_oss":
         return gpt_oss.architecture(hf, value, rope, _norm_eps(value("rms_norm_eps", float, 1e-5), where), where,
                                     _experts_key(hf))  # fmt: skip
@@ -294,7 +295,8 @@ def to_hf_config(
 ) -> dict:
     """config.json for `arch` (AutoModelForCausalLM loads it), over the base model's config.json if given."""
     if arch.hybrid:
-        return qwen3_5.hf_config(arch, torch_dtype, base)
+        write = qwen3_next.hf_config if arch.hybrid.model_type == "qwen3_next" else qwen3_5.hf_config
+        return write(arch, torch_dtype, base)
     model_type, hf_class = HF_MOE_NAME if arch.experts and arch.name == "qwen3" else HF_NAMES[arch.name]
     # An export's weights are unquantized whatever the base's were (gpt-oss publishes MXFP4 experts).
     dropped = ("rope_parameters", "transformers_version", "quantization_config")

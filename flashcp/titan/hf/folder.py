@@ -39,6 +39,7 @@ from typing import Any
 
 from flashcp.titan.hf.files import FolderFileError, member, read_member
 from flashcp.titan.hf.gpt_oss import mxfp4_problem
+from flashcp.titan.hf.qwen3_5 import layer_kind_problem
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
@@ -182,9 +183,9 @@ def check_weights(folder: Path, expected: dict[str, tuple[int, ...]]) -> tuple[s
             if name in stored:
                 raise HFFolderError(f"{folder}: tensor {name} is stored twice ({path.name} and another file)")
             stored[name] = entry | {"file": path.name}
-    mxfp4 = mxfp4_problem(folder, stored)
-    if mxfp4:
-        raise HFFolderError(mxfp4)
+    problem = mxfp4_problem(folder, stored) or layer_kind_problem(folder, stored, expected)
+    if problem:
+        raise HFFolderError(problem)
     tied = TIED_HEAD not in expected and EMBEDDING in expected
     redundant = tied and TIED_HEAD in stored and EMBEDDING in stored
     if redundant:

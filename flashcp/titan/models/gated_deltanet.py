@@ -20,7 +20,11 @@ arrives as a `LinearStep` in `attention_masks` (Qwen3.5's block hands a linear l
 `qwen3_5_decoder` builds the whole text decoder from its `Architecture` (`[model] hf_config`, read
 by `flashcp.titan.hf.config`; `qwen3_5_text_config` from a parsed config.json): TorchTitan's Qwen3.5
 blocks (its gated full attention with partial RoPE keeps its own MRoPE, FlashCP's attention inside)
-in a plain TorchTitan `Decoder`, without Qwen3.5's vision encoder. The trainer builds each window's
+in a plain TorchTitan `Decoder`, without Qwen3.5's vision encoder. The MoE text decoder (Qwen3.5-MoE,
+Qwen3-Next: `Architecture.experts`) takes TorchTitan's Qwen3.5 MoE blocks (softmax router, grouped
+experts in the weights' dtype, a sigmoid-gated shared expert); with expert parallelism its experts are
+split over the "ep" mesh as FlashCP's Qwen3-MoE's (`shard_experts`, from `update_from_config`; tokens
+are routed one by one, so CP needs nothing more of the MoE layer). The trainer builds each window's
 `HybridDispatches` where it builds a dispatch (the loader's thread or plan worker) and hands the
 blocks `hybrid_masks`.
 
@@ -30,9 +34,10 @@ blocks `hybrid_masks`.
 
 Checked against transformers per document at CP 1 and 2: the layer (`tests/titan/test_gdn_layer.py`)
 and the decoder (`tests/titan/test_gdn_oracle.py`); in the trainer CP 2 trains CP 1's losses
-(`tests/titan/test_hybrid_train.py`). Not yet: tensor parallelism (heads split), DTensor inputs,
+(`tests/titan/test_hybrid_train.py`); the MoE decoders at CP 1, 2 and 4 with EP 1 and 2
+(`tests/titan/test_gdn_moe_oracle.py`). Not yet: tensor parallelism (heads split), DTensor inputs,
 compile, a GPU kernel for the linear layers (`flashcp.attention.linear_cp`). HF weights: text-only
-folders in and out (`flashcp.titan.hf.adapters`). The metrics and the balance count the linear layers' FLOPs per token (`HybridDecoder`), the
+folders in and out, Qwen3-Next's too (`flashcp.titan.hf.adapters`). The metrics and the balance count the linear layers' FLOPs per token (`HybridDecoder`), the
 full layers' per attended pair (`flashcp.titan.models.windows.planner_workload`).
 """
 
@@ -49,6 +54,7 @@ import torch.nn.functional as F
 from torchtitan.models import llama3 as titan_llama3
 from torchtitan.models.common import Embedding, Linear
 from torchtitan.models.common.decoder import Decoder
+from torchtitan.models.common.moe_sharding import set_moe_sharding_config
 from torchtitan.models.utils import get_moe_model_nparams_and_flops
 
 from flashcp.attention.linear_cp import cp_causal_conv1d, cp_gated_delta
@@ -58,6 +64,7 @@ from flashcp.plan.plan import Plan
 from flashcp.titan.compat import import_qwen3_5
 from flashcp.titan.hf.config import Architecture, architecture_from_hf
 from flashcp.titan.models.attention import CPStep, FlashCPAttention
+from flashcp.titan.models.experts import use_param_dtype_experts
 from flashcp.titan.models.windows import build_hybrid_dispatches, HybridDispatches
 
 qwen3_5 = import_qwen3_5()
@@ -154,6 +161,15 @@ class HybridDecoder(Decoder):
 
     @dataclass(kw_only=True, slots=True)
     class Config(Decoder.Config):
+        hf_layout: str = "qwen3_5_text"
+        """The HF model_type whose folders its weights map to and from (`Hybrid.model_type`; the adapter
+        fuses Qwen3-Next's projections, `flashcp.titan.hf.adapters`)."""
+
+        def update_from_config(self, *, config, **kwargs) -> None:
+            """TorchTitan's, then the experts' layout: over the "ep" mesh with expert parallelism."""
+            Decoder.Config.update_from_config(self, config=config, **kwargs)
+            shard_experts(self, enable_ep=config.parallelism.expert_parallel_degree > 1)
+
         def get_nparams_and_flops(self, model: torch.nn.Module, seq_len: int) -> tuple[int, int]:
             """Per token: 6 x the non-embedding parameters (a Gated DeltaNet layer's projections, convolution
             and gates among them), the full-attention layers' QK^T and PV over seq_len keys (TorchTitan's
@@ -162,6 +178,16 @@ class HybridDecoder(Decoder):
             head_dims = 2 * attention.head_dim
             nparams, flops = get_moe_model_nparams_and_flops(self, model, attention.n_heads, head_dims, seq_len)
             return nparams, flops + deltanet_flops_per_token(self)
+
+
+def shard_experts(config: Decoder.Config, enable_ep: bool) -> None:
+    """The MoE layers' sharding as TorchTitan's Qwen3.5 sets it (`set_qwen35_sharding_config`'s MoE part,
+    without sequence parallelism: no TP here): with `enable_ep` the experts split over the "ep" mesh,
+    tokens sent to them by TorchTitan's all-to-all, as FlashCP's Qwen3-MoE; `model.parallelize` applies it."""
+    for layer in config.layers:
+        if layer.moe is not None:
+            set_moe_sharding_config(layer.moe, enable_ep=enable_ep, enable_sp=False,
+                                    expert_param_layout=qwen3_5.sharding._GROUPED_EXPERTS_PARAM_LAYOUT)  # fmt: skip
 
 
 def qwen3_5_text_config(hf: dict, max_seq_len: int, backend: str = "auto", chunk_size: int = 64
@@ -174,22 +200,32 @@ def qwen3_5_text_config(hf: dict, max_seq_len: int, backend: str = "auto", chunk
 def qwen3_5_decoder(arch: Architecture, max_seq_len: int, backend: str = "auto", chunk_size: int = 64
                     ) -> Decoder.Config:  # fmt: skip
     """The decoder of a qwen3_5 `arch` by TorchTitan's builder (`_build_qwen35_layers`: OffsetRMSNorm,
-    gated full attention with partial RoPE, SwiGLU), its Gated DeltaNet layers FlashCP's and its full
-    attention's inner attention `FlashCPAttention` (q and k arrive rotated by the layer's MRoPE, given
-    the step's in-document positions)."""
-    hybrid, dim, eps = arch.hybrid, arch.dim, arch.norm_eps
+    gated full attention with partial RoPE, SwiGLU; with experts `_build_qwen35_moe_layers`: a softmax
+    router, routed experts computed in the weights' dtype and a sigmoid-gated shared expert), its
+    Gated DeltaNet layers FlashCP's and its full attention's inner attention `FlashCPAttention` (q and
+    k arrive rotated by the layer's MRoPE, given the step's in-document positions)."""
+    hybrid, dim, eps, experts = arch.hybrid, arch.dim, arch.norm_eps, arch.experts
     kinds = arch.layer_types
     interval = kinds.index("full_attention") + 1 if "full_attention" in kinds else arch.n_layers + 1
     sections = {"mrope_section": list(hybrid.mrope_section)} if hybrid.mrope_section else {}
     linear = {"n_key_heads": hybrid.key_heads, "n_value_heads": hybrid.value_heads,
               "key_head_dim": hybrid.key_head_dim, "value_head_dim": hybrid.value_head_dim}
-    layers = qwen3_5._build_qwen35_layers(
+    common = dict(
         n_layers=arch.n_layers, dim=dim, n_heads=arch.n_heads, n_kv_heads=arch.n_kv_heads,
-        head_dim=arch.head_dim, rotary_dim=hybrid.rotary_dim, hidden_dim=arch.hidden_dim, **linear,
+        head_dim=arch.head_dim, rotary_dim=hybrid.rotary_dim, **linear,
         rope=qwen3_5.MRoPE.Config(dim=hybrid.rotary_dim, max_seq_len=max_seq_len, theta=arch.rope.theta,
                                   **sections),
         full_attention_interval=interval, attn_backend="flex",
     )  # fmt: skip
+    if experts is None:
+        layers = qwen3_5._build_qwen35_layers(hidden_dim=arch.hidden_dim, **common)
+    else:
+        layers = qwen3_5._build_qwen35_moe_layers(
+            moe_hidden_dim=experts.hidden_dim, num_experts=experts.num_experts, top_k=experts.top_k,
+            shared_expert_hidden_dim=experts.gated_shared_dim, moe_comm_backend="standard", **common)  # fmt: skip
+        for layer in layers:  # TorchTitan's flavors renormalise the top-k scores; Qwen3-Next's config may not
+            layer.moe.router.route_norm = experts.route_norm
+        use_param_dtype_experts(layers)
     for layer_id, layer in enumerate(layers):
         layer.attention_norm.eps = layer.ffn_norm.eps = eps
         if layer.delta_net is not None:
@@ -202,7 +238,7 @@ def qwen3_5_decoder(arch: Architecture, max_seq_len: int, backend: str = "auto",
             layer.attention.inner_attention = FlashCPAttention.Config(backend=backend)
     vocab = arch.vocab_size
     return HybridDecoder.Config(
-        dim=dim, vocab_size=vocab, layers=layers, enable_weight_tying=arch.tie_embeddings,
+        dim=dim, vocab_size=vocab, layers=layers, enable_weight_tying=arch.tie_embeddings, hf_layout=hybrid.model_type,
         # TorchTitan's Qwen3.5 initialisers; a tied embedding is the output projection's weight, initialised there.
         tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=(
             titan_llama3._EMBEDDING_SKIP_INIT if arch.tie_embeddings else qwen3_5._EMBEDDING_INIT)),
