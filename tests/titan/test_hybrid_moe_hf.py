@@ -75,6 +75,18 @@ def test_qwen3_next_layer_kinds_come_from_the_interval_too():
     assert every_other == ("linear_attention", "full_attention") * 2
 
 
+def test_a_transformers_4_qwen3_next_config_reads_as_transformers_reads_it():
+    """The released layout: RoPE at the top level, the layer kinds by interval, no partial_rotary_factor
+    (transformers' default 0.25)."""
+    hf = tiny_config("qwen3_next").to_dict()
+    released = {k: v for k, v in hf.items() if k not in ("layer_types", "rope_parameters")} | {
+        "rope_theta": 1e7, "full_attention_interval": 2}  # fmt: skip
+    theirs = transformers.Qwen3NextConfig(**{k: v for k, v in released.items() if k != "model_type"})
+    arch = architecture_from_hf(released)
+    assert arch.layer_types == tuple(theirs.layer_types) and arch.rope.theta == theirs.rope_parameters["rope_theta"]
+    assert arch.hybrid.rotary_dim == int(theirs.head_dim * theirs.rope_parameters["partial_rotary_factor"]) == 2
+
+
 GENERAL = [
     ({"layer_types": ["linear_attention", "full_attention", "linear_attention", "linear_attention"]},
      r"layer_types .*: TorchTitan's builder makes layer i full exactly where"),

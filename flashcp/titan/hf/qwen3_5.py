@@ -25,6 +25,7 @@ from flashcp.titan.hf.architecture import Architecture, Experts, HFConfigError, 
 from flashcp.titan.models.rope import Rope
 
 MOE_TYPES = ("qwen3_5_moe_text", "qwen3_next")  # the model types whose every layer routes through experts
+PARTIAL_ROTARY = 0.25  # transformers' partial_rotary_factor where a config.json gives none (all three kinds)
 MIXERS = {"linear_attn": LINEAR_ATTENTION, "self_attn": "full_attention"}  # a layer's HF module -> its layer type
 _MIXER = re.compile(r"model\.layers\.(\d+)\.(linear_attn|self_attn)\.")
 
@@ -51,7 +52,7 @@ def architecture(hf: dict[str, Any], value: Callable[..., Any], rope: Rope, norm
         raise HFConfigError(f"{where}: linear_num_value_heads = {value_heads} is not a multiple of "
                             f"linear_num_key_heads = {key_heads} (each key head serves a group of value heads)")
     params = hf.get("rope_parameters") or {}
-    factor = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    factor = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", PARTIAL_ROTARY))
     if not isinstance(factor, (int, float)) or not 0 < factor <= 1:
         raise HFConfigError(f"{where}: partial_rotary_factor must be in (0, 1], got {factor!r}")
     return Architecture(
