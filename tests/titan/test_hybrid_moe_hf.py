@@ -13,6 +13,7 @@
   another order at CP 2).
 - Export: the imported checkpoint exported is a folder of the same kind that transformers loads, with
   the folder's keys and the original's logits (fp32, one document at a time).
+- A multi-token-prediction head (`mtp.*`, in the released folders) is left unread, as transformers does.
 - Refusals, on every rank in one line: an expert too many, one missing, one reshaped (naming the key,
   test_hf_import_ranks' crafted folders), and a folder whose layer holds another kind's weights than
   config.json's layer_types say (naming the layer), also before launch.
@@ -159,6 +160,20 @@ def test_the_export_of_the_import_gives_transformers_logits(imported, tmp_path):
             worst = max(worst, float((ours - theirs).abs().max() / theirs.abs().max()))
     print(f"{config['model_type']} import -> export -> transformers: logits off by {worst:.1e} (relative)")
     assert worst <= LOGITS_TOLERANCE
+
+
+def test_a_multi_token_prediction_head_is_left_unread(imported, tmp_path):
+    """Released Qwen3.5 / Qwen3-Next folders store an `mtp.*` head beside the causal LM, which
+    transformers' *ForCausalLM ignores: imported, the folder trains the first step without it."""
+    folder, _, loss, _ = imported
+    (tmp_path / "hf").mkdir()
+    for f in folder.iterdir():
+        (tmp_path / "hf" / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(folder / "model.safetensors")
+    tensors |= {"mtp.fc.weight": torch.ones(32, 64), "mtp.norm.weight": torch.ones(32)}
+    save_file(tensors, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
+    with single_rank():
+        assert train(_job(tmp_path / "run", tmp_path / "hf"))[1] == loss
 
 
 @pytest.mark.parametrize("change", ["extra", "missing", "reshaped"])

@@ -50,6 +50,9 @@ DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16
                "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}  # fmt: skip
 MAX_HEADER = 100 << 20  # the safetensors library's own bound on a header
 TIED_HEAD, EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
+# Qwen3.5's and Qwen3-Next's multi-token-prediction head: stored beside the causal LM, which does not
+# hold it (transformers' *ForCausalLM ignores it on load too).
+PREDICTION_HEAD = "mtp"
 CHUNK_BYTES = 64 << 20  # check_finite reads a large tensor in row blocks of about this size
 
 
@@ -176,7 +179,8 @@ def _entry_problem(entry: Any) -> str | None:
 def check_weights(folder: Path, expected: dict[str, tuple[int, ...]]) -> tuple[str, ...]:
     """HFFolderError naming the first problem when the folder's tensors are not exactly `expected`
     ({HF name: shape}) with floating dtypes. Returns the top-level HF modules stored but left unread
-    on purpose: ("lm_head",) for a tied model's redundant copy of the embedding, else ()."""
+    on purpose: "lm_head" for a tied model's redundant copy of the embedding, "mtp" for a multi-token
+    prediction head the model does not hold."""
     stored: dict[str, dict[str, Any]] = {}
     for path in weight_files(folder):
         for name, entry in read_header(path).items():
@@ -191,6 +195,10 @@ def check_weights(folder: Path, expected: dict[str, tuple[int, ...]]) -> tuple[s
     if redundant:
         _check_tied_copy(folder, stored)
         del stored[TIED_HEAD]
+    predicting = [k for k in stored if k.startswith(PREDICTION_HEAD + ".")]
+    for k in predicting:
+        del stored[k]
+    unread = ((TIED_HEAD.removesuffix(".weight"),) if redundant else ()) + ((PREDICTION_HEAD,) if predicting else ())
     problems = []
     missing = [k for k in expected if k not in stored]
     if missing:
@@ -212,7 +220,7 @@ def check_weights(folder: Path, expected: dict[str, tuple[int, ...]]) -> tuple[s
     if problems:
         raise HFFolderError(f"{folder} does not fit the job's model (another size or architecture?): "
                             + "; ".join(problems))  # fmt: skip
-    return (TIED_HEAD.removesuffix(".weight"),) if redundant else ()
+    return unread
 
 
 def _check_tied_copy(folder: Path, stored: dict[str, dict[str, Any]]) -> None:
