@@ -13,7 +13,7 @@ import pytest
 from flashcp import plan_shards
 from flashcp.data import length_sampler, pack_windows
 from flashcp.plan import CAUSAL, Workload
-from flashcp.plan.linear import linear_comm, LinearLayers
+from flashcp.plan.linear import composers, linear_comm, LinearLayers
 
 # Qwen3.5-9B: 8 full layers (16 heads of 256, 4 K/V heads), 24 Gated DeltaNet (32 value heads of 128)
 QWEN3_5_9B = LinearLayers(layers=24, heads=32, key_dim=128, value_dim=128, pair_flops=4 * 16 * 256,
@@ -26,7 +26,7 @@ ATTENTION_ONLY = Workload(full_layers=8)
 def _brute_force(plan, lin: LinearLayers, full_layers: int) -> list[int]:
     """Per rank, token by token: each query's pairs in every full layer, each token's three state
     products per value head in every linear layer, a middle piece's tokens once more with d_k + d_v
-    columns, and a continued piece's folds of all its predecessors but the first."""
+    columns, and the composer's folds of its document's summaries, all but the first and the last's."""
     h, dk, dv = lin.heads, lin.key_dim, lin.value_dim
     pieces = {}
     for rank, shards in enumerate(plan.ranks):
@@ -41,8 +41,8 @@ def _brute_force(plan, lin: LinearLayers, full_layers: int) -> list[int]:
                 work[rank] += lin.layers * 3 * h * dk * dv * 2
                 if 0 < j < len(held) - 1:
                     work[rank] += lin.layers * 3 * h * dk * (dk + dv) * 2
-            for _ in range(max(0, j - 1)):
-                work[rank] += lin.layers * h * dk * dk * dv * 2
+        for _ in range(max(0, len(held) - 2)):
+            work[composers(plan)[doc]] += lin.layers * h * dk * dk * dv * 2
     return work
 
 

@@ -20,7 +20,7 @@ from flashcp.attention.gated_delta import gated_delta_recurrence
 from flashcp.attention.linear_cp import cp_causal_conv1d, cp_gated_delta
 from flashcp.attention.simulate import run_ranks
 from flashcp.attention.linear_dispatch import build_linear_dispatch
-from flashcp.plan.linear import doc_pieces, linear_comm, state_all_gather_bytes
+from flashcp.plan.linear import composers, doc_pieces, linear_comm, state_all_gather_bytes, summary_values
 from flashcp.plan.plan import normalize, Plan, Shard, validate
 
 HEADS, DK, DV, CHANNELS, WIDTH, CHUNK = 2, 3, 2, 3, 4, 3
@@ -218,9 +218,32 @@ def test_backward_runs_on_every_rank_when_one_input_needs_gradients(needs_grad):
 
 def test_byte_prediction_by_hand():
     """One document in per_seq's chunks at CP 2: c0 on rank 0, c1 + c2 on rank 1, c3 on rank 0.
-    Rank 0 sends c0's B (24 bytes at H=1, d_k=2, d_v=3, float32) and rank 1 c1c2's B and M
-    (24 + 16); each continued piece receives its 3 preceding rows (5 channels, 2 bytes)."""
+    Rank 1 composes (rank 0 would receive c1c2's B and M, 40 bytes, beside 24): rank 0 sends c0's
+    B (24 bytes at H=1, d_k=2, d_v=3, float32), rank 1 sends c3 its initial state (24); each
+    continued piece receives its 3 preceding rows (5 channels, 2 bytes)."""
     plan = plan_shards([48], 2, "per_seq")
     assert [[(s.start, s.length) for s in r] for r in plan.ranks] == [[(0, 12), (36, 12)], [(12, 24)]]
-    assert linear_comm(plan, 1, 2, 3, 5) == ([24, 40], [40, 24], [30, 30], [30, 30])
+    assert composers(plan) == [1]
+    assert linear_comm(plan, 1, 2, 3, 5) == ([24, 24], [24, 24], [30, 30], [30, 30])
     assert state_all_gather_bytes(plan, 1, 2, 3) == 40
+
+
+def test_a_piece_receives_one_state_and_composers_spread():
+    """Per-Doc at CP 8 cuts each of 6 documents in 15 pieces (rank r holds pieces r and 14 - r).
+    Each continued piece's owner receives one state for it and each composer the summaries of its
+    document's pieces held elsewhere (one document each, over six ranks): rank 1 receives 33
+    states' bytes, where sending each summary to every later piece's owner gave it the summaries
+    of 12 pieces of each document (6 x 23)."""
+    plan = plan_shards([4096] * 6, 8, "per_doc")
+    docs = doc_pieces(plan)
+    assert all([p.owner for p in pieces] == [0, 1, 2, 3, 4, 5, 6, 7, 6, 5, 4, 3, 2, 1, 0] for pieces in docs)
+    chosen = composers(plan)
+    assert sorted(chosen) == [1, 2, 3, 4, 5, 6]
+    state = summary_values(1, 2, 2, True) * 4
+    comm = linear_comm(plan, 1, 2, 2, 5)
+    held = [sum(p.owner == r and j > 0 for pieces in docs for j, p in enumerate(pieces)) for r in range(8)]
+    # a composer: the first piece's B and the middle pieces' [B | M] of the 12 pieces it does not hold,
+    # and no state for its own two pieces of that document
+    composing = (1 + 11 * 2 - 2) * state
+    assert comm.state_recv == [h * state + (composing if r in chosen else 0) for r, h in enumerate(held)]
+    assert comm.state_recv[1] == 33 * state and sum(comm.state_recv) == sum(comm.state_sent)

@@ -11,9 +11,12 @@ local path. For the few cut ones (`flashcp.plan.linear`):
 - `cp_gated_delta` runs the pieces that start their document first (they need no state), whose
   final states are the B summaries of the cut ones; the middle pieces' `[B | M]` come from one
   more local run (`affine_summary`). One all-to-all-v sends the B rows and one the M rows (only
-  if some document has three pieces) to the ranks holding later pieces, each rank folds its
-  continued pieces' initial states in the summaries' dtype (float32 for bf16 inputs: matmuls,
-  which torch runs without TF32 unless a job turns it on), then runs those pieces.
+  if some document has three pieces) to each cut document's composer (`flashcp.plan.linear.
+  composers`: one owner of its pieces, chosen to spread the load), which folds its documents'
+  initial states in the summaries' dtype (float32 for bf16 inputs: matmuls, which torch runs
+  without TF32 unless a job turns it on); one more all-to-all-v sends each continued piece its
+  initial state, then those pieces run. A piece receives one state, not the summaries of every
+  piece before it (which grow with the pieces squared: gigabytes a layer at CP 32 under Per-Doc).
 - `cp_causal_conv1d`, the depthwise causal convolution (width W) before it, receives each
   continued piece's W - 1 preceding pre-convolution rows from their owners.
 
@@ -135,10 +138,16 @@ def cp_gated_delta(
     b = torch.cat([final.index_select(0, d.first_summaries), b_mid])
     routes = (None,) * 6 + (d.b_route, d.m_route)
     o_first, q, k, v, g, beta, b, m = _Exchange.apply(routes, comms, o_first, q, k, v, g, beta, b, m_mid)
-    state = b.index_select(0, d.fold_init)
-    for m_rows, b_rows in d.fold_steps:  # step i: the pieces with an i-th predecessor, a prefix
-        n = len(m_rows)
-        state = torch.cat([m.index_select(0, m_rows) @ state[:n] + b.index_select(0, b_rows), state[n:]])
+    state = b.index_select(0, d.fold_init)  # the composed documents' pieces 1
+    composed = [state]
+    for m_rows, b_rows in d.fold_steps:  # step i: pieces i + 1, of a prefix of the documents
+        state = m.index_select(0, m_rows) @ state[: len(m_rows)] + b.index_select(0, b_rows)
+        composed.append(state)
+    # The second exchange takes the first's pass-through outputs, so that every rank runs its
+    # backward before the first's.
+    routes = (None,) * 6 + (d.state_route,)
+    composed = torch.cat(composed)
+    o_first, q, k, v, g, beta, states = _Exchange.apply(routes, comms, o_first, q, k, v, g, beta, composed)
     cont = _pieces(d.continued, q, k, v, g, beta)
-    o_cont, _ = kernel(*cont, d.continued.lens, state, chunk_size)
+    o_cont, _ = kernel(*cont, d.continued.lens, states.index_select(0, d.init_index), chunk_size)
     return torch.cat([o_first, o_cont]).index_select(0, d.inverse)

@@ -6,16 +6,17 @@ Built from the replicated plan like `flashcp.dispatch.build_dispatch` (same loca
 `token_index`), so the per-layer op (`flashcp.attention.linear_cp`) reads no device data back:
 
 - `first`: the pieces that start their document (whole documents included), which need no
-  state; `continued`: the others, by decreasing number of predecessors, so that the fold's step s
-  updates a prefix of them; `middle`: continued pieces that are not last, whose summaries need M.
-- The summary tables: local B rows are the `first` batch's final states picked by
-  `first_summaries`, then the `middle` batch's; local M rows are the `middle` batch's. `b_route` /
-  `m_route` send those rows to the ranks holding later pieces; the tables the fold indexes are
-  `cat([received, local])`.
-- The fold: a continued piece j's initial state is B_0, then S <- M_i S + B_i for i = 1 .. j - 1
-  (`fold_init`, then `fold_steps[i - 1]` for the pieces that have an i-th predecessor).
-- The convolution: `halo_route` sends the pre-convolution rows other ranks' pieces reach back to;
-  `conv_index [T, W]` names each output row's taps in `cat([zero row, received rows, local rows])`.
+  state; `continued`: the others; `middle`: continued pieces that are not last, whose summaries
+  need M.
+- The summary tables, on each cut document's composer (`flashcp.plan.linear.composers`): local B
+  rows are the `first` batch's final states picked by `first_summaries`, then the `middle` batch's;
+  local M rows are the `middle` batch's. `b_route` / `m_route` send the rows of documents another
+  rank composes to it; the tables the fold indexes are `cat([received, local])`.
+- The fold, for the documents this rank composes (most pieces first): piece 1's initial state is
+  its document's B_0 (`fold_init`), piece i + 1's is M_i S + B_i of piece i's (`fold_steps[i - 1]`,
+  for the documents with a piece i + 1: a prefix). The states, step after step, form one table;
+  `state_route` sends each continued piece's row to its owner, and `init_index` picks this rank's
+  continued pieces' initial states from `cat([received, composed])`.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flashcp.plan.linear import doc_pieces, halo_sources, Piece
+from flashcp.plan.linear import composers, doc_pieces, halo_sources, Piece
 from flashcp.plan.plan import Plan
 
 
@@ -59,8 +60,10 @@ class LinearDispatch:
     first_summaries: torch.Tensor  # first-batch sequences that are not last: their final state is a B row
     b_route: Route
     m_route: Route
-    fold_init: torch.Tensor  # [len(continued)] B row of each continued piece's document's first piece
-    fold_steps: tuple[tuple[torch.Tensor, torch.Tensor], ...]  # (M rows, B rows) for a prefix of continued
+    fold_init: torch.Tensor  # B row of the first piece of each document this rank composes
+    fold_steps: tuple[tuple[torch.Tensor, torch.Tensor], ...]  # (M rows, B rows) for a prefix of those
+    state_route: Route  # composed initial states to the owners of the continued pieces
+    init_index: torch.Tensor  # [len(continued)] rows of cat([received, composed]) in continued's order
     halo_route: Route
     conv_index: torch.Tensor  # [T, W] into cat([zero row, received halo rows, local rows])
 
@@ -101,30 +104,41 @@ def build_linear_dispatch(plan: Plan, rank: int, conv_width: int = 4) -> LinearD
         mine.append(index[rank, row])
         row += shard.length
     first = [dj for dj in mine if dj[1] == 0]
-    continued = sorted((dj for dj in mine if dj[1] > 0), key=lambda dj: -dj[1])
+    continued = [dj for dj in mine if dj[1] > 0]
     middle = [(d, j) for d, j in mine if 0 < j < len(docs[d]) - 1]
     held = {dj: docs[dj[0]][dj[1]] for dj in mine}
+    composer = composers(plan, docs)
 
-    # Summary tables: local rows first-batch B then middle B (and middle M), received rows before them.
+    # Summary tables on the composers: local B rows (first batch's, then middle's) and middle M rows,
+    # received rows before them.
     first_sent = [i for i, (d, _) in enumerate(first) if len(docs[d]) > 1]
     local_b = [first[i] for i in first_sent] + middle
     tables = []
     for local, from_piece in ((local_b, 0), (middle, 1)):
-        later = {(d, i): {p.owner for p in docs[d][i + 1:]} - {rank} for d, i in local}
-        sends = [(dest, dj, row) for row, dj in enumerate(local) for dest in later[dj]]
-        recvs = [(p.owner, (d, i)) for d, pieces in enumerate(docs) for i, p in enumerate(pieces[:-1])
-                 if i >= from_piece and p.owner != rank and rank in {q.owner for q in pieces[i + 1:]}]
-        active = any(len(pieces) > 1 + from_piece for pieces in docs)
-        route, at = _route(sends, recvs, n, active)
-        received = len(recvs)
-        at.update({dj: received + row for row, dj in enumerate(local)})
+        sends = [(composer[d], (d, i), row) for row, (d, i) in enumerate(local) if composer[d] != rank]
+        recvs = [(p.owner, (d, i)) for d, pieces in enumerate(docs) if composer[d] == rank
+                 for i, p in enumerate(pieces[:-1]) if i >= from_piece and p.owner != rank]  # fmt: skip
+        route, at = _route(sends, recvs, n, any(len(pieces) > 1 + from_piece for pieces in docs))
+        at.update({dj: len(recvs) + row for row, dj in enumerate(local)})
         tables.append((route, at))
     (b_route, b_at), (m_route, m_at) = tables
+
+    # The fold's steps and the composed table: step j - 1 gives the initial states of the pieces j.
+    composed = sorted((d for d in range(len(docs)) if composer[d] == rank), key=lambda d: (-len(docs[d]), d))
+    longest = max((len(docs[d]) for d in composed), default=0)
     fold_steps = tuple(
-        (torch.tensor([m_at[d, i] for d, j in continued if j > i], dtype=torch.long),
-         torch.tensor([b_at[d, i] for d, j in continued if j > i], dtype=torch.long))
-        for i in range(1, max((j for _, j in continued), default=1))
+        (torch.tensor([m_at[d, i] for d in composed if len(docs[d]) > i + 1], dtype=torch.long),
+         torch.tensor([b_at[d, i] for d in composed if len(docs[d]) > i + 1], dtype=torch.long))
+        for i in range(1, longest - 1)
     )  # fmt: skip
+    state_at = {}
+    for j in range(1, longest):
+        reaching = [d for d in composed if len(docs[d]) > j]
+        state_at.update({(d, j): len(state_at) + k for k, d in enumerate(reaching)})
+    sends = [(docs[d][j].owner, (d, j), row) for (d, j), row in state_at.items() if docs[d][j].owner != rank]
+    recvs = [(composer[d], (d, j)) for d, j in continued if composer[d] != rank]
+    state_route, states = _route(sends, recvs, n, any(len(pieces) > 1 for pieces in docs))
+    states.update({dj: len(recvs) + row for dj, row in state_at.items()})
 
     # Convolution taps: local rows shifted back; rows before a continued piece from the halo.
     halo = {(d, j): halo_sources(docs[d], j, conv_width) for d, j in continued}
@@ -162,8 +176,10 @@ def build_linear_dispatch(plan: Plan, rank: int, conv_width: int = 4) -> LinearD
         first_summaries=torch.tensor(first_sent, dtype=torch.long),
         b_route=b_route,
         m_route=m_route,
-        fold_init=torch.tensor([b_at[d, 0] for d, _ in continued], dtype=torch.long),
+        fold_init=torch.tensor([b_at[d, 0] for d in composed], dtype=torch.long),
         fold_steps=fold_steps,
+        state_route=state_route,
+        init_index=torch.tensor([states[dj] for dj in continued], dtype=torch.long),
         halo_route=halo_route,
         conv_index=taps,
     )

@@ -1,12 +1,17 @@
 """What a linear-attention layer (Gated DeltaNet) sends under a plan: state summaries and conv halos.
 
 A document kept whole on one rank needs nothing from anyone. A cut document's pieces run
-concurrently, so each piece continued on another rank needs the state its predecessors leave:
-every non-last piece sends its affine summary `S_out = M S_in + B` (per value head `B [d_k, d_v]`,
-and `M [d_k, d_k]` unless it is the document's first piece, whose S_in is zero) to each other
-rank holding a later piece of its document, which folds them in order. The short causal
-convolution before it (width W, 4 in Qwen3.5) needs each continued piece's W - 1 preceding
-pre-convolution rows, from whichever ranks hold them (several when pieces are shorter than W - 1).
+concurrently, so each piece continued on another rank needs the state its predecessors leave.
+Every non-last piece has an affine summary `S_out = M S_in + B` (per value head `B [d_k, d_v]`,
+and `M [d_k, d_k]` unless it is the document's first piece, whose S_in is zero). One owner of the
+document's pieces, its composer (`composers`), receives the others' summaries, folds them in order
+and sends each continued piece its initial state (one `[d_k, d_v]` per value head). Sending every
+summary to every rank holding a later piece instead costs a piece the summaries of all pieces
+before it: with Per-Doc's 2N pieces a document that is 2N x N summaries per layer, gigabytes a
+layer at CP 32 (Qwen3.5 9B, 128K, benchmarks/linear_state.py); through the composer it is 2N to
+one rank and one state to each. The short causal convolution before it (width W, 4 in Qwen3.5)
+needs each continued piece's W - 1 preceding pre-convolution rows, from whichever ranks hold them
+(several when pieces are shorter than W - 1).
 
 `linear_comm` predicts the forward bytes per rank of one layer (the backward sends the same bytes
 back); `flashcp.attention.linear_cp` sends exactly these, which tests/test_linear_cp.py checks.
@@ -63,6 +68,34 @@ def halo_sources(pieces: list[Piece], j: int, width: int) -> list[tuple[int, int
     return rows[::-1]
 
 
+def composers(plan: Plan, docs: list[list[Piece]] | None = None) -> list[int | None]:
+    """Per document, the rank that folds its pieces' summaries (None: kept whole). Cut documents,
+    most pieces first, each take the owner of one of its pieces that leaves the busiest rank's
+    received states lowest so far (then the fewest in all, then the lowest rank): the composer
+    receives the summaries of pieces other ranks hold, each other owner one state per piece.
+    Counted in units of d_k x d_v a value head (a first piece's B 1, a middle piece's [B | M] 2,
+    exact where d_k = d_v, as in Qwen3.5 and Qwen3-Next), so the choice needs no model shapes and
+    every rank makes the same one from the plan alone."""
+    docs = doc_pieces(plan) if docs is None else docs
+    load = [0] * plan.cp_size
+    out: list[int | None] = [None] * len(docs)
+    cut = [d for d, pieces in enumerate(docs) if len(pieces) > 1]
+    for d in sorted(cut, key=lambda d: (-len(docs[d]), d)):
+        best = None
+        for c in sorted({p.owner for p in docs[d]}):
+            new = list(load)
+            for i, p in enumerate(docs[d]):
+                if p.owner != c:
+                    if i < len(docs[d]) - 1:
+                        new[c] += 1 if i == 0 else 2
+                    if i > 0:
+                        new[p.owner] += 1
+            if best is None or (max(new), sum(new)) < best[0]:
+                best = ((max(new), sum(new)), c, new)
+        _, out[d], load = best
+    return out
+
+
 class LinearComm(NamedTuple):
     """Forward bytes of one linear-attention layer, per rank."""
 
@@ -74,29 +107,24 @@ class LinearComm(NamedTuple):
 
 def linear_comm(plan: Plan, heads: int, k_dim: int, v_dim: int, conv_channels: int, *, state_bytes: int = 4,
                 dtype_bytes: int = 2, conv_width: int = 4) -> LinearComm:  # fmt: skip
-    """Bytes each rank sends and receives: summaries at `state_bytes` (float32), halo rows of
-    `conv_channels` values at `dtype_bytes`. A row needed by several pieces on one rank, or a
-    summary by several of its pieces, travels once."""
+    """Bytes each rank sends and receives: summaries to each cut document's composer and initial
+    states from it at `state_bytes` (float32), halo rows of `conv_channels` values at `dtype_bytes`.
+    A halo row needed by several pieces on one rank travels once."""
     n = plan.cp_size
     out = LinearComm([0] * n, [0] * n, [0] * n, [0] * n)
-    first, middle = (summary_values(heads, k_dim, v_dim, f) * state_bytes for f in (True, False))
-    for pieces in doc_pieces(plan):
-        # piece i goes to every other owner of a later piece; a rank receives every other owner's pieces
-        # before its own last one (one pass each way, not piece x rank: Per-Doc plans at CP 64 hold
-        # thousands of pieces)
-        later: set[int] = set()
-        for i in range(len(pieces) - 2, -1, -1):
-            later.add(pieces[i + 1].owner)
-            peers = len(later) - (pieces[i].owner in later)
-            out.state_sent[pieces[i].owner] += (first if i == 0 else middle) * peers
-        sent_before, own = 0, {}  # bytes of the pieces before piece j: all of them, and per owner its own
-        last = {p.owner: j for j, p in enumerate(pieces)}
-        for j, p in enumerate(pieces):
-            if last[p.owner] == j:
-                out.state_recv[p.owner] += sent_before - own.get(p.owner, 0)
-            size = (first if j == 0 else middle) if j < len(pieces) - 1 else 0
-            sent_before += size
-            own[p.owner] = own.get(p.owner, 0) + size
+    state = summary_values(heads, k_dim, v_dim, True) * state_bytes
+    middle = summary_values(heads, k_dim, v_dim, False) * state_bytes
+    docs = doc_pieces(plan)
+    for pieces, c in zip(docs, composers(plan, docs)):
+        for i, p in enumerate(pieces):
+            if c is None or p.owner == c:
+                continue
+            if i < len(pieces) - 1:  # its summary to the composer
+                out.state_sent[p.owner] += state if i == 0 else middle
+                out.state_recv[c] += state if i == 0 else middle
+            if i > 0:  # its initial state from the composer
+                out.state_sent[c] += state
+                out.state_recv[p.owner] += state
         rows = {(q.owner, src) for j, q in enumerate(pieces) for src in halo_sources(pieces, j, conv_width)}
         for dest, (owner, _) in rows:
             if owner != dest:
@@ -124,7 +152,7 @@ class LinearLayers:
     (`token_flops`; the projections and convolution are per token in every layer kind, uniform over
     ranks, so balance leaves them out as it leaves out the MLP). Only cut documents add work
     (`cut_work`): a middle piece runs the chunked kernel a second time over `[v | 0]` from `[0 | I]`
-    for its M (d_k + d_v state columns), and a piece with j predecessors folds j - 1 of their
+    for its M (d_k + d_v state columns), and the composer of a document of m pieces folds m - 2
     summaries (S <- M S + B: d_k x d_k x d_v per value head). With `kv_row_bytes` (a full layer's K/V
     row, `row_bytes`) the planner also weighs the state and halo bytes a cut sends (`exchange_tokens`)."""
 
@@ -150,13 +178,15 @@ class LinearLayers:
         return self.layers * 6 * self.heads * self.key_dim * self.value_dim
 
     def cut_work(self, plan: Plan) -> list[int]:
-        """Per rank, the FLOPs cut documents add: middle pieces' summary pass and continued pieces' folds."""
+        """Per rank, the FLOPs cut documents add: middle pieces' summary pass, and the composer's folds."""
         h, dk, dv = self.heads, self.key_dim, self.value_dim
         work = [0] * plan.cp_size
-        for pieces in doc_pieces(plan):
-            for j, p in enumerate(pieces[1:], 1):
-                middle = p.length * 6 * h * dk * (dk + dv) if j < len(pieces) - 1 else 0
-                work[p.owner] += self.layers * (middle + (j - 1) * 2 * h * dk * dk * dv)
+        docs = doc_pieces(plan)
+        for pieces, c in zip(docs, composers(plan, docs)):
+            for p in pieces[1:-1]:
+                work[p.owner] += self.layers * p.length * 6 * h * dk * (dk + dv)
+            if c is not None:
+                work[c] += self.layers * (len(pieces) - 2) * 2 * h * dk * dk * dv
         return work
 
     def exchange_tokens(self, plan: Plan) -> int:
