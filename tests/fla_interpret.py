@@ -92,8 +92,8 @@ def summary_case() -> None:
     gen = torch.Generator().manual_seed(1)
     t, h, dk, dv = sum(LENS), 2, 16, 8
     rand = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64)  # noqa: E731
-    inputs = [F.normalize(rand(t, h, dk), dim=-1), rand(t, h, dv), -F.softplus(rand(t, h)) * slow_decays(h, cpu),
-              torch.sigmoid(rand(t, h))]
+    inputs = [F.normalize(rand(t, h, dk), dim=-1), rand(t, h, dv),
+              -F.softplus(rand(t, h)) * slow_decays(h, cpu), torch.sigmoid(rand(t, h))]
     db, dm = rand(len(LENS), h, dk, dv), rand(len(LENS), h, dk, dk)
     results = []
     for dtype, kernel in ((torch.float32, _fla_run), (torch.float64, None)):

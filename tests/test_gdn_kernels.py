@@ -33,7 +33,7 @@ TOL = 1e-5  # float32 fla against the float64 reference, relative to the tensor'
 
 @pytest.fixture
 def interpreter(monkeypatch):
-    """CPU tensors acceptable to fla (as under TRITON_INTERPRET=1) and fla importable, whatever is installed."""
+    """CPU tensors acceptable to fla (as under TRITON_INTERPRET=1), fla importable whatever is installed."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(gdn_kernels, "fla_import_problem", lambda: None)
 
@@ -81,7 +81,8 @@ def test_fla_on_cpu_tensors_and_unknown_names_are_refused(monkeypatch):
 
 def test_missing_fla_is_named_with_its_pin(monkeypatch):
     find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "fla" else find_spec(name, *a))
+    hidden = lambda name, *a: None if name == "fla" else find_spec(name, *a)  # noqa: E731
+    monkeypatch.setattr(importlib.util, "find_spec", hidden)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     gdn_kernels.fla_import_problem.cache_clear()
     try:
@@ -104,6 +105,7 @@ def test_fla_kernel_under_triton_interpreter_matches_the_reference():
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
     cases = {r["case"] for r in rows}
     assert cases == {"kernel", "summary", "op"}, cases
-    assert {r["tensor"] for r in rows if r["case"] == "kernel"} >= {"o", "final", "dq", "dg", "dbeta", "dinitial"}
+    kernel = {r["tensor"] for r in rows if r["case"] == "kernel"}
+    assert kernel >= {"o", "final", "dq", "dg", "dbeta", "dinitial"}, kernel
     bad = [r for r in rows if not r["error"] <= TOL * max(1.0, r["scale"])]
     assert not bad, bad
