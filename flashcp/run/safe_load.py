@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
@@ -107,17 +108,26 @@ class StrictPlanner(DefaultLoadPlanner):
     """DCP's load planner, strict in both directions and loading non-tensor items as plain data.
 
     `dropped`: names of top-level states (e.g. "optimizer") whose checkpoint keys are left unused on
-    purpose; `elsewhere`: whole keys that other ranks load and this one does not.
+    purpose; `elsewhere`: whole keys that other ranks load and this one does not; `across_ranks`: the
+    keys any other rank holds are also its to load (pipeline stages each hold their own layers), so
+    only a key no rank holds is refused (a collective: every rank plans with it).
     """
 
-    def __init__(self, checkpoint: Path, dropped: Iterable[str] = (), elsewhere: Iterable[str] = ()):
+    def __init__(self, checkpoint: Path, dropped: Iterable[str] = (), elsewhere: Iterable[str] = (),
+                 across_ranks: bool = False):  # fmt: skip
         super().__init__(allow_partial_load=False)
         self._checkpoint = checkpoint
         self._dropped = tuple(f"{name}." for name in dropped)
         self._elsewhere = frozenset(elsewhere)
+        self._across_ranks = across_ranks
 
     def create_local_plan(self) -> Any:
-        check_fits(self.state_dict, self.metadata, self._dropped, self._checkpoint, self._elsewhere)
+        elsewhere = self._elsewhere
+        if self._across_ranks and dist.is_initialized() and dist.get_world_size() > 1:
+            held: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(held, sorted(self.state_dict))
+            elsewhere = elsewhere | (set().union(*held) - self.state_dict.keys())
+        check_fits(self.state_dict, self.metadata, self._dropped, self._checkpoint, elsewhere)
         return super().create_local_plan()
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
+import inspect
 import os
 import sys
 import types
@@ -33,6 +34,7 @@ def prepare() -> None:
     _add_data_parallel_mesh_dims()
     _default_device_to_cpu()
     _flash_attention_impl_only_if_it_activates()
+    _add_premade_microbatch_step()
     _prepared = True
 
 
@@ -190,6 +192,59 @@ def no_final_wait_alone() -> Iterator[None]:
         yield
     finally:
         titan_trainer.time = real
+
+
+def _add_premade_microbatch_step() -> None:
+    # torch 2.13: a pipeline schedule's `step` only splits a whole batch; TorchTitan 0.3.0's
+    # `pp_forward_backward_step` hands it microbatches already split (`arg_mbs`, `kwarg_mbs`,
+    # `target_mbs`, torch >= 2.14), each with its own kwargs (FlashCP's per-window CPStep). Those run
+    # through the schedule's `_step_microbatches`, which takes exactly these lists on 2.13, after the
+    # per-step resets `step` does first. Nothing is patched where `step` takes them already.
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
+
+    for cls in (PipelineScheduleSingle, PipelineScheduleMulti):
+        if "kwarg_mbs" in inspect.signature(cls.step).parameters:
+            continue
+        cls.step = _premade_microbatch_step(cls.step)
+
+
+def _premade_microbatch_step(whole_batch_step: Any) -> Any:
+    """`step` that also takes microbatches already split, as torch 2.14's does."""
+
+    @functools.wraps(whole_batch_step)
+    def step(self, *args: Any, arg_mbs: list | None = None, kwarg_mbs: list | None = None,
+             target_mbs: list | None = None, losses: list | None = None, return_outputs: bool = True,
+             loss_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> Any:  # fmt: skip
+        if arg_mbs is None and kwarg_mbs is None and target_mbs is None:
+            return whole_batch_step(self, *args, losses=losses, return_outputs=return_outputs,
+                                    loss_kwargs=loss_kwargs, **kwargs)  # fmt: skip
+        if args or kwargs:
+            raise TypeError("pipeline step: pass either a whole batch or arg_mbs / kwarg_mbs / target_mbs, not both")
+        if self._has_backward and not torch.is_grad_enabled():
+            raise RuntimeError("step() computes gradients: not under torch.no_grad(); call eval() instead")
+        stages = getattr(self, "_stages", None) or [self._stage]
+        for stage in stages:
+            stage.has_backward = self._has_backward
+            stage.clear_runtime_states()
+        self._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs=loss_kwargs)
+        last = [stage for stage in stages if stage.is_last]
+        return self._merge_outputs(last[0].output_chunks) if last and return_outputs else None
+
+    return step
+
+
+def pipeline_problem() -> str | None:
+    """Why this torch cannot run TorchTitan 0.3.0's pipeline schedules (None: it can): it builds stages
+    with a `get_mesh` callback and steps schedules with loss keyword arguments, as torch 2.13 takes them
+    (with `_add_premade_microbatch_step`) and 2.14 does itself; older releases are checked, not assumed."""
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+
+    if "get_mesh" not in inspect.signature(PipelineStage.__init__).parameters:
+        return f"torch {torch.__version__}'s PipelineStage takes no get_mesh (torch 2.13 does)"
+    if "loss_kwargs" not in inspect.signature(PipelineScheduleSingle._step_microbatches).parameters:
+        return f"torch {torch.__version__}'s pipeline schedules pass no loss_kwargs (torch 2.13's do)"
+    return None
 
 
 def _available_accelerator() -> bool:

@@ -47,6 +47,11 @@ training minus the counting (plan metrics, tokens seen).
 With `[probe]`, `flashcp.titan.probe` scores a retrieval probe (a number hidden at a depth of held-out
 text) through the same path after the training step at its frequency.
 
+With pipeline parallelism TorchTitan's `pp_forward_backward_step` runs `post_dataloading_process` once
+per microbatch (one window each, `[training] local_batch_size` of them a step) and hands each
+microbatch's `CPStep` to every stage with that microbatch; the schedule holds them all until the
+step's last backward (`flashcp.titan.config.pipeline`: what it runs).
+
 With `model.attention` set to TorchTitan's flex attention instead, batches go through
 TorchTitan's own path (document positions, its block masks and its built-in CP), so both CP
 implementations can be compared inside one application.
@@ -162,9 +167,10 @@ class FlashCPTrainer(Trainer):
                         + (" (set by [flashcp] ranks_per_node)" if self.flashcp.ranks_per_node else "")
                         + ("; on one node it is the needed exchange" if nodes == 1 else ""))  # fmt: skip
         self._configure_metrics()
-        self._flashcp_ropes = flashcp_ropes(self.model_parts[0])  # RoPEs whose rows each step computes
-        self._flashcp_windows = flashcp_windows(self.model_parts[0])  # sliding windows each step dispatches
-        self._flashcp_conv_width = deltanet_conv_width(self.model_parts[0])  # Gated DeltaNet layers: their width
+        model = torch.nn.ModuleList(self.model_parts)  # every stage this rank holds (one without PP)
+        self._flashcp_ropes = flashcp_ropes(model)  # RoPEs whose rows each step computes
+        self._flashcp_windows = flashcp_windows(model)  # sliding windows each step dispatches
+        self._flashcp_conv_width = deltanet_conv_width(model)  # Gated DeltaNet layers: their width
         if self._flashcp_windows and self.flashcp.comm != "ring":  # the ring with windows: refused below
             exchange = window_exchange(self.flashcp.comm, self.flashcp.window_comm)
             self.metrics_processor.window_comm = exchange
@@ -180,7 +186,8 @@ class FlashCPTrainer(Trainer):
         data = config.dataloader.data
         balance = data.balance_args()
         if balance is not None:
-            self.dataloader.loader.balance_with(self.gradient_accumulation_steps, self._window_cost(), **balance)
+            windows = self.gradient_accumulation_steps * self.num_pipeline_parallel_microbatches  # per DP rank and step
+            self.dataloader.loader.balance_with(windows, self._window_cost(), **balance)
         self.stop_request.connect()
         self.checkpointer.on_restore = self._after_restore
         self.checkpointer.save_problem = self._save_problem

@@ -170,7 +170,7 @@ def train(
         handle = trainer.optimizers.register_step_pre_hook(record_counts)
         trainer.optimizers._optimizer_step_pre_hooks.move_to_end(handle.id, last=False)
     if first_grads is not None:
-        named = list(trainer.model_parts[0].named_parameters())
+        named = [(name, p) for part in trainer.model_parts for name, p in part.named_parameters()]  # every PP stage
 
         def record_grads(*args: Any) -> None:
             if not first_grads:

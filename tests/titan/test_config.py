@@ -34,6 +34,7 @@ SHIPPED = {
     "debug_moe_cpu": (4, False, {"dp_shard": 2, "cp": 2, "tp": 1}),
     "debug_gpt_oss_cpu": (2, False, {"dp_shard": 1, "cp": 2, "tp": 1}),
     "debug_hybrid_cpu": (2, False, {"dp_shard": 1, "cp": 2, "tp": 1}),
+    "debug_pp_cpu": (4, False, {"dp_shard": 1, "cp": 2, "tp": 1, "pp": 2}),
     "tiny_extend_cpu": (2, False, {"dp_shard": 1, "cp": 2, "tp": 1}),
     "llama8b_128k": (8, True, {"dp_shard": 1, "cp": 8, "tp": 1}),
     "llama70b_128k": (64, True, {"dp_shard": 2, "cp": 4, "tp": 8}),

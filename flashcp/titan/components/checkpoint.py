@@ -359,7 +359,8 @@ class Checkpointer(CheckpointManager):
             return
         reader = SafeReader(path)
         try:
-            dcp.load(state_dict, storage_reader=reader, planner=StrictPlanner(path, dropped))
+            # Each pipeline stage loads its own layers: keys another rank holds are its to load.
+            dcp.load(state_dict, storage_reader=reader, planner=StrictPlanner(path, dropped, across_ranks=True))
         except BaseException as e:
             if reader.refused is not None:
                 raise reader.refused from e

@@ -1,8 +1,8 @@
 """A job's keys against `SCHEMA`, then every check that needs several keys but no world size.
 
 `validate` names unknown sections and keys with the allowed ones, checks types and choices, fills
-defaults, refuses settings FlashCP cannot combine with (pipeline parallelism, experts for a dense model, TorchTitan's
-own CP knobs under FlashCP attention, ...), values that would train wrongly or exhaust the machine
+defaults, refuses settings FlashCP cannot combine with (experts for a dense model, what its pipeline
+parallelism does not run yet, `pipeline.py`, TorchTitan's own CP knobs under FlashCP attention, ...), values that would train wrongly or exhaust the machine
 (a model's sizes among them: `sizes`), and finally runs TorchTitan's own checks by building its
 config objects, all before any process starts. Checks that need the number of ranks are
 `flashcp.titan.config.layout`.
@@ -20,6 +20,7 @@ from flashcp.titan.config.keys import check_value, ConfigError
 from flashcp.data.errors import DataError
 from flashcp.data.sources import DataConfig
 from flashcp.titan.config.model import check_model
+from flashcp.titan.config.pipeline import check_pipeline
 from flashcp.titan.config.schema import RANKS_PER_NODE_COMMS, RENAMED_SECTIONS, SCHEMA
 from flashcp.titan.config.sizes import check_host_objects
 from flashcp.titan.config.titan import ac_keys, section_config, TITAN_KEYS
@@ -27,10 +28,6 @@ from flashcp.titan.config.titan import ac_keys, section_config, TITAN_KEYS
 MAX_SEQ_LEN = 2**31 - 1  # cu_seqlens (flashcp.dispatch, the varlen kernels) are int32
 WINDOW_BYTES_PER_TOKEN = 16  # a window's int64 tokens and labels, a lower bound on the loader's memory
 MAX_PREFETCH = 64  # windows the loader's thread builds ahead; more only costs memory
-# [parallelism] keys that only configure pipeline parallelism.
-PIPELINE_KEYS = ("module_fqns_per_model_part",) + tuple(
-    name for name in SCHEMA["parallelism"] if name.startswith("pipeline_parallel_")
-)
 
 
 def validate(raw: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -217,10 +214,11 @@ def _check_attention(cfg: dict) -> None:
     """FlashCP's attention and TorchTitan's own CP exclude each other's settings."""
     model, train, par = cfg["model"], cfg["training"], cfg["parallelism"]
     if model["attention"] == "flashcp":
-        if train["local_batch_size"] != 1:
+        if train["local_batch_size"] != 1 and par["pipeline_parallel_degree"] == 1:
             raise ConfigError(
                 "[training] local_batch_size must be 1 with FlashCP (one window per rank and micro step; "
-                f"use global_batch_size for more windows per step), got {train['local_batch_size']}"
+                "use global_batch_size for more windows per step, or with pipeline parallelism its "
+                f"microbatches), got {train['local_batch_size']}"
             )
         for name in ("context_parallel_load_balancer", "context_parallel_ptrr_mask_key"):
             if name in _given(cfg, "parallelism"):
@@ -250,16 +248,7 @@ def _check_attention(cfg: dict) -> None:
 def _check_unsupported(cfg: dict) -> None:
     """TorchTitan settings FlashCP cannot combine with, refused with the reason."""
     par, debug, ac = cfg["parallelism"], cfg["debug"], cfg["activation_checkpoint"]
-    if par["pipeline_parallel_degree"] != 1:
-        raise ConfigError(
-            f"[parallelism] pipeline_parallel_degree = {par['pipeline_parallel_degree']}: FlashCP does not run "
-            "pipeline parallelism (its loader and CP plan feed whole windows to one model); use "
-            "data_parallel_shard_degree, tensor_parallel_degree and context_parallel_degree"
-        )
-    pipeline = [name for name in _given(cfg, "parallelism") if name in PIPELINE_KEYS]
-    if pipeline:
-        raise ConfigError(f"[parallelism] {pipeline[0]} only applies to pipeline parallelism, which FlashCP "
-                          "does not run")  # fmt: skip
+    check_pipeline(cfg, _given(cfg, "parallelism"))
     _positive(cfg, "parallelism", "expert_parallel_degree")
     check_families(cfg)
     if debug["batch_invariant"]:

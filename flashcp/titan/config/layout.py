@@ -23,25 +23,26 @@ def degrees(cfg: dict, world_size: int) -> dict[str, int]:
             raise ConfigError(
                 f"[checkpoint] create_seed_checkpoint runs on 1 rank (NGPU=1), not {world_size}"
             )
-        return {"dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 1}
+        return {"dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 1, "pp": 1}
     par = cfg["parallelism"]
     rep, shard = par["data_parallel_replicate_degree"], par["data_parallel_shard_degree"]
-    cp, tp = par["context_parallel_degree"], par["tensor_parallel_degree"]
-    fixed = rep * cp * tp
+    cp, tp, pp = par["context_parallel_degree"], par["tensor_parallel_degree"], par["pipeline_parallel_degree"]
+    fixed = pp * rep * cp * tp
+    named = f"pipeline_parallel_degree ({pp}) x " if pp > 1 else ""
     if shard == -1:
         if world_size % fixed:
             raise ConfigError(
-                f"world size {world_size} is not divisible by data_parallel_replicate_degree ({rep}) x "
+                f"world size {world_size} is not divisible by {named}data_parallel_replicate_degree ({rep}) x "
                 f"context_parallel_degree ({cp}) x tensor_parallel_degree ({tp}) = {fixed}"
             )
         shard = world_size // fixed
     elif fixed * shard != world_size:
         raise ConfigError(
-            f"[parallelism] degrees multiply to {fixed * shard} (replicate {rep} x shard {shard} x cp {cp} x "
-            f"tp {tp}) but the job has {world_size} ranks; set data_parallel_shard_degree = -1 or launch "
-            f"{fixed * shard} ranks (NGPU / NNODES)"
+            f"[parallelism] degrees multiply to {fixed * shard} ({f'pp {pp} x ' if pp > 1 else ''}replicate {rep} x "
+            f"shard {shard} x cp {cp} x tp {tp}) but the job has {world_size} ranks; set data_parallel_shard_degree "
+            f"= -1 or launch {fixed * shard} ranks (NGPU / NNODES)"
         )
-    return {"dp_replicate": rep, "dp_shard": shard, "cp": cp, "tp": tp}
+    return {"dp_replicate": rep, "dp_shard": shard, "cp": cp, "tp": tp, "pp": pp}
 
 
 def world_size_hint(cfg: dict) -> int | None:
@@ -52,7 +53,7 @@ def world_size_hint(cfg: dict) -> int | None:
     if par["data_parallel_shard_degree"] == -1:
         return None
     return (
-        par["data_parallel_replicate_degree"] * par["data_parallel_shard_degree"]
+        par["pipeline_parallel_degree"] * par["data_parallel_replicate_degree"] * par["data_parallel_shard_degree"]
         * par["context_parallel_degree"] * par["tensor_parallel_degree"]
     )  # fmt: skip
 

@@ -41,6 +41,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torchtitan.components.optimizer import register_moe_load_balancing_hook
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
+from torchtitan.distributed.pipeline_parallel import pipeline_llm
 from torchtitan.models.deepseek_v3 import DeepSeekV3Model, parallelize_deepseekv3
 from torchtitan.models.gpt_oss import GptOssModel, parallelize_gptoss
 from torchtitan.models.llama3 import parallelize_llama
@@ -106,14 +107,16 @@ def model_spec(
             model = converter.build().convert(model)
     if offload:
         parallelize = partial(_offloaded, parallelize)
-    # No pipeline parallelism. The spec keeps TorchTitan's HF state_dict_adapter: checkpoints stay
-    # DCP, the adapter maps Hugging Face weights in (initial_load_in_hf) and out (flashcp.titan.export).
+    # Pipeline parallelism is TorchTitan's split (`pipeline_llm`), each stage parallelised by `parallelize`;
+    # every microbatch's CPStep reaches every stage as its kwargs (flashcp.titan.trainer). The spec keeps
+    # TorchTitan's HF state_dict_adapter: checkpoints stay DCP, the adapter maps Hugging Face weights in
+    # (initial_load_in_hf) and out (flashcp.titan.export).
     return ModelSpec(
         name=arch.name,
         flavor="hf" if model_cfg.get("hf_config") else model_cfg["flavor"],
         model=model,
         parallelize_fn=parallelize,
-        pipelining_fn=None,
+        pipelining_fn=pipeline_llm,
         # MoE: the aux-loss-free expert bias update (a no-op registration for dense models).
         post_optimizer_build_fn=partial(register_expert_balancing, compiled=compiled),
         state_dict_adapter=ADAPTERS.get(arch.name),
@@ -170,7 +173,7 @@ def parallelize_flashcp(model: torch.nn.Module, *, parallel_dims, training, para
         parallel_dims.get_mesh([*replicate, "fsdp"]),
         param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param],
         reduce_dtype=TORCH_DTYPE_MAP[training.mixed_precision_reduce],
-        pp_enabled=False,
+        pp_enabled=parallel_dims.pp_enabled,  # "default" keeps a stage's weights gathered between microbatches
         cpu_offload=training.enable_cpu_offload,
         reshard_after_forward_policy=parallelism.fsdp_reshard_after_forward,
         enable_symm_mem=parallelism.enable_fsdp_symm_mem,
