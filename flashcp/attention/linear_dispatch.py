@@ -21,10 +21,13 @@ Built from the replicated plan like `flashcp.dispatch.build_dispatch` (same loca
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from flashcp.dispatch import _map_tensors
 from flashcp.plan.linear import composers, doc_pieces, halo_sources, Piece
 from flashcp.plan.plan import Plan
 
@@ -66,6 +69,11 @@ class LinearDispatch:
     init_index: torch.Tensor  # [len(continued)] rows of cat([received, composed]) in continued's order
     halo_route: Route
     conv_index: torch.Tensor  # [T, W] into cat([zero row, received halo rows, local rows])
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> LinearDispatch:
+        """`fn` on every tensor (to move or pin the dispatch), the fold's (M rows, B rows) pairs included."""
+        steps = tuple((fn(m), fn(b)) for m, b in self.fold_steps)
+        return dataclasses.replace(_map_tensors(self, fn), fold_steps=steps)
 
 
 def _batch(pieces: list[Piece]) -> PieceBatch:

@@ -20,18 +20,15 @@ row per kernel compares fla with the reference on one packed window at Qwen3.5's
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.nn.functional as F
 
 from flashcp import plan_shards
 from flashcp.attention.gdn_kernels import fla_import_problem, gdn_kernel
 from flashcp.attention.linear_cp import cp_causal_conv1d, cp_gated_delta
-from flashcp.attention.linear_dispatch import build_linear_dispatch, LinearDispatch
+from flashcp.attention.linear_dispatch import build_linear_dispatch
 from flashcp.attention.simulate import run_ranks
 from flashcp.data import length_sampler, pack_windows
-from flashcp.dispatch import _map_tensors
 from flashcp.gpucheck.report import Budget, Report, Section
 from flashcp.gpucheck.sizes import Sizes
 from flashcp.gpucheck.timing import Timer
@@ -79,17 +76,11 @@ def slow_decays(heads: int, device: torch.device) -> torch.Tensor:
     return torch.logspace(-3, -1, heads, dtype=torch.float64, device=device)
 
 
-def to_device(d: LinearDispatch, device: torch.device) -> LinearDispatch:
-    """A linear dispatch's tensors on `device`, the fold's (M rows, B rows) pairs included."""
-    moved = _map_tensors(d, lambda t: t.to(device))
-    return dataclasses.replace(moved, fold_steps=tuple((m.to(device), b.to(device)) for m, b in d.fold_steps))
-
-
 def run_op(plan: Plan, inputs: list[torch.Tensor], backend: str, chunk_size: int = 64) -> list[torch.Tensor]:
     """Outputs and gradients (`TENSORS`) of the conv and the gated delta op on every rank of `plan`,
     in window order (the conv weight's gradient summed over ranks, in float32 at least)."""
     device = inputs[0].device
-    dispatches = [to_device(build_linear_dispatch(plan, r, WIDTH), device) for r in range(plan.cp_size)]
+    dispatches = [build_linear_dispatch(plan, r, WIDTH).map(lambda t: t.to(device)) for r in range(plan.cp_size)]
 
     def program(rank: int, group) -> list[torch.Tensor]:
         d = dispatches[rank]

@@ -81,18 +81,26 @@ def composers(plan: Plan, docs: list[list[Piece]] | None = None) -> list[int | N
     out: list[int | None] = [None] * len(docs)
     cut = [d for d, pieces in enumerate(docs) if len(pieces) > 1]
     for d in sorted(cut, key=lambda d: (-len(docs[d]), d)):
-        best = None
-        for c in sorted({p.owner for p in docs[d]}):
-            new = list(load)
-            for i, p in enumerate(docs[d]):
-                if p.owner != c:
-                    if i < len(docs[d]) - 1:
-                        new[c] += 1 if i == 0 else 2
-                    if i > 0:
-                        new[p.owner] += 1
-            if best is None or (max(new), sum(new)) < best[0]:
-                best = ((max(new), sum(new)), c, new)
-        _, out[d], load = best
+        pieces = docs[d]
+        summaries: dict[int, int] = {}  # per owner, its non-last pieces' summary units
+        continued: dict[int, int] = {}  # per owner, its pieces after the first (one state each)
+        for i, p in enumerate(pieces):
+            summaries[p.owner] = summaries.get(p.owner, 0) + (0 if i == len(pieces) - 1 else 1 if i == 0 else 2)
+            continued[p.owner] = continued.get(p.owner, 0) + (i > 0)
+        # the busiest rank if c composes: c itself, the busiest other owner, or a rank outside
+        others = sorted(((load[o] + continued[o], o) for o in continued), reverse=True)[:2]
+        outside = max((x for r, x in enumerate(load) if r not in continued), default=0)
+        total, base = sum(summaries.values()), sum(load) + sum(continued.values())
+
+        def cost(c: int) -> tuple[int, int, int]:
+            busiest_other = next((x for x, o in others if o != c), 0)
+            mine = load[c] + total - summaries[c]
+            return max(mine, busiest_other, outside), base + total - summaries[c] - continued[c], c
+
+        c = min(continued, key=cost)
+        out[d] = c
+        for o in continued:
+            load[o] += total - summaries[c] if o == c else continued[o]
     return out
 
 

@@ -13,7 +13,6 @@ moves them as one (`to`, `pin_memory`); `CPStep.of` hands each layer its own.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -79,9 +78,7 @@ class HybridDispatches(_FullRows):
 
     def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> HybridDispatches:
         """`fn` on every tensor, the linear fold's (M rows, B rows) pairs included."""
-        linear = dataclasses.replace(_map_tensors(self.linear, fn),
-                                     fold_steps=tuple((fn(m), fn(b)) for m, b in self.linear.fold_steps))  # fmt: skip
-        return HybridDispatches(_map_tensors(self.full, fn), linear)
+        return HybridDispatches(_map_tensors(self.full, fn), self.linear.map(fn))
 
 
 def build_hybrid_dispatches(plan: Plan, build: Callable[[Plan], Dispatch], rank: int, conv_width: int
