@@ -18,16 +18,21 @@ ARGS = ["--config", "debug_gpt_oss_cpu", "--world-size", "2", "--training.mixed_
         "--data.source", "synthetic", "--data.synthetic_lengths", "wlbllm", "--training.seq_len", "2048"]  # fmt: skip
 
 
-def test_a_gpt_oss_dry_run_reports_its_window_layers_rows_apart(monkeypatch, capsys):
+def dry_run(monkeypatch, capsys, args: list[str]) -> tuple[dict, list]:
+    """The `--json` report of the dry run of `args` and the plans of the windows it recorded."""
     plans = []
     record = FlashCPMetrics.record_window
     monkeypatch.setattr(FlashCPMetrics, "record_window", lambda self, plan, *a, **k: (plans.append(plan),
                                                                                      record(self, plan, *a, **k)))
     capsys.readouterr()
-    code = cli.main([*ARGS, "--json"])
+    code = cli.main([*args, "--json"])
     out = capsys.readouterr()
     assert code == 0, out.err[-3000:]
-    report = json.loads(out.out)
+    return json.loads(out.out), plans
+
+
+def test_a_gpt_oss_dry_run_reports_its_window_layers_rows_apart(monkeypatch, capsys):
+    report, plans = dry_run(monkeypatch, capsys, ARGS)
     plan = report["plan"]
     assert (plan["window"], plan["window_layers"], plan["full_layers"]) == (128, 2, 2)
     (window,) = plans

@@ -5,14 +5,11 @@ plan (`linear_comm`); the stand-in holds the busiest rank's summaries."""
 
 from __future__ import annotations
 
-import json
-
 import torch
+from test_dryrun_gpt_oss import dry_run
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from flashcp.plan.linear import linear_comm
-from flashcp.titan.components.metrics import FlashCPMetrics
-from flashcp.titan.dryrun import cli
 from flashcp.titan.dryrun.linear import GatedDeltaStandIn
 from flashcp.titan.dryrun.report import format_report, Report
 
@@ -21,15 +18,7 @@ ARGS = ["--config", "debug_hybrid_cpu", "--world-size", "2", "--data.source", "s
 
 
 def test_a_hybrid_dry_run_reports_its_state_bytes_beside_the_kv_bytes(monkeypatch, capsys):
-    plans = []
-    record = FlashCPMetrics.record_window
-    monkeypatch.setattr(FlashCPMetrics, "record_window", lambda self, plan, *a, **k: (plans.append(plan),
-                                                                                     record(self, plan, *a, **k)))
-    capsys.readouterr()
-    code = cli.main([*ARGS, "--json"])
-    out = capsys.readouterr()
-    assert code == 0, out.err[-3000:]
-    report = json.loads(out.out)
+    report, plans = dry_run(monkeypatch, capsys, ARGS)
     figures = report["plan"]
     (window,) = plans
     # tiny_qwen3_5: 4 value heads of d_k = d_v = 16; q, k, v convolved over 2 x 32 + 64 channels; the job
