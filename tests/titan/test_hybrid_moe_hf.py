@@ -36,7 +36,7 @@ from titan.harness import load_export, single_rank, train  # noqa: E402
 from titan.test_gdn_layer import torch_kernels  # noqa: E402
 from titan.test_hf_import_ranks import _refusal, _rewrite, first_step, import_job, LAYOUTS  # noqa: E402
 from titan.test_hf_oracle import _per_expert  # noqa: E402
-from titan.test_qwen3_5_hf import _job, _scales, DOC_LENS, GRAD_TOLERANCE, LOGITS_TOLERANCE, TOLERANCE  # noqa: E402
+from titan.test_qwen3_5_hf import _job, check_first_steps, DOC_LENS, LOGITS_TOLERANCE  # noqa: E402
 
 from flashcp.titan.config import ConfigError  # noqa: E402
 from flashcp.titan.hf.config import architecture_from_hf, HFConfigError, to_hf_config  # noqa: E402
@@ -133,14 +133,7 @@ def imported(folder, tmp_path_factory) -> tuple[Path, Path, float, dict[str, tor
 def test_import_on_four_ranks_gives_the_one_rank_step(imported, gloo_pool, tmp_path, layout):
     folder, _, loss, grads = imported
     runs = gloo_pool(4).run(first_step, (_job(tmp_path, folder, **LAYOUTS[layout]),))
-    scales = _scales(grads)
-    for rank, (rank_loss, rank_grads) in enumerate(runs):
-        assert rank_grads.keys() == grads.keys()
-        gaps = {name: float((rank_grads[name] - ref).norm() / scales[name]) for name, ref in grads.items()}
-        worst = max(gaps, key=gaps.get)
-        print(f"{folder.parent.name} {layout} rank {rank}: loss {rank_loss!r} vs {loss!r}, worst gradient {worst} {gaps[worst]:.1e}")
-        assert abs(rank_loss - loss) <= TOLERANCE * abs(loss), f"rank {rank}: loss {rank_loss} vs {loss}"
-        assert gaps[worst] <= GRAD_TOLERANCE, f"rank {rank}: {worst}'s gradient off by {gaps[worst]:.1e} (relative)"
+    check_first_steps(runs, loss, grads, f"{folder.parent.name} {layout}")
 
 
 def test_the_export_of_the_import_gives_transformers_logits(imported, tmp_path):
