@@ -87,6 +87,8 @@ def _check_combinations(cfg: dict) -> None:
         (cfg["activation_checkpoint"]["offload"], "[activation_checkpoint] offload = true"),
         (cfg["validation"]["enable"], "[validation] enable (held-out windows run the model whole)"),
         (cfg["probe"]["enable"], "[probe] enable (the probe runs the model whole)"),
+        (cfg["checkpoint"]["initial_load_in_hf"], "[checkpoint] initial_load_in_hf (a stage's import of a "
+                                                  "Hugging Face folder is not checked yet)"),
         (cfg["parallelism"]["pipeline_parallel_schedule_csv"], "[parallelism] pipeline_parallel_schedule_csv "
                                                               "(a schedule of its own, not run with FlashCP yet)"),
     ]  # fmt: skip
