@@ -32,12 +32,14 @@ blocks `hybrid_masks`.
     masks, positions = hybrid_step(plan, rank, group)            # once per step
     logits = model(tokens[masks["deltanet"].dispatch.token_index][None], positions, masks)
 
-Checked against transformers per document at CP 1 and 2: the layer (`tests/titan/test_gdn_layer.py`)
-and the decoder (`tests/titan/test_gdn_oracle.py`); in the trainer CP 2 trains CP 1's losses
-(`tests/titan/test_hybrid_train.py`); the MoE decoders at CP 1, 2 and 4 with EP 1 and 2
-(`tests/titan/test_gdn_moe_oracle.py`). Not yet: tensor parallelism (heads split), DTensor inputs,
-compile, a GPU kernel for the linear layers (`flashcp.attention.linear_cp`). HF weights: text-only
-folders in and out, Qwen3-Next's too (`flashcp.titan.hf.adapters`). The metrics and the balance count the linear layers' FLOPs per token (`HybridDecoder`), the
+Checked against transformers per document: the layer at CP 1 and 2 (`tests/titan/test_gdn_layer.py`),
+the decoder at CP 1, 2 and 4 (`tests/titan/test_gdn_oracle.py`, every strategy and exchange); in the trainer CP 2
+and 4 train CP 1's losses (`tests/titan/test_hybrid_train.py`); the MoE decoders at CP 1, 2 and 4
+with EP 1 and 2 (`tests/titan/test_gdn_moe_oracle.py`). The linear layers run flash-linear-attention's
+kernel on CUDA and the torch reference elsewhere (`flashcp.attention.gdn_kernels`, "auto"). Not yet:
+tensor parallelism (heads split), DTensor inputs, compile, pipeline parallelism. HF weights: text-only
+folders in and out, Qwen3-Next's too (`flashcp.titan.hf.adapters`). The metrics and the balance count
+the linear layers' FLOPs per token (`HybridDecoder`) and what cut documents add (`Workload.linear`), the
 full layers' per attended pair (`flashcp.titan.models.windows.planner_workload`).
 """
 
