@@ -80,7 +80,7 @@ def test_dry_run_prints_the_peak_by_category_as_one_json_object(tmp_path):
     assert set(report["by_category"]) >= {"parameters", "gradients", "optimizer_states", "activations",
                                           "flashcp_buffers", "loss"}  # fmt: skip
     assert report["peak_gib"] > 0 and report["peak_gib"] >= max(report["by_category"].values())
-    assert report["degrees"] == {"dp_replicate": 1, "dp_shard": 2, "cp": 4, "tp": 1}
+    assert report["degrees"] == {"dp_replicate": 1, "dp_shard": 2, "cp": 4, "tp": 1, "pp": 1}
     assert report["loss_chunks"] == 4 and 0 < report["plan"]["imbalance"]
 
 
