@@ -15,6 +15,7 @@ import inspect
 import os
 import sys
 import types
+import warnings
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -146,7 +147,12 @@ def import_qwen3_5() -> types.ModuleType:
     installed."""
     name = "torchtitan.models.qwen3_5"
     if name in sys.modules or importlib.util.find_spec("fla") is not None:
-        return importlib.import_module(name)
+        # fla-core 0.6.0 warns at import on a machine without a GPU ("Triton is not supported on current
+        # platform"); FlashCP runs its torch kernels there, so the warning would only clutter every run's
+        # stderr (and its one-line errors). Delete with the fla pin once fla no longer warns.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Triton is not supported on current platform")
+            return importlib.import_module(name)
     stubs: dict[str, types.ModuleType] = {}
     for module, names in _FLA_NAMES.items():
         parts = module.split(".")

@@ -177,7 +177,7 @@ def test_cli_overrides_reach_derived_keys(tmp_path):
     "sections, message",
     [
         ({"parallelism": {"pipeline_parallel_degree": 2}},
-         r"^\[parallelism\] pipeline_parallel_degree = 2: FlashCP does not run pipeline parallelism"),
+         r"^\[training\] local_batch_size \(1, the pipeline's microbatches\) must be >= its 2 stages for schedule '1F1B'"),
         ({"parallelism": {"pipeline_parallel_schedule": "GPipe"}},
          r"^\[parallelism\] pipeline_parallel_schedule only applies to pipeline parallelism"),
         ({"parallelism": {"expert_parallel_degree": 2}},

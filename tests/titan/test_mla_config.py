@@ -93,7 +93,7 @@ def test_what_mla_does_not_run_is_one_line_before_launch(job, message):
 
 def test_every_deepseek_flavor_is_trained():
     job = validate({"model": MLA, "parallelism": {"expert_parallel_degree": 2, "context_parallel_degree": 2}})
-    assert check_layout(job, 2, has_cuda=True) == {"cp": 2, "dp_replicate": 1, "dp_shard": 1, "tp": 1}
+    assert check_layout(job, 2, has_cuda=True) == {"cp": 2, "dp_replicate": 1, "dp_shard": 1, "pp": 1, "tp": 1}
     for flavor in ("debugmodel", "16B", "236B", "671B"):
         assert validate({"model": {"name": "deepseek_v3", "flavor": flavor}})["model"]["flavor"] == flavor
 
