@@ -24,7 +24,6 @@ writes the table to X with the suffix .md.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -35,6 +34,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.sweep import sweep_parser  # noqa: E402
 from flashcp import plan_shards  # noqa: E402
 from flashcp.costmodel import load_cost_model  # noqa: E402
 from flashcp.costmodel.step import QWEN3_5_9B, StepModel  # noqa: E402
@@ -42,7 +42,6 @@ from flashcp.data import length_sampler, pack_windows  # noqa: E402
 from flashcp.plan import Workload  # noqa: E402
 from flashcp.plan.linear import LinearLayers, linear_metrics  # noqa: E402
 
-SHARED_PROFILES = ROOT.parent / "shared" / "data" / "gpu_profiles"
 MIB = 2**20
 
 
@@ -110,12 +109,7 @@ def modelled_step(profiles: Path, windows: int) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--contexts", type=int, nargs="+", default=[131072, 1048576])
-    p.add_argument("--cp", type=int, nargs="+", default=[8, 16, 32, 64])
-    p.add_argument("--datasets", nargs="+", default=["wlbllm", "pile"])
-    p.add_argument("--windows", type=int, default=3, help="packed windows per setting (default 3)")
-    p.add_argument("--profiles", type=Path, default=SHARED_PROFILES, help="calibration tables (nccl-tests, FA profile)")
+    p = sweep_parser(__doc__.splitlines()[0], windows=3)
     p.add_argument("--json", type=Path, help="write the results here (and the table beside it, .md)")
     args = p.parse_args(argv)
     lin = registry_shape()

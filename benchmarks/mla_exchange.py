@@ -20,7 +20,6 @@ at each row size, and the latent path's up-projection of its key rows; CP > 8 sp
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -28,11 +27,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.sweep import sweep_parser  # noqa: E402
 from flashcp import plan_shards  # noqa: E402
 from flashcp.data import length_sampler, pack_windows  # noqa: E402
 from flashcp.plan.__main__ import MLA_SHAPES, latent_metrics  # noqa: E402
 
-SHARED_PROFILES = ROOT.parent / "shared" / "data" / "gpu_profiles"
 RESULTS = ROOT / "benchmarks" / "results"
 MODES = ("compact", "needed")
 
@@ -108,13 +107,8 @@ def markdown(rows: list[dict], modelled: bool) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--contexts", type=int, nargs="+", default=[131072, 1048576])
-    p.add_argument("--cp", type=int, nargs="+", default=[8, 16, 32, 64])
-    p.add_argument("--datasets", nargs="+", default=["wlbllm", "pile"])
-    p.add_argument("--windows", type=int, default=5, help="packed windows per setting (default 5)")
+    p = sweep_parser(__doc__.splitlines()[0], windows=5)
     p.add_argument("--out", type=Path, default=RESULTS / "mla_exchange")
-    p.add_argument("--profiles", type=Path, default=SHARED_PROFILES, help="calibration tables (nccl-tests, FA profile)")
     args = p.parse_args(argv)
     models = cost_models(args.cp, args.profiles)
     rows = [setting(dist, c, cp, args.windows, models)

@@ -27,7 +27,6 @@ printed. `--json X` also writes the table to X with the suffix .md.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -37,6 +36,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.sweep import sweep_parser  # noqa: E402
 from flashcp import plan_shards  # noqa: E402
 from flashcp.costmodel import CostModel, load_cost_model  # noqa: E402
 from flashcp.costmodel.fabric import multinode_model  # noqa: E402
@@ -44,7 +44,6 @@ from flashcp.costmodel.step import GPT_OSS_20B, GPT_OSS_120B, MeshAssumptions, S
 from flashcp.data import length_sampler, pack_windows  # noqa: E402
 from flashcp.plan.window import window_needed_tokens, window_recv_tokens  # noqa: E402
 
-SHARED_PROFILES = ROOT.parent / "shared" / "data" / "gpu_profiles"
 MODELS = {"20b": GPT_OSS_20B, "120b": GPT_OSS_120B}
 SYSTEMS = ("llama3", "per_doc", "flashcp")
 # (column suffix, system, window_comm): the step columns, auto's exchange then FlashCP's compact window layers
@@ -121,13 +120,7 @@ def attention_models(cps: list[int], profiles: Path) -> dict[int, CostModel] | N
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--contexts", type=int, nargs="+", default=[131072, 1048576])
-    p.add_argument("--cp", type=int, nargs="+", default=[8, 16, 32, 64])
-    p.add_argument("--datasets", nargs="+", default=["wlbllm", "pile"])
-    p.add_argument("--windows", type=int, default=3, help="packed windows per setting (default 3)")
-    p.add_argument("--profiles", type=Path, default=SHARED_PROFILES,
-                   help="calibration tables (nccl-tests, FA profile)")  # fmt: skip
+    p = sweep_parser(__doc__.splitlines()[0], windows=3)
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args(argv)
     models = attention_models(args.cp, args.profiles)

@@ -1,8 +1,8 @@
 """Every command-line entry point prints its help and exits 0 with `--help`.
 
 The entry points are found in the tree, not listed: each module of `flashcp` run with `python -m`
-(a package's `__main__.py`, or a module guarded by `if __name__ == "__main__"`), each script in
-`scripts/` and `benchmarks/`, and `train.py`; a new one is covered when it is added.
+(a package's `__main__.py`, or a module guarded by `if __name__ == "__main__"`), each script so guarded
+in `scripts/` and `benchmarks/`, and `train.py`; a new one is covered when it is added.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ def entry_points() -> list[list[str]]:
             modules.add(".".join(parts[:-1]))
         elif MAIN_GUARD.search(path.read_text()):
             modules.add(".".join(parts))
-    scripts = [*sorted((ROOT / "scripts").glob("*.py")), *sorted((ROOT / "benchmarks").glob("*.py")),
-               ROOT / "train.py"]  # fmt: skip
+    files = [*sorted((ROOT / "scripts").glob("*.py")), *sorted((ROOT / "benchmarks").glob("*.py")), ROOT / "train.py"]
+    scripts = [path for path in files if MAIN_GUARD.search(path.read_text())]  # not benchmarks/sweep.py, a library
     return [["-m", name] for name in sorted(modules)] + [[str(p.relative_to(ROOT))] for p in scripts]
 
 
