@@ -25,8 +25,8 @@ one document both read its prefix) a second up-projection; the local rows cannot
 while the exchange is in flight. Measured and modelled in docs/results.md ("MLA: the latent
 exchange"): the same CPU time, FLOPs within -20 % .. +12 % of the other way, less memory.
 
-Not yet: `overlap=True` (the local-only shards under the exchange) and a registered op for
-`torch.compile` like `flashcp.attention.op.cp_attention`.
+`flashcp.attention.op.latent_attention` runs it as a registered op for `torch.compile`, like
+`flashcp.attention.op.cp_attention`. Not yet: `overlap=True` (the local-only shards under the exchange).
 """
 
 from __future__ import annotations

@@ -35,6 +35,11 @@ trace time) the op enters the graph with its own copies of its inputs and return
 output: without them, inductor wrote the output projection into a block's rotated q (heads x
 head_dim = dim) and the backward used the overwritten values.
 Eager code needs no copy: autograd's version counters reject a later in-place write.
+
+`flashcp::cp_latent_attention` (`latent_attention(q, latent, k_pe, wkv_b, key, ...)`) is MLA's
+latent exchange (`flashcp.attention.latent.cp_latent_attention`) on the same machinery: the same
+step keys, the same kept graph (`_run_kept`, `_kept_grads`) and copies; its backward op returns dq,
+dlatent, dk_pe and this rank's share of dwkv_b.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ from torch._C import DispatchKey
 from torch.autograd.graph import get_gradient_edge
 
 from flashcp.attention.cp import cp_varlen_attention
+from flashcp.attention.latent import cp_latent_attention
 from flashcp.dispatch import Dispatch
 
 _steps: dict[int, tuple[Dispatch, Any]] = {}  # key value -> (dispatch, group), while the key tensor lives
@@ -106,34 +112,58 @@ class _Enter(torch.autograd.Function):
         return (None, None, *(None for _ in grads))
 
 
+def _step(key: torch.Tensor, op: str) -> tuple[Dispatch, Any]:
+    """The (dispatch, group) a step key names."""
+    n = int(key)
+    if n not in _steps:
+        raise RuntimeError(
+            f"{op}: the step key was released before the op ran (keep the CPStep / step_key "
+            "alive until the step's backward has run)"
+        )
+    return _steps[n]
+
+
+def _run_kept(run, tensors: tuple[torch.Tensor, ...], record: bool, compiled: bool
+              ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """An op's forward: `run(*tensors)`, and when `record` its autograd graph kept under the
+    returned handle for `_kept_grads` (a handle of -1 otherwise); copies in and out when
+    `compiled` (see the docstring). Shared by every op of this file."""
+    if not record:
+        with torch.no_grad():
+            return run(*tensors).contiguous(), torch.tensor(-1, dtype=torch.int64)
+    with _autograd_inside_op():
+        seed = tensors[0].new_zeros((), requires_grad=True)
+        inputs = _Enter.apply(seed, compiled, *tensors)
+        out = run(*inputs)
+    handle = _register(_graphs, (out, [get_gradient_edge(t) for t in inputs]))
+    out = out.detach()
+    return (out.clone(memory_format=torch.contiguous_format) if compiled else out.contiguous()), handle
+
+
+def _kept_grads(grad: torch.Tensor, handle: torch.Tensor, op: str) -> list[torch.Tensor]:
+    """The gradients of the tensors `_run_kept` ran on, from the graph `handle` names (dropped)."""
+    kept = _graphs.pop(int(handle), None)
+    if kept is None:
+        raise RuntimeError(f"{op} backward: the forward's graph is gone (a second backward through it?)")
+    out, edges = kept
+    with _autograd_inside_op():
+        grads = torch.autograd.grad(out, edges, grad, materialize_grads=True)
+    return [g.contiguous() for g in grads]
+
+
 @torch.library.custom_op("flashcp::cp_attention", mutates_args=())
 def _cp_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key: torch.Tensor, sinks: torch.Tensor | None,
     backend: str, overlap: bool, scale: float | None, record: bool, compiled: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    n = int(key)
-    if n not in _steps:
-        raise RuntimeError(
-            "cp_attention: the step key was released before the op ran (keep the CPStep / step_key "
-            "alive until the step's backward has run)"
-        )
-    dispatch, group = _steps[n]
+    dispatch, group = _step(key, "cp_attention")
 
     def run(q, k, v, sinks=None):
         return cp_varlen_attention(q, k, v, dispatch, group, comm=dispatch.comm, backend=backend,
                                    softmax_scale=scale, overlap=overlap, window=dispatch.window,
                                    sinks=sinks)  # fmt: skip
 
-    if not record:
-        with torch.no_grad():
-            return run(q, k, v, sinks).contiguous(), torch.tensor(-1, dtype=torch.int64)
-    with _autograd_inside_op():
-        seed = q.new_zeros((), requires_grad=True)
-        inputs = _Enter.apply(seed, compiled, q, k, v, *(() if sinks is None else (sinks,)))
-        out = run(*inputs)
-    handle = _register(_graphs, (out, [get_gradient_edge(t) for t in inputs]))
-    out = out.detach()
-    return (out.clone(memory_format=torch.contiguous_format) if compiled else out.contiguous()), handle
+    return _run_kept(run, (q, k, v, *(() if sinks is None else (sinks,))), record, compiled)
 
 
 @_cp_attention.register_fake
@@ -147,13 +177,7 @@ def _cp_attention_backward(
     sinks_dtype: torch.dtype | None,
 ) -> list[torch.Tensor]:  # fmt: skip
     """dq, dk, dv, and dsinks when the forward had sinks."""
-    kept = _graphs.pop(int(handle), None)
-    if kept is None:
-        raise RuntimeError("cp_attention backward: the forward's graph is gone (a second backward through it?)")
-    out, edges = kept
-    with _autograd_inside_op():
-        grads = torch.autograd.grad(out, edges, grad, materialize_grads=True)
-    return [g.contiguous() for g in grads]
+    return _kept_grads(grad, handle, "cp_attention")
 
 
 @_cp_attention_backward.register_fake
@@ -199,3 +223,73 @@ def cp_attention(
     scale = None if softmax_scale is None else float(softmax_scale)
     compiled = torch.compiler.is_compiling()
     return torch.ops.flashcp.cp_attention(q, k, v, key, sinks, backend, overlap, scale, record, compiled)[0]
+
+
+@torch.library.custom_op("flashcp::cp_latent_attention", mutates_args=())
+def _cp_latent_attention(
+    q: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor, wkv_b: torch.Tensor, key: torch.Tensor,
+    backend: str, scale: float | None, record: bool, compiled: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    dispatch, group = _step(key, "cp_latent_attention")
+
+    def run(q, latent, k_pe, wkv_b):
+        return cp_latent_attention(q, latent, k_pe, wkv_b, dispatch, group, comm=dispatch.comm, backend=backend,
+                                   softmax_scale=scale)  # fmt: skip
+
+    return _run_kept(run, (q, latent, k_pe, wkv_b), record, compiled)
+
+
+@_cp_latent_attention.register_fake
+def _(q, latent, k_pe, wkv_b, key, backend, scale, record, compiled):
+    heads = q.shape[1]
+    v_dim = wkv_b.shape[0] // heads - (q.shape[2] - k_pe.shape[1])
+    return q.new_empty((q.shape[0], heads, v_dim)), key.new_empty(())
+
+
+@torch.library.custom_op("flashcp::cp_latent_attention_backward", mutates_args=())
+def _cp_latent_attention_backward(
+    grad: torch.Tensor, handle: torch.Tensor, q_shape: list[int], latent_shape: list[int], k_pe_shape: list[int],
+    wkv_b_shape: list[int], q_dtype: torch.dtype, latent_dtype: torch.dtype, wkv_b_dtype: torch.dtype,
+) -> list[torch.Tensor]:  # fmt: skip
+    """dq, dlatent, dk_pe, dwkv_b (this rank's share: the up-projection of its key rows)."""
+    return _kept_grads(grad, handle, "cp_latent_attention")
+
+
+@_cp_latent_attention_backward.register_fake
+def _(grad, handle, q_shape, latent_shape, k_pe_shape, wkv_b_shape, q_dtype, latent_dtype, wkv_b_dtype):
+    shapes, dtypes = (q_shape, latent_shape, k_pe_shape, wkv_b_shape), (q_dtype, latent_dtype, latent_dtype, wkv_b_dtype)
+    return [grad.new_empty(shape, dtype=dtype) for shape, dtype in zip(shapes, dtypes)]
+
+
+def _latent_setup_context(ctx, inputs, output) -> None:
+    q, latent, _, wkv_b = inputs[:4]
+    ctx.meta = (*(list(t.shape) for t in inputs[:4]), q.dtype, latent.dtype, wkv_b.dtype)
+    ctx.save_for_backward(output[1])
+
+
+def _latent_backward(ctx, grad, _grad_handle):
+    (handle,) = ctx.saved_tensors
+    grads = torch.ops.flashcp.cp_latent_attention_backward(grad, handle, *ctx.meta)
+    return *grads, None, None, None, None, None
+
+
+_cp_latent_attention.register_autograd(_latent_backward, setup_context=_latent_setup_context)
+
+
+def latent_attention(
+    q: torch.Tensor,
+    latent: torch.Tensor,
+    k_pe: torch.Tensor,
+    wkv_b: torch.Tensor,
+    key: torch.Tensor,
+    backend: str = "auto",
+    *,
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """`cp_latent_attention(q, latent, k_pe, wkv_b, dispatch, group, comm=dispatch.comm, ...)` of the
+    step `key = step_key(dispatch, group)` names, as one opaque op like `cp_attention` (same results,
+    same gradients; wkv_b's is this rank's share, summed over the CP group by FSDP)."""
+    record = torch.is_grad_enabled() and any(t.requires_grad for t in (q, latent, k_pe, wkv_b))
+    scale = None if softmax_scale is None else float(softmax_scale)
+    compiled = torch.compiler.is_compiling()
+    return torch.ops.flashcp.cp_latent_attention(q, latent, k_pe, wkv_b, key, backend, scale, record, compiled)[0]

@@ -57,13 +57,11 @@ def _check_latent(cfg: dict) -> None:
     if model_latent(cfg) is None or cfg["model"]["attention"] != "flashcp":
         return
     flashcp, par = cfg["flashcp"], cfg["parallelism"]
-    compiled = cfg["compile"]["enable"] and "model" in cfg["compile"]["components"]
     refused = [
         (par["tensor_parallel_degree"] != 1, "[parallelism] tensor_parallel_degree > 1 (wkv_b split by head)"),
         (flashcp["comm"] == "ring", "[flashcp] comm = 'ring' (the latent exchange runs compact, full, needed "
                                     "and two_level)"),
         (flashcp["overlap"], "[flashcp] overlap = true"),
-        (compiled, "[compile] enable with 'model' (the latent exchange is not a registered op yet)"),
     ]  # fmt: skip
     _refuse(refused, f"an MLA model ({cfg['model']['name']}), whose attention is FlashCP's latent exchange")
 

@@ -7,11 +7,13 @@ does for Llama 3 / Qwen3) would make the CP exchange carry `heads x (qk + v)` va
 (names, shapes, initialisation: checkpoints and HF adapters are TorchTitan's), q and the latent row
 projected as there, q_pe and k_pe rotated with the step's RoPE rows (table-less, once per step as
 for the dense models), and `flashcp.attention.latent.cp_latent_attention` given q, `kv_norm(c_kv)`,
-k_pe and `wkv_b`, so that ranks exchange the 576-wide latent rows and up-project locally. The
+k_pe and `wkv_b`, so that ranks exchange the 576-wide latent rows and up-project locally. It runs
+as the registered op `flashcp::cp_latent_attention` (`flashcp.attention.op.latent_attention`, keyed
+by the step like the dense op), so a compiled block is one graph. The
 softmax scale is TorchTitan's: 1 / sqrt(qk_nope + qk_rope), times YaRN's mscale correction squared.
 
-Not here (refused by the job checks): tensor parallelism (wkv_b's rows split by head), `[flashcp]
-overlap` and `[compile]` (the latent op is not a registered op yet).
+Not here (refused by the job checks): tensor parallelism (wkv_b's rows split by head) and `[flashcp]
+overlap`.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torchtitan.models.deepseek_v3.model import Attention
 
-from flashcp.attention.latent import cp_latent_attention
+from flashcp.attention.op import latent_attention
 from flashcp.titan.models.attention import step_rows
 from flashcp.titan.models.rotary import rotate, rotation_key, tableless
 
@@ -48,9 +50,9 @@ class FlashCPLatentAttention(Attention):
         q_nope, q_pe = q.view(bsz, seqlen, -1, self.qk_head_dim).split([self.qk_nope_head_dim, self.qk_rope_head_dim], -1)
         latent, k_pe = self.wkv_a(x).split([self.kv_lora_rank, self.qk_rope_head_dim], -1)
         q_pe, k_pe = rotate(self.rotation_config, q_pe, k_pe.unsqueeze(2), rows)
-        out = cp_latent_attention(
+        out = latent_attention(
             torch.cat([q_nope, q_pe], -1)[0], self.kv_norm(latent)[0], k_pe[0, :, 0], self.wkv_b.weight,
-            step.dispatch, step.group, comm=step.dispatch.comm, backend=self.backend, softmax_scale=self.softmax_scale,
+            step.key, self.backend, softmax_scale=self.softmax_scale,
         )  # fmt: skip
         return self.wo(out.reshape(bsz, seqlen, -1))
 
