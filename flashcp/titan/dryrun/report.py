@@ -62,6 +62,9 @@ class Report:
     offload: dict[str, Any] | None = None  # modelled: the copies' time against the layer's compute
     low_precision: dict[str, Any] | None = None  # modelled: a converter's casts, added to the tracked peak
     hf_import: str | None = None  # [checkpoint] initial_load_in_hf: rank 0's strict load plan (hfload.py)
+    # PP: one stage measured, every pipeline rank derived (dryrun/pipeline.py); peak_gib and by_category
+    # are then the worst rank's
+    pipeline: dict[str, Any] | None = None
 
     @property
     def casts_gib(self) -> float:
@@ -101,6 +104,27 @@ def low_precision_report(lp: LowPrecision | None) -> dict[str, Any] | None:
     if lp is None:
         return None
     return {"converter": lp.converter, "linears": len(lp.linears), "casts_gib": cast_bytes(lp) / GIB}
+
+
+def pipeline_lines(pp: dict[str, Any]) -> list[str]:
+    """The per-stage table: GiB per GPU of each pipeline rank, derived from the measured stage."""
+    m = pp["measured"]
+    lines = [
+        f"pipeline: {pp['stages']} stages ({pp['stages_per_rank']} per rank), {pp['schedule']}, {pp['microbatches']} "
+        f"microbatches; one stage measured ({m['layers']} layers, {m['world_size']} ranks, one microbatch: "
+        f"{m['peak_gib']:.2f} GiB), every rank derived (dry run: flashcp/titan/dryrun/pipeline.py); the table "
+        "above is the worst rank's",
+        f"{'pp rank':<8}{'layers':>7}{'in flight':>10}{'params':>8}{'grads':>7}{'optim':>7}{'activ':>7}"
+        f"{'other':>7}{'GiB/GPU':>9}",
+    ]
+    for s in pp["per_rank"]:
+        g = s["by_category"]
+        other = s["peak_gib"] - g["parameters"] - g["gradients"] - g["optimizer_states"] - g["activations"]
+        ends = ("+emb" if s["embedding"] else "") + ("+out" if s["output"] else "")
+        lines.append(f"{s['rank']:<8}{str(s['layers']) + ends:>7}{s['in_flight']:>10}{g['parameters']:>8.2f}"
+                     f"{g['gradients']:>7.2f}{g['optimizer_states']:>7.2f}{g['activations']:>7.2f}{other:>7.2f}"
+                     f"{s['peak_gib']:>9.2f}")  # fmt: skip
+    return lines
 
 
 def format_report(r: Report) -> str:
@@ -162,6 +186,8 @@ def format_report(r: Report) -> str:
         )
     if r.hf_import is not None:
         lines.append(f"HF import: {r.hf_import}")
+    if r.pipeline is not None:
+        lines += pipeline_lines(r.pipeline)
     casts = ""
     if r.low_precision is not None:
         lp = r.low_precision

@@ -42,10 +42,11 @@ from flashcp.titan.config.converters import converted_linears
 from flashcp.titan.config.model import model_experts
 from flashcp.titan.dryrun.estimate import estimate, GIB, Layout, LowPrecision, ModelShape
 from flashcp.titan.dryrun.hfload import plan_hf_import
+from flashcp.titan.dryrun import pipeline
 from flashcp.titan.dryrun.linear import gated_delta_stand_in
 from flashcp.titan.dryrun.memtrack import CategoryTracker
 from flashcp.titan.dryrun.report import low_precision_report, offload_time, Report
-from flashcp.titan.models.offload import LayerInputOffload
+from flashcp.titan.models.offload import layer_input_bytes, LayerInputOffload
 from flashcp.titan.models.rotary import rotation
 from flashcp.titan.models.tiled_mlp import tile_count
 from flashcp.titan.models.windows import HybridDispatches, LayerDispatches
@@ -62,26 +63,48 @@ def dry_run(cfg: dict[str, Any], world_size: int, gpu_gib: float = 80.0, reserve
     if model_experts(cfg) is not None and cfg["training"]["mixed_precision_param"] != "bfloat16":
         raise ConfigError("the dry run sizes a mixture-of-experts job with [training] mixed_precision_param = "
                           "'bfloat16' only: torch's fake grouped matmul (the experts) takes bfloat16")  # fmt: skip
+    pp = degrees.get("pp", 1)
+    split = v = None
+    run_cfg, run_world, layers = cfg, world_size, None
+    if pp > 1:  # one stage measured as a job of its own, every stage derived from it (dryrun/pipeline.py)
+        split, v = pipeline.stage_split(cfg)
+        run_cfg, run_world, layers = pipeline.stage_job(cfg), world_size // pp, pipeline.measured_layers(split)
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp, _fake_world(world_size), _fake_kernel(), _balanced_routing(cfg):
-        trainer = _build(_dry_job(cfg, tmp))
+    with tempfile.TemporaryDirectory() as tmp, _fake_world(run_world), _fake_kernel(), _balanced_routing(run_cfg):
+        trainer = _build(_dry_job(run_cfg, tmp), layers)
         try:
             ckpt = cfg["checkpoint"]
             hf_import = plan_hf_import(trainer, ckpt["initial_load_path"]) if ckpt["initial_load_in_hf"] else None
             input_dict, labels = next(trainer.batch_generator(trainer.dataloader))
             peak, by_category, host = _measure(trainer, input_dict, labels)
             plan = _plan_figures(trainer)
-            shape, layout = _shape_and_layout(trainer, input_dict["dispatch"], cfg)
+            shape, layout = _shape_and_layout(trainer, input_dict["dispatch"], run_cfg)
             est = estimate(shape, layout)
+            stages = None
+            if pp > 1:
+                sp = layout.tp if layout.sequence_parallel else 1
+                layer_input = layer_input_bytes(layout.tokens, 1, shape.dim, 2, tp=sp) / GIB
+                stages = pipeline.per_stage(cfg, trainer, {k: b / GIB for k, b in by_category.items()}, split, v,
+                                            layer_input)  # fmt: skip
         finally:
             trainer.close()
     chunks = getattr(trainer.loss_fn, "num_chunks", 1)
+    by_gib = {k: b / GIB for k, b in by_category.items()}
+    piped = None
+    if stages is not None:
+        worst = max(stages, key=lambda s: s["peak_gib"])
+        piped = {"schedule": cfg["parallelism"]["pipeline_parallel_schedule"], "stages": len(split),
+                 "stages_per_rank": v, "microbatches": cfg["training"]["local_batch_size"],
+                 "measured": {"world_size": run_world, "layers": len(layers), "peak_gib": peak / GIB,
+                              "by_category": by_gib},
+                 "per_rank": stages, "worst_rank": worst["rank"]}  # fmt: skip
+        peak, by_gib = worst["peak_gib"] * GIB, dict(worst["by_category"])
     return Report(
         config=cfg["_path"], world_size=world_size, degrees=degrees, gpu_gib=gpu_gib, reserve_gib=reserve_gib,
-        peak_gib=peak / GIB, by_category={k: v / GIB for k, v in by_category.items()},
+        peak_gib=peak / GIB, by_category=by_gib,
         estimate_gib=est, plan=plan, loss_chunks=chunks, seconds=time.perf_counter() - start,
         host_gib=host / GIB, host_limit_gib=host_gib, offload=offload_time(shape, layout) if layout.offload else None,
-        low_precision=low_precision_report(layout.low_precision), hf_import=hf_import,
+        low_precision=low_precision_report(layout.low_precision), hf_import=hf_import, pipeline=piped,
     )  # fmt: skip
 
 
@@ -175,12 +198,17 @@ def _balanced_routing(cfg: dict[str, Any]) -> Iterator[None]:
         AllToAllTokenDispatcher._sync_token_count_exchange = exchange
 
 
-def _build(cfg: dict[str, Any]):
-    """The trainer with every tensor from parallelisation on fake (device meshes, built before, stay real)."""
+def _build(cfg: dict[str, Any], layers: list[int] | None = None):
+    """The trainer with every tensor from parallelisation on fake (device meshes, built before, stay real);
+    `layers`: the model cut to these decoder layers (a pipeline stage's, `dryrun/pipeline.py`)."""
     from flashcp.titan.launch.job import trainer_config
     from flashcp.titan.trainer import FlashCPTrainer
 
     config = trainer_config(cfg)
+    if layers is not None:
+        model = config.model_spec.model
+        model = dataclasses.replace(model, layers=[model.layers[i] for i in layers])
+        config.model_spec = dataclasses.replace(config.model_spec, model=model)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     parallelize = config.model_spec.parallelize_fn
 
