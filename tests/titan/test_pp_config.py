@@ -33,10 +33,6 @@ CASES = [
     ("experts", {"model": {"name": "qwen3", "num_experts": 4, "num_experts_per_tok": 2, "moe_hidden_dim": 32},
                  "parallelism": PP, "training": {"local_batch_size": 2}},
      "[parallelism] pipeline_parallel_degree > 1 does not run with a mixture-of-experts model"),
-    ("tp", {"parallelism": {"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2}, "training": {"local_batch_size": 2}},
-     "[parallelism] pipeline_parallel_degree > 1 does not run with [parallelism] tensor_parallel_degree > 1"),
-    ("compile", {"parallelism": PP, "training": {"local_batch_size": 2}, "compile": {"enable": True, "components": ["model"]}},
-     "[parallelism] pipeline_parallel_degree > 1 does not run with [compile] enable"),
     ("hf import", {"parallelism": PP, "training": {"local_batch_size": 2},
                    "checkpoint": {"enable": True, "initial_load_in_hf": True, "initial_load_path": "/nonexistent"}},
      "[parallelism] pipeline_parallel_degree > 1 does not run with [checkpoint] initial_load_in_hf"),
@@ -53,6 +49,13 @@ def test_refused_in_one_line(tmp_path, case, sections, message):
     with pytest.raises(ConfigError) as e:
         tiny_job(tmp_path, **sections)
     assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
+
+
+def test_tensor_parallelism_and_compile_are_accepted(tmp_path):
+    """PP x TP x CP and a compiled PP x CP run (tests/titan/test_pp_tp.py): the check lets them through."""
+    cfg = tiny_job(tmp_path, parallelism=PP | {"tensor_parallel_degree": 2}, training={"local_batch_size": 2},
+                   compile={"enable": True, "components": ["model"]})  # fmt: skip
+    assert cfg["parallelism"]["tensor_parallel_degree"] == 2 and cfg["compile"]["enable"]
 
 
 def test_a_hybrid_model_is_refused(tmp_path):

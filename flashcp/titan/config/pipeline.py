@@ -11,7 +11,6 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from flashcp.titan.config.keys import ConfigError
-from flashcp.titan.config.converters import model_compiled
 from flashcp.titan.config.model import model_dims, model_experts
 from flashcp.titan.config.schema import SCHEMA
 
@@ -80,8 +79,6 @@ def _check_combinations(cfg: dict) -> None:
         (model["name"] == "qwen3_5", "a qwen3_5 model (its Gated DeltaNet steps are not pipeline kwargs yet)"),
         (model_experts(cfg) is not None, "a mixture-of-experts model (its first step's gradients match a run "
                                          "without PP, the steps after its routing-bias update not yet)"),
-        (cfg["parallelism"]["tensor_parallel_degree"] > 1, "[parallelism] tensor_parallel_degree > 1 (not run yet)"),
-        (model_compiled(cfg), "[compile] enable with 'model' (not run yet)"),
         (fcp["comm"] == "ring", "[flashcp] comm = 'ring'"),
         (fcp["overlap"], "[flashcp] overlap = true"),
         (cfg["activation_checkpoint"]["offload"], "[activation_checkpoint] offload = true"),

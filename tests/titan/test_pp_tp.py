@@ -1,0 +1,108 @@
+"""Pipeline parallelism with tensor parallelism and with a compiled model, against the runs without PP.
+
+PP 2 x TP 2 x CP 2 on 8 gloo ranks, and PP 2 x CP 2 with `[compile] enable` (the blocks, inductor),
+train the four windows a step as four pipeline microbatches; CP 1 on one rank trains them as four
+gradient-accumulation micro steps (test_pp_train.py's reference, from its seed checkpoint): every
+step's loss and every parameter's first gradient agree to its float32 tolerance.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from test_pp_train import _relative, _train_rank, cp1, MODEL, SPLIT, TOLERANCE, WINDOWS  # noqa: F401
+
+
+def _pipelined(runs: list, stage_ranks: int) -> tuple[dict[int, float], dict[str, torch.Tensor]]:
+    """The last stage's losses and the union of the stages' first gradients, after checking that every
+    rank planned the same windows and that the `stage_ranks` ranks of each stage agree."""
+    losses: dict[int, float] = {}
+    grads: dict[str, torch.Tensor] = {}
+    assert sum(last for _, _, last, _ in runs) == stage_ranks  # one PP rank holds the last stage
+    for rank_losses, rank_grads, last, windows in runs:
+        assert windows == runs[0][3] and len(windows) == 4 * WINDOWS
+        if last:
+            assert not losses or rank_losses == losses
+            losses = rank_losses
+        for name, grad in rank_grads.items():
+            assert name not in grads or torch.equal(grads[name], grad), name
+            grads[name] = grad
+    return losses, grads
+
+
+def _differences(losses, grads, ref_losses, ref_grads) -> tuple[float, float]:
+    """The worst absolute loss difference and relative gradient difference, checked against TOLERANCE."""
+    assert losses.keys() == ref_losses.keys() and grads.keys() == ref_grads.keys()
+    loss = max(abs(losses[s] - ref_losses[s]) for s in ref_losses)
+    grad = max(_relative(grads[name], g) for name, g in ref_grads.items())
+    assert loss <= TOLERANCE and grad <= TOLERANCE, (loss, grad, losses, ref_losses)
+    return loss, grad
+
+
+def _train_rank_layout(rank: int, group: Any, cfg: dict) -> tuple:
+    """`_train_rank`'s results, with the TP degree the trainer ran and an attention weight's placements."""
+    from flashcp.titan.trainer import FlashCPTrainer
+
+    window_inputs, layout = FlashCPTrainer.window_inputs, []
+
+    def recording(self: FlashCPTrainer, batch: dict[str, Any]) -> Any:
+        if not layout:
+            name, weight = next((n, p) for n, p in self.model_parts[0].named_parameters() if ".attention." in n)
+            layout[:] = [self.parallel_dims.tp, name, weight.device_mesh.mesh_dim_names, str(weight.placements)]
+        return window_inputs(self, batch)
+
+    FlashCPTrainer.window_inputs = recording
+    try:
+        return *_train_rank(rank, group, cfg), layout
+    finally:
+        FlashCPTrainer.window_inputs = window_inputs
+
+
+@pytest.mark.parametrize("schedule", ["1F1B"])
+def test_pp2_x_tp2_x_cp2_reproduces_cp1(tmp_path, gloo_pool, cp1, schedule):
+    """PP 2 x TP 2 x CP 2: every stage's weights are split over TP (and sharded over CP's FSDP), its
+    four ranks' gathered gradients agree, and they and the last stage's losses are CP 1's."""
+    from harness import tiny_job
+
+    seed, ref_losses, ref_grads = cp1
+    parallelism = {"context_parallel_degree": 2, "tensor_parallel_degree": 2, "pipeline_parallel_degree": 2,
+                   "pipeline_parallel_schedule": schedule, **SPLIT}  # fmt: skip
+    cfg = tiny_job(tmp_path / "pp", model=MODEL, checkpoint=seed, parallelism=parallelism,
+                   training={"local_batch_size": WINDOWS})  # fmt: skip
+    runs = gloo_pool(8).run(_train_rank_layout, (cfg,))
+    layouts = {str(run[4]) for run in runs}
+    print(f"layouts: {layouts}")
+    assert all(run[4][0] == 2 and "tp" in run[4][2] for run in runs), layouts
+    loss, grad = _differences(*_pipelined([run[:4] for run in runs], 4), ref_losses, ref_grads)
+    print(f"PP 2 x TP 2 x CP 2 ({schedule}) vs CP 1: losses {loss:.1e}, gradients (relative) {grad:.1e}")
+
+
+def _train_rank_graphs(rank: int, group: Any, cfg: dict) -> tuple:
+    """`_train_rank`'s results, with the graphs dynamo compiled and its graph breaks (counters start empty)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    return *_train_rank(rank, group, cfg), (counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()))
+
+
+@pytest.mark.parametrize("schedule", ["1F1B"])
+def test_compiled_pp2_x_cp2_reproduces_cp1(tmp_path, gloo_pool, cp1, schedule):
+    """PP 2 x CP 2 with the blocks compiled: the eager CP 1's losses and first gradients, one graph per
+    rank for its stage's blocks and no graph break."""
+    from harness import tiny_job
+
+    seed, ref_losses, ref_grads = cp1
+    parallelism = {"context_parallel_degree": 2, "pipeline_parallel_degree": 2,
+                   "pipeline_parallel_schedule": schedule, **SPLIT}  # fmt: skip
+    cfg = tiny_job(tmp_path / "pp", model=MODEL, checkpoint=seed, parallelism=parallelism,
+                   training={"local_batch_size": WINDOWS}, compile={"enable": True, "components": ["model"]})  # fmt: skip
+    runs = gloo_pool(4).run(_train_rank_graphs, (cfg,))
+    graphs = [run[4] for run in runs]
+    loss, grad = _differences(*_pipelined([run[:4] for run in runs], 2), ref_losses, ref_grads)
+    print(f"compiled PP 2 x CP 2 ({schedule}) vs eager CP 1: losses {loss:.1e}, gradients (relative) {grad:.1e}; "
+          f"(graphs, breaks) per rank {graphs}")  # fmt: skip
+    assert all(breaks == 0 for _, breaks in graphs), graphs
