@@ -106,6 +106,29 @@ def single_rank() -> Iterator[None]:
                 os.environ[k] = v
 
 
+@contextlib.contextmanager
+def float64() -> Iterator[None]:
+    """Train in float64 (for exactness checks: two layouts then agree to summation order, ~1e-15).
+
+    TorchTitan 0.3.0 reads every "float32" of the job through one map, `TORCH_DTYPE_MAP`: the model's
+    build dtype (`[training] dtype`) and FSDP's mixed-precision policy (`mixed_precision_param` /
+    `_reduce`); here it reads float64. Its cross-entropy loss takes the logits' `.float()`, which
+    here is left out (the loss without TP, the tiny jobs')."""
+    from torchtitan.components import loss
+    from torchtitan.config import TORCH_DTYPE_MAP
+
+    def cross_entropy(pred: torch.Tensor, labels: torch.Tensor, *, global_vocab_size: int | None = None) -> Any:
+        return torch.nn.functional.cross_entropy(pred.flatten(0, 1), labels.flatten(0, 1), reduction="sum",
+                                                 ignore_index=loss.IGNORE_INDEX)  # fmt: skip
+
+    saved = loss.cross_entropy_loss
+    TORCH_DTYPE_MAP["float32"], loss.cross_entropy_loss = torch.float64, cross_entropy
+    try:
+        yield
+    finally:
+        TORCH_DTYPE_MAP["float32"], loss.cross_entropy_loss = torch.float32, saved
+
+
 def tiny_seed_checkpoint(root: Path) -> dict[str, Any]:
     """Save the tiny job's initial weights under `root` on one rank; the `[checkpoint]` settings that
     start a job from them. Sharded initialisation on CPU depends on the layout, so jobs of different
@@ -134,7 +157,8 @@ def train(
     `expert_counts` one [MoE layers, experts] tensor per step: this rank's `tokens_per_expert_E` as
     the forward passes (and any recompute) accumulated them, read just before TorchTitan's bias
     update sums them over the ranks and clears them; `first_grads` every parameter's whole gradient
-    (a DTensor's gathered on every rank) before the first optimizer step, by parameter name.
+    (a DTensor's gathered on every rank) before the first optimizer step, by parameter name. With
+    pipeline parallelism, the MoE layers and parameters are those of the stages this rank holds.
     """
     from flashcp.titan.launch.job import trainer_config
     from flashcp.titan.trainer import FlashCPTrainer
@@ -160,7 +184,8 @@ def train(
 
         trainer.validator.log = record_validation
     if expert_counts is not None:
-        moes = [block.moe for block in trainer.model_parts[0].layers.values() if getattr(block, "moe_enabled", False)]
+        moes = [block.moe for part in trainer.model_parts for block in part.layers.values()  # every PP stage
+                if getattr(block, "moe_enabled", False)]  # fmt: skip
 
         def record_counts(*args: Any) -> None:
             counts = [moe.tokens_per_expert_E for moe in moes]  # this rank's share (a DTensor's local part)
@@ -186,7 +211,7 @@ def train(
             trainer.checkpointer.save(curr_step=0, last_step=True)
         else:
             trainer.train()
-        for block in trainer.model_parts[0].layers.values():
+        for block in (block for part in trainer.model_parts for block in part.layers.values()):
             if expert_biases is not None and getattr(block, "moe_enabled", False):
                 bias = block.moe.expert_bias_E
                 expert_biases.append((bias.full_tensor() if hasattr(bias, "full_tensor") else bias).detach().clone())

@@ -6,11 +6,14 @@ microbatch's kwargs and lives until the schedule has run that microbatch's backw
 microbatches a step, each a different window (so a different plan), over 4 layers: 1F1B runs
 microbatch i+1's forward before i's backward, Interleaved1F1B and LoopedBFS hold two stages per
 rank. From one seed checkpoint, every step's loss and every parameter's first gradient match the
-runs without PP, where the same four windows are four gradient-accumulation micro steps.
+runs without PP, where the same four windows are four gradient-accumulation micro steps: in
+float32 to 1e-5 under all seven schedules, and in float64 (tests/titan/harness.py's `float64`) to
+1e-10 under GPipe, 1F1B and Interleaved1F1B, against one float64 CP 1 and CP 2 run they share.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import tomllib
 from typing import Any
@@ -20,7 +23,10 @@ import torch
 
 from flashcp.titan.config.pipeline import SCHEDULES
 
-TOLERANCE = 1e-5  # absolute on losses (near 8.3) and relative on gradients, float32
+# Absolute on losses (near 8.3) and relative (to the largest entry) on gradients; float32 and float64.
+TOLERANCES = {"float32": 1e-5, "float64": 1e-10}
+TOLERANCE = TOLERANCES["float32"]
+FLOAT64_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
 MODEL = {"n_layers": 4}
 WINDOWS = 4  # per step: PP's microbatches, the others' gradient-accumulation micro steps
 # Stages hold a layer each (Interleaved1F1B / LoopedBFS: 4 stages) or two (GPipe / 1F1B: 2 stages).
@@ -31,33 +37,63 @@ def _relative(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return float((ours - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
 
 
-@pytest.fixture(scope="module")
-def cp1(tmp_path_factory) -> tuple[dict, dict[int, float], dict[str, torch.Tensor]]:
-    """The seed checkpoint every run starts from, and CP = 1's losses and first gradients."""
+def _dtype(dtype: str) -> contextlib.AbstractContextManager:
+    from harness import float64
+
+    return float64() if dtype == "float64" else contextlib.nullcontext()
+
+
+def _reference(tmp, dtype: str) -> tuple[dict, dict[int, float], dict[str, torch.Tensor]]:
+    """A seed checkpoint in `dtype` every run starts from, and CP = 1's losses and first gradients."""
     from harness import single_rank, tiny_job, train
 
-    tmp = tmp_path_factory.mktemp("pp")
-    with single_rank():
+    with single_rank(), _dtype(dtype):
         train(tiny_job(tmp / "seed", model=MODEL, checkpoint={"enable": True, "create_seed_checkpoint": True}),
               seed_checkpoint=True)  # fmt: skip
     seed = {"enable": True, "initial_load_path": str(tmp / "seed/checkpoint/step-0")}
     grads: dict[str, torch.Tensor] = {}
-    with single_rank():
+    with single_rank(), _dtype(dtype):
         losses = train(tiny_job(tmp / "cp1", model=MODEL, checkpoint=seed, training={"global_batch_size": WINDOWS}),
                        first_grads=grads)  # fmt: skip
     assert len(losses) == 4 and len(grads) == 4 * 7 + 3  # 4 blocks of 7 parameters, embedding, norm, lm_head
+    assert {g.dtype for g in grads.values()} == {getattr(torch, dtype)}
     return seed, losses, grads
 
 
-def _assert_losses(losses: dict[int, float], ref: dict[int, float]) -> None:
+@pytest.fixture(scope="module")
+def cp1(tmp_path_factory) -> tuple[dict, dict[int, float], dict[str, torch.Tensor]]:
+    """The float32 seed checkpoint, and CP = 1's losses and first gradients from it."""
+    return _reference(tmp_path_factory.mktemp("pp"), "float32")
+
+
+@pytest.fixture(scope="module")
+def float64_references(tmp_path_factory, gloo_pool) -> tuple[dict, list[tuple[dict, dict]]]:
+    """The float64 seed checkpoint, and the (losses, first gradients) of CP 1 and of CP 2 from it."""
+    from harness import tiny_job
+
+    tmp = tmp_path_factory.mktemp("pp64")
+    seed, losses, grads = _reference(tmp, "float64")
+    cfg = tiny_job(tmp / "cp2", model=MODEL, checkpoint=seed, parallelism={"context_parallel_degree": 2},
+                   training={"global_batch_size": WINDOWS})  # fmt: skip
+    runs = gloo_pool(2).run(_train_rank, (cfg, "float64"))
+    for name, grad in runs[0][1].items():
+        assert torch.equal(runs[1][1][name], grad), name  # the CP ranks' gathered gradients agree
+    return seed, [(losses, grads), (runs[0][0], runs[0][1])]
+
+
+def _assert_losses(losses: dict[int, float], ref: dict[int, float], tolerance: float = TOLERANCE) -> float:
     assert losses.keys() == ref.keys()
-    assert max(abs(losses[s] - ref[s]) for s in ref) <= TOLERANCE, (losses, ref)
+    worst = max(abs(losses[s] - ref[s]) for s in ref)
+    assert worst <= tolerance, (losses, ref)
+    return worst
 
 
-def _assert_grads(grads: dict[str, torch.Tensor], ref_grads: dict[str, torch.Tensor]) -> None:
+def _assert_grads(grads: dict[str, torch.Tensor], ref_grads: dict[str, torch.Tensor],
+                  tolerance: float = TOLERANCE) -> float:  # fmt: skip
     assert grads.keys() == ref_grads.keys()
     for name, grad in ref_grads.items():
-        assert _relative(grads[name], grad) <= TOLERANCE, name
+        assert grads[name].dtype == grad.dtype and _relative(grads[name], grad) <= tolerance, name
+    return max(_relative(grads[name], grad) for name, grad in ref_grads.items())
 
 
 def test_cp2_reproduces_cp1(tmp_path, gloo_pool, cp1):
@@ -76,28 +112,49 @@ def test_cp2_reproduces_cp1(tmp_path, gloo_pool, cp1):
 def test_pp2_x_cp2_reproduces_cp1(tmp_path, gloo_pool, cp1, schedule):
     """PP 2 x CP 2: the last stage's losses and the union of the stages' gradients are CP = 1's
     (and so CP 2's, the test above); every rank planned the step's four windows, all different."""
+    seed, losses, grads = cp1
+    pp_losses, pp_grads = _pipelined(tmp_path, gloo_pool, seed, schedule, "float32")
+    _assert_losses(pp_losses, losses)
+    _assert_grads(pp_grads, grads)
+
+
+@pytest.mark.parametrize("schedule", FLOAT64_SCHEDULES)
+def test_pp2_x_cp2_reproduces_cp2_and_cp1_in_float64(tmp_path, gloo_pool, float64_references, schedule):
+    """The same in float64, where the runs differ only in summation order: PP 2 x CP 2's losses and
+    gradients are CP 2's and CP 1's to 1e-10."""
+    seed, references = float64_references
+    pp_losses, pp_grads = _pipelined(tmp_path, gloo_pool, seed, schedule, "float64")
+    for (losses, grads), name in zip(references, ("cp1", "cp2"), strict=True):
+        worst = _assert_losses(pp_losses, losses, TOLERANCES["float64"]), \
+            _assert_grads(pp_grads, grads, TOLERANCES["float64"])  # fmt: skip
+        print(f"float64 {schedule} vs {name}: losses {worst[0]:.2e}, gradients (relative) {worst[1]:.2e}")
+
+
+def _pipelined(tmp_path, gloo_pool, seed: dict, schedule: str, dtype: str) -> tuple[dict[int, float], dict]:
+    """PP 2 x CP 2 under `schedule` from `seed`: the last stage's losses and the union of the stages'
+    first gradients, after checking that every rank planned the step's four windows, all different."""
     from harness import tiny_job
 
-    seed, losses, grads = cp1
     parallelism = {"context_parallel_degree": 2, "pipeline_parallel_degree": 2,
                    "pipeline_parallel_schedule": schedule, **SPLIT}  # fmt: skip
     cfg = tiny_job(tmp_path / "pp", model=MODEL, checkpoint=seed, parallelism=parallelism,
                    training={"local_batch_size": WINDOWS})  # fmt: skip
-    runs = gloo_pool(4).run(_train_rank, (cfg,))
+    runs = gloo_pool(4).run(_train_rank, (cfg, dtype))
     stage_grads: dict[str, torch.Tensor] = {}
     assert sum(last for _, _, last, _ in runs) == 2  # one PP rank (2 CP ranks) holds the last stage
     for rank_losses, rank_grads, last, windows in runs:
         assert windows == runs[0][3] and len(windows) == 4 * WINDOWS  # every rank read and planned the same windows
         assert len(set(windows[:WINDOWS])) == WINDOWS  # the step's microbatches differ, and so do their plans
         if last:
-            _assert_losses(rank_losses, losses)
+            losses = rank_losses
         for name, grad in rank_grads.items():
             assert name not in stage_grads or torch.equal(stage_grads[name], grad), name  # CP ranks agree
             stage_grads[name] = grad
-    _assert_grads(stage_grads, grads)
+    return losses, stage_grads
 
 
-def _train_rank(rank: int, group: Any, cfg: dict) -> tuple[dict[int, float], dict[str, torch.Tensor], bool, list]:
+def _train_rank(rank: int, group: Any, cfg: dict, dtype: str = "float32") -> tuple[dict[int, float],
+                dict[str, torch.Tensor], bool, list]:  # fmt: skip
     """A pool rank's losses, first gradients (of the stages it holds), whether it holds the last stage, and
     each window it planned (its documents' lengths), with no CP step left registered after the run."""
     from flashcp.attention.op import live_entries
@@ -116,7 +173,8 @@ def _train_rank(rank: int, group: Any, cfg: dict) -> tuple[dict[int, float], dic
     start = live_entries()[0]  # the pool's worker may hold an earlier test's steps
     FlashCPTrainer.window_inputs = recording
     try:
-        losses = train_on_pool_rank(rank, group, cfg, first_grads=grads)
+        with _dtype(dtype):
+            losses = train_on_pool_rank(rank, group, cfg, first_grads=grads)
     finally:
         FlashCPTrainer.window_inputs = window_inputs
     gc.collect()
