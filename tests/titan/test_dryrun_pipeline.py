@@ -68,6 +68,10 @@ def test_a_pipelined_job_reports_every_stage(tmp_path, capsys):
     # the state splits the measured model's (embedding, 2 layers, norm + output) between the ranks
     assert 0 < first["parameters_share"] < 1 and 0 < last["parameters_share"] < 1
     assert first["parameters_share"] + last["parameters_share"] > 1  # the measured model's layers, twice
+    # the unsharded float32 gradients of a rank's 2 layers accumulate over the microbatches (no FSDP sync
+    # but the last's): per layer q, o 128 x 128, k, v 128 x 64, MLP 3 x 128 x 384, 2 norms of 128
+    layer = 2 * 128 * 128 + 2 * 128 * 64 + 3 * 128 * 384 + 2 * 128
+    assert first["by_category"]["gradients"] == pytest.approx(2 * layer * 4 / GIB)
     for s in (first, last):
         assert s["peak_gib"] == pytest.approx(sum(s["by_category"].values()))
     worst = max(pp["per_rank"], key=lambda s: s["peak_gib"])

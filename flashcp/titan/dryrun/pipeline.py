@@ -18,6 +18,9 @@ as well. Each pipeline rank r (its stages r, r + pp, ... for v stages per rank) 
   (`in_flight_chunks`: torch's schedules), that stage's layers' saved activations: under full AC
   each layer's input, tokens / CP x dim bf16 values (/ TP under sequence parallelism); otherwise
   the measured activations per measured layer (an upper bound: it holds one layer's working set);
+- gradients: torch's PipelineStage runs the backward of every microbatch but the step's last without
+  FSDP's gradient sync, so the unsharded gradients of the rank's layers (their TP / EP shard, in the
+  reduce dtype) accumulate across microbatches: the larger of those and the measured (scaled) ones;
 - FlashCP buffers and model buffers as measured (one layer's at a time);
 - the loss: on the last stage; the other stages are charged it too when the measured peak fell in
   it (their own peak, in a layer's backward, was not measured apart: an upper bound).
@@ -97,6 +100,23 @@ def _local_numel(module) -> int:
     return total
 
 
+def _unsharded_numel(module) -> int:
+    """Elements of the module's parameters as FSDP gathers them on this rank: their TP / EP shard."""
+    total = 0
+    for p in module.parameters():
+        mesh = getattr(p, "device_mesh", None)
+        if mesh is None:
+            total += p.numel()
+            continue
+        names = mesh.mesh_dim_names or ()
+        split = 1
+        for i, placement in enumerate(p.placements):
+            if placement.is_shard() and names[i] in ("tp", "ep"):
+                split *= mesh.size(i)
+        total += p.numel() // split
+    return total
+
+
 def per_stage(cfg: dict[str, Any], trainer, by_category: dict[str, float], split: list[list[str]], v: int,
               layer_input_gib: float) -> list[dict[str, Any]]:
     """Every pipeline rank's GiB by category, from the measured stage's (module doc)."""
@@ -109,6 +129,10 @@ def per_stage(cfg: dict[str, Any], trainer, by_category: dict[str, float], split
     final = sum(_local_numel(getattr(model, name)) for name in ("norm", "lm_head", "output") if hasattr(model, name))
     measured_numel = sum(layer_numel) + embed + final
     per_layer = max(layer_numel)  # every stage's layers are charged the largest measured one's
+    # torch's PipelineStage runs every microbatch's backward but the last without FSDP's gradient sync
+    # (set_requires_gradient_sync(False)): a stage's unsharded gradients accumulate, in the reduce dtype
+    reduce_bytes = 4 if cfg["training"]["mixed_precision_reduce"] == "float32" else 2
+    grad_per_layer = max(_unsharded_numel(block) for block in model.layers.values()) * reduce_bytes / 2**30
     k = len(layer_numel)
     full_ac = cfg["activation_checkpoint"]["mode"] == "full"
     saved_per_layer = layer_input_gib if full_ac else by_category["activations"] / k
@@ -122,6 +146,8 @@ def per_stage(cfg: dict[str, Any], trainer, by_category: dict[str, float], split
         chunk_layers = max(len(ids) for ids in layers)
         gib = {name: value * numel / measured_numel if name in STATE else value for name, value in by_category.items()}
         gib["activations"] = by_category["activations"] + saved_per_layer * max(0, chunks * chunk_layers - k)
+        if m > 1:
+            gib["gradients"] = max(gib["gradients"], grad_per_layer * sum(len(ids) for ids in layers))
         out.append({
             "rank": rank, "stages": [rank + i * p for i in range(v)], "layers": sum(len(ids) for ids in layers),
             "embedding": first, "output": last, "in_flight": chunks, "parameters_share": numel / measured_numel,
