@@ -2,7 +2,7 @@
 
     python benchmarks/step_model_pipeline.py [--windows-seed S] [--profiles DIR]
 
-For `train_configs/llama3_405b_128k.toml` (PP 8 x TP 8 x CP 4, 1F1B, 16 microbatches) and
+For `train_configs/llama3_405b_128k.toml` (PP 8 x TP 8 x CP 8, 1F1B, 16 microbatches) and
 `train_configs/deepseek_v3_671b_128k.toml` (PP 8 x CP 8 x FSDP 8, EP 64, 1F1B, 16 microbatches):
 
 - one microbatch (one packed 128K WLB-LLM window) on one pipeline rank: `flashcp.costmodel.step`'s
@@ -44,8 +44,8 @@ from flashcp.costmodel.step import DEEPSEEK_V3_671B, LlamaShape, MeshAssumptions
 LLAMA3_405B = LlamaShape("Llama 3 405B", 405.85e9, 16384, 126, 128, 8, 128256)
 
 JOBS = {
-    # name: (shape, config, tp, cp, dp_shard, ep, pp, microbatches, largest stage's layers)
-    "llama3_405b_128k": (LLAMA3_405B, 8, 4, 1, 1, 8, 16, 16),
+    # name: (shape, tp, cp, dp_shard, ep, pp, microbatches, the largest stage's layers)
+    "llama3_405b_128k": (LLAMA3_405B, 8, 8, 1, 1, 8, 16, 16),
     "deepseek_v3_671b_128k": (DEEPSEEK_V3_671B, 1, 8, 8, 64, 8, 16, 8),
 }
 CONTEXT = 131072
