@@ -5,7 +5,7 @@ The oracle shares nothing with the op but torch: it up-projects every token of t
 (causal inside each document), in float64. Each case runs the op forward and backward on every
 rank, maps the rows back through `token_index` and compares the output and the gradients of q,
 the latent rows and `k_pe` (to their owners) and of `wkv_b` (each rank's local gradient, summed
-over ranks as FSDP would) to 1e-10. The same runs record what every collective moves, which must
+over ranks as FSDP would) to 1e-10, with and without `overlap`. The same runs record what every collective moves, which must
 equal the planner's prediction in latent bytes (`Plan.metrics(latent_dim=...)`, `row_bytes`).
 """
 
@@ -37,6 +37,7 @@ class Case(NamedTuple):
     comm: str
     ranks_per_node: int = 1  # two_level only
     seed: int = 0
+    overlap: bool = False
 
 
 def window_tensors(context: int, seed: int) -> list[torch.Tensor]:
@@ -49,8 +50,8 @@ def window_tensors(context: int, seed: int) -> list[torch.Tensor]:
 
 def dispatch_of(case: Case, rank: int):
     if case.comm == "two_level":
-        return build_two_level_dispatch(case.plan, rank, case.ranks_per_node)
-    return build_dispatch(case.plan, rank, case.comm)
+        return build_two_level_dispatch(case.plan, rank, case.ranks_per_node, overlap=case.overlap)
+    return build_dispatch(case.plan, rank, case.comm, overlap=case.overlap)
 
 
 def run_cases(rank: int, group, cases: list[Case]):
@@ -62,7 +63,7 @@ def run_cases(rank: int, group, cases: list[Case]):
         q, latent, k_pe, weight = (t[d.token_index].clone() for t in (q, latent, k_pe, weight))
         inputs = [t.requires_grad_() for t in (q, latent, k_pe, wkv_b)]
         with record_comm() as log:
-            out = cp_latent_attention(*inputs, d, group, comm=case.comm, backend="reference")
+            out = cp_latent_attention(*inputs, d, group, comm=case.comm, backend="reference", overlap=case.overlap)
             (out * weight).sum().backward()
         results.append((d.token_index, out.detach(), *(t.grad for t in inputs), list(log)))
     return results
@@ -126,6 +127,19 @@ def test_latent_exchange_matches_single_device_mla(pool, window, cp):
     doc_lens = list(WINDOWS[window])
     doc_lens[-1] += -sum(doc_lens) % cp
     check(pool, cases_of(doc_lens, cp, seed=cp))
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_overlap_gives_the_same_result(pool, cp):
+    """`overlap=True`: the local-only shards up-projected and computed under the exchange, then the
+    others; the same outputs and gradients (every strategy and exchange)."""
+    doc_lens = [40, 3, 9, 1, 17, 2, 8]  # 80 tokens: whole documents and split ones
+    cases = [c._replace(overlap=True) for c in cases_of(doc_lens, cp, seed=3)]
+    both = [c for c in cases if any(
+        dispatch_of(c, r).overlap.local.max_seqlen_q and dispatch_of(c, r).overlap.remote.max_seqlen_q
+        for r in range(cp))]  # fmt: skip
+    assert both, "no rank has both local-only and remote shards: the overlapped path would not run"
+    check(pool, cases)
 
 
 @st.composite

@@ -228,19 +228,19 @@ def cp_attention(
 @torch.library.custom_op("flashcp::cp_latent_attention", mutates_args=())
 def _cp_latent_attention(
     q: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor, wkv_b: torch.Tensor, key: torch.Tensor,
-    backend: str, scale: float | None, record: bool, compiled: bool,
+    backend: str, overlap: bool, scale: float | None, record: bool, compiled: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     dispatch, group = _step(key, "cp_latent_attention")
 
     def run(q, latent, k_pe, wkv_b):
         return cp_latent_attention(q, latent, k_pe, wkv_b, dispatch, group, comm=dispatch.comm, backend=backend,
-                                   softmax_scale=scale)  # fmt: skip
+                                   softmax_scale=scale, overlap=overlap)  # fmt: skip
 
     return _run_kept(run, (q, latent, k_pe, wkv_b), record, compiled)
 
 
 @_cp_latent_attention.register_fake
-def _(q, latent, k_pe, wkv_b, key, backend, scale, record, compiled):
+def _(q, latent, k_pe, wkv_b, key, backend, overlap, scale, record, compiled):
     heads = q.shape[1]
     v_dim = wkv_b.shape[0] // heads - (q.shape[2] - k_pe.shape[1])
     return q.new_empty((q.shape[0], heads, v_dim)), key.new_empty(())
@@ -270,7 +270,7 @@ def _latent_setup_context(ctx, inputs, output) -> None:
 def _latent_backward(ctx, grad, _grad_handle):
     (handle,) = ctx.saved_tensors
     grads = torch.ops.flashcp.cp_latent_attention_backward(grad, handle, *ctx.meta)
-    return *grads, None, None, None, None, None
+    return *grads, None, None, None, None, None, None
 
 
 _cp_latent_attention.register_autograd(_latent_backward, setup_context=_latent_setup_context)
@@ -284,6 +284,7 @@ def latent_attention(
     key: torch.Tensor,
     backend: str = "auto",
     *,
+    overlap: bool = False,
     softmax_scale: float | None = None,
 ) -> torch.Tensor:
     """`cp_latent_attention(q, latent, k_pe, wkv_b, dispatch, group, comm=dispatch.comm, ...)` of the
@@ -292,4 +293,5 @@ def latent_attention(
     record = torch.is_grad_enabled() and any(t.requires_grad for t in (q, latent, k_pe, wkv_b))
     scale = None if softmax_scale is None else float(softmax_scale)
     compiled = torch.compiler.is_compiling()
-    return torch.ops.flashcp.cp_latent_attention(q, latent, k_pe, wkv_b, key, backend, scale, record, compiled)[0]
+    return torch.ops.flashcp.cp_latent_attention(q, latent, k_pe, wkv_b, key, backend, overlap, scale, record,
+                                                 compiled)[0]

@@ -55,18 +55,23 @@ def block(tmp_path_factory) -> tuple[torch.nn.Module, dict]:
 
 
 @pytest.mark.parametrize("comm", COMM_MODES)
-def test_explain_finds_one_graph_and_no_break(block, comm):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_explain_finds_one_graph_and_no_break(block, comm, overlap):
     layer, ropes = block
+    layer.attention.overlap = overlap  # as [flashcp] overlap builds it
     plan = plan_shards([40, 3, 30, 23], 2, "flashcp")
-    dispatches = [build_dispatch(plan, r, comm) for r in range(2)]
+    dispatches = [build_dispatch(plan, r, comm, overlap=overlap) for r in range(2)]
     x = torch.randn(1, plan.tokens_per_rank, 64, dtype=torch.float64)
 
     def explain(rank, group):
         d = dispatches[rank]
         return torch._dynamo.explain(layer)(x, CPStep.of(ropes, d, group), d.positions[None])
 
-    explained = run_ranks(2, explain)[0]
-    print(f"MLA {comm}: {explained.graph_count} graph(s), {explained.graph_break_count} break(s), "
+    try:
+        explained = run_ranks(2, explain)[0]
+    finally:
+        layer.attention.overlap = False
+    print(f"MLA {comm} overlap={overlap}: {explained.graph_count} graph(s), {explained.graph_break_count} break(s), "
           f"{explained.op_count} ops")  # fmt: skip
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
     assert any("flashcp.cp_latent_attention" in str(node.target) for g in explained.graphs for node in g.graph.nodes)

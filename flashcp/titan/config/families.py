@@ -56,12 +56,10 @@ def _check_latent(cfg: dict) -> None:
     """What FlashCP's MLA (`flashcp.titan.models.latent`) does not run yet, refused with the reason."""
     if model_latent(cfg) is None or cfg["model"]["attention"] != "flashcp":
         return
-    flashcp, par = cfg["flashcp"], cfg["parallelism"]
+    flashcp = cfg["flashcp"]
     refused = [
-        (par["tensor_parallel_degree"] != 1, "[parallelism] tensor_parallel_degree > 1 (wkv_b split by head)"),
         (flashcp["comm"] == "ring", "[flashcp] comm = 'ring' (the latent exchange runs compact, full, needed "
                                     "and two_level)"),
-        (flashcp["overlap"], "[flashcp] overlap = true"),
     ]  # fmt: skip
     _refuse(refused, f"an MLA model ({cfg['model']['name']}), whose attention is FlashCP's latent exchange")
 

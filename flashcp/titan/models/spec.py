@@ -90,7 +90,7 @@ def model_spec(
         parallelize = parallelize_flashcp
     elif attention == "flashcp" and arch.latent:
         # MLA: the latent rows cross the CP group (YaRN's correction is TorchTitan's mscale, in its scale).
-        use_flashcp_latent_attention(model, backend=flashcp_cfg["backend"])
+        use_flashcp_latent_attention(model, backend=flashcp_cfg["backend"], overlap=flashcp_cfg["overlap"])
         parallelize = parallelize_flashcp
     elif attention == "flashcp":
         # YaRN's attention factor, which TorchTitan's attention has no place for (flashcp.titan.config
@@ -146,6 +146,36 @@ def register_expert_balancing(optimizers, model_parts: list[torch.nn.Module], pa
         if counts:
             optimizers.register_step_pre_hook(double)
     register_moe_load_balancing_hook(optimizers, model_parts, parallel_dims)
+
+
+def uncounted_pipeline_inference(schedule: Any, model_parts: list[torch.nn.Module]) -> None:
+    """Keep a pipeline schedule's metadata inference out of the expert token counts.
+
+    Before its first microbatch a schedule runs every stage it holds once on the first microbatch's
+    inputs (torch 2.13's `_initialize_pp_stages`: the stages' output and gradient shapes, found by
+    running them, a later stage on zeros of its input's shape). A MoE block counts the tokens its
+    router sends to each expert in every forward, so that one extra forward added a microbatch's
+    tokens to the first step's counts, and the aux-loss-free bias update, which moves each expert's
+    bias by the sign of (mean - count) over the step, moved some biases the other way than a run
+    without PP: the first step's gradients matched and the losses parted from step 2 on. The counts
+    are put back as they were before the inference (no-op for dense models and without PP).
+    """
+    moes = [block.moe for part in model_parts for block in part.layers.values()
+            if getattr(block, "moe_enabled", False)]  # fmt: skip
+    if not moes:
+        return
+    initialize = schedule._initialize_pp_stages
+
+    def uncounted(*args: Any, **kwargs: Any) -> Any:
+        with torch.no_grad():
+            before = [moe.tokens_per_expert_E.clone() for moe in moes]
+            try:
+                return initialize(*args, **kwargs)
+            finally:
+                for moe, counts in zip(moes, before, strict=True):
+                    moe.tokens_per_expert_E.copy_(counts)
+
+    schedule._initialize_pp_stages = uncounted
 
 
 def parallelize_flashcp(model: torch.nn.Module, *, parallel_dims, training, parallelism, compile_config,
