@@ -38,6 +38,7 @@ SHIPPED = {
     "tiny_extend_cpu": (2, False, {"dp_shard": 1, "cp": 2, "tp": 1}),
     "llama8b_128k": (8, True, {"dp_shard": 1, "cp": 8, "tp": 1}),
     "llama70b_128k": (64, True, {"dp_shard": 2, "cp": 4, "tp": 8}),
+    "llama3_405b_128k": (512, True, {"dp_shard": 1, "cp": 8, "tp": 8, "pp": 8}),
     "llama3_8b_extend_128k": (8, True, {"dp_shard": 1, "cp": 8, "tp": 1}),
     "qwen3_8b_128k": (8, True, {"dp_shard": 1, "cp": 8, "tp": 1}),
     "qwen3_30b_a3b_128k": (16, True, {"dp_shard": 2, "cp": 8, "tp": 1}),
