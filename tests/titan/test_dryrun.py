@@ -269,3 +269,24 @@ def test_the_estimate_counts_latent_rows_for_mla():
     keys = dataclasses.replace(lay, key_rows=30000)
     assert exchange_bytes(mla, keys) - exchange_bytes(mla, lay) == 2 * 30000 * 16 * (2 * 320 + 128)
     assert exchange_bytes(kv, keys) == exchange_bytes(kv, lay)
+
+
+def test_the_peak_names_its_largest_tensors(tmp_path, capsys):
+    """With a vocabulary of 2^17 the peak is the loss's: a 256-token slice's float32 log-softmax,
+    256 x 131072 x 4 bytes = 0.125 GiB, is the largest tensor live there (its gradients as large)."""
+    from flashcp.titan.dryrun.report import format_report, Report
+
+    proc = _dry_run(tmp_path, capsys, "--model.vocab_size", "131072")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    top = report["peak_tensors"]
+    assert len(top) == 8 and all(t["name"] and t["dtype"] for t in top)
+    assert sum(t["gib"] for t in top) <= report["peak_gib"]
+    assert [t["gib"] for t in top] == sorted((t["gib"] for t in top), reverse=True)
+    first = top[0]
+    assert first["shape"] == [256, 131072] and first["dtype"] == "float32" and first["gib"] == 256 * 131072 * 4 / 2**30
+    assert "log_softmax" in first["op"] and "loss" in first["name"]
+    named = {t["name"]: t for t in top}  # parameters are named by their FQN, their shard's shape
+    assert named["tok_embeddings.weight"]["shape"] == [131072 // 8, 64]
+    text = format_report(Report(**{k: v for k, v in report.items() if k != "fits"}))
+    assert "largest at the peak" in text and "_log_softmax" in text and "tok_embeddings.weight" in text

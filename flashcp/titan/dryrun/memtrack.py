@@ -21,6 +21,10 @@ groups (their parameters together; the first group's backward hooks), and the ot
 backward hooks are wrapped here as the tracker wraps the first's, so the experts' parameters,
 gradients, gathers and reduce-scatters are classified like the rest.
 
+At each new peak it also keeps the largest live storages (`TOP` of them): the aten op that created
+each (recorded by the dispatch below) and the innermost module then running, named at the end by
+parameter, gradient or optimizer state where the storage is one (`peak_tensors`).
+
 Storages created inside `host()` (the offloaded layer inputs, which on a GPU live in pinned host
 memory) are not the GPU's: they are left out of the peak and their own peak is `peak_host`.
 """
@@ -28,6 +32,7 @@ memory) are not the GPU's: they are left out of the peak and their own peak is `
 from __future__ import annotations
 
 import contextlib
+import heapq
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -50,6 +55,7 @@ GROUPS = {
     "activations": (Ref.ACT, Ref.TEMP, Ref.INP),
 }
 _TRANSIENT = (Ref.ACT, Ref.TEMP)
+TOP = 8  # the largest live storages kept at the peak
 
 
 class CategoryTracker(FSDPMemTracker):
@@ -66,6 +72,9 @@ class CategoryTracker(FSDPMemTracker):
         self._host: WeakIdKeyDictionary = WeakIdKeyDictionary()  # host storage -> bytes
         self.peak_host = 0  # bytes
         self._extra_groups: list[tuple[Any, Any, Any]] = []  # (group, its pre_backward, its post_backward)
+        self._op = ""  # the aten op being dispatched
+        self._made: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> (op, module, shape, dtype, label)
+        self._peak_top: list[tuple[int, Any, Any, tuple]] = []  # (bytes, reftype, storage weakref, _made's)
 
     def __enter__(self) -> CategoryTracker:
         if self._depth == 0:
@@ -113,7 +122,11 @@ class CategoryTracker(FSDPMemTracker):
         """Ops of DTensor's shape propagation run on the fake mode below, unseen (see the module doc)."""
         if self._propagating:
             return func(*args, **(kwargs or {}))
-        return super().__torch_dispatch__(func, types, args, kwargs)
+        outer, self._op = self._op, str(func.overloadpacket.__name__)
+        try:
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        finally:
+            self._op = outer
 
     def push(self, label: str) -> None:
         """Label the storages created from now until the matching `pop` (the innermost label wins)."""
@@ -145,10 +158,22 @@ class CategoryTracker(FSDPMemTracker):
                 self._host[st] = st.nbytes()
             self.peak_host = max(self.peak_host, sum(self._host.values()))
             return
-        new = [st for st in get_untyped_storages(t) if st not in self._WINFO] if self._labels else []
+        new = [st for st in get_untyped_storages(t) if st not in self._WINFO]
         super()._track(reftype, t)
+        made = (self._op, self._module(), tuple(t.shape), str(t.dtype).removeprefix("torch."),
+                self._labels[-1] if self._labels else "")
         for st in new:
-            self._labelled[st] = self._labels[-1]
+            self._made[st] = made
+            if self._labels:
+                self._labelled[st] = self._labels[-1]
+
+    def _module(self) -> str:
+        """The innermost module running (the longest of ModTracker's parents), with its pass."""
+        parents = [p for p in self._mod_tracker.parents if p != "Global"]
+        if not parents:
+            return ""
+        inner = max(parents, key=len).partition(".")[2] or "model"  # ModTracker names the root by its class
+        return inner + (" backward" if self._mod_tracker.is_bw else "")
 
     def _fsdp_state_pre_forward(self, fsdp_mod, orig_pre_forward):
         inner = super()._fsdp_state_pre_forward(fsdp_mod, orig_pre_forward)
@@ -168,6 +193,51 @@ class CategoryTracker(FSDPMemTracker):
         super()._update_peak_stats(peak_state)
         if self._peak_mem != before:
             self._peak_labelled = self._labelled_bytes()
+            self._peak_top = self._largest()
+
+    def _largest(self) -> list[tuple[int, Any, Any, tuple]]:
+        """The `TOP` largest live storages now, each with what `_made` knows of it."""
+        top = heapq.nlargest(TOP, self._WINFO.items(), key=lambda kv: kv[1][0].mem_consumed)
+        return [(w.mem_consumed, w.reftype, w_st, self._made.get(st, ("", "", (), "", ""))) for st, (w, w_st) in top]
+
+    def _names(self) -> dict[int, tuple[str, tuple, str]]:
+        """id of a storage -> (its parameter, gradient or optimizer state name, local shape, dtype), of
+        those alive now."""
+        names: dict[int, tuple[str, tuple, str]] = {}
+
+        def add(name: str, t: torch.Tensor) -> None:
+            local = getattr(t, "_local_tensor", t)  # a DTensor's shard
+            for st in get_untyped_storages(t):
+                names[id(st)] = (name, tuple(local.shape), str(local.dtype).removeprefix("torch."))
+
+        params = {}
+        for fqn, p in self._root_mod.named_parameters():
+            params[p] = fqn
+            add(fqn, p)
+            if p.grad is not None:
+                add(f"{fqn}.grad", p.grad)
+        if self._optm is not None:
+            for p, state in self._optm.state.items():
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor) and value.numel() > 1:
+                        add(f"{params.get(p, '?')}.{key}", value)
+        return names
+
+    def peak_tensors(self) -> list[dict[str, Any]]:
+        """The largest storages live at the peak: name (a parameter's, gradient's or optimizer state's
+        where one still holds it, else the kind and the module that made it), shape, dtype, bytes, op."""
+        names = self._names()
+        out = []
+        for nbytes, reftype, w_st, (op, module, shape, dtype, label) in self._peak_top:
+            st = w_st()
+            kind = str(getattr(reftype, "value", reftype)).lower()
+            known = names.get(id(st)) if st is not None else None
+            if known is not None:
+                name, shape, dtype = known
+            else:
+                name = f"{kind} ({', '.join(x for x in (label, module) if x) or 'before the step'})"
+            out.append({"name": name, "kind": kind, "shape": list(shape), "dtype": dtype, "bytes": nbytes, "op": op})
+        return out
 
     def _labelled_bytes(self) -> dict[str, int]:
         out: dict[str, int] = {}

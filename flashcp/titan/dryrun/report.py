@@ -65,6 +65,9 @@ class Report:
     # PP: one stage measured, every pipeline rank derived (dryrun/pipeline.py); peak_gib and by_category
     # are then the worst rank's
     pipeline: dict[str, Any] | None = None
+    # the largest tensors live at the tracked peak (of the measured stage under PP): name, kind, shape,
+    # dtype, gib, op (the aten op that made it; "" for what existed before the step)
+    peak_tensors: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
     @property
     def casts_gib(self) -> float:
@@ -127,6 +130,17 @@ def pipeline_lines(pp: dict[str, Any]) -> list[str]:
     return lines
 
 
+def peak_tensor_lines(tensors: list[dict[str, Any]]) -> list[str]:
+    """The largest tensors live at the peak, one line each."""
+    if not tensors:
+        return []
+    lines = [f"largest at the peak: {'GiB':>6}  {'dtype':<9}{'shape':<22}{'op':<26}name"]
+    for t in tensors:
+        shape = "x".join(map(str, t["shape"])) or "-"
+        lines.append(f"{'':<21}{t['gib']:>6.2f}  {t['dtype']:<9}{shape:<22}{t['op'] or '-':<26}{t['name']}")
+    return lines
+
+
 def format_report(r: Report) -> str:
     deg = " x ".join(f"{k} {v}" for k, v in r.degrees.items() if v > 1) or "1 rank"
     lines = [
@@ -136,6 +150,7 @@ def format_report(r: Report) -> str:
     for name, gib in sorted(r.by_category.items(), key=lambda kv: -kv[1]):
         lines.append(f"{name:<18}{gib:>12.2f}{r.estimate_gib.get(name, 0.0):>14.2f}")
     lines.append(f"{'peak':<18}{r.peak_gib:>12.2f}{r.estimate_gib['peak']:>14.2f}")
+    lines += peak_tensor_lines(r.peak_tensors)
     if r.loss_chunks > 1:
         lines.append(f"loss: cross-entropy in {r.loss_chunks} slices ([loss] chunk_tokens)")
     if "imbalance" in r.plan:

@@ -76,7 +76,7 @@ def dry_run(cfg: dict[str, Any], world_size: int, gpu_gib: float = 80.0, reserve
             ckpt = cfg["checkpoint"]
             hf_import = plan_hf_import(trainer, ckpt["initial_load_path"]) if ckpt["initial_load_in_hf"] else None
             input_dict, labels = next(trainer.batch_generator(trainer.dataloader))
-            peak, by_category, host = _measure(trainer, input_dict, labels)
+            peak, by_category, host, top = _measure(trainer, input_dict, labels)
             plan = _plan_figures(trainer)
             shape, layout = _shape_and_layout(trainer, input_dict["dispatch"], run_cfg)
             est = estimate(shape, layout)
@@ -105,6 +105,7 @@ def dry_run(cfg: dict[str, Any], world_size: int, gpu_gib: float = 80.0, reserve
         estimate_gib=est, plan=plan, loss_chunks=chunks, seconds=time.perf_counter() - start,
         host_gib=host / GIB, host_limit_gib=host_gib, offload=offload_time(shape, layout) if layout.offload else None,
         low_precision=low_precision_report(layout.low_precision), hf_import=hf_import, pipeline=piped,
+        peak_tensors=[{**{k: v for k, v in t.items() if k != "bytes"}, "gib": t["bytes"] / GIB} for t in top],
     )  # fmt: skip
 
 
@@ -244,9 +245,10 @@ def _no_rejection_sampling() -> Iterator[None]:
         torch.nn.init._no_grad_trunc_normal_ = truncated
 
 
-def _measure(trainer, input_dict: dict[str, Any], labels: torch.Tensor) -> tuple[int, dict[str, int], int]:
-    """Peak bytes of one training step (optimizer states already allocated), by category, and the peak
-    of host memory the offload holds."""
+def _measure(trainer, input_dict: dict[str, Any], labels: torch.Tensor) -> tuple[int, dict[str, int], int, list]:
+    """Peak bytes of one training step (optimizer states already allocated), by category, the peak
+    of host memory the offload holds, and the largest tensors live at the peak (named while the
+    gradients still exist)."""
     from torchtitan.components.loss import IGNORE_INDEX
     from torchtitan.distributed import utils as dist_utils
 
@@ -266,13 +268,14 @@ def _measure(trainer, input_dict: dict[str, Any], labels: torch.Tensor) -> tuple
                 dist_utils.clip_grad_norm_(params, trainer.config.training.max_norm, foreach=True,
                                            ep_enabled=trainer.parallel_dims.ep_enabled)
                 optimizers.step()
+                top = tracker.peak_tensors()
                 optimizers.zero_grad(set_to_none=True)
         finally:
             for handle in handles:
                 handle.remove()
             trainer.loss_fn = trainer.loss_fn.inner
     peak, by_category = tracker.peak_by_category()
-    return peak, {"flashcp_buffers": 0, "loss": 0, **by_category}, tracker.peak_host
+    return peak, {"flashcp_buffers": 0, "loss": 0, **by_category}, tracker.peak_host, top
 
 
 @contextlib.contextmanager
