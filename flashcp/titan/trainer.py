@@ -87,6 +87,7 @@ from flashcp.dispatch import build_dispatch
 from flashcp.plan.plan import row_bytes
 from flashcp.titan.models.attention import CPStep, flashcp_ropes, flashcp_windows
 from flashcp.titan.models.gated_deltanet import deltanet_conv_width, hybrid_masks
+from flashcp.titan.models.spec import uncounted_pipeline_inference
 from flashcp.titan.models.windows import (
     attention_layers, build_hybrid_dispatches, build_layer_dispatches, HybridDispatches, planner_workload,
 )
@@ -168,6 +169,8 @@ class FlashCPTrainer(Trainer):
                         + ("; on one node it is the needed exchange" if nodes == 1 else ""))  # fmt: skip
         self._configure_metrics()
         model = torch.nn.ModuleList(self.model_parts)  # every stage this rank holds (one without PP)
+        if dims.pp_enabled:
+            uncounted_pipeline_inference(self.pp_schedule, self.model_parts)  # MoE: real microbatches' counts
         self._flashcp_ropes = flashcp_ropes(model)  # RoPEs whose rows each step computes
         self._flashcp_windows = flashcp_windows(model)  # sliding windows each step dispatches
         self._flashcp_conv_width = deltanet_conv_width(model)  # Gated DeltaNet layers: their width

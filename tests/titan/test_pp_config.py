@@ -30,9 +30,6 @@ CASES = [
      "[parallelism] pipeline_parallel_degree > 1 does not run with [flashcp] comm = 'ring'"),
     ("overlap", {"parallelism": PP, "training": {"local_batch_size": 2}, "flashcp": {"overlap": True}},
      "[parallelism] pipeline_parallel_degree > 1 does not run with [flashcp] overlap = true"),
-    ("experts", {"model": {"name": "qwen3", "num_experts": 4, "num_experts_per_tok": 2, "moe_hidden_dim": 32},
-                 "parallelism": PP, "training": {"local_batch_size": 2}},
-     "[parallelism] pipeline_parallel_degree > 1 does not run with a mixture-of-experts model"),
     ("hf import", {"parallelism": PP, "training": {"local_batch_size": 2},
                    "checkpoint": {"enable": True, "initial_load_in_hf": True, "initial_load_path": "/nonexistent"}},
      "[parallelism] pipeline_parallel_degree > 1 does not run with [checkpoint] initial_load_in_hf"),
@@ -56,6 +53,14 @@ def test_tensor_parallelism_and_compile_are_accepted(tmp_path):
     cfg = tiny_job(tmp_path, parallelism=PP | {"tensor_parallel_degree": 2}, training={"local_batch_size": 2},
                    compile={"enable": True, "components": ["model"]})  # fmt: skip
     assert cfg["parallelism"]["tensor_parallel_degree"] == 2 and cfg["compile"]["enable"]
+
+
+def test_a_mixture_of_experts_model_is_accepted(tmp_path):
+    """Qwen3-MoE with expert parallelism over a stage's CP ranks (PP 2 x CP 2 x EP 2 = the run without
+    PP, routing biases and expert counts included: tests/titan/test_pp_moe.py): the check lets it through."""
+    cfg = tiny_job(tmp_path, model={"name": "qwen3", "num_experts": 4, "num_experts_per_tok": 2, "moe_hidden_dim": 32},
+                   parallelism=PP | {"expert_parallel_degree": 2}, training={"local_batch_size": 2})  # fmt: skip
+    assert cfg["parallelism"]["pipeline_parallel_degree"] == 2 and cfg["parallelism"]["expert_parallel_degree"] == 2
 
 
 def test_a_hybrid_model_is_refused(tmp_path):

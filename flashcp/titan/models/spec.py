@@ -167,11 +167,11 @@ def uncounted_pipeline_inference(schedule: Any, model_parts: list[torch.nn.Modul
     initialize = schedule._initialize_pp_stages
 
     def uncounted(*args: Any, **kwargs: Any) -> Any:
-        with torch.no_grad():
-            before = [moe.tokens_per_expert_E.clone() for moe in moes]
-            try:
-                return initialize(*args, **kwargs)
-            finally:
+        before = [moe.tokens_per_expert_E.detach().clone() for moe in moes]
+        try:
+            return initialize(*args, **kwargs)
+        finally:
+            with torch.no_grad():
                 for moe, counts in zip(moes, before, strict=True):
                     moe.tokens_per_expert_E.copy_(counts)
 
