@@ -173,6 +173,7 @@ class CategoryTracker(FSDPMemTracker):
         if not parents:
             return ""
         inner = max(parents, key=len).partition(".")[2] or "model"  # ModTracker names the root by its class
+        inner = inner.replace("_checkpoint_wrapped_module.", "")  # as the parameters' names read
         return inner + (" backward" if self._mod_tracker.is_bw else "")
 
     def _fsdp_state_pre_forward(self, fsdp_mod, orig_pre_forward):
