@@ -55,7 +55,7 @@ def without_pp(tmp_path_factory, gloo_pool) -> tuple[dict, tuple]:
     return seed, reference
 
 
-@pytest.mark.parametrize("schedule", ["1F1B"])
+@pytest.mark.parametrize("schedule", ["GPipe", "1F1B", "Interleaved1F1B"])
 def test_pp2_x_cp2_x_ep2_reproduces_the_run_without_pp(tmp_path, gloo_pool, without_pp, schedule):
     seed, (losses, biases, counts, grads) = without_pp
     pp = {"pipeline_parallel_degree": 2, "pipeline_parallel_schedule": schedule, **SPLIT}
