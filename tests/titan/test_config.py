@@ -43,6 +43,7 @@ SHIPPED = {
     "qwen3_8b_128k": (8, True, {"dp_shard": 1, "cp": 8, "tp": 1}),
     "qwen3_30b_a3b_128k": (16, True, {"dp_shard": 2, "cp": 8, "tp": 1}),
     "deepseek_v3_16b_128k": (16, True, {"dp_shard": 2, "cp": 8, "tp": 1}),
+    "deepseek_v3_671b_128k": (512, True, {"dp_shard": 8, "cp": 8, "tp": 1, "pp": 8}),
     "gpt_oss_20b_128k": (8, True, {"dp_shard": 1, "cp": 8, "tp": 1}),
     "qwen3_5_9b_128k": (8, True, {"dp_shard": 1, "cp": 8, "tp": 1}),
 }
