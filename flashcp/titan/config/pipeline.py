@@ -23,8 +23,10 @@ PIPELINE_KEYS = ("module_fqns_per_model_part",) + tuple(
 # dispatches in tests/titan/test_pp_train.py; the zero-bubble ones split each backward in two (input,
 # then weight gradients), DualPipeV overlaps one microbatch's forward with another's backward.
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
-# Those run with [compile] enable ('model') in tests/titan/test_pp_tp.py.
-COMPILED_SCHEDULES = ("1F1B", "Interleaved1F1B")
+# Those run with tensor parallelism and with [compile] enable ('model') in tests/titan/test_pp_tp.py; the
+# others are refused with either until run (compiled, the first tried, InterleavedZeroBubble, did not
+# finish on CPU in 15 minutes).
+TP_AND_COMPILE_SCHEDULES = ("1F1B", "Interleaved1F1B")
 
 
 def check_pipeline(cfg: dict, given: list[str]) -> None:
@@ -46,10 +48,12 @@ def check_pipeline(cfg: dict, given: list[str]) -> None:
     if schedule.lower() not in {s.lower() for s in SCHEDULES}:
         raise ConfigError(f"[parallelism] pipeline_parallel_schedule = {schedule!r}: FlashCP runs "
                           f"{', '.join(SCHEDULES)}")  # fmt: skip
-    if model_compiled(cfg) and schedule.lower() not in {s.lower() for s in COMPILED_SCHEDULES}:
-        raise ConfigError(f"[parallelism] pipeline_parallel_schedule = {schedule!r} does not run with [compile] "
-                          f"enable with 'model' (run compiled: {', '.join(COMPILED_SCHEDULES)}; the others are not "
-                          "checked compiled, and the first tried, InterleavedZeroBubble, did not finish on CPU)")  # fmt: skip
+    limited = [(model_compiled(cfg), "[compile] enable with 'model'"),
+               (par["tensor_parallel_degree"] > 1, "[parallelism] tensor_parallel_degree > 1")]  # fmt: skip
+    for on, what in limited:
+        if on and schedule.lower() not in {s.lower() for s in TP_AND_COMPILE_SCHEDULES}:
+            raise ConfigError(f"[parallelism] pipeline_parallel_schedule = {schedule!r} does not run with {what} "
+                              f"(checked with it: {', '.join(TP_AND_COMPILE_SCHEDULES)})")  # fmt: skip
     if par["pipeline_parallel_microbatch_size"] != 1:
         raise ConfigError(
             f"[parallelism] pipeline_parallel_microbatch_size must be 1 with FlashCP (a microbatch is one packed "
