@@ -88,6 +88,7 @@ class DistributedPool:
     def __init__(self, world_size: int, sizes: Sequence[int] | None = None, timeout: float = 1200.0):
         self.world_size, self.timeout = world_size, timeout
         self.failed = False  # a call raised: some rank may still be inside a collective
+        self.groups = 0  # process groups each rank has created (all ranks agree, or the pool failed)
         self.sizes = tuple(sorted(set(sizes or (world_size,))))
         if max(self.sizes) > world_size:
             raise ValueError(f"group sizes {self.sizes} exceed world size {world_size}")
@@ -138,6 +139,7 @@ class DistributedPool:
             self.failed = True
             raise RuntimeError(f"{what} created process groups on some ranks only (each rank's count: {counts}); "
                                "a call that builds a mesh or group must run on all of a pool's ranks")
+        self.groups = counts[0]
         return out
 
     def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), size: int | None = None) -> list[Any]:
@@ -166,15 +168,21 @@ class DistributedPool:
 
 
 _SHARED: dict[int, DistributedPool] = {}  # world size -> the pool this test process shares
+# A gloo group keeps its threads polling while it lives (torch 2.13: ~0.12 % of a core per group per
+# rank, idle), and a trainer's meshes leave a few groups in a worker with every run: a pool past this
+# many is replaced, or a long session's idle pools spend whole cores (measured: 137 groups a rank,
+# 16 % of a core each, on ranks waiting for their next call).
+MAX_GROUPS = 64
 
 
 def shared(world_size: int, sizes: Sequence[int] | None = None) -> DistributedPool:
     """This process's pool of `world_size` ranks with a group for each of `sizes`, started on first
     use and reused by later tests (of any file); a failed pool, or one lacking a group size, is
-    replaced. At most two pools are kept (the least recently used other one is closed)."""
+    replaced, and so is one whose ranks hold more than `MAX_GROUPS` process groups. At most two pools
+    are kept (the least recently used other one is closed)."""
     wanted = set(sizes or (world_size,)) | {world_size}
     pool = _SHARED.pop(world_size, None)
-    if pool is not None and (pool.failed or not wanted <= set(pool.sizes)):
+    if pool is not None and (pool.failed or pool.groups > MAX_GROUPS or not wanted <= set(pool.sizes)):
         wanted |= set(pool.sizes) if not pool.failed else set()
         pool.close()
         pool = None
