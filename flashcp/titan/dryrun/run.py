@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from flashcp.attention import kernels
-from flashcp.attention.latent import cp_latent_attention
+from flashcp.attention.op import latent_attention
 from flashcp.titan.config import check_layout, ConfigError
 from flashcp.titan.config.converters import converted_linears
 from flashcp.titan.config.model import model_experts
@@ -311,10 +311,10 @@ class _LabelledLoss:
 
 
 class _LatentOp(torch.nn.Module):
-    """`cp_latent_attention` as a module, so that hooks label its forward and backward (the exchange,
-    the up-projected K / V and the kernel) apart from the MLA layer's own projections."""
+    """The MLA layer's op (`latent_attention`) as a module, so that hooks label its forward and backward
+    (the exchange, the up-projected K / V and the kernel) apart from the MLA layer's own projections."""
 
-    op = staticmethod(cp_latent_attention)
+    op = staticmethod(latent_attention)
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         return self.op(*args, **kwargs)
@@ -346,8 +346,8 @@ def _label_regions(trainer, tracker: CategoryTracker) -> list[Any]:
             op.register_full_backward_pre_hook(push("flashcp_buffers")),
             op.register_full_backward_hook(pop),
         ]
-        latent_model.cp_latent_attention = op
-        restore = lambda: setattr(latent_model, "cp_latent_attention", _LatentOp.op)  # noqa: E731
+        latent_model.latent_attention = op
+        restore = lambda: setattr(latent_model, "latent_attention", _LatentOp.op)  # noqa: E731
         handles.append(SimpleNamespace(remove=restore))
     lm_head = model.lm_head
     handles += [lm_head.register_forward_pre_hook(push("loss")), lm_head.register_forward_hook(pop)]
