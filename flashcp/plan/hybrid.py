@@ -336,7 +336,7 @@ class _Window:
         for j, d in enumerate(flexible):
             size = doc_lens[d]
             rest = size - (bonus if j == 0 else 0)
-            part = list(taken) if j == len(flexible) - 1 else _apportion(taken, rest)
+            part = list(taken) if j == len(flexible) - 1 else apportion(taken, rest)
             taken = [t - p for t, p in zip(taken, part)]
             if j == 0:
                 part[holder] += bonus
@@ -351,7 +351,7 @@ class _Window:
         return ranks, work, sent
 
 
-def _apportion(total: list[int], size: int) -> list[int]:
+def apportion(total: list[int], size: int) -> list[int]:
     """Integer shares of `size` proportional to `total` (largest remainders); each <= its total
     as long as size <= sum(total)."""
     whole = sum(total)
