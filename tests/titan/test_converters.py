@@ -161,7 +161,7 @@ def stand_in_torchao(monkeypatch):
 
 
 def test_float8_converts_flashcps_linears_but_not_its_attention(tmp_path, stand_in_torchao):
-    """TorchTitan's converter on the job's model config (FlashCP attention, tiled MLP): every linear of
+    """TorchTitan's converter on the job's model config (FlashCP attention, tiled blocks): every linear of
     the layers is swapped, the output projection and FlashCP's attention are not, and the spec holds
     the converted config, so the model TorchTitan's trainer builds, then parallelises (TP, AC, compile,
     FSDP in `parallelize_flashcp`), is the converted one, as in TorchTitan's own registries."""
@@ -170,7 +170,7 @@ def test_float8_converts_flashcps_linears_but_not_its_attention(tmp_path, stand_
     from flashcp.titan.launch.job import trainer_config
     from flashcp.titan.models.attention import FlashCPAttention
     from flashcp.titan.models.spec import parallelize_flashcp
-    from flashcp.titan.models.tiled_mlp import TiledFeedForward
+    from flashcp.titan.models.tiled_block import TiledTransformerBlock
 
     cfg = tiny_job(tmp_path, model={"converters": ["float8"]}, float8={"emulate": True},
                    activation_checkpoint={"mlp_tiles": 2})  # fmt: skip
@@ -190,7 +190,7 @@ def test_float8_converts_flashcps_linears_but_not_its_attention(tmp_path, stand_
 
     with torch.device("meta"):
         model = spec.model.build()
-    assert isinstance(model.layers["0"].feed_forward, TiledFeedForward)  # converted inside the tiled MLP
+    assert isinstance(model.layers["0"], TiledTransformerBlock)  # converted inside the tiled block
     assert isinstance(model.layers["0"].feed_forward.w2, stand_in_torchao)
     assert not isinstance(model.lm_head, stand_in_torchao)
 

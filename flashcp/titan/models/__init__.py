@@ -11,7 +11,8 @@
 - `windows`: a sliding-window model's dispatches (its full layers' and one per window), built together;
 - `gated_deltanet`: Qwen3.5's hybrid text decoder (Gated DeltaNet on FlashCP's linear-attention ops),
   its dispatches and steps;
-- `tiled_mlp`: the MLP over sequence tiles (`[activation_checkpoint] mlp_tiles`).
+- `tiled_mlp`: the MLP over sequence tiles (`[activation_checkpoint] mlp_tiles`);
+- `tiled_block`: a dense block's norms, MLP and FFN residual over the same tiles.
 
 May import: torch, TorchTitan, the core (plan, dispatch, attention), `flashcp.titan.config` (its
 errors and flavor lists), `flashcp.titan.hf` (architectures read from config.json) and `compat`.

@@ -57,7 +57,7 @@ from flashcp.titan.config import ConfigError
 from flashcp.titan.models.decoders import ADAPTERS, job_architecture, titan_config
 from flashcp.titan.models.offload import offload_layer_inputs
 from flashcp.titan.models.rope import attention_scale_factor
-from flashcp.titan.models.tiled_mlp import use_tiled_mlp
+from flashcp.titan.models.tiled_block import use_tiled_blocks
 
 
 def model_spec(
@@ -67,7 +67,8 @@ def model_spec(
 ) -> ModelSpec:
     """The job's model as a TorchTitan ModelSpec, with FlashCP attention when selected; `offload`: full
     activation checkpointing's layer inputs wait in host memory (`[activation_checkpoint] offload`);
-    `mlp_tiles` > 1: the MLP runs over sequence tiles (`[activation_checkpoint] mlp_tiles`);
+    `mlp_tiles` > 1: the MLP runs over sequence tiles (`[activation_checkpoint] mlp_tiles`), in Llama 3's and
+    dense Qwen3's blocks with the norms and the FFN's residual add (`tiled_block`);
     `converters`: TorchTitan's model converters (`[model] converters`), applied last to the config as
     TorchTitan's registries apply them, so before the model is built, parallelised and compiled;
     `compiled`: the blocks are compiled (`[compile] enable` with "model"), which changes how a
@@ -100,7 +101,7 @@ def model_spec(
         parallelize = parallelize_flashcp
     else:
         parallelize = _parallelize_titan_cp
-    use_tiled_mlp(model, mlp_tiles)
+    use_tiled_blocks(model, mlp_tiles)
     if converters:  # as torchtitan.models.llama3.model_registry does
         validate_converter_order(converters)
         for converter in converters:

@@ -13,14 +13,17 @@ before and checkpoints load either way. Under tensor parallelism each tile runs 
 (w1 / w3 split along the hidden dim, w2 reduced per tile) and the joined output is put back into the
 placement the untiled MLP returns. The MLP is token-wise, so tiles change only summation order.
 
-`tiles = AUTO` picks the count from the shapes each call sees (no host sync): the fewest tiles
+`flashcp.titan.models.tiled_block.use_tiled_blocks` installs it (inside Llama 3's and Qwen3's
+blocks the norm and residual add are tiled with it). `tiles = AUTO` picks the count from the shapes each call sees (no host sync): the fewest tiles
 whose intermediates (w1 x, w3 x, silu and the product: 4 x tile x hidden) fit `TILE_BYTES`.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -39,6 +42,16 @@ def tile_count(tiles: int, tokens: int, hidden: int, element_bytes: int) -> int:
     return max(1, math.ceil(4 * tokens * hidden * element_bytes / TILE_BYTES))
 
 
+def run_tiled(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tile_len: int) -> torch.Tensor:
+    """Token-wise `fn` over tiles of `tile_len` positions of `x` (dim 1), each under a non-reentrant
+    checkpoint: autograd keeps only each tile's input, and backward recomputes one tile at a time."""
+    parts = [checkpoint(fn, t, use_reentrant=False, preserve_rng_state=False) for t in x.split(tile_len, dim=1)]
+    out = torch.cat(parts, dim=1)
+    if isinstance(out, DTensor):  # TP: joining tiles sharded along the sequence may change placement
+        out = out.redistribute(placements=parts[0].placements)
+    return out
+
+
 class TiledFeedForward(FeedForward):
     """TorchTitan's SwiGLU FeedForward, run over at most `tiles` sequence tiles (dim 1 of `[B, L, D]`)."""
 
@@ -54,26 +67,4 @@ class TiledFeedForward(FeedForward):
         w1 = self.w1.weight
         hidden = w1.to_local().shape[0] if isinstance(w1, DTensor) else w1.shape[0]
         tiles = tile_count(self.tiles, x.shape[0] * x.shape[1], hidden, x.element_size())
-        tile_len = math.ceil(x.shape[1] / tiles)
-        parts = [
-            checkpoint(FeedForward.forward, self, tile, use_reentrant=False, preserve_rng_state=False)
-            for tile in x.split(tile_len, dim=1)
-        ]
-        out = torch.cat(parts, dim=1)
-        if isinstance(out, DTensor):  # TP: joining tiles sharded along the sequence may change placement
-            out = out.redistribute(placements=parts[0].placements)
-        return out
-
-
-def use_tiled_mlp(model_config, tiles: int) -> None:
-    """Make every layer's dense FeedForward of a TorchTitan decoder config a `TiledFeedForward`, in
-    place (tiles 0 or 1: unchanged; AUTO: sized by TILE_BYTES at each call)."""
-    if tiles in (0, 1):
-        return
-    for layer in model_config.layers:
-        ffn = getattr(layer, "feed_forward", None)
-        if type(ffn) is FeedForward.Config:
-            layer.feed_forward = TiledFeedForward.Config(
-                w1=ffn.w1, w2=ffn.w2, w3=ffn.w3, param_init=ffn.param_init,
-                sharding_config=ffn.sharding_config, tiles=tiles,
-            )  # fmt: skip
+        return run_tiled(partial(FeedForward.forward, self), x, math.ceil(x.shape[1] / tiles))
