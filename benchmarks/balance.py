@@ -29,6 +29,17 @@ kept vs stream packing of its own documents), `steps_over_target` (the share of 
 default `balance_target`, 1.05), `balanced.max`, `delay_steps`, `delayed_token_share`,
 `pieces_bound` and, with --all-modes, `modes`: the same figures for every mode.
 
+    python benchmarks/balance.py --mesh-scope (--distribution NAME | --lengths-file F.json) --context C --dp K
+                                 [--cp N] [--steps S] [--ranks-per-node G] [--json]
+    python benchmarks/balance.py --mesh-grid [--steps S] [--lengths-dir DIR] [--json]
+
+the mesh scope (`flashcp.plan.mesh.plan_mesh`: each step's dp x C tokens planned as one FlashCP group over all
+dp x cp ranks on nodes of G ranks, documents longer than C as C-long pieces) beside deferral-cut on the same
+stream: max / mean predicted rank time over all the mesh's ranks, pairs kept vs stream packing at C, KV bytes a
+rank receives per layer (Llama 3 8B, bf16), the share of received rows crossing nodes and planning CPU time;
+then one plan of 64M tokens over 512 ranks timed. --mesh-grid runs every shipped distribution and the lengths
+files of DIR (default ../shared/data/lengths) at C = 128K and 512K, DP 8 and 64.
+
     python benchmarks/balance.py --rule benchmarks/results/balance_modes.jsonl
 
 applies the default-picking rule to saved `--json` lines (one per setting, --all-modes or one --mode each):
@@ -44,20 +55,26 @@ import json
 import re
 import time
 from collections.abc import Iterable
+from pathlib import Path
 
 import numpy as np
 
-from flashcp import plan_shards
+from flashcp import Plan, plan_shards
 from flashcp.costmodel.proxy import window_cost
 from flashcp.data.balance import layout_step, StepLayout, stream_windows, WindowCost
 from flashcp.data.deferral import Deferral, DocSpan, stream_pairs
-from flashcp.data.lengths import length_sampler, LengthSampler, LognormalMixture
+from flashcp.data.lengths import DISTRIBUTIONS, length_sampler, LengthSampler, LognormalMixture
 from flashcp.data.sources import DataConfig
+from flashcp.plan.mesh import plan_mesh
+from flashcp.plan.nodes import node_traffic
+from flashcp.plan.plan import row_bytes
 
 LLAMA3_8B = {"params": 8.03e9, "vocab": 128256, "dim": 4096, "n_layers": 32}
 MODES = ("off", "mesh", "mesh-cut", "deferral", "deferral-cut")
 SWEEP = (("off", 0), ("mesh", 0), ("mesh-cut", 0), *(("deferral", k) for k in (4, 8, 16, 32)),
          *(("deferral-cut", k) for k in (8, 16)))  # fmt: skip
+KV_ROW = row_bytes(num_kv_heads=8, head_dim=128, dtype_bytes=2)  # Llama 3 8B: K and V of one token, bf16
+MESH_TARGET = 1.02  # plan_mesh's target at each of its two levels
 PROLONG = LognormalMixture.from_token_shares(("long", "short"), (0.4, 0.6), (65536.0, 1500.0))
 
 
@@ -114,10 +131,22 @@ class Stream:
         return lens, first
 
 
+def rank_times(plan: Plan, cost: WindowCost) -> list[float]:
+    """Predicted time of each rank of a plan: dense time of its tokens plus attention of its pairs."""
+    return [cost.dense_per_token * plan.tokens_per_rank + cost.attn_per_pair * w for w in plan.workloads()]
+
+
 def planned_cost(doc_lens: list[int], cost: WindowCost) -> float:
-    """Dense time per CP rank plus the attention of the busiest rank of the FlashCP plan."""
-    plan = plan_shards(doc_lens, cost.cp, strategy="flashcp")
-    return cost.dense_per_token * sum(doc_lens) / cost.cp + cost.attn_per_pair * max(plan.workloads())
+    """Predicted time of the busiest rank of the window's FlashCP plan."""
+    return max(rank_times(plan_shards(doc_lens, cost.cp, strategy="flashcp"), cost))
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    return {"mean": float(np.mean(values)), "p95": float(np.percentile(values, 95)), "max": float(max(values))}
+
+
+def pct(values: list[float]) -> dict[str, float]:
+    return {"p50": float(np.percentile(values, 50)), "p99": float(np.percentile(values, 99))}
 
 
 def ratio(per_group: list[float]) -> float:
@@ -152,6 +181,7 @@ def run(distribution: str, context: int, dp: int, cp: int, n_steps: int, micro: 
                 if mode.startswith("deferral") else None)  # fmt: skip
     off, balanced, bound, wall, cpu, kept, ref, delays, waited, tokens = [], [], [], [], [], 0.0, 0.0, [], 0, 0
     step_kept = []  # each step's pairs kept vs stream packing of its own documents
+    over_mesh, received, received_mean = [], [], []  # max / mean over all ranks; rows received per layer
     reading = [0.0, 0.0]  # wall, CPU seconds drawing the stream's lengths inside a step (not balancing)
 
     def read(tokens: int) -> DocSpan:
@@ -188,8 +218,13 @@ def run(distribution: str, context: int, dp: int, cp: int, n_steps: int, micro: 
         else:
             step_ref = pairs([n for w in seq for n in w])
         tokens += n_windows * context
-        per_group = [sum(planned_cost(w, cost) for w in rank) for rank in groups]
+        plans = [[plan_shards(w, cp, strategy="flashcp") for w in rank] for rank in groups]
+        times = [[rank_times(p, cost) for p in rank] for rank in plans]
+        per_group = [sum(max(t) for t in rank) for rank in times]
         balanced.append(ratio(per_group))
+        over_mesh.append(ratio([sum(ts) for rank in times for ts in zip(*rank)]))  # each rank over its micro steps
+        received.append(max(max(p.needed_tokens()) for rank in plans for p in rank))
+        received_mean.append(float(np.mean([sum(p.needed_tokens()) / cp for rank in plans for p in rank])))
         trained = pairs([n for rank in groups for w in rank for n in w])
         kept, ref = kept + trained, ref + step_ref
         step_kept.append(trained / step_ref)
@@ -199,14 +234,11 @@ def run(distribution: str, context: int, dp: int, cp: int, n_steps: int, micro: 
             bound.append((cost.dense_per_token * context + cost.attn_per_pair * max(pairs([n]) for n in docs))
                          / cost.cp / (sum(per_group) / dp) if mode == "mesh" else 1.0)  # fmt: skip
 
-    def summary(values: list[float]) -> dict[str, float]:
-        return {"mean": float(np.mean(values)), "p95": float(np.percentile(values, 95)), "max": float(max(values))}
-
-    def pct(values: list[float]) -> dict[str, float]:
-        return {"p50": float(np.percentile(values, 50)), "p99": float(np.percentile(values, 99))}
-
     out = {
         "balanced": summary(balanced),
+        "mesh_ratio": summary(over_mesh),
+        "received_rows": {"p50": float(np.percentile(received, 50)), "max": float(max(received)),
+                          "mean": float(np.mean(received_mean))},
         "plan_ms": pct(wall),
         "plan_cpu_ms": pct(cpu),
         "attention_pairs_kept_vs_off": kept / ref,
@@ -225,6 +257,102 @@ def run(distribution: str, context: int, dp: int, cp: int, n_steps: int, micro: 
     if mode == "mesh":
         out["pieces_bound"] = summary(bound)
     return out
+
+
+def run_mesh_scope(distribution: str, context: int, dp: int, cp: int, n_steps: int, micro: int, seed: int,
+                   ranks_per_node: int = 8, target: float = MESH_TARGET) -> dict:  # fmt: skip
+    """The mesh scope on the stream `run` trains: each micro step's dp x C tokens of the stream (documents longer
+    than C as C-long pieces, `window_pieces`) planned as one FlashCP group over all dp x cp ranks
+    (`flashcp.plan.mesh.plan_mesh`), nothing deferred. Figures: max / mean
+    predicted rank time over the mesh, pairs kept vs stream packing at C, rows the busiest receiver gets per
+    layer, the share of all received rows that cross nodes (flat exchange, `flashcp.plan.nodes`), documents cut
+    across nodes, and planning time (the whole mesh's plan, what every rank computes)."""
+    cost = llama_cost(cp)
+    plan_mesh(Stream(sampler(distribution, seed + 1)).step(dp * context)[0], dp, cp, ranks_per_node, target)  # warm
+    stream = Stream(sampler(distribution, seed))
+    over_mesh, step_kept, received, received_mean, node_cut, wall, cpu = [], [], [], [], [], [], []
+    inter = rows = 0
+    kept = ref = 0.0
+    for _ in range(n_steps):
+        lens, _ = stream.step(dp * micro * context)
+        t0, c0 = time.perf_counter(), time.process_time()
+        batches = [window_pieces(b, context) for b in stream_windows(lens, dp * context)]
+        plans = [plan_mesh(b, dp, cp, ranks_per_node, target) for b in batches]
+        wall.append((time.perf_counter() - t0) * 1e3)
+        cpu.append((time.process_time() - c0) * 1e3)
+        over_mesh.append(ratio([sum(ts) for ts in zip(*(rank_times(p, cost) for p in plans))]))
+        trained, step_ref = sum(pairs(b) for b in batches), pairs([n for w in stream_windows(lens, context) for n in w])
+        kept, ref = kept + trained, ref + step_ref
+        step_kept.append(trained / step_ref)
+        received.append(max(max(p.needed_tokens()) for p in plans))
+        received_mean.append(float(np.mean([np.mean(p.needed_tokens()) for p in plans])))
+        for p in plans:
+            traffic = node_traffic(p, p.info["ranks_per_node"])
+            inter, rows = inter + traffic.totals()["flat_inter"], rows + sum(map(sum, traffic.needed))
+        node_cut.append(sum(len(p.info["node_cut"]) for p in plans))
+    return {
+        "mesh_ratio": summary(over_mesh),
+        "attention_pairs_kept_vs_off": kept / ref,
+        "step_pairs_kept_min": float(min(step_kept)),
+        "received_rows": {"p50": float(np.percentile(received, 50)), "max": float(max(received)),
+                          "mean": float(np.mean(received_mean))},
+        "cross_node_share": inter / rows if rows else 0.0,
+        "node_cut_docs": float(np.mean(node_cut)),
+        "plan_ms": pct(wall),
+        "plan_cpu_ms": pct(cpu),
+        "setting": {"distribution": distribution, "context": context, "dp": dp, "cp": cp, "micro": micro,
+                    "steps": n_steps, "seed": seed, "model": "Llama 3 8B, full AC", "mode": "mesh scope",
+                    "ranks_per_node": ranks_per_node, "target": target},  # fmt: skip
+    }
+
+
+def window_pieces(lens: list[int], window: int) -> list[int]:
+    """Documents longer than a window as window-long pieces from their head and a rest, as deferral trains
+    them: a whole 1M document would make its later ranks receive up to 1M rows per layer."""
+    return [min(window, n - start) for n in lens for start in range(0, n, window)]
+
+
+def time_mesh_plan(distribution: str, seed: int, dp: int = 64, cp: int = 8, per_rank: int = 131072,
+                   ranks_per_node: int = 8, repeats: int = 3) -> list[float]:  # fmt: skip
+    """CPU ms of `plan_mesh` on one global batch of dp x cp x per_rank tokens (default 512 ranks, 64M tokens)."""
+    lens = window_pieces(Stream(sampler(distribution, seed)).step(dp * cp * per_rank)[0], cp * per_rank)
+    times = []
+    for _ in range(repeats):
+        c0 = time.process_time()
+        plan_mesh(lens, dp, cp, ranks_per_node)
+        times.append((time.process_time() - c0) * 1e3)
+    return times
+
+
+def mesh_scope_report(source: str, context: int, dp: int, cp: int, n_steps: int, micro: int, seed: int,
+                      ranks_per_node: int) -> dict:  # fmt: skip
+    """The mesh scope beside the default (`deferral-cut`) on the same stream; the latter's windows stay inside
+    a node when its ranks hold whole CP groups (no rows cross nodes)."""
+    mesh = run_mesh_scope(source, context, dp, cp, n_steps, micro, seed, ranks_per_node)
+    default = run(source, context, dp, cp, n_steps, micro, seed, "deferral-cut")
+    default["cross_node_share"] = 0.0 if ranks_per_node % cp == 0 else None
+    return {"mesh": mesh, "deferral-cut": default}
+
+
+def print_mesh_scope(result: dict) -> None:
+    s = result["mesh"]["setting"]
+    print(f"{s['distribution']} C={s['context']} DP={s['dp']} CP={s['cp']} micro={s['micro']}, {s['steps']} steps, "
+          f"{s['ranks_per_node']} ranks a node: max / mean predicted rank time over the {s['dp'] * s['cp']} ranks "
+          "(mean / p95), pairs kept vs stream packing at C, KV MiB a rank receives per layer (mean over ranks; the "
+          "busiest rank's p50 / max over steps), "
+          "received rows crossing nodes, plan CPU ms p50 / p99:")
+    for name, r in result.items():
+        mib = {k: v * KV_ROW / 2**20 for k, v in r["received_rows"].items()}
+        cross = "n/a" if r["cross_node_share"] is None else f"{100 * r['cross_node_share']:.0f} %"
+        print(f"  {name:13s} {r['mesh_ratio']['mean']:.3f} / {r['mesh_ratio']['p95']:.3f}  pairs "
+              f"{100 * r['attention_pairs_kept_vs_off']:5.1f} %  recv {mib['mean']:6.1f}; {mib['p50']:6.1f} / "
+              f"{mib['max']:6.1f} MiB  "
+              f"cross {cross:>4s}  CPU ms {r['plan_cpu_ms']['p50']:6.1f} / {r['plan_cpu_ms']['p99']:6.1f}")
+
+
+def mesh_sources(lengths_dir: str) -> list[str]:
+    """Every shipped length distribution and the lengths files in `lengths_dir`."""
+    return [*DISTRIBUTIONS, *sorted(str(p) for p in Path(lengths_dir).glob("*.json"))]
 
 
 def default_mode() -> tuple[str, int]:
@@ -302,6 +430,12 @@ def main(argv: list[str] | None = None) -> int:
                         "or prolong[-<long mean>k[-<long share %%>]]")
     source.add_argument("--lengths-file", help="a JSON list of document lengths to sample from")
     source.add_argument("--rule", help="apply the default's rule to saved --json lines (a .jsonl file)")
+    source.add_argument("--mesh-grid", action="store_true", help="the mesh scope beside deferral-cut on every "
+                        "shipped distribution and --lengths-dir file at C = 128K and 512K, DP 8 and 64")
+    parser.add_argument("--mesh-scope", action="store_true", help="the mesh scope (one plan over all DP x CP "
+                        "ranks) beside deferral-cut, then one plan of 512 ranks and 64M tokens timed")
+    parser.add_argument("--ranks-per-node", type=int, default=8)
+    parser.add_argument("--lengths-dir", default="../shared/data/lengths", help="lengths files for --mesh-grid")
     parser.add_argument("--context", type=int, help="window length C (tokens)")
     parser.add_argument("--dp", type=int)
     parser.add_argument("--cp", type=int)
@@ -316,6 +450,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.rule:
         print_rule(args.rule)
         return 0
+    if args.mesh_grid or args.mesh_scope:
+        return mesh_main(args)
     if None in (args.context, args.dp, args.cp, args.steps):
         parser.error("--context, --dp, --cp and --steps are required")
     if min(args.context, args.dp, args.cp, args.steps, args.micro) < 1 or args.context % args.cp:
@@ -337,6 +473,25 @@ def main(argv: list[str] | None = None) -> int:
               f"{d.get('p90', 0):.0f}  CPU ms p50 {r.get('plan_cpu_ms', {}).get('p50', 0):.1f} "
               f"p99 {r.get('plan_cpu_ms', {}).get('p99', 0):.1f}")  # fmt: skip
     return 0
+
+def mesh_main(args: argparse.Namespace) -> int:
+    """--mesh-scope on one setting, or on the whole grid with --mesh-grid; then the 512-rank plan timed."""
+    cp, steps = args.cp or 8, args.steps or 10
+    if args.mesh_grid:
+        settings = [(src, c, dp) for src in mesh_sources(args.lengths_dir) for c in (131072, 524288) for dp in (8, 64)]
+    else:
+        if None in (args.context, args.dp):
+            raise SystemExit("--mesh-scope needs --context and --dp (or --mesh-grid)")
+        settings = [(args.distribution or args.lengths_file, args.context, args.dp)]
+    for source, context, dp in settings:
+        result = mesh_scope_report(source, context, dp, cp, steps, args.micro, args.seed, args.ranks_per_node)
+        print(json.dumps(result)) if args.json else print_mesh_scope(result)
+    source = settings[0][0]
+    times = time_mesh_plan(source, args.seed, ranks_per_node=args.ranks_per_node)
+    print(f"plan_mesh, {source}, 64M tokens over DP 64 x CP 8 (128K a rank, {args.ranks_per_node} ranks a node): "
+          f"CPU ms {', '.join(f'{t:.0f}' for t in times)}")
+    return 0
+
 
 if __name__ == "__main__":
     raise SystemExit(main())

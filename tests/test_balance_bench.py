@@ -116,3 +116,17 @@ def test_prolong_names_set_the_long_documents_mean_and_token_share():
     assert bench.sampler("wlbllm", 0).name == "wlbllm"
     with pytest.raises(ValueError, match="unknown length distribution"):
         bench.sampler("prolong-32", 0)
+
+
+def test_mesh_scope_beside_deferral_cut_on_the_same_stream():
+    """--mesh-scope's figures: one plan over all DP x CP ranks keeps at least stream packing's pairs (documents
+    longer than C as C-long pieces), and is reported beside deferral-cut with the same keys."""
+    assert bench.window_pieces([5, 12, 4], 4) == [4, 1, 4, 4, 4, 4]
+    result = bench.mesh_scope_report("wlbllm", 8192, 4, 2, 2, 1, 1, ranks_per_node=4)
+    mesh, default = result["mesh"], result["deferral-cut"]
+    assert mesh["attention_pairs_kept_vs_off"] >= 1.0 and mesh["step_pairs_kept_min"] >= 1.0
+    assert 0.0 <= mesh["cross_node_share"] <= 1.0 and default["cross_node_share"] == 0.0
+    for r in (mesh, default):
+        assert min(r["mesh_ratio"].values()) >= 1.0 and {"p50", "max", "mean"} == set(r["received_rows"])
+        assert {"p50", "p99"} == set(r["plan_cpu_ms"])
+    bench.print_mesh_scope(result)

@@ -4,10 +4,12 @@ Random global batches: every rank holds the same tokens, every token is held exa
 token by token), documents that fit a rank's share of tokens and work stay whole, the plan depends on
 the lengths alone, and with one node it is the per-group FlashCP plan. Constructed batches: a
 document too heavy for a rank but not for a node is cut inside one node; one longer than a node
-spans two nodes of two.
+spans two nodes of two; one that needs several nodes stays inside one group of them.
 """
 
 from __future__ import annotations
+
+import random
 
 from hypothesis import given, HealthCheck, settings
 from hypothesis import strategies as st
@@ -77,7 +79,7 @@ def test_short_documents_stay_whole():
     lens[-1] += (-sum(lens)) % 64
     plan = plan_mesh(lens, 8, 8, 8, 1.05)
     assert plan.metrics()["split_docs"] <= 0.05 * len(lens)
-    assert len(plan.info["node_cut"]) <= plan.info["nodes"]
+    assert len(plan.info["node_cut"]) <= 8
     assert plan.metrics()["imbalance"] <= 1.05
 
 
@@ -102,3 +104,17 @@ def test_long_document_spans_two_nodes():
     assert plan.info["node_cut"] == [0]
     work = [sum(shard_workload(s.start, s.length) for s in shards) for shards in plan.ranks]
     assert max(work) / (sum(work) / len(work)) <= 1.05 * 1.05
+
+
+def test_groups_keep_a_heavy_document_inside_one():
+    """Eight nodes of two ranks: a document of half a node among short ones makes groups of four nodes;
+    cut across nodes, its pieces stay inside one group, and the mesh is balanced."""
+    rng = random.Random(0)
+    lens = [1024]
+    while sum(lens) < 16384:
+        lens.append(rng.choice([16, 32, 64, 128, 256, 512]))
+    lens[-1] -= sum(lens) - 16384
+    plan = plan_mesh(lens, 4, 4, 2, 1.05)
+    assert plan.info["groups"] == 2 and plan.info["node_cut"] == [0]
+    assert len({node // 4 for node in nodes_of(plan, 0)}) == 1
+    assert plan.metrics()["imbalance"] <= 1.05

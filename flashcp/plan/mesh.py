@@ -6,14 +6,16 @@ FlashCP group balances across groups as the planner balances inside one: every r
 tokens, most documents stay whole on one rank, and only the heaviest are cut.
 
 A flat plan over all ranks would spread each Per-Doc document over every rank of the mesh, so it
-plans in two levels, each FlashCP's hybrid planner (`plan_flashcp`):
-1. nodes: the documents over the nodes, each holding `ranks_per_node` ranks' tokens; only the
-   documents a node cannot hold within the target are cut across nodes;
-2. the ranks of each node: the node's whole documents plus a pad standing for the tokens of the
-   cut documents' pieces it holds (pad = those tokens mod the node's ranks, so that the rest splits
-   evenly); then each such piece is laid out head-tail over the node's ranks
-   (`balanced_head_tail`, its cost counted at the piece's offset in its document), taking each
-   rank's pad and share of tokens and the work the rank still misses of the node's mean.
+plans top-down over the node layout: groups of nodes, the fewest that hold the longest and the
+heaviest document well within their share (`_group_size`), by Whole-Doc sharding (`plan_whole_doc`:
+no group needs a document cut but to fill it exactly); then the nodes of each group and the ranks
+of each node by FlashCP's hybrid planner (`plan_flashcp`). At each of these two levels a unit
+splits its shards over its sub-units (`_split`): its whole documents, plus a pad standing for the
+tokens of the cut documents' pieces it holds (pad = those tokens mod the sub-units, so that the rest
+splits evenly), by the hybrid planner; then each piece head-tail over the sub-units
+(`balanced_head_tail`, its cost counted at the piece's offset in its document), each taking its pad
+and even share of tokens and the work it still misses of the unit's mean. A document is cut across
+nodes only when a node cannot hold it within the target, and then over the nodes of one group.
 Ranks are node-major: mesh rank r is local rank r % ranks_per_node of node r // ranks_per_node.
 With one node the plan is `plan_shards(doc_lens, ranks, "flashcp")`'s. The plan depends on the
 lengths alone, so every rank computes the same one and reads only its own tokens.
@@ -25,6 +27,11 @@ from collections.abc import Sequence
 
 from flashcp.plan.hybrid import apportion, balanced_head_tail, plan_flashcp
 from flashcp.plan.plan import normalize, normalized, Plan, Shard, shard_workload, validate
+from flashcp.plan.whole_doc import plan_whole_doc
+
+# A group of nodes is large enough when its longest document takes at most this share of its tokens
+# and its heaviest at most this share of its mean work (`_group_size`).
+HEAVY_SHARE = 0.5
 
 
 def plan_mesh(
@@ -32,7 +39,8 @@ def plan_mesh(
 ) -> Plan:
     """Plan a step's global batch (documents in stream order, DP x C tokens) over `dp * cp` ranks
     on nodes of `ranks_per_node` (fewer when the mesh is smaller), balancing causal pairs to
-    `target_imbalance` at both levels. `info["node_cut"]` lists the documents cut across nodes."""
+    `target_imbalance` at every level. `info["node_cut"]` lists the documents cut across nodes,
+    `info["groups"]` counts the groups of nodes."""
     lens = tuple(int(x) for x in doc_lens)
     if not lens or any(x <= 0 for x in lens):
         raise ValueError("doc_lens must be a non-empty list of positive integers")
@@ -42,25 +50,44 @@ def plan_mesh(
     g = min(ranks_per_node, n)
     if n % g or sum(lens) % n:
         raise ValueError(f"{n} ranks must fill nodes of {g} and divide the batch's {sum(lens)} tokens")
-    per_rank = sum(lens) // n
-    if n == g:
-        node_shards = [[Shard(d, 0, x) for d, x in enumerate(lens)]]
-    else:
-        node_shards = normalize(plan_flashcp(lens, n // g, target_imbalance)[0])
-    ranks: list[list[Shard]] = []
-    for shards in node_shards:
-        ranks += _node_ranks(lens, shards, g, per_rank, target_imbalance)
-    cut = sorted({s.doc for shards in node_shards for s in shards if s.length < lens[s.doc]})
-    out, *rows = normalized(ranks)
-    plan = Plan(lens, n, out, "mesh", {"node_cut": cut, "nodes": n // g, "ranks_per_node": g})
+    groups = n // g // _group_size(lens, n // g)
+    units, tokens = [[Shard(d, 0, x) for d, x in enumerate(lens)]], sum(lens)
+    if groups > 1:  # no group holds a heavy document: Whole-Doc, cutting only to fill each exactly
+        tokens //= groups
+        units = normalize(plan_whole_doc(lens, groups, target_imbalance)[0])
+    levels = [k for k in (n // g // groups, g) if k > 1] or [1]
+    node_units = units
+    for k in levels:
+        tokens //= k
+        units = [sub for unit in units for sub in normalize(_split(lens, unit, k, tokens, target_imbalance))]
+        if len(units) == n // g:
+            node_units = units
+    cut = sorted({s.doc for shards in node_units for s in shards if s.length < lens[s.doc]})
+    out, *rows = normalized(units)
+    plan = Plan(lens, n, out, "mesh", {"node_cut": cut, "groups": groups, "ranks_per_node": g})
     validate(plan, rows)
     return plan
 
 
-def _node_ranks(
+def _group_size(lens: tuple[int, ...], nodes: int) -> int:
+    """Nodes per group: the fewest (a power of two dividing `nodes`) whose group could hold the longest
+    document within HEAVY_SHARE of its tokens and the heaviest within HEAVY_SHARE of its mean work, so
+    that level 1 cuts few documents and a cut document spreads over one group's nodes, not all."""
+    works = [shard_workload(0, x) for x in lens]
+    size = 1
+    while size < nodes and nodes % (2 * size) == 0:
+        share = HEAVY_SHARE * size / nodes
+        if max(lens) <= share * sum(lens) and max(works) <= share * sum(works):
+            break
+        size *= 2
+    return size
+
+
+def _split(
     lens: tuple[int, ...], shards: Sequence[Shard], g: int, per_rank: int, target_imbalance: float
 ) -> list[list[Shard]]:
-    """One node's shards laid out over its `g` ranks (level 2 of the module docstring)."""
+    """One unit's shards laid out over its `g` sub-units of `per_rank` tokens each (a level of the
+    module docstring): its whole documents by the hybrid planner, its pieces head-tail over all."""
     whole = [s for s in shards if s.length == lens[s.doc]]
     pieces = [s for s in shards if s.length < lens[s.doc]]
     pad = sum(s.length for s in pieces) % g
