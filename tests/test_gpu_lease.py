@@ -86,6 +86,7 @@ def rehearsal(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
     return proc, out
 
 
+@pytest.mark.slow
 def test_the_lease_rehearses_every_part_on_the_cpu(rehearsal) -> None:
     """`bash scripts/gpu_lease.sh OUTDIR --device cpu --quick`: every part ends passed, at most 8 files of
     at most 16 MiB, every trained variant's figures and checks, the dry run's predictions with the CUDA
@@ -134,6 +135,7 @@ def test_the_lease_rehearses_every_part_on_the_cpu(rehearsal) -> None:
         assert {"gpucheck/summary.md", "gpucheck/kernel_calls.csv"} <= set(tar.getnames())
 
 
+@pytest.mark.slow
 def test_quick_check_runs_every_section(rehearsal, tmp_path) -> None:
     """Part a is `python -m flashcp.gpucheck --device cpu --quick --no-budgets` as a user runs it (a
     subprocess from the repository root): every section's results, as tests/test_gpucheck.py requires."""

@@ -389,6 +389,7 @@ def _few_docs_per_rank(rng: random.Random) -> tuple[list[int], int, float]:
     return lens, n, rng.choice([1.02, 1.05, 1.1])
 
 
+@pytest.mark.slow
 def test_bounded_search_matches_the_full_loop() -> None:
     """Starting at the first attempt with every document that cannot stay whole in Per-Doc (and
     walking back) keeps the full loop's result: the same target verdict on every window, the
@@ -503,7 +504,7 @@ def test_validate_names_the_problem() -> None:
         validate(Plan((6, 2), 2, ((Shard(0, 0, 4),), (Shard(0, 4, 3), Shard(1, 0, 1))), "x"))
 
 
-@pytest.mark.parametrize("n", [3, 8, 32, 64])
+@pytest.mark.parametrize("n", [3, 8, pytest.param(32, marks=pytest.mark.slow), pytest.param(64, marks=pytest.mark.slow)])
 def test_numpy_rank_scan_places_as_the_loop(n: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """`place_documents` scans ranks in numpy from VECTOR_RANKS on, comparing in Python the
     ranks with room when they are at most FEW_RANKS: the same plans as the loop over ranks,

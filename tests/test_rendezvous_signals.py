@@ -108,7 +108,7 @@ def test_node_0_waiting_for_the_other_node_gives_up_after_init_timeout_seconds(t
     assert released(dump)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=lambda sig: sig.name)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)], ids=lambda sig: sig.name)
 def test_node_0_waiting_for_the_other_node_stops_on_a_signal(tmp_path, sig):
     proc = node_0(tmp_path / "job")  # comm.init_timeout_seconds: 600 by default
     assert proc.stdout.readline().startswith("flashcp: waiting for the other nodes at 127.0.0.1:")

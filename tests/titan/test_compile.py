@@ -56,7 +56,7 @@ def _window(rng: random.Random) -> list[int]:
 
 @pytest.mark.parametrize("name", MODELS)
 @pytest.mark.parametrize("comm", COMM_MODES)
-@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("overlap", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_explain_finds_one_graph_and_no_break(name, comm, overlap):
     block, ropes = _block(MODELS[name], overlap)
     # Documents cut across the ranks, so with overlap both halves (local-only and remote shards) run.
@@ -93,7 +93,7 @@ def _train_window(block, ropes, plan, comm: str, x: torch.Tensor, g: torch.Tenso
     return run_ranks(plan.cp_size, program)
 
 
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", ["llama3", pytest.param("qwen3", marks=pytest.mark.slow)])
 def test_fifty_random_windows_compile_once_and_match_eager(name):
     """Each window has other documents, so other shard lengths, buffer sizes, splits and index
     tensors: none reaches the compiler. The first validation (no_grad) compiles once more (grad mode
@@ -135,7 +135,7 @@ INDUCTOR_MODELS = {"llama3": {"name": "llama3"}, "qwen3": {"name": "qwen3"}}
 
 
 @pytest.mark.parametrize("name", INDUCTOR_MODELS)
-@pytest.mark.parametrize("cp", [1, 2])
+@pytest.mark.parametrize("cp", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_inductor_block_matches_eager_gradients(name, cp):
     """`[compile] enable`'s backend: inductor reuses a buffer once the graph stops reading it, so the
     op must not leave q, k, v or its output in the graph it keeps for the backward (it did: a Qwen3

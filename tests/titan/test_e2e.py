@@ -39,6 +39,7 @@ def scalars(dump: Path) -> dict[str, list[float]]:
     return {tag: [e.value for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
 
 
+@pytest.mark.slow
 def test_fsdp2_x_flashcp2_on_4_ranks(tmp_path):
     dump = tmp_path / "out"
     result = run_train("--config", "debug_cpu", "--training.steps", "3", "--job.dump_folder", str(dump))

@@ -171,7 +171,7 @@ def test_cp1_matches_transformers(reference):
     _check([part], ref, f"{kind} CP 1")
 
 
-@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("cp", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_cp_and_ep_match_transformers(reference, gloo_pool, cp):
     kind, ref = reference
     cases = [case for case in CASES if case[0] == cp]

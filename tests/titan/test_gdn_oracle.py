@@ -156,7 +156,7 @@ def test_cp1_matches_transformers(window):
     _check([part], ref, f"{name} window, CP 1")
 
 
-@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("cp", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_every_strategy_and_exchange_matches_transformers(window, gloo_pool, cp):
     name, ref = window
     plans = [plan_shards(list(ref["doc_lens"]), cp, s, **PLAN_OPTIONS.get(s, {})) for s, _ in CASES]

@@ -236,7 +236,7 @@ CASES = [(2, s, "compact", 1) for s in STRATEGIES] + [(2, "flashcp", "needed", 1
          (2, "flashcp", "compact", 2)] + [(4, "flashcp", comm, 1) for comm in ("compact", "needed", "two_level")]  # fmt: skip
 
 
-@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("cp", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_cp_matches_transformers(oracle, gloo_pool, cp):
     folder, ref = oracle
     pool = gloo_pool(cp)  # a pool of exactly CP ranks: EP = 2 builds a mesh, which every pool rank must join

@@ -62,7 +62,8 @@ def folder_and_reference(request, tmp_path_factory) -> tuple[str, Path, float, d
     return request.param, hf, losses[1], grads
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", [name if name == "fsdp2-cp2-ep2" else pytest.param(name, marks=pytest.mark.slow)
+                                    for name in LAYOUTS])
 def test_import_on_four_ranks_gives_the_one_rank_step(folder_and_reference, gloo_pool, tmp_path, layout):
     family, hf, loss, grads = folder_and_reference
     refusals = {"gpt_oss": r"tensor_parallel_degree > 1 .*wo\.bias"}
@@ -115,7 +116,7 @@ def _refusal(rank: int, group, cfg: dict) -> str:
     return "trained"
 
 
-@pytest.mark.parametrize("change", ["extra", "missing", "reshaped"])
+@pytest.mark.parametrize("change", [pytest.param("extra", marks=pytest.mark.slow), "missing", pytest.param("reshaped", marks=pytest.mark.slow)])
 def test_a_folder_that_does_not_fit_is_refused_on_every_rank(folder_and_reference, gloo_pool, tmp_path, change):
     _, hf, _, _ = folder_and_reference
     named = _rewrite(hf, tmp_path / "hf", change)

@@ -338,7 +338,7 @@ MOE_CASES = [(2, ep, case) for ep in (1, 2) for case in CP2_CASES] + [(4, ep, ca
     + [(4, 2, case) for case in (("flashcp", "compact"), ("per_doc", "full"), ("flashcp", "needed"))]  # fmt: skip
 
 
-@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("cp", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_moe_matches_transformers_at_every_cp_and_ep(hf_models, gloo_pool, cp):
     """Logits, gradients and every router's choices at each (CP, EP, strategy, comm) of MOE_CASES."""
     folder, ref = hf_models["qwen3-moe"]

@@ -59,7 +59,7 @@ def cp1(tmp_path_factory) -> tuple[dict, dict[int, float], dict[str, torch.Tenso
 
 
 # CP 2 with the compact exchange of the full layers; CP 4 over two nodes of two ranks with the two-level one.
-@pytest.mark.parametrize(("cp", "flashcp"), [(2, {}), (4, {"comm": "two_level", "ranks_per_node": 2})])
+@pytest.mark.parametrize(("cp", "flashcp"), [(2, {}), pytest.param(4, {"comm": "two_level", "ranks_per_node": 2}, marks=pytest.mark.slow)])
 def test_trainer_reproduces_cp1(tmp_path, gloo_pool, cp1, cp, flashcp):
     """From one seed checkpoint, CP = 2's and 4's losses and first gradients (every parameter's: the
     Gated DeltaNet layers' A_log, dt_bias, conv and projections, the full layer's) are CP = 1's, with

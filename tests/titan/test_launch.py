@@ -73,8 +73,8 @@ def test_ranks_die_when_the_launcher_is_sigkilled(tmp_path):
 
 
 @pytest.mark.parametrize("sig, how", [(signal.SIGKILL, r"exited with code -9 \(killed by SIGKILL\) \(.*\)"),
-                                      (signal.SIGSTOP, r"is stopped \(SIGSTOP or a debugger\) and does not answer; "
-                                                       "it was killed")])  # fmt: skip
+                                      pytest.param(signal.SIGSTOP, r"is stopped \(SIGSTOP or a debugger\) and does not "
+                                                   "answer; it was killed", marks=pytest.mark.slow)])  # fmt: skip
 def test_a_planning_worker_killed_or_stopped_is_the_launchers_last_line(tmp_path, sig, how):
     """CP = 2 with the planning worker (the default): one rank's worker SIGKILLed or SIGSTOPped mid-run
     ends the run with its rank's line naming the worker, its PID and what happened, not a broken
@@ -185,6 +185,7 @@ def test_too_little_free_space_for_a_checkpoint_fails_before_launch(tmp_path):
     assert 0.75 * 12 * 8.03e9 < estimate <= 12 * 8.03e9
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tiny tmpfs needs root")
 def test_a_disk_filled_by_a_save_is_named_in_the_last_line(tmp_path):
     """Room for one checkpoint and not two: the second save fills the disk mid-run. The failing rank's

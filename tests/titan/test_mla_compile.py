@@ -55,7 +55,7 @@ def block(tmp_path_factory) -> tuple[torch.nn.Module, dict]:
 
 
 @pytest.mark.parametrize("comm", COMM_MODES)
-@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("overlap", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_explain_finds_one_graph_and_no_break(block, comm, overlap):
     layer, ropes = block
     layer.attention.overlap = overlap  # as [flashcp] overlap builds it
@@ -77,7 +77,7 @@ def test_explain_finds_one_graph_and_no_break(block, comm, overlap):
     assert any("flashcp.cp_latent_attention" in str(node.target) for g in explained.graphs for node in g.graph.nodes)
 
 
-@pytest.mark.parametrize("cp", [1, 2])
+@pytest.mark.parametrize("cp", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_inductor_block_matches_eager_gradients(block, cp):
     """Inductor vs eager, float64: the block's output, its input's gradient and every parameter's
     (wkv_b's included: this rank's share of the up-projection's), on every rank."""

@@ -82,7 +82,7 @@ def reference(tmp_path_factory):
     return seed, losses, biases, counts
 
 
-@pytest.mark.parametrize("offload", [False, True], ids=["full AC", "full AC offloaded"])
+@pytest.mark.parametrize("offload", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["full AC", "full AC offloaded"])
 def test_ep2_cp2_reproduces_the_one_rank_run(reference, gloo_pool, tmp_path, offload):
     """With `offload` the MoE blocks' checkpointed inputs wait in host memory: nothing else changes."""
     cfg = moe_job(tmp_path, reference[0], parallelism={"context_parallel_degree": 2, "expert_parallel_degree": 2,
@@ -92,7 +92,7 @@ def test_ep2_cp2_reproduces_the_one_rank_run(reference, gloo_pool, tmp_path, off
     print(f"EP 2 x CP 2 x FSDP 2, full AC{' offloaded' if offload else ''}: losses within {worst:.1e} of CP 1")
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
 def test_ep2_cp2_on_two_ranks_reproduces_the_one_rank_run(reference, gloo_pool, tmp_path, compiled):
     """EP borrowing both CP ranks (no data parallelism; the experts' FSDP mesh has one rank), full AC.
 

@@ -159,6 +159,7 @@ def test_a_bad_or_busy_port_is_one_line(tmp_path, capsys, monkeypatch, port, mes
     assert len(err) == 1 and err[0].startswith("error: ") and re.search(message, err[0]), err
 
 
+@pytest.mark.slow
 def test_an_elastic_restart_after_a_killed_rank_resumes_exactly(tmp_path):
     args = [*TWO_RANKS, "--training.steps", "4", "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "NGPU": "2"}
@@ -282,6 +283,7 @@ def train_until(dump: Path, step: int, disturb, *args: str) -> tuple[int, str, s
             os.killpg(run.pid, signal.SIGKILL)
 
 
+@pytest.mark.slow
 def test_a_lock_file_removed_while_the_ranks_run_stops_the_run(tmp_path):
     dump = tmp_path / "job"
     code, out, err = train_until(dump, 1, (dump / ".flashcp-run.lock").unlink, "--checkpoint.interval", "100000")
@@ -291,6 +293,7 @@ def test_a_lock_file_removed_while_the_ranks_run_stops_the_run(tmp_path):
     assert list((dump / "checkpoint").glob("step-*")), "the ranks saved where they stopped"
 
 
+@pytest.mark.slow
 def test_a_frozen_rank_is_named_not_the_rank_that_timed_out_waiting_for_it(tmp_path):
     dump = tmp_path / "job"
     frozen = []

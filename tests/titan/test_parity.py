@@ -134,7 +134,7 @@ def test_a_balanced_dp2_step_reproduces_dp1_with_two_micro_steps(tmp_path, seed,
 
 TILED_CASES = [  # (model, cp, dp_shard, tp, activation checkpointing)
     ("llama3", 2, 2, 1, "full"),  # tiles inside the block's recompute
-    ("qwen3", 2, 2, 1, "none"),
+    pytest.param("qwen3", 2, 2, 1, "none", marks=pytest.mark.slow),
     ("llama3", 1, 1, 2, "full"),  # the tiles' w2 outputs reduced per tile under TP (and SP)
 ]
 TILED_TOLERANCE = 1e-6  # relative, losses and gradient norms: fp32 summation order only
@@ -173,8 +173,9 @@ def test_mlp_tiles_change_no_loss_gradient_or_resume(tmp_path, gloo_pool, name, 
 COMPILE_STEPS = 20
 COMPILE_CASES = [  # (cp, dp_shard, tp, activation checkpointing) on 4 ranks
     (2, 2, 1, "none"),
-    (2, 1, 2, "none"),
-    (2, 2, 1, "full"),  # the block's recompute (the KV exchange included) inside the compiled backward
+    pytest.param(2, 1, 2, "none", marks=pytest.mark.slow),
+    # the block's recompute (the KV exchange included) inside the compiled backward
+    pytest.param(2, 2, 1, "full", marks=pytest.mark.slow),
 ]
 # Relative, losses and gradient norms over 20 steps; observed 1.1e-7 (inductor's float32 summation
 # order); a wrong or missing gradient term moves them by orders of magnitude more.

@@ -68,7 +68,7 @@ def without_pp(tmp_path_factory, gloo_pool) -> tuple[dict, tuple]:
     return _without_pp(tmp_path_factory.mktemp("pp_moe"), gloo_pool, "float32")
 
 
-@pytest.mark.parametrize("schedule", ["GPipe", "1F1B", "Interleaved1F1B"])
+@pytest.mark.parametrize("schedule", [pytest.param("GPipe", marks=pytest.mark.slow), "1F1B", pytest.param("Interleaved1F1B", marks=pytest.mark.slow)])
 def test_pp2_x_cp2_x_ep2_reproduces_the_run_without_pp(tmp_path, gloo_pool, without_pp, schedule):
     _check(tmp_path, gloo_pool, without_pp, schedule, "float32", TOLERANCE)
 

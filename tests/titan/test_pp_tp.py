@@ -77,7 +77,7 @@ def _train_rank_probed(rank: int, group: Any, cfg: dict) -> tuple:
     return *runs, layout, (counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()))
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("schedule", ["1F1B", pytest.param("Interleaved1F1B", marks=pytest.mark.slow)])
 def test_pp2_x_tp2_x_cp2_reproduces_cp1(tmp_path, gloo_pool, cp1, schedule):
     """PP 2 x TP 2 x CP 2: every stage's weights are split over TP (and sharded over CP's FSDP), its
     four ranks' gathered gradients agree, and they and the last stage's losses are CP 1's."""
@@ -96,7 +96,7 @@ def test_pp2_x_tp2_x_cp2_reproduces_cp1(tmp_path, gloo_pool, cp1, schedule):
     print(f"PP 2 x TP 2 x CP 2 ({schedule}) vs CP 1: losses {loss:.1e}, gradients (relative) {grad:.1e}")
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("schedule", [pytest.param("1F1B", marks=pytest.mark.slow), "Interleaved1F1B"])
 def test_compiled_pp2_x_cp2_reproduces_cp1(tmp_path, gloo_pool, cp1, schedule):
     """PP 2 x CP 2 with the blocks compiled: the eager CP 1's losses and first gradients, one graph per
     rank for its stage's blocks and no graph break."""
@@ -115,6 +115,7 @@ def test_compiled_pp2_x_cp2_reproduces_cp1(tmp_path, gloo_pool, cp1, schedule):
     assert graphs == [(1, 0)] * 4, graphs  # a rank's blocks (one or two stages) share one graph
 
 
+@pytest.mark.slow
 def test_compiled_pp2_x_tp2_x_cp2_reproduces_cp1(tmp_path, gloo_pool, cp1):
     """The three together (the large jobs' layout, PP x TP x CP, compiled) under 1F1B: CP 1's losses and
     first gradients, and no graph break."""

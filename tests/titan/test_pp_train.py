@@ -96,6 +96,7 @@ def _assert_grads(grads: dict[str, torch.Tensor], ref_grads: dict[str, torch.Ten
     return max(_relative(grads[name], grad) for name, grad in ref_grads.items())
 
 
+@pytest.mark.slow
 def test_cp2_reproduces_cp1(tmp_path, gloo_pool, cp1):
     """The reference the pipelines are also held to: CP 2 with four micro steps a step."""
     from harness import tiny_job
@@ -108,7 +109,8 @@ def test_cp2_reproduces_cp1(tmp_path, gloo_pool, cp1):
         _assert_grads(rank_grads, grads)
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("schedule", [s if s in ("1F1B", "Interleaved1F1B") else pytest.param(s, marks=pytest.mark.slow)
+                                      for s in SCHEDULES])
 def test_pp2_x_cp2_reproduces_cp1(tmp_path, gloo_pool, cp1, schedule):
     """PP 2 x CP 2: the last stage's losses and the union of the stages' gradients are CP = 1's
     (and so CP 2's, the test above); every rank planned the step's four windows, all different."""
@@ -118,7 +120,8 @@ def test_pp2_x_cp2_reproduces_cp1(tmp_path, gloo_pool, cp1, schedule):
     _assert_grads(pp_grads, grads)
 
 
-@pytest.mark.parametrize("schedule", FLOAT64_SCHEDULES)
+@pytest.mark.parametrize("schedule", [s if s == "1F1B" else pytest.param(s, marks=pytest.mark.slow)
+                                      for s in FLOAT64_SCHEDULES])
 def test_pp2_x_cp2_reproduces_cp2_and_cp1_in_float64(tmp_path, gloo_pool, float64_references, schedule):
     """The same in float64, where the runs differ only in summation order: PP 2 x CP 2's losses and
     gradients are CP 2's and CP 1's to 1e-10."""

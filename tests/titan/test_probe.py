@@ -366,6 +366,7 @@ def test_cli_starts_the_ranks_on_a_checkpoint_without_manifest_only_with_load_un
     assert main([*args, "--config", "job.toml", "--checkpoint.load_unverified", "true"]) == 0 and len(started) == 1
 
 
+@pytest.mark.slow
 def test_cli_probes_a_checkpoint_on_the_jobs_layout_as_training_does(tmp_path, seed, capsys, monkeypatch):
     """`python -m flashcp.titan.probe --checkpoint` on the seed checkpoint, CP = 2 through torchrun, gives
     the probe of training at CP = 1 on the same weights; bad folders are one line, exit 2."""

@@ -96,6 +96,7 @@ def transformers_cells(folder: Path, cfg: dict) -> tuple[np.ndarray, np.ndarray]
     return sums / counts, right / prompts
 
 
+@pytest.mark.slow
 def test_probe_matches_transformers_on_each_prompt_alone(tmp_path, hf_folder, gloo_pool):
     cfg = hf_job(tmp_path / "cp2", hf_folder)
     pool = gloo_pool(2)

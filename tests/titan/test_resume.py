@@ -298,7 +298,7 @@ def launch(dump: Path, *args: str) -> subprocess.Popen:
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)])
 def test_a_signal_to_the_launcher_saves_and_exits_zero(tmp_path, signum):
     dump = tmp_path / "out"
     launcher = launch(dump, "--training.steps", "100000", "--checkpoint.interval", "100000")

@@ -52,7 +52,7 @@ def test_the_job_file_offers_the_ring_and_refuses_what_it_cannot_run(tmp_path):
         tiny_job(tmp_path, flashcp={"comm": "ring", "backend": "flash_attn"})
 
 
-@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("cp", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_the_ring_trains_the_compact_losses(tmp_path, seed, gloo_pool, cp):
     def job(name: str, ac: str = "none", compiled: bool = False, **flashcp: Any) -> dict:
         return tiny_job(tmp_path / name, checkpoint=seed, training={"steps": STEPS},

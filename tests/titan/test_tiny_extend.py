@@ -28,6 +28,7 @@ from titan.test_e2e import run_train  # noqa: E402
 STEPS = 4
 
 
+@pytest.mark.slow
 def test_tiny_extend_example_end_to_end(tmp_path):
     hf = make_tiny_hf(tmp_path / "tiny_hf_llama")
     dump = tmp_path / "out"

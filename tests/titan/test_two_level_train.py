@@ -174,6 +174,7 @@ def _worst(a: dict[int, float], b: dict[int, float], relative: bool = False) -> 
     return max(abs(a[s] - b[s]) / (abs(b[s]) if relative else 1.0) for s in b)
 
 
+@pytest.mark.slow
 def test_cp4_on_two_nodes_trains_the_compact_losses_and_an_uneven_layout_is_refused(tmp_path: Path):
     def job(name: str, **flashcp: Any) -> dict:
         return tiny_job(tmp_path / name, training={"steps": STEPS}, parallelism=CP4, data={"prefetch": 2},
