@@ -72,7 +72,7 @@ def plan_mesh(
 def _group_size(lens: tuple[int, ...], nodes: int) -> int:
     """Nodes per group: the fewest (a power of two dividing `nodes`) whose group could hold the longest
     document within HEAVY_SHARE of its tokens and the heaviest within HEAVY_SHARE of its mean work, so
-    that level 1 cuts few documents and a cut document spreads over one group's nodes, not all."""
+    that Whole-Doc can fill the groups and a document cut across nodes spreads over one group's, not all."""
     works = [shard_workload(0, x) for x in lens]
     size = 1
     while size < nodes and nodes % (2 * size) == 0:
@@ -84,16 +84,16 @@ def _group_size(lens: tuple[int, ...], nodes: int) -> int:
 
 
 def _split(
-    lens: tuple[int, ...], shards: Sequence[Shard], g: int, per_rank: int, target_imbalance: float
+    lens: tuple[int, ...], shards: Sequence[Shard], g: int, per_unit: int, target_imbalance: float
 ) -> list[list[Shard]]:
-    """One unit's shards laid out over its `g` sub-units of `per_rank` tokens each (a level of the
+    """One unit's shards laid out over its `g` sub-units of `per_unit` tokens each (a level of the
     module docstring): its whole documents by the hybrid planner, its pieces head-tail over all."""
     whole = [s for s in shards if s.length == lens[s.doc]]
     pieces = [s for s in shards if s.length < lens[s.doc]]
     pad = sum(s.length for s in pieces) % g
     sub = [s.length for s in whole] + ([pad] if pad else [])
-    ranks: list[list[Shard]] = [[] for _ in range(g)]
-    work, taken = [0] * g, [per_rank] * g  # taken: tokens each rank takes of the pieces
+    ranks: list[list[Shard]] = [[] for _ in range(g)]  # per sub-unit
+    work, taken = [0] * g, [per_unit] * g  # taken: tokens each sub-unit takes of the pieces
     for r, held in enumerate(plan_flashcp(tuple(sub), g, target_imbalance)[0] if sub else ranks):
         for i, start, length in held:
             taken[r] -= length
