@@ -97,6 +97,7 @@ def test_missing_fla_is_named_with_its_pin(monkeypatch):
 @pytest.mark.skipif(importlib.util.find_spec("fla") is None or importlib.util.find_spec("triton") is None,
                     reason="fla's kernel unchecked: flash-linear-attention or triton is not installed "
                            "(pip install fla-core==0.6.0, the test extra)")  # fmt: skip
+@pytest.mark.slow
 def test_fla_kernel_under_triton_interpreter_matches_the_reference():
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "fla_interpret.py")], cwd=ROOT, env=env,

@@ -75,7 +75,7 @@ def rank_flops(q_lens: list[int], k_lens: list[int]) -> tuple[int, float]:
     return counter.get_total_flops(), causal_flops(q_lens, k_lens, hq, d)["fwd_bwd"]
 
 
-@pytest.mark.parametrize("window", [None, 0, 1, 2], ids=["one document", "pile 0", "pile 1", "pile 2"])
+@pytest.mark.parametrize("window", [pytest.param(None, marks=pytest.mark.slow), 0, 1, 2], ids=["one document", "pile 0", "pile 1", "pile 2"])
 def test_work_per_rank_follows_the_attended_pairs(window):
     """Every rank computes its attended pairs plus at most 15 % (the tiles' masked corners), so a
     plan balanced in pairs is balanced in work: within 10 % across ranks at imbalance <= 1.02."""
@@ -95,6 +95,7 @@ def test_work_per_rank_follows_the_attended_pairs(window):
     assert max(overhead) / min(overhead) <= 1.02, overhead
 
 
+@pytest.mark.slow
 def test_peak_memory_per_rank_at_32k_cp4_is_bounded():
     """A 32K window at CP 4, the tiny model's heads and 2 layers held for the backward: the rank's
     resident memory rises by far less than 2 GiB (keeping a probability per attended pair, as the
