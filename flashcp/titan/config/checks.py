@@ -19,7 +19,7 @@ from flashcp.titan.config.families import check_families
 from flashcp.titan.config.keys import check_value, ConfigError
 from flashcp.data.errors import DataError
 from flashcp.data.sources import DataConfig
-from flashcp.titan.config.model import check_model
+from flashcp.titan.config.model import check_model, model_dims, model_latent
 from flashcp.titan.config.pipeline import check_pipeline
 from flashcp.titan.config.schema import RANKS_PER_NODE_COMMS, RENAMED_SECTIONS, SCHEMA
 from flashcp.titan.config.sizes import check_host_objects
@@ -261,6 +261,7 @@ def _check_unsupported(cfg: dict) -> None:
             "collectives between one process per rank ('default', or 'fake_backend' for a dry run)"
         )
     _positive(cfg, "activation_checkpoint", "mlp_tiles", minimum=-1)  # -1: automatic
+    _check_head_groups(cfg)
     stray = sorted(set(_given(cfg, "activation_checkpoint")) - ac_keys(ac["mode"]))
     if stray:
         raise ConfigError(f"[activation_checkpoint] {stray[0]} does not apply to mode = {ac['mode']!r}")
@@ -271,6 +272,33 @@ def _check_unsupported(cfg: dict) -> None:
     if ac["offload"] and compiled:
         raise ConfigError("[activation_checkpoint] offload = true hooks each block's saved tensors in eager mode: "
                           "not with the model compiled ([compile] enable with 'model' in components)")  # fmt: skip
+
+
+def _check_head_groups(cfg: dict) -> None:
+    """`[activation_checkpoint] head_groups` (flashcp.titan.models.head_groups) runs the full-attention
+    GQAttention layers of Llama 3 and Qwen3 (MoE included) on FlashCP's op, without TP; G divides n_kv_heads."""
+    model, groups = cfg["model"], cfg["activation_checkpoint"]["head_groups"]
+    if groups == 0 or groups < -1:
+        raise ConfigError(f"[activation_checkpoint] head_groups must be -1 (automatic) or >= 1, got {groups}")
+    if groups == 1:
+        return
+    refused = [
+        (model["attention"] != "flashcp", f"[model] attention = {model['attention']!r} (the groups call FlashCP's op)"),
+        (model["name"] in ("gpt_oss", "qwen3_5") or model_latent(cfg) is not None,
+         f"a {model['name']} model (the groups run Llama 3's and Qwen3's full attention: not MLA, sinks, "
+         "sliding windows or hybrids)"),
+        (cfg["parallelism"]["tensor_parallel_degree"] != 1, "[parallelism] tensor_parallel_degree > 1 (TP splits "
+                                                            "the heads already)"),
+        (bool(model["converters"]), f"[model] converters {model['converters']} (the groups multiply by rows of the "
+                                    "weights, not through the converted linears)"),
+    ]  # fmt: skip
+    for bad, what in refused:
+        if bad:
+            raise ConfigError(f"[activation_checkpoint] head_groups = {groups}: not with {what}")
+    n_kv_heads = model_dims(cfg)[3]
+    if groups != -1 and n_kv_heads % groups:
+        raise ConfigError(f"[activation_checkpoint] head_groups ({groups}) must divide the model's {n_kv_heads} "
+                          "KV heads")  # fmt: skip
 
 
 def _check_profiler(cfg: dict) -> None:

@@ -139,6 +139,9 @@ OWN_KEYS: dict[str, dict[str, Key]] = {
         "mlp_tiles": Key(int, 0, doc="every mode: the MLP runs over this many sequence tiles, each recomputed in "
                          "backward, so its intermediate exists for one tile at a time (flashcp.titan.models."
                          "tiled_mlp); 0 or 1: untiled; -1: automatic, tiles whose intermediates fit 1 GiB"),
+        "head_groups": Key(int, 1, doc="every mode: each attention layer runs over this many groups of KV heads, "
+                           "each recomputed in backward, so q, K/V and o exist for one group at a time (flashcp."
+                           "titan.models.head_groups); 1: off; -1: automatic, groups whose q, k, v, o fit 1 GiB"),
     },
 }
 
@@ -186,7 +189,7 @@ TITAN_KEYS = _section_keys()
 def ac_keys(mode: str) -> set[str]:
     """The [activation_checkpoint] keys that apply to `mode`."""
     cls = AC_MODES[mode]
-    own = {"mode", "mlp_tiles", "offload"} if mode == "full" else {"mode", "mlp_tiles"}
+    own = {"mode", "mlp_tiles", "head_groups"} | ({"offload"} if mode == "full" else set())
     return own | ({f.name for f in dataclasses.fields(cls)} if cls is not None else set())
 
 

@@ -34,6 +34,7 @@ def trainer_config(cfg: dict[str, Any]) -> FlashCPTrainer.Config:
     spec = model_spec(cfg["model"], fcp, tokenizer.vocab_size, train["seq_len"],
                       offload=cfg["activation_checkpoint"]["offload"],
                       mlp_tiles=cfg["activation_checkpoint"]["mlp_tiles"],
+                      head_groups=cfg["activation_checkpoint"]["head_groups"],
                       converters=converter_configs(cfg),
                       compiled=model_compiled(cfg))  # fmt: skip
     sections = titan_configs(cfg)  # training, optimizer, parallelism, checkpoint, ... (TorchTitan's classes)

@@ -12,7 +12,8 @@
 - `gated_deltanet`: Qwen3.5's hybrid text decoder (Gated DeltaNet on FlashCP's linear-attention ops),
   its dispatches and steps;
 - `tiled_mlp`: the MLP over sequence tiles (`[activation_checkpoint] mlp_tiles`);
-- `tiled_block`: a dense block's norms, MLP and FFN residual over the same tiles.
+- `tiled_block`: a dense block's norms, MLP and FFN residual over the same tiles;
+- `head_groups`: attention over groups of KV heads (`[activation_checkpoint] head_groups`).
 
 May import: torch, TorchTitan, the core (plan, dispatch, attention), `flashcp.titan.config` (its
 errors and flavor lists), `flashcp.titan.hf` (architectures read from config.json) and `compat`.

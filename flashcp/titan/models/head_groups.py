@@ -1,0 +1,120 @@
+"""Attention over groups of KV heads: q, K/V, o and their gradients exist for one group at a time.
+
+TorchTitan's `GQAttention` projects q, k, v for all heads, runs the inner attention (FlashCP's op:
+the KV exchange and the varlen kernel) and projects the output, and autograd keeps q, k, v, the
+gathered K/V buffer and o of every head for backward. `HeadGroupedAttention` runs the same layer as
+G groups of n_kv_heads / G KV heads and their n_heads / G query heads: for each group it projects
+that group's q/k/v with rows of the fused `wqkv` weight (TorchTitan lays it out per KV head, so a
+group's rows are contiguous), applies the QK-norm (per head) and RoPE, calls FlashCP's op on those
+heads (the exchange sends the group's K/V rows: the bytes over all groups are unchanged), and adds
+`o_g @ wo[:, cols_g].T` into the output. Each group runs under a non-reentrant
+`torch.utils.checkpoint`: autograd keeps only the layer's input, and backward recomputes one group
+at a time (its projection, exchange and kernel) before its transposed exchange, so the K/V buffer,
+q, o, dq and dK/dV working set shrinks by G, at the cost of recomputing the projections and running
+the exchange once more per layer. Inside full activation checkpointing the checkpoints nest. The
+groups change only the output projection's summation order.
+
+The parameters and their names are TorchTitan's (`qkv_linear.wqkv`, `wo`, `q_norm`, `k_norm`): FSDP
+gathers them once per block as before and checkpoints load either way. Not done: tensor parallelism
+(the job check refuses it), fetching group g+1's K/V rows on a side stream while group g computes
+(the groups run one after the other), and other attention classes (MLA, gpt-oss's sinks and
+sliding windows, the hybrids' gated attention).
+
+`groups = AUTO` picks G from the shapes each call sees: the fewest groups (a divisor of n_kv_heads)
+whose q, k, v and o for this rank's tokens fit `GROUP_BYTES`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
+from torchtitan.models.common.attention import FusedQKVLinear, GQAttention
+
+from flashcp.titan.models.attention import FlashCPAttention
+
+AUTO = -1  # [activation_checkpoint] head_groups = -1: groups sized by GROUP_BYTES
+GROUP_BYTES = 2**30  # one group's q, k, v and o with AUTO
+
+
+def group_count(groups: int, tokens: int, n_heads: int, n_kv_heads: int, head_dim: int, element_bytes: int) -> int:
+    """G for a layer: `groups` as given, or with AUTO the fewest groups dividing `n_kv_heads` that keep
+    one group's q, k, v and o (`tokens` rows each) within GROUP_BYTES (at most n_kv_heads)."""
+    if groups != AUTO:
+        return groups
+    layer_bytes = 2 * (n_heads + n_kv_heads) * tokens * head_dim * element_bytes
+    return next((g for g in range(1, n_kv_heads + 1) if n_kv_heads % g == 0 and layer_bytes <= g * GROUP_BYTES),
+                n_kv_heads)  # fmt: skip
+
+
+class HeadGroupedAttention(GQAttention):
+    """TorchTitan's `GQAttention` (fused QKV, FlashCP's inner attention) run over `head_groups` groups of
+    KV heads (see the module docstring); 1 runs the plain layer."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(GQAttention.Config):
+        head_groups: int = 2
+
+    def __init__(self, config: Config) -> None:
+        super().__init__(config)
+        if not isinstance(self.qkv_linear, FusedQKVLinear):
+            raise TypeError(f"head groups slice the fused wqkv projection; got {type(self.qkv_linear).__name__}")
+        if config.head_groups != AUTO and (config.head_groups < 1 or self.n_kv_heads % config.head_groups):
+            raise ValueError(f"head_groups ({config.head_groups}) must divide the layer's {self.n_kv_heads} KV heads")
+        self.head_groups = config.head_groups
+
+    def forward(self, x_BLD: torch.Tensor, attention_masks, positions: torch.Tensor | None = None) -> torch.Tensor:
+        if isinstance(self.wo.weight, DTensor):
+            raise TypeError("head groups do not run under tensor parallelism (its heads are split already)")
+        groups = group_count(self.head_groups, x_BLD.shape[0] * x_BLD.shape[1], self.n_heads, self.n_kv_heads,
+                             self.head_dim, x_BLD.element_size())  # fmt: skip
+        if groups == 1:
+            return super().forward(x_BLD, attention_masks, positions)
+        out = None
+        for group in range(groups):
+            part = checkpoint(self._group, x_BLD, attention_masks, positions, group, groups, use_reentrant=False,
+                              preserve_rng_state=False)  # fmt: skip
+            out = part if out is None else out + part
+        return out if self.wo.bias is None else out + self.wo.bias
+
+    def _group(self, x_BLD: torch.Tensor, attention_masks, positions: torch.Tensor | None, group: int,
+               groups: int) -> torch.Tensor:  # fmt: skip
+        """Group `group`'s share of the layer's output: its heads' attention through its columns of wo."""
+        fused, hd = self.qkv_linear, self.head_dim
+        kv_heads = self.n_kv_heads // groups
+        rows = kv_heads * fused.r_dim * hd  # per KV head: its heads_per_kv query heads, then k, then v
+        bias = None if fused.wqkv.bias is None else fused.wqkv.bias.narrow(0, group * rows, rows)
+        qkv = F.linear(x_BLD, fused.wqkv.weight.narrow(0, group * rows, rows), bias)
+        qkv = qkv.view(*x_BLD.shape[:2], kv_heads, fused.r_dim, hd)
+        xq, xk, xv = torch.split(qkv, [fused.heads_per_kv, 1, 1], dim=-2)
+        xq, xk, xv = (t.reshape(*x_BLD.shape[:2], -1, hd).contiguous() for t in (xq, xk, xv))  # as TorchTitan's
+        if self.q_norm is not None:  # per head, as in GQAttention
+            xq, xk = self.q_norm(xq), self.k_norm(xk)
+        xq, xk = self.rope(xq, xk, positions)
+        out = self.inner_attention(xq, xk, xv, attention_masks=attention_masks, scale=self.scaling,
+                                   enable_gqa=self.enable_gqa)  # fmt: skip
+        cols = xq.shape[2] * hd
+        return F.linear(out.flatten(2), self.wo.weight.narrow(1, group * cols, cols))
+
+
+def use_head_groups(model_config, groups: int) -> None:
+    """Make every layer's attention of a TorchTitan decoder config a `HeadGroupedAttention`, in place
+    (groups 1: unchanged; AUTO: sized by GROUP_BYTES at each call). Every layer must be a full-attention
+    `GQAttention` with FlashCP's inner attention (`use_flashcp_attention` first): ValueError otherwise."""
+    if groups == 1:
+        return
+    for i, layer in enumerate(model_config.layers):
+        attention = getattr(layer, "attention", None)
+        inner = getattr(attention, "inner_attention", None)
+        if type(attention) is not GQAttention.Config or not isinstance(inner, FlashCPAttention.Config) or inner.window:
+            raise ValueError(f"head groups run full-attention GQAttention layers with FlashCP's attention; layer {i} "
+                             f"is {type(attention).__qualname__}")  # fmt: skip
+        n_kv_heads = attention.n_kv_heads or attention.n_heads
+        if groups != AUTO and (groups < 1 or n_kv_heads % groups):
+            raise ValueError(f"head_groups ({groups}) must divide the model's {n_kv_heads} KV heads")
+        fields = {f.name: getattr(attention, f.name) for f in dataclasses.fields(attention)}
+        layer.attention = HeadGroupedAttention.Config(**fields, head_groups=groups)

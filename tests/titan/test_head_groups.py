@@ -1,0 +1,220 @@
+"""Head-group attention (flashcp.titan.models.head_groups) is TorchTitan's attention layer with FlashCP's
+op: in float64 a layer run over G = 2 or 4 groups of KV heads gives the plain layer's output and the
+gradients of its input and of every weight within 1e-12 at CP 1, 2 and 4 with every KV exchange, and
+its forward saves no tensor of all heads; a trainer with `head_groups = 2` trains the plain job's
+losses (20 windows at CP 2 x FSDP 2 and CP 4 with full AC in the slow tier), and compiled it is one
+graph with the eager results; the job check refuses what it does not run, in one line naming the key."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+
+import pytest
+import torch
+from harness import tiny_job, train_on_pool_rank
+
+import flashcp.titan  # noqa: F401  (TorchTitan shims before torchtitan)
+from flashcp.attention import build_two_level_dispatch
+from flashcp.attention.ring import build_ring_dispatch
+from flashcp.dispatch import build_dispatch
+from flashcp.plan import plan_shards
+from flashcp.titan.config import ConfigError, validate
+from flashcp.titan.models import attention
+from flashcp.titan.models.attention import CPStep, flashcp_ropes
+from flashcp.titan.models.head_groups import AUTO, group_count, HeadGroupedAttention, use_head_groups
+from flashcp.titan.models.spec import model_spec
+from torchtitan.models.common.rope import CosSinRoPE
+
+DOC_LENS = (21, 3, 30, 10)  # 64 tokens: documents cut across ranks at CP 2 and 4
+TOLERANCE = 1e-12  # absolute, float64: the output projection's summation order only
+MODELS = {"llama3": {"name": "llama3"}, "qwen3": {"name": "qwen3", "head_dim": 12}}  # qwen3: QK-norm, own head_dim
+COMMS = ("compact", "needed", "two_level", "ring")
+
+
+def _rotate_in_dtype(config, q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """TorchTitan's rotation of q and k computed in their dtype: its own rotates in float32, which turns the
+    projections' 1e-16 differences of summation order into float32 roundings (6e-10 in float64 runs)."""
+    rows = rows[None, :, None, :]
+
+    def rotated(t: torch.Tensor) -> torch.Tensor:
+        if rows.is_complex():
+            pairs = torch.view_as_complex(t.reshape(*t.shape[:-1], -1, 2))
+            return torch.view_as_real(pairs * rows).flatten(3)
+        cos, sin = rows.to(t.dtype).split(t.shape[-1], dim=-1)
+        return t * cos + CosSinRoPE._rotate_half(t) * sin
+
+    return rotated(q), rotated(k)
+
+
+@contextlib.contextmanager
+def _float64_rope() -> Iterator[None]:
+    saved, attention.rotate = attention.rotate, _rotate_in_dtype
+    try:
+        yield
+    finally:
+        attention.rotate = saved
+
+
+def _layers(name: str, groups: int) -> tuple[torch.nn.Module, torch.nn.Module, dict]:
+    """(the plain attention layer, the same weights over `groups` head groups, the model's RoPEs), float64."""
+    model = {"flavor": "custom", "dim": 64, "n_layers": 1, "n_heads": 8, "n_kv_heads": 4, "multiple_of": 32,
+             "vocab_size": 97} | MODELS[name]  # fmt: skip
+    cfg = validate({"model": model, "flashcp": {"backend": "reference"}, "training": {"seq_len": sum(DOC_LENS)}})
+    config = model_spec(cfg["model"], cfg["flashcp"], 97, sum(DOC_LENS)).model
+    grouped = copy.deepcopy(config)
+    use_head_groups(grouped, groups)
+    torch.manual_seed(0)
+    plain = config.build()
+    plain.init_states()
+    ropes = flashcp_ropes(plain)
+    plain_layer, grouped_layer = plain.layers["0"].attention.double(), grouped.build().layers["0"].attention.double()
+    assert isinstance(grouped_layer, HeadGroupedAttention) == (groups != 1)  # 1: the plain layer
+    assert set(grouped_layer.state_dict()) == set(plain_layer.state_dict())  # checkpoints load either way
+    grouped_layer.load_state_dict(plain_layer.state_dict())
+    return plain_layer, grouped_layer, ropes
+
+
+def _dispatch(comm: str, cp: int, rank: int):
+    plan = plan_shards(DOC_LENS, cp, "flashcp")
+    if comm == "two_level":
+        return build_two_level_dispatch(plan, rank, ranks_per_node=max(1, cp // 2))
+    return build_ring_dispatch(plan, rank) if comm == "ring" else build_dispatch(plan, rank, comm)
+
+
+def _run(layer: torch.nn.Module, ropes: dict, dispatch, group) -> tuple[list[torch.Tensor], list[tuple]]:
+    """Output, input and weight gradients of `layer` on this rank's rows; the shapes forward saved."""
+    gen = torch.Generator().manual_seed(1)
+    x_all, g_all = torch.randn(2, 1, sum(DOC_LENS), 64, generator=gen, dtype=torch.float64)
+    x, g = x_all[:, dispatch.token_index].clone().requires_grad_(), g_all[:, dispatch.token_index]
+    saved: list[tuple] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(tuple(t.shape))
+        return t
+
+    layer.zero_grad(set_to_none=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = layer(x, CPStep.of(ropes, dispatch, group), dispatch.positions[None])
+    (out * g).sum().backward()
+    return [out.detach(), x.grad, *(p.grad for p in layer.parameters())], saved
+
+
+def compare_rank(rank: int, group, name: str, cp: int) -> dict[tuple[str, int], float]:
+    """DistributedPool task (and the CP 1 case in process): max |grouped - plain| over the output and
+    gradients, by (comm, groups)."""
+    worst = {}
+    for groups in (1, 2, 4):
+        plain, grouped, ropes = _layers(name, groups)
+        for comm in COMMS:
+            dispatch = _dispatch(comm, cp, rank)
+            with _float64_rope():
+                want, _ = _run(plain, ropes, dispatch, group)
+                got, saved = _run(grouped, ropes, dispatch, group)
+            if groups != 1:  # no q, k, v or o of every head kept
+                assert not [s for s in saved if len(s) == 4 and s[2] in (plain.n_heads, plain.n_kv_heads)], saved
+            worst[comm, groups] = max((a - b).abs().max().item() for a, b in zip(got, want, strict=True))
+    return worst
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_head_groups_equal_the_plain_layer(gloo_pool, name, cp):
+    runs = [compare_rank(0, None, name, cp)] if cp == 1 else gloo_pool(4, sizes=(2, 4)).run(
+        compare_rank, (name, cp), size=cp)  # fmt: skip
+    worst = {case: max(run[case] for run in runs) for case in runs[0]}
+    print(f"{name} CP {cp}, G = 1, 2, 4, {', '.join(COMMS)}: max |grouped - plain| {max(worst.values()):.1e}")
+    assert max(worst.values()) <= TOLERANCE, worst
+
+
+def test_automatic_groups_keep_one_groups_working_set_within_the_budget(monkeypatch):
+    """head_groups = -1: the fewest groups dividing n_kv_heads whose q, k, v and o fit GROUP_BYTES."""
+    from flashcp.titan.models import head_groups
+
+    assert group_count(3, 10**6, 32, 8, 128, 2) == 3
+    assert group_count(AUTO, 16384, 32, 8, 128, 2) == 1  # Llama 3 8B at 16K tokens a rank: 0.31 GiB
+    assert group_count(AUTO, 131072, 32, 8, 128, 2) == 4  # at 128K: 2.5 GiB -> 4 groups of 0.63 GiB
+    assert group_count(AUTO, 196608, 24, 6, 128, 2) == 3  # 2.8 GiB: 2 groups do not fit, 3 (dividing 6) do
+    assert group_count(AUTO, 2**24, 32, 8, 128, 2) == 8  # never more groups than KV heads
+    monkeypatch.setattr(head_groups, "GROUP_BYTES", 2 * 12 * 64 * 8 * 8 // 4)  # 64 tokens in 4 groups
+    plain, grouped, ropes = _layers("llama3", AUTO)
+    dispatch = _dispatch("compact", 1, 0)
+    with _float64_rope():
+        want, _ = _run(plain, ropes, dispatch, None)
+        got, saved = _run(grouped, ropes, dispatch, None)
+    assert max((a - b).abs().max().item() for a, b in zip(got, want, strict=True)) <= TOLERANCE
+    assert [s for s in saved if len(s) == 3] == [(1, 64, 64)] * 4  # each group's checkpoint keeps the input
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])  # 117 s
+def test_a_compiled_grouped_layer_is_one_graph_with_the_eager_results(backend):
+    """Compiled as `[compile] enable` compiles a block (inductor, one graph) the groups' checkpoints and
+    FlashCP's op trace with `fullgraph=True` and give the eager layer's output and gradients."""
+    _, grouped, ropes = _layers("llama3", 2)
+    dispatch = _dispatch("compact", 1, 0)
+    torch._dynamo.reset()
+    with _float64_rope():
+        want, _ = _run(grouped, ropes, dispatch, None)
+        got, _ = _run(torch.compile(grouped, backend=backend, fullgraph=True), ropes, dispatch, None)
+    assert max((a - b).abs().max().item() for a, b in zip(got, want, strict=True)) <= TOLERANCE
+
+
+def test_a_group_count_not_dividing_the_kv_heads_is_refused():
+    model = validate({"model": {"name": "llama3"}})
+    config = model_spec(model["model"], model["flashcp"], 97, 64).model
+    with pytest.raises(ValueError, match=r"^head_groups \(3\) must divide the model's 16 KV heads$"):
+        use_head_groups(config, 3)
+
+
+TRAIN_TOLERANCE = 1e-6  # relative, fp32 losses and gradient norms: summation order only
+
+
+def _train_rank(rank: int, group, cfg: dict) -> tuple[dict, dict]:
+    norms: dict[int, float] = {}
+    return train_on_pool_rank(rank, group, cfg, norms), norms
+
+
+@pytest.mark.parametrize("cp,dp,ac,steps", [
+    (2, 2, "none", 4),
+    pytest.param(2, 2, "none", 20, marks=pytest.mark.slow),  # 220 s on a loaded 2-core machine
+    pytest.param(4, 1, "full", 20, marks=pytest.mark.slow),
+])  # fmt: skip
+def test_a_job_with_head_groups_trains_the_plain_losses(tmp_path, gloo_pool, cp, dp, ac, steps):
+    """`[activation_checkpoint] head_groups = 2` (full AC: nested in the block's recompute) trains the
+    plain job's losses and gradient norms (fp32; 20 windows in the slow tier)."""
+    def job(dump: str, groups: int) -> dict:
+        return tiny_job(tmp_path / dump, training={"steps": steps},
+                        parallelism={"context_parallel_degree": cp, "data_parallel_shard_degree": dp},
+                        activation_checkpoint={"mode": ac, "head_groups": groups})  # fmt: skip
+
+    pool = gloo_pool(4, sizes=(2, 4))
+    plain, plain_norms = pool.run(_train_rank, (job("plain", 1),))[0]
+    grouped, grouped_norms = pool.run(_train_rank, (job("grouped", 2),))[0]
+    loss = max(abs(grouped[s] - plain[s]) / plain[s] for s in plain)
+    norm = max(abs(grouped_norms[s] - plain_norms[s]) / plain_norms[s] for s in plain_norms)
+    print(f"CP {cp} x FSDP {dp} AC {ac}, 2 head groups vs plain: loss {loss:.1e}, grad norm {norm:.1e} (relative)")
+    assert sorted(grouped) == list(range(1, steps + 1)) and grouped[steps] < grouped[1]
+    assert loss <= TRAIN_TOLERANCE and norm <= TRAIN_TOLERANCE, (grouped, plain)
+
+
+@pytest.mark.parametrize(
+    "sections, message",
+    [
+        ({"activation_checkpoint": {"head_groups": 0}}, r"^\[activation_checkpoint\] head_groups must be -1 "
+                                                        r"\(automatic\) or >= 1, got 0$"),
+        ({"activation_checkpoint": {"head_groups": 3}}, r"^\[activation_checkpoint\] head_groups \(3\) must divide "
+                                                        r"the model's 2 KV heads$"),
+        ({"activation_checkpoint": {"head_groups": 2}, "parallelism": {"tensor_parallel_degree": 2}},
+         r"^\[activation_checkpoint\] head_groups = 2: not with \[parallelism\] tensor_parallel_degree > 1 "),
+        ({"activation_checkpoint": {"head_groups": 2}, "model": {"attention": "flex"}},
+         r"^\[activation_checkpoint\] head_groups = 2: not with \[model\] attention = 'flex' "),
+        ({"activation_checkpoint": {"head_groups": 2}, "model": {"name": "gpt_oss", "flavor": "debugmodel"}},
+         r"^\[activation_checkpoint\] head_groups = 2: not with a gpt_oss model "),
+        ({"activation_checkpoint": {"head_groups": 2}, "model": {"name": "deepseek_v3", "flavor": "debugmodel"}},
+         r"^\[activation_checkpoint\] head_groups = 2: not with a deepseek_v3 model "),
+    ],
+)
+def test_the_job_check_refuses_what_head_groups_do_not_run(tmp_path, sections, message):
+    with pytest.raises(ConfigError, match=message):
+        tiny_job(tmp_path, replace=("model",) if "name" in sections.get("model", {}) else (), **sections)
