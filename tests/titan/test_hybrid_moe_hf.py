@@ -129,7 +129,7 @@ def imported(folder, tmp_path_factory) -> tuple[Path, Path, float, dict[str, tor
     return folder, root / "cp1/checkpoint/step-1", losses[1], grads
 
 
-@pytest.mark.parametrize("layout", ["fsdp2-cp2-ep2", "fsdp2-cp2-ep1"])
+@pytest.mark.parametrize("layout", ["fsdp2-cp2-ep2", pytest.param("fsdp2-cp2-ep1", marks=pytest.mark.slow)])
 def test_import_on_four_ranks_gives_the_one_rank_step(imported, gloo_pool, tmp_path, layout):
     folder, _, loss, grads = imported
     runs = gloo_pool(4).run(first_step, (_job(tmp_path, folder, **LAYOUTS[layout]),))
@@ -170,7 +170,7 @@ def test_a_multi_token_prediction_head_is_left_unread(imported, tmp_path):
         assert train(_job(tmp_path / "run", tmp_path / "hf"))[1] == loss
 
 
-@pytest.mark.parametrize("change", ["extra", "missing", "reshaped"])
+@pytest.mark.parametrize("change", [pytest.param("extra", marks=pytest.mark.slow), "missing", pytest.param("reshaped", marks=pytest.mark.slow)])
 def test_an_expert_that_does_not_fit_is_refused_on_every_rank(folder, gloo_pool, tmp_path, change):
     named = _rewrite(folder, tmp_path / "hf", change)
     cfg = import_job(tmp_path / "run", tmp_path / "hf", **LAYOUTS["fsdp2-cp2-ep2"])
