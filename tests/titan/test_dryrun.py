@@ -290,3 +290,20 @@ def test_the_peak_names_its_largest_tensors(tmp_path, capsys):
     assert named["tok_embeddings.weight"]["shape"] == [131072 // 8, 64]
     text = format_report(Report(**{k: v for k, v in report.items() if k != "fits"}))
     assert "largest at the peak" in text and "_log_softmax" in text and "tok_embeddings.weight" in text
+
+
+@pytest.mark.slow  # two dry runs of 16384 tokens a rank: over two minutes on a 2-core machine
+def test_tiled_blocks_keep_the_norms_float32_temporaries_to_a_tile(tmp_path, capsys):
+    """mlp_tiles tiles each block's norms with its MLP (flashcp.titan.models.tiled_block): untiled, the
+    largest tensors at the peak include a block's RMSNorm float32 temporaries of all of a rank's tokens
+    (1 x 16384 x 64); with 4 tiles none is live at the peak, and the activations are fewer."""
+    reports = {}
+    for tiles in (0, 4):
+        proc = _dry_run(tmp_path, capsys, "--training.seq_len", "65536",
+                        "--activation_checkpoint.mlp_tiles", str(tiles))  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        reports[tiles] = json.loads(proc.stdout)
+    whole = {tiles: [t["name"] for t in r["peak_tensors"] if t["shape"] == [1, 65536 // 4, 64]
+                     and t["dtype"] == "float32" and "layers." in t["name"]] for tiles, r in reports.items()}  # fmt: skip
+    assert whole[0] and not whole[4], whole
+    assert reports[4]["by_category"]["activations"] < reports[0]["by_category"]["activations"]

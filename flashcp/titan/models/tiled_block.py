@@ -21,9 +21,10 @@ Tiles change only summation order. The count is `[activation_checkpoint] mlp_til
 the tiled MLP's, by its hidden-sized intermediates): the norms and residual adds are tiled whenever
 the MLP is, for every layer of Llama 3 and dense Qwen3 (a model with experts refuses mlp_tiles; any
 other block with a dense FeedForward, Qwen3.5's, keeps only its MLP tiled).
-Parameter names are TorchTitan's, so checkpoints load either way. Under tensor parallelism each
-tile goes through the norms' and MLP's own sharding hooks (token-wise, so per tile as whole), and a
-joined DTensor is put back into its tiles' placement.
+Parameter names are TorchTitan's, so checkpoints load either way. Under tensor parallelism (with
+sequence parallelism the block's input is sharded along the sequence) the tiles are taken from each
+rank's local rows and go through the norms' and MLP's own sharding hooks as the whole would:
+every op tiled is token-wise, so which rows share a tile does not matter.
 """
 
 from __future__ import annotations
@@ -43,6 +44,22 @@ from flashcp.titan.models.tiled_mlp import run_tiled, TiledFeedForward, tile_cou
 
 # The dense blocks whose forward is exactly `x + attn(attention_norm(x)); x + ffn(ffn_norm(x))`.
 DENSE_BLOCKS = (Llama3TransformerBlock.Config, Qwen3TransformerBlock.Config)
+
+
+def _sequence_tiled(fn, x: torch.Tensor, tiles: int) -> torch.Tensor:
+    """`run_tiled` over `tiles` tiles of x. A DTensor (TP, x sequence-sharded under SP) is tiled by its
+    local rows, each tile handed to `fn` with x's placements: splitting it as a DTensor would gather
+    the sequence, and the norms' sharding hooks expect their input and output sharded as x."""
+    if not isinstance(x, DTensor):
+        return run_tiled(fn, x, math.ceil(x.shape[1] / tiles))
+    mesh, placements = x.device_mesh, x.placements
+
+    def local_fn(tile: torch.Tensor) -> torch.Tensor:
+        return fn(DTensor.from_local(tile, mesh, placements, run_check=False)).to_local(grad_placements=placements)
+
+    local = x.to_local(grad_placements=placements)
+    out = run_tiled(local_fn, local, math.ceil(local.shape[1] / tiles))
+    return DTensor.from_local(out, mesh, placements, run_check=False)
 
 
 class TiledTransformerBlock(TransformerBlock):
@@ -67,9 +84,8 @@ class TiledTransformerBlock(TransformerBlock):
         w1 = self.feed_forward.w1.weight
         hidden = w1.to_local().shape[0] if isinstance(w1, DTensor) else w1.shape[0]
         tiles = tile_count(self.tiles, x.shape[0] * x.shape[1], hidden, x.element_size())
-        tile_len = math.ceil(x.shape[1] / tiles)
-        h = x + self.attention(run_tiled(self.attention_norm, x, tile_len), attention_masks, positions)
-        return run_tiled(self._ffn_half, h, tile_len)
+        h = x + self.attention(_sequence_tiled(self.attention_norm, x, tiles), attention_masks, positions)
+        return _sequence_tiled(self._ffn_half, h, tiles)
 
     def _ffn_half(self, h: torch.Tensor) -> torch.Tensor:
         return h + self.feed_forward(self.ffn_norm(h))
