@@ -185,6 +185,7 @@ def _train_rank(rank: int, group: Any, cfg: dict, dtype: str = "float32") -> tup
     return losses, grads, last[0], windows
 
 
+@pytest.mark.slow
 def test_debug_pp_cpu_reproduces_its_run_without_pp(tmp_path, gloo_pool):
     """train_configs/debug_pp_cpu.toml's 20 steps (fp32, 4 windows a step through 1F1B) give the losses of
     the same job without PP: CP 2 on 2 ranks, the four windows as gradient-accumulation micro steps."""
