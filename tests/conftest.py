@@ -52,14 +52,14 @@ def gloo_pool():
     close_shared()
 
 
-# The longest files, longest first: the lease's CPU rehearsal (minutes), then the multi-rank and compile ones.
-FIRST = ("tests/test_gpu_lease.py", "tests/titan/test_hf_import_ranks.py", "tests/titan/test_compile.py",
-         "tests/test_planner.py")  # fmt: skip
+# The longest files of the default tier, longest first: 4-rank imports, PP runs, launched jobs, compiles.
+FIRST = ("tests/titan/test_hf_import_ranks.py", "tests/titan/test_pp_train.py", "tests/titan/test_launch.py",
+         "tests/titan/test_e2e.py", "tests/titan/test_compile.py")  # fmt: skip
 
 
 def pytest_collection_modifyitems(config, items) -> None:
     """The longest test files first: with `--dist loadfile` each file runs whole on one worker, in
-    collection order (scripts/test.sh turns off xdist's reordering by test count, which put the rehearsal,
-    5 tests, last), so a long file collected late would leave the other worker idle at the end."""
+    collection order (scripts/test.sh turns off xdist's reordering by test count, which put a long file of
+    few tests last), so a long file collected late would leave the other worker idle at the end."""
     rank = {name: i for i, name in enumerate(FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(FIRST)))
