@@ -38,6 +38,7 @@ def reference(tmp_path_factory):
     return seed, losses, biases
 
 
+@pytest.mark.slow
 def test_the_checkpoint_of_a_model_without_an_hf_class_refuses_export_in_one_line(reference, tmp_path):
     """debugmodel routes by softmax (DeepSeek-V2's router): it trains and saves; its export is one line."""
     from flashcp.titan.hf.export import export, ExportError
@@ -49,6 +50,7 @@ def test_the_checkpoint_of_a_model_without_an_hf_class_refuses_export_in_one_lin
     assert not (tmp_path / "hf").exists()
 
 
+@pytest.mark.slow
 def test_cp2_ep2_reproduces_the_one_rank_run(reference, gloo_pool, tmp_path):
     seed, losses, biases = reference
     cfg = mla_job(tmp_path, seed, parallelism={"context_parallel_degree": 2, "expert_parallel_degree": 2})

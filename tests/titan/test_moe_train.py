@@ -113,6 +113,7 @@ def test_ep2_cp2_on_two_ranks_reproduces_the_one_rank_run(reference, gloo_pool, 
     assert graphs == ({(1, 0)} if compiled else {(0, 0)})
 
 
+@pytest.mark.slow
 def test_ep2_cp2_resumes_bit_exactly(reference, gloo_pool, tmp_path):
     """The 4-rank job stopped after step 10 and started again: its steps 11-20 are the uninterrupted
     run's bit for bit (weights, optimizer, routing bias and data cursor all restored), and the

@@ -56,6 +56,7 @@ def losses(out: str) -> dict[int, str]:
     return {int(m.group(1)): m.group(2) for m in STEP_LINE.finditer(plain)}
 
 
+@pytest.mark.slow
 def test_rdzv_endpoint_nodes_train_and_refuse_another_job_or_other_settings(tmp_path, capsys, monkeypatch):
     env = {"RDZV_ENDPOINT": f"127.0.0.1:{free_port()}"}
     dump, other = tmp_path / "job", tmp_path / "other"

@@ -130,6 +130,7 @@ def train_offloaded(rank: int, group, cfg: dict, stop_after: int | None = None):
     return losses, norms, len(copies)
 
 
+@pytest.mark.slow
 def test_offload_trains_what_full_ac_trains_and_resumes_exactly(tmp_path, gloo_pool):
     """Offload only moves bytes: the same losses and gradient norms as full AC without it, bit for bit."""
     def job(name: str, model: dict, layout: dict, offload: bool, **sections) -> dict:

@@ -77,7 +77,8 @@ def _train_rank_probed(rank: int, group: Any, cfg: dict) -> tuple:
     return *runs, layout, (counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()))
 
 
-@pytest.mark.parametrize("schedule", ["1F1B", pytest.param("Interleaved1F1B", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", SCHEDULES)
 def test_pp2_x_tp2_x_cp2_reproduces_cp1(tmp_path, gloo_pool, cp1, schedule):
     """PP 2 x TP 2 x CP 2: every stage's weights are split over TP (and sharded over CP's FSDP), its
     four ranks' gathered gradients agree, and they and the last stage's losses are CP 1's."""
@@ -96,7 +97,8 @@ def test_pp2_x_tp2_x_cp2_reproduces_cp1(tmp_path, gloo_pool, cp1, schedule):
     print(f"PP 2 x TP 2 x CP 2 ({schedule}) vs CP 1: losses {loss:.1e}, gradients (relative) {grad:.1e}")
 
 
-@pytest.mark.parametrize("schedule", [pytest.param("1F1B", marks=pytest.mark.slow), "Interleaved1F1B"])
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", SCHEDULES)
 def test_compiled_pp2_x_cp2_reproduces_cp1(tmp_path, gloo_pool, cp1, schedule):
     """PP 2 x CP 2 with the blocks compiled: the eager CP 1's losses and first gradients, one graph per
     rank for its stage's blocks and no graph break."""

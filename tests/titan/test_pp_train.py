@@ -120,8 +120,8 @@ def test_pp2_x_cp2_reproduces_cp1(tmp_path, gloo_pool, cp1, schedule):
     _assert_grads(pp_grads, grads)
 
 
-@pytest.mark.parametrize("schedule", [s if s == "1F1B" else pytest.param(s, marks=pytest.mark.slow)
-                                      for s in FLOAT64_SCHEDULES])
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", FLOAT64_SCHEDULES)
 def test_pp2_x_cp2_reproduces_cp2_and_cp1_in_float64(tmp_path, gloo_pool, float64_references, schedule):
     """The same in float64, where the runs differ only in summation order: PP 2 x CP 2's losses and
     gradients are CP 2's and CP 1's to 1e-10."""
