@@ -170,8 +170,8 @@ def test_a_multi_token_prediction_head_is_left_unread(imported, tmp_path):
         assert train(_job(tmp_path / "run", tmp_path / "hf"))[1] == loss
 
 
-@pytest.mark.parametrize("change", [pytest.param("extra", marks=pytest.mark.slow), "missing",
-                                    pytest.param("reshaped", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("change", ["extra", "missing", "reshaped"])
+@pytest.mark.slow
 def test_an_expert_that_does_not_fit_is_refused_on_every_rank(folder, gloo_pool, tmp_path, change):
     named = _rewrite(folder, tmp_path / "hf", change)
     cfg = import_job(tmp_path / "run", tmp_path / "hf", **LAYOUTS["fsdp2-cp2-ep2"])

@@ -82,7 +82,8 @@ def reference(tmp_path_factory):
     return seed, losses, biases, counts
 
 
-@pytest.mark.parametrize("offload", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["full AC", "full AC offloaded"])
+@pytest.mark.slow
+@pytest.mark.parametrize("offload", [False, True], ids=["full AC", "full AC offloaded"])
 def test_ep2_cp2_reproduces_the_one_rank_run(reference, gloo_pool, tmp_path, offload):
     """With `offload` the MoE blocks' checkpointed inputs wait in host memory: nothing else changes."""
     cfg = moe_job(tmp_path, reference[0], parallelism={"context_parallel_degree": 2, "expert_parallel_degree": 2,

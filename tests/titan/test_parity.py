@@ -173,9 +173,8 @@ def test_mlp_tiles_change_no_loss_gradient_or_resume(tmp_path, gloo_pool, name, 
 COMPILE_STEPS = 20
 COMPILE_CASES = [  # (cp, dp_shard, tp, activation checkpointing) on 4 ranks
     (2, 2, 1, "none"),
-    pytest.param(2, 1, 2, "none", marks=pytest.mark.slow),
-    # the block's recompute (the KV exchange included) inside the compiled backward
-    pytest.param(2, 2, 1, "full", marks=pytest.mark.slow),
+    (2, 1, 2, "none"),
+    (2, 2, 1, "full"),  # the block's recompute (the KV exchange included) inside the compiled backward
 ]
 # Relative, losses and gradient norms over 20 steps; observed 1.1e-7 (inductor's float32 summation
 # order); a wrong or missing gradient term moves them by orders of magnitude more.
@@ -195,6 +194,7 @@ def _train_counting_graphs(rank: int, group, cfg: dict) -> tuple[dict, dict, dic
     return losses, norms, exchanges, (counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cp,dp,tp,ac", COMPILE_CASES)
 def test_compiled_blocks_train_the_eager_losses(tmp_path, seed, gloo_pool, cp, dp, tp, ac):
     """`[compile] enable` (inductor, each block one graph with FlashCP's op inside) trains the eager
