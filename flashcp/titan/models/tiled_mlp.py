@@ -14,8 +14,9 @@ before and checkpoints load either way. Under tensor parallelism each tile runs 
 placement the untiled MLP returns. The MLP is token-wise, so tiles change only summation order.
 
 `flashcp.titan.models.tiled_block.use_tiled_blocks` installs it (inside Llama 3's and Qwen3's
-blocks the norm and residual add are tiled with it). `tiles = AUTO` picks the count from the shapes each call sees (no host sync): the fewest tiles
-whose intermediates (w1 x, w3 x, silu and the product: 4 x tile x hidden) fit `TILE_BYTES`.
+blocks the norm and residual add are tiled with it). `tiles = AUTO` picks the count from the shapes
+each call sees (no host sync): the fewest tiles whose intermediates (w1 x, w3 x, silu and the
+product: 4 x tile x hidden) fit `TILE_BYTES`.
 """
 
 from __future__ import annotations
