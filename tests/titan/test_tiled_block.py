@@ -12,8 +12,9 @@ import torch
 
 import flashcp.titan  # noqa: F401  (TorchTitan shims before torchtitan)
 from flashcp.titan.models import tiled_mlp
-from flashcp.titan.models.tiled_block import TiledTransformerBlock, use_tiled_blocks
+from flashcp.titan.models.tiled_block import TiledRMSNorm, TiledTransformerBlock, use_tiled_blocks
 from torchtitan.models.common import ComplexRoPE
+from torchtitan.models.common.nn_modules import RMSNorm
 from torchtitan.models.llama3 import _build_llama3_layers
 from torchtitan.protocols.module import Module
 
@@ -96,6 +97,44 @@ def test_tiled_block_equals_torchtitans_block_in_float64(tiles: int, monkeypatch
     tile = math.ceil(LENGTH / (3 if tiles == tiled_mlp.AUTO else tiles))
     assert not [s for s in saved if s[-1] == HIDDEN and math.prod(s[:-1]) > tile], saved
     assert [s for s in saved if s in ((LENGTH, DIM), (1, LENGTH, DIM))] == [(LENGTH, DIM)] * 2, saved
+
+
+@pytest.mark.parametrize("tiles", [2, 3, tiled_mlp.AUTO])
+def test_the_tiled_final_norm_equals_rmsnorm_with_float32_work_for_one_tile(tiles: int, monkeypatch) -> None:
+    """The decoder's final norm over tiles: the plain RMSNorm's output and gradients (float64, 1e-12), and
+    autograd keeps no more than one tile's rows of any tensor, so its float32 work is recomputed a tile
+    at a time (AUTO: a budget of four float32 temporaries of 4 tokens -> 3 tiles)."""
+    monkeypatch.setattr(tiled_mlp, "TILE_BYTES", 16 * 4 * DIM)
+    monkeypatch.setattr("flashcp.titan.models.tiled_block.TILE_BYTES", 16 * 4 * DIM)
+    config = RMSNorm.Config(normalized_shape=DIM)
+    plain, tiled = config.build(), TiledRMSNorm.Config(normalized_shape=DIM, tiles=tiles).build()
+    torch.manual_seed(0)
+    plain.to(torch.float64).weight.data.add_(0.1 * torch.randn(DIM, dtype=torch.float64))
+    tiled.to(torch.float64).load_state_dict(plain.state_dict())
+    x, dy = torch.randn(1, LENGTH, DIM, dtype=torch.float64), torch.randn(1, LENGTH, DIM, dtype=torch.float64)
+    outs = []
+    for norm in (plain, tiled):
+        xi = x.clone().requires_grad_()
+        made = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: made.append(tuple(t.shape)) or t, lambda t: t):
+            y = norm(xi)
+        y.backward(dy)
+        outs.append(([y.detach(), xi.grad, norm.weight.grad], made))
+    (ref, _), (got, saved) = outs
+    for a, b in zip(got, ref, strict=True):
+        assert (a - b).abs().max().item() <= 1e-12
+    tile = math.ceil(LENGTH / (3 if tiles == tiled_mlp.AUTO else tiles))
+    assert saved and not [s for s in saved if s[-1] == DIM and tile < math.prod(s[:-1])], saved  # only tiles' inputs
+
+
+def test_use_tiled_blocks_tiles_the_final_norm_of_a_dense_llama3() -> None:
+    from flashcp.titan.launch.job import trainer_config
+
+    model = trainer_config(tiny_job("unused", activation_checkpoint={"mode": "full", "mlp_tiles": 3})).model_spec.model
+    assert type(model.norm) is TiledRMSNorm.Config and model.norm.tiles == 3
+    plain = trainer_config(tiny_job("unused", activation_checkpoint={"mode": "full"})).model_spec.model
+    assert type(plain.norm) is RMSNorm.Config
+
 
 def test_the_trainer_with_tiled_blocks_trains_the_plain_losses(tmp_path) -> None:
     """mlp_tiles = 3 (not dividing the rank's tokens) under full AC: Llama 3's blocks are tiled blocks,

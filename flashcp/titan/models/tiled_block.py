@@ -19,6 +19,8 @@ attention op anyway, and tiling them would mean re-implementing the attention mo
 Measured (dry run, that job without offload, mlp_tiles = 16): 116.3 GiB tracked before, 102.6 after,
 the peak then in the final norm's backward (outside the blocks); the attention_norm tiles were not
 measured apart from the FFN half's (an untiled attention_norm has the same float32 temporaries).
+The decoder's final norm, before the output projection, is the same RMSNorm over the same tokens,
+so it is tiled too (`TiledRMSNorm`).
 
 Tiles change only summation order. The count is `[activation_checkpoint] mlp_tiles` (AUTO sized as
 the tiled MLP's, by its hidden-sized intermediates): the norms and residual adds are tiled whenever
@@ -32,18 +34,21 @@ every op tiled is token-wise, so which rows share a tile does not matter.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch.distributed.tensor import DTensor
 from torchtitan.models.common.attention import AttentionMasksType
 from torchtitan.models.common.decoder import TransformerBlock
 from torchtitan.models.common.feed_forward import FeedForward
+from torchtitan.models.common.nn_modules import RMSNorm
 from torchtitan.models.llama3.model import Llama3TransformerBlock
 from torchtitan.models.qwen3.model import Qwen3TransformerBlock
 
-from flashcp.titan.models.tiled_mlp import run_tiled, TiledFeedForward, tile_count
+from flashcp.titan.models.tiled_mlp import AUTO, run_tiled, TiledFeedForward, tile_count, TILE_BYTES
 
 # The dense blocks whose forward is exactly `x + attn(attention_norm(x)); x + ffn(ffn_norm(x))`.
 DENSE_BLOCKS = (Llama3TransformerBlock.Config, Qwen3TransformerBlock.Config)
@@ -94,12 +99,38 @@ class TiledTransformerBlock(TransformerBlock):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+class TiledRMSNorm(RMSNorm):
+    """TorchTitan's RMSNorm over sequence tiles, each recomputed in backward: the decoder's final norm,
+    whose float32 temporaries would otherwise exist for all of a rank's tokens. AUTO: the fewest tiles
+    whose four float32 temporaries of one tile fit TILE_BYTES."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(RMSNorm.Config):
+        tiles: int = 2
+
+    def __init__(self, config: Config) -> None:
+        super().__init__(config)
+        self.tiles = config.tiles
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.shape[0] * x.shape[1]
+        tiles = self.tiles if self.tiles != AUTO else math.ceil(16 * tokens * x.shape[-1] / TILE_BYTES)
+        if tiles <= 1:
+            return super().forward(x)
+        return _sequence_tiled(partial(RMSNorm.forward, self), x, tiles)
+
+
 def use_tiled_blocks(model_config, tiles: int) -> None:
     """Tile the token-wise work of every dense layer of a TorchTitan decoder config, in place: a
     Llama 3 / Qwen3 dense block becomes a `TiledTransformerBlock`, any other layer's
-    dense FeedForward a `TiledFeedForward` (tiles 0 or 1: unchanged; AUTO: sized at each call)."""
+    dense FeedForward a `TiledFeedForward`, and the final RMSNorm of a model with such a block a
+    `TiledRMSNorm` (tiles 0 or 1: unchanged; AUTO: sized at each call)."""
     if tiles in (0, 1):
         return
+    norm = getattr(model_config, "norm", None)
+    if type(norm) is RMSNorm.Config and any(type(layer) in DENSE_BLOCKS for layer in model_config.layers):
+        fields = {f.name: getattr(norm, f.name) for f in dataclasses.fields(norm)}
+        model_config.norm = TiledRMSNorm.Config(**fields, tiles=tiles)
     for i, layer in enumerate(model_config.layers):
         ffn = getattr(layer, "feed_forward", None)
         if type(ffn) is not FeedForward.Config:
