@@ -129,7 +129,8 @@ def test_the_lease_rehearses_every_part_on_the_cpu(rehearsal) -> None:
     assert dry["frontier_terms"]["predicted"]["per_layer_gib"] > 0
 
     frontier = json.loads((out / "frontier.json").read_text())
-    assert frontier["done"] and set(frontier["variants"]) == {"layers2", "layers2_offload", "layers1"}
+    assert frontier["done"] and set(frontier["variants"]) == {"layers2", "layers2_offload", "layers1",
+                                                              "layers2_groups"}
     assert all(r["status"] == "trained" for r in frontier["variants"].values())
     with tarfile.open(out / "gpucheck.tar.gz") as tar:
         assert {"gpucheck/summary.md", "gpucheck/kernel_calls.csv"} <= set(tar.getnames())
