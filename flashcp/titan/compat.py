@@ -89,6 +89,20 @@ def _default_device_to_cpu() -> None:
 
     tt_utils.device_type = "cpu"
     tt_utils.device_module = _cpu_device_module()
+    _cpu_offload_on_cpu()
+
+
+def _cpu_offload_on_cpu() -> None:
+    # All TorchTitan versions, without an accelerator: `[training] enable_cpu_offload` pins the host
+    # shards (pinning needs an accelerator) and initialises "cpu:gloo" beside the device's backend,
+    # here "cpu:gloo" too (torch refuses the duplicate). The shards are then plain host memory and the
+    # one gloo backend serves both, so the job trains as it would on a GPU, for tests and development.
+    import torchtitan.distributed.fsdp as tt_fsdp
+    import torchtitan.distributed.utils as tt_dist
+
+    tt_fsdp.CPUOffloadPolicy = functools.partial(tt_fsdp.CPUOffloadPolicy, pin_memory=False)
+    init = tt_dist.init_distributed
+    tt_dist.init_distributed = lambda comm, enable_cpu_backend=False, **kwargs: init(comm, **kwargs)
 
 
 def _flash_attention_impl_only_if_it_activates() -> None:

@@ -1,0 +1,63 @@
+"""`[training] enable_cpu_offload`: FSDP2's CPU offload (sharded parameters, gradients and AdamW's
+states on the host, the optimizer stepping there) trains what the job trains without it.
+
+On this GPU-less machine every tensor is on the CPU anyway, so these runs check the path, not the
+bytes moved: FSDP builds its parameters with `CPUOffloadPolicy` (unpinned here, `flashcp.titan.compat`)
+and the losses and gradient norms equal the run without it, bit for bit; one rank in the default
+tier, CP 2 x FSDP 2 ranks with a resume from its checkpoint in the slow tier. What it saves on a GPU
+is the dry run's (test_dryrun.py).
+"""
+
+from __future__ import annotations
+
+import os
+from unittest.mock import patch
+
+import pytest
+from harness import single_rank, tiny_job, train
+
+STEPS = 2
+
+
+def train_counting_policies(rank: int, group, cfg: dict, stop_after: int | None = None):
+    """DistributedPool task (or a call in this process on one rank): a rank's losses, gradient norms and
+    how many FSDP units were given a CPU offload policy."""
+    import torchtitan.distributed.fsdp as tt_fsdp  # after flashcp.titan (harness), which points it at the CPU
+
+    if group is not None:
+        os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(group.size())})
+    norms: dict[int, float] = {}
+    policy, made = tt_fsdp.CPUOffloadPolicy, []
+    with patch.object(tt_fsdp, "CPUOffloadPolicy", lambda: made.append(1) or policy()):
+        losses = train(cfg, stop_after=stop_after, grad_norms=norms)
+    return losses, norms, len(made)
+
+
+def _job(root, name: str, offload: bool, **sections) -> dict:
+    return tiny_job(root / name, training={"steps": STEPS, "enable_cpu_offload": offload}, **sections)
+
+
+def test_cpu_offload_trains_what_the_job_trains_on_one_rank(tmp_path):
+    with single_rank():
+        kept, kept_norms, none = train_counting_policies(0, None, _job(tmp_path, "kept", False))
+    with single_rank():
+        moved, moved_norms, units = train_counting_policies(0, None, _job(tmp_path, "moved", True))
+    assert none == 0 and units > 0
+    assert sorted(moved) == list(range(1, STEPS + 1)) and moved[STEPS] < moved[1]  # it trains
+    assert moved == kept and moved_norms == kept_norms
+
+
+@pytest.mark.slow
+def test_cpu_offload_under_cp_and_fsdp_trains_the_same_losses_and_resumes_exactly(tmp_path, gloo_pool):
+    """CP 2 x FSDP 2 (4 ranks: each parameter sharded over 4, the gradients reduce-scattered to the host
+    shards, clipped there as DTensors), then stopped after step 1 and resumed from its checkpoint."""
+    layout = {"parallelism": {"context_parallel_degree": 2, "data_parallel_shard_degree": 2}}
+    pool = gloo_pool(4)
+    kept, kept_norms, none = pool.run(train_counting_policies, (_job(tmp_path, "kept", False, **layout),))[0]
+    moved, moved_norms, units = pool.run(train_counting_policies, (_job(tmp_path, "moved", True, **layout),))[0]
+    assert none == 0 and units > 0
+    assert moved == kept and moved_norms == kept_norms
+    resumed = _job(tmp_path, "resumed", True, checkpoint={"enable": True, "interval": 1}, **layout)
+    first = pool.run(train_counting_policies, (resumed, 1))[0][0]
+    rest = pool.run(train_counting_policies, (resumed,))[0][0]
+    assert first == {1: moved[1]} and rest == {2: moved[2]}
