@@ -150,8 +150,61 @@ def test_offload_moves_the_layer_inputs_to_host_memory(tmp_path, capsys):
     assert set(on) >= set(off) - {"offload"}  # today's keys kept
 
 
+def test_cpu_offload_moves_the_sharded_state_to_host_memory(tmp_path, capsys):
+    """`[training] enable_cpu_offload` (FSDP2's CPU offload): the sharded fp32 parameters, their gradients
+    and AdamW's moments leave the GPU's peak, byte for byte, and are the host memory per rank; the
+    gathered parameters, activations and loss stay. The verdict names the host memory a node needs,
+    and a host too small for it exits 1 naming --host-gib and the node's total."""
+    reports = {}
+    for flag in ("false", "true"):
+        proc = _dry_run(tmp_path, capsys, "--training.enable_cpu_offload", flag)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        reports[flag] = json.loads(proc.stdout)
+    off, on = reports["false"], reports["true"]
+    gib = lambda x: round(x * 2**30)  # noqa: E731
+    kept, moved, host = off["by_category"], on["by_category"], on["host_by_category"]
+    assert off["host_gib"] == 0 and off["cpu_offload"] is None and on["offload"] is None
+    assert gib(moved["optimizer_states"]) == 0 and gib(host["optimizer_states"]) == gib(kept["optimizer_states"]) > 0
+    assert gib(kept["parameters"]) - gib(moved["parameters"]) == gib(host["parameters"]) > 0  # the shards
+    assert gib(host["gradients"]) == gib(host["parameters"])  # every shard's fp32 gradient, at the host's peak
+    assert gib(host["layer_inputs"]) == 0 and gib(on["host_gib"]) == sum(map(gib, host.values()))
+    shards_at_peak = host["parameters"] + host["optimizer_states"] + kept["gradients"] - moved["gradients"]
+    assert gib(off["peak_gib"]) - gib(on["peak_gib"]) == gib(shards_at_peak)
+    for name in ("activations", "loss", "flashcp_buffers", "model_buffers"):
+        assert moved[name] == kept[name], name
+    assert on["ranks_per_node"] == 8 and on["host_gib_per_node"] == 8 * on["host_gib"]
+    assert on["cpu_offload"]["down_gib_per_step"] * 2 == on["cpu_offload"]["up_gib_per_step"] > 0
+    assert set(on) >= set(off)  # today's keys kept
+    too_small = _dry_run(tmp_path, capsys, "--training.enable_cpu_offload", "true", "--ranks-per-node", "4",
+                         "--host-gib", f"{on['host_gib'] / 2}")  # fmt: skip
+    assert too_small.returncode == 1 and json.loads(too_small.stdout)["host_gib_per_node"] == 4 * on["host_gib"]
+    err = too_small.stderr.strip().splitlines()[-1]
+    assert err.startswith("error: does not fit: ") and "(--host-gib)" in err and "per node of 4 ranks" in err, err
+    assert "enable_cpu_offload = false" in err
+
+
+def test_the_verdict_names_the_host_memory_a_node_needs(capsys):
+    from flashcp.titan.dryrun.report import format_report, Report
+
+    report = Report(config="x", world_size=16, degrees={"cp": 16}, gpu_gib=80, reserve_gib=6, peak_gib=60.0,
+                    by_category={"activations": 60.0}, estimate_gib={"peak": 61.0}, plan={}, loss_chunks=1,
+                    seconds=1, host_gib=77.5, ranks_per_node=8)  # fmt: skip
+    assert format_report(report).splitlines()[-1].endswith(
+        "against a 80 GiB GPU; needs 620 GiB of host memory per node of 8 ranks (77.5 GiB per rank, 256 GiB allowed)")
+
+
+def test_the_dry_run_refuses_cpu_offload_under_pipeline_parallelism(tmp_path, capsys):
+    proc = _dry_run(tmp_path, capsys, "--training.enable_cpu_offload", "true", "--parallelism.pipeline_parallel_degree",
+                    "2", "--parallelism.context_parallel_degree", "2", "--training.local_batch_size", "2")  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: the dry run derives a pipeline's ranks from one stage's GPU memory: not with [training] "
+        "enable_cpu_offload (each rank's host shards are not derived)")
+
+
 @pytest.mark.parametrize("args", [["--gpu-gib", "0"], ["--gpu-gib", "inf"], ["--reserve-gib", "nan"],
-                                  ["--host-gib", "-1"], ["--world-size", "0"]])  # fmt: skip
+                                  ["--host-gib", "-1"], ["--world-size", "0"],
+                                  ["--ranks-per-node", "0"]])  # fmt: skip
 def test_bad_numbers_are_one_line(args, capsys):
     from flashcp.titan.dryrun import cli
 
@@ -170,14 +223,15 @@ AC_SETTINGS = [
 
 @pytest.mark.parametrize("ac", AC_SETTINGS, ids=str)
 @pytest.mark.parametrize("chunk_tokens", [0, 2048])
-def test_the_non_fit_line_never_advises_a_setting_the_job_has(ac, chunk_tokens):
+@pytest.mark.parametrize("cpu_offload", [False, True])
+def test_the_non_fit_line_never_advises_a_setting_the_job_has(ac, chunk_tokens, cpu_offload):
     """Every `[section] key = value` the advice names differs from the job's value, for every term."""
     import re
 
     from flashcp.titan.dryrun.report import advice
 
     cfg = {"activation_checkpoint": ac, "loss": {"chunk_tokens": chunk_tokens},
-           "model": {"flavor": "custom", "num_experts": None}}  # dense
+           "model": {"flavor": "custom", "num_experts": None}, "training": {"enable_cpu_offload": cpu_offload}}  # dense
     for category in ("parameters", "gradients", "optimizer_states", "model_buffers", "activations",
                      "flashcp_buffers", "loss", "host"):  # fmt: skip
         line = advice(category, cfg)

@@ -1,6 +1,7 @@
 """`python -m flashcp.titan.dryrun`: a job's memory per GPU (and host) from one rank on fake tensors.
 
     python -m flashcp.titan.dryrun --config llama8b_128k --world-size 8 [--json] [--gpu-gib 80] [--host-gib 256]
+                                   [--ranks-per-node 8]
 
 Exit 0 when it fits, 1 when not (one line: the biggest term and the levers this job does not
 use), 2 for a bad job or argument (one line). A file the job names and this machine lacks (its
@@ -58,7 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reserve-gib", type=_gib(0, strict=False), default=6.0,
                         help="untracked memory: CUDA context, NCCL buffers, fragmentation (default 6)")
     parser.add_argument("--host-gib", type=_gib(0, strict=False), default=256.0,
-                        help="host memory per rank the offload may pin (default 256: 1/8 of a 2 TB node)")
+                        help="host memory per rank the offloads may hold (default 256: 1/8 of a 2 TB node)")
+    parser.add_argument("--ranks-per-node", type=_ranks, default=8,
+                        help="ranks (GPUs) per node, for the host memory a node needs (default 8)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args, overrides = parser.parse_known_args(argv)
     try:
@@ -68,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         world = args.world_size or world_size_hint(cfg)
         if world is None:
             raise ConfigError("data_parallel_shard_degree = -1 leaves the world open: pass --world-size")
-        report = dry_run(cfg, world, args.gpu_gib, args.reserve_gib, args.host_gib)
+        report = dry_run(cfg, world, args.gpu_gib, args.reserve_gib, args.host_gib, args.ranks_per_node)
     except (ConfigError, NodeLayoutError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -85,8 +88,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{advice(biggest, cfg)}", file=sys.stderr)  # fmt: skip
         return 1
     if not report.fits:
-        print(f"error: does not fit: the offload keeps {report.host_gib:.1f} GiB per rank in host memory > "
-              f"{report.host_limit_gib:g} GiB (--host-gib): {advice('host', cfg)}", file=sys.stderr)
+        print(f"error: does not fit: {report.host_gib:.1f} GiB of host memory per rank > {report.host_limit_gib:g} "
+              f"GiB (--host-gib), {report.host_gib_per_node:.0f} GiB per node of {report.ranks_per_node} ranks: "
+              f"{advice('host', cfg)}", file=sys.stderr)  # fmt: skip
         return 1
     return 0
 

@@ -13,7 +13,9 @@ logits (bf16, fp32 copy, saved log-softmax, its fp32 gradient) for one loss slic
 adds the fp32 gradient of the hidden states and, under FSDP, the output projection's gradient kept
 unsharded across the slices in fp32 (FSDP's reduce dtype in the shipped configs) plus the fp32
 reduce-scatter input it is copied into at the last slice. It assumes every term peaks at once, so
-it should sit at or above the tracked peak.
+it should sit at or above the tracked peak. With FSDP's CPU offload (`Layout.cpu_offload`) the fp32
+shards, their gradients and AdamW's moments are on the host: only the gathered bf16 copies and the
+unsharded gradients of one layer stay in the GPU's terms.
 
 A mixture-of-experts layer (Qwen3-MoE: `ModelShape.experts` > 0) counts its router (dim x experts)
 and all its experts in the parameters, gradients and AdamW moments, sharded over every rank a
@@ -112,6 +114,7 @@ class Layout:
     low_precision: LowPrecision | None = None  # [model] converters
     ep: int = 1  # expert parallelism: each rank gathers experts / ep experts of a layer
     key_rows: int = 0  # MLA: the gathered key rows this rank's shards attend, up-projected to K and V
+    cpu_offload: bool = False  # [training] enable_cpu_offload: the sharded fp32 state on the host
 
 
 def cast_bytes(lp: LowPrecision) -> float:
@@ -151,6 +154,11 @@ def model_params(m: ModelShape) -> int:
     return m.dense_layers * layer_params(dense) + (m.layers - m.dense_layers) * layer_params(moe)
 
 
+def all_params(m: ModelShape) -> int:
+    """The whole model's parameters: the layers', the embedding and output projection, the final norm."""
+    return model_params(m) + 2 * m.vocab * m.dim + m.dim
+
+
 def feed_forward_working(m: ModelShape, tokens: int, tiles: int) -> int:
     """bf16 elements the feed-forward keeps in one layer's working set (see the module doc)."""
     dense = 4 * tokens * m.ffn // tiles
@@ -177,7 +185,7 @@ def exchange_bytes(m: ModelShape, lay: Layout) -> int:
 def estimate(m: ModelShape, lay: Layout) -> dict[str, float]:
     """GiB per category (the dry run's names) and their sum, "peak"."""
     vocab_params = m.vocab * m.dim
-    params = model_params(m) + 2 * vocab_params + m.dim
+    params = all_params(m)
     shard = lay.fsdp * lay.tp
     seq = lay.tokens // (lay.tp if lay.sequence_parallel else 1)  # tokens between blocks
     local_kv = m.latent or 2 * (m.kv_heads // lay.tp) * m.head_dim  # a row of K and V (MLA: latent) here
@@ -191,10 +199,11 @@ def estimate(m: ModelShape, lay: Layout) -> dict[str, float]:
     checkpoints = on_gpu * seq * m.dim if lay.full_ac else m.layers * working
     chunked = lay.loss_tokens < lay.tokens
     chunk_buffers = 4 * lay.tokens * m.dim + (2 * 4 * vocab_params // lay.tp if lay.fsdp > 1 else 0)
+    shard_on_gpu = 0 if lay.cpu_offload else params / shard  # fp32 elements of this rank's shards on the GPU
     out = {
-        "parameters": (4 * params / shard + 2 * (2 * layer_params(m, lay.ep) + vocab_params) / lay.tp) / GIB,
-        "gradients": (4 * params / shard + 4 * layer_params(m, lay.ep) / lay.tp) / GIB,
-        "optimizer_states": 8 * params / shard / GIB,
+        "parameters": (4 * shard_on_gpu + 2 * (2 * layer_params(m, lay.ep) + vocab_params) / lay.tp) / GIB,
+        "gradients": (4 * shard_on_gpu + 4 * layer_params(m, lay.ep) / lay.tp) / GIB,
+        "optimizer_states": 8 * shard_on_gpu / GIB,
         "model_buffers": m.rope_rows * m.rope_row_bytes / GIB,
         "activations": 2 * (checkpoints + (working if lay.full_ac else 0) + lay.tokens * m.dim) / GIB,
         "flashcp_buffers": exchange_bytes(m, lay) / GIB,

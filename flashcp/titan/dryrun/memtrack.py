@@ -26,7 +26,11 @@ each (recorded by the dispatch below) and the innermost module then running, nam
 parameter, gradient or optimizer state where the storage is one (`peak_tensors`).
 
 Storages created inside `host()` (the offloaded layer inputs, which on a GPU live in pinned host
-memory) are not the GPU's: they are left out of the peak and their own peak is `peak_host`.
+memory) are not the GPU's: they are left out of the peak and their own peak is `peak_host`. So are,
+with FSDP's CPU offload (`offloaded`: `[training] enable_cpu_offload`), the sharded parameters, their
+gradients and the optimizer states, which FSDP2's `CPUOffloadPolicy` keeps on the host (the fake
+tensors are all on "cpu" here, so they are told apart by the tracker's classification); the gathered
+parameters and the unsharded gradients stay the GPU's. `peak_host_by_category` splits the host peak.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType as Ref
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed._tools.mem_tracker import _TOTAL_KEY
 from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.utils.weak import WeakIdKeyDictionary
@@ -55,14 +60,17 @@ GROUPS = {
     "activations": (Ref.ACT, Ref.TEMP, Ref.INP),
 }
 _TRANSIENT = (Ref.ACT, Ref.TEMP)
+CPU_OFFLOADED = {"parameters": Ref.SHARDED_PARAM, "gradients": Ref.SHARDED_GRAD, "optimizer_states": Ref.OPT}
 TOP = 8  # the largest live storages kept at the peak
 
 
 class CategoryTracker(FSDPMemTracker):
     """`FSDPMemTracker` whose peak also splits activations by the region that created them."""
 
-    def __init__(self, mod: torch.nn.Module, optm: torch.optim.Optimizer | None = None) -> None:
+    def __init__(self, mod: torch.nn.Module, optm: torch.optim.Optimizer | None = None,
+                 offloaded: bool = False) -> None:  # fmt: skip
         super().__init__(mod, optm)
+        self._on_host = tuple(CPU_OFFLOADED.values()) if offloaded else ()  # FSDP's CPU offload: host refs
         self._labels: list[str] = []
         self._labelled: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> label
         self._peak_labelled: dict[str, int] = {}
@@ -71,6 +79,7 @@ class CategoryTracker(FSDPMemTracker):
         self._host_depth = 0  # > 0 inside `host()`
         self._host: WeakIdKeyDictionary = WeakIdKeyDictionary()  # host storage -> bytes
         self.peak_host = 0  # bytes
+        self.peak_host_by_category: dict[str, int] = {}  # at the host's peak: layer_inputs and CPU_OFFLOADED's
         self._extra_groups: list[tuple[Any, Any, Any]] = []  # (group, its pre_backward, its post_backward)
         self._op = ""  # the aten op being dispatched
         self._made: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> (op, module, shape, dtype, label)
@@ -156,7 +165,7 @@ class CategoryTracker(FSDPMemTracker):
         if self._host_depth:
             for st in get_untyped_storages(t):
                 self._host[st] = st.nbytes()
-            self.peak_host = max(self.peak_host, sum(self._host.values()))
+            self._update_host_peak()
             return
         new = [st for st in get_untyped_storages(t) if st not in self._WINFO]
         super()._track(reftype, t)
@@ -189,9 +198,25 @@ class CategoryTracker(FSDPMemTracker):
 
         return pre_forward
 
+    def _update_host_peak(self) -> None:
+        now = {"layer_inputs": sum(self._host.values())}
+        for name, ref in CPU_OFFLOADED.items():
+            if ref in self._on_host:
+                now[name] = sum(snap.get(ref, 0) for snap in self._curr_mem_snap.values())
+        if sum(now.values()) > self.peak_host or not self.peak_host_by_category:
+            self.peak_host, self.peak_host_by_category = sum(now.values()), now
+
     def _update_peak_stats(self, peak_state) -> None:
+        """torch's peak, less what is on the host (per-module peaks, unused here, are then not kept)."""
         before = dict(self._peak_mem)
-        super()._update_peak_stats(peak_state)
+        if self._on_host:
+            for dev, snap in self._curr_mem_snap.items():
+                on_gpu = snap[_TOTAL_KEY] - sum(snap.get(ref, 0) for ref in self._on_host)
+                if self._peak_mem.get(dev, 0) < on_gpu:
+                    self._peak_mem[dev], self._peak_mem_snap[dev] = on_gpu, dict(snap)
+            self._update_host_peak()
+        else:
+            super()._update_peak_stats(peak_state)
         if self._peak_mem != before:
             self._peak_labelled = self._labelled_bytes()
             self._peak_top = self._largest()
@@ -254,7 +279,8 @@ class CategoryTracker(FSDPMemTracker):
             return 0, {}
         device = max(self._peak_mem, key=self._peak_mem.get)
         snap = self._peak_mem_snap[device]
-        out = {name: sum(snap.get(ref, 0) for ref in refs) for name, refs in GROUPS.items()}
+        out = {name: sum(snap.get(ref, 0) for ref in refs if ref not in self._on_host)
+               for name, refs in GROUPS.items()}  # fmt: skip
         for label, size in self._peak_labelled.items():
             out[label] = size
             out["activations"] -= size

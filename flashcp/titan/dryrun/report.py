@@ -1,7 +1,8 @@
 """What a dry run found, and what to say about it: the `--json` object, the table, the levers.
 
 `advice` names, for the term that does not fit, only levers the job does not already use; the
-offload's time is modelled here (its bytes are tracked by the run) against the layer's compute.
+offload's time is modelled here (its bytes are tracked by the run) against the layer's compute, and
+so are FSDP's CPU offload's copies per step. The verdict names the host memory a node needs.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from typing import Any
 
 from flashcp.costmodel.proxy import H100_BF16_TFLOPS
 from flashcp.titan.config.model import model_experts
-from flashcp.titan.dryrun.estimate import cast_bytes, GIB, Layout, layer_params, LowPrecision, ModelShape
+from flashcp.titan.dryrun.estimate import all_params, cast_bytes, GIB, Layout, layer_params, LowPrecision
+from flashcp.titan.dryrun.estimate import ModelShape
 from flashcp.titan.models.offload import layer_input_bytes, offload_seconds, PCIE_GEN5_X16
 
 SHARD_WIDER = "shard them wider: more ranks (data_parallel_shard_degree) or a higher tensor_parallel_degree"
@@ -37,8 +39,11 @@ def advice(category: str, cfg: dict[str, Any]) -> str:
     if category == "model_buffers":
         return "raise context_parallel_degree (the RoPE rows of fewer tokens per rank)"
     if category == "host":
-        off = ", or set [activation_checkpoint] offload = false" if ac["offload"] else ""
-        return f"raise context_parallel_degree (fewer tokens per rank to keep){off}"
+        inputs = "raise context_parallel_degree (fewer tokens per rank to keep)"
+        levers = [inputs, "set [activation_checkpoint] offload = false"] if ac["offload"] else []
+        if cfg["training"]["enable_cpu_offload"]:
+            levers += ["set [training] enable_cpu_offload = false", SHARD_WIDER]
+        return ", or ".join(levers) or inputs
     return SHARD_WIDER
 
 
@@ -57,8 +62,11 @@ class Report:
     plan: dict[str, float | str]
     loss_chunks: int
     seconds: float
-    host_gib: float = 0.0  # tracked: the offloaded layer inputs one rank keeps in host memory
+    host_gib: float = 0.0  # tracked: the host memory one rank keeps (offloaded layer inputs, CPU-offloaded shards)
     host_limit_gib: float = 256.0
+    host_by_category: dict[str, float] = dataclasses.field(default_factory=dict)  # host_gib by category at its peak
+    ranks_per_node: int = 8  # min(world_size, --ranks-per-node)
+    cpu_offload: dict[str, Any] | None = None  # modelled: FSDP's CPU offload's copies per step
     offload: dict[str, Any] | None = None  # modelled: the copies' time against the layer's compute
     low_precision: dict[str, Any] | None = None  # modelled: a converter's casts, added to the tracked peak
     hf_import: str | None = None  # [checkpoint] initial_load_in_hf: rank 0's strict load plan (hfload.py)
@@ -81,11 +89,15 @@ class Report:
     def fits(self) -> bool:
         return self.fits_gpu and self.host_gib <= self.host_limit_gib
 
+    @property
+    def host_gib_per_node(self) -> float:
+        return self.host_gib * self.ranks_per_node
+
     def biggest(self) -> str:
         return max(self.by_category, key=self.by_category.get)
 
     def as_json(self) -> dict[str, Any]:
-        return {"fits": self.fits, **dataclasses.asdict(self)}
+        return {"fits": self.fits, **dataclasses.asdict(self), "host_gib_per_node": self.host_gib_per_node}
 
 
 def offload_time(m: ModelShape, lay: Layout) -> dict[str, Any]:
@@ -99,6 +111,17 @@ def offload_time(m: ModelShape, lay: Layout) -> dict[str, Any]:
         "copy_ms": offload_seconds(nbytes) * 1e3, "layer_forward_ms_at_peak": forward_s * 1e3,
         "link_gb_per_s": PCIE_GEN5_X16 / 1e9, "hides": offload_seconds(nbytes) <= forward_s,
     }  # fmt: skip
+
+
+def cpu_offload_time(m: ModelShape, lay: Layout) -> dict[str, Any]:
+    """Modelled: FSDP2's CPU offload copies a rank's fp32 parameter shards to the GPU before each
+    all-gather (forward, and backward's re-gather: 2 a step), then casts them to bf16 there, and its
+    fp32 gradient shards back once, at PCIe Gen5 x16 (`PCIE_GEN5_X16`); the copies of pinned memory
+    overlap the compute, so the time is what the step has to hide. AdamW steps on the host's CPUs."""
+    shard = 4 * all_params(m) / (lay.fsdp * lay.tp)
+    up, down = 2 * shard, shard
+    return {"up_gib_per_step": up / GIB, "down_gib_per_step": down / GIB,
+            "copy_s_per_step": offload_seconds(up + down), "link_gb_per_s": PCIE_GEN5_X16 / 1e9}  # fmt: skip
 
 
 def low_precision_report(lp: LowPrecision | None) -> dict[str, Any] | None:
@@ -199,6 +222,14 @@ def format_report(r: Report) -> str:
             f"{o['copy_ms']:.1f} ms at {o['link_gb_per_s']:g} GB/s against its dense forward's "
             f"{o['layer_forward_ms_at_peak']:.1f} ms at peak (modelled): {'hides' if o['hides'] else 'does NOT hide'}"
         )
+    if r.cpu_offload is not None:
+        c, h = r.cpu_offload, r.host_by_category
+        lines.append(
+            f"cpu offload: parameters {h['parameters']:.2f}, gradients {h['gradients']:.2f}, optimizer states "
+            f"{h['optimizer_states']:.2f} GiB per rank in host memory (tracked; AdamW steps on the CPU); per step "
+            f"{c['up_gib_per_step']:.1f} GiB of fp32 shards up, {c['down_gib_per_step']:.1f} GiB of gradients down, "
+            f"{c['copy_s_per_step']:.2f} s at {c['link_gb_per_s']:g} GB/s to hide behind the step (modelled)"
+        )
     if r.hf_import is not None:
         lines.append(f"HF import: {r.hf_import}")
     if r.pipeline is not None:
@@ -212,6 +243,10 @@ def format_report(r: Report) -> str:
         )
         casts = f" + {r.casts_gib:.1f} GiB casts (modelled)"
     verdict = "fits" if r.fits else "does NOT fit"
+    host = ""
+    if r.host_gib > 0:
+        host = (f"; needs {r.host_gib_per_node:.0f} GiB of host memory per node of {r.ranks_per_node} ranks "
+                f"({r.host_gib:.1f} GiB per rank, {r.host_limit_gib:g} GiB allowed)")  # fmt: skip
     lines.append(f"{verdict}: {r.peak_gib:.1f} GiB tracked{casts} + {r.reserve_gib:g} GiB reserve (CUDA context, "
-                 f"NCCL, fragmentation) against a {r.gpu_gib:g} GiB GPU")  # fmt: skip
+                 f"NCCL, fragmentation) against a {r.gpu_gib:g} GiB GPU{host}")  # fmt: skip
     return "\n".join(lines)

@@ -14,8 +14,11 @@ and the window's plan figures (`flashcp.titan.dryrun.report`). Not counted: the 
 buffers and allocator fragmentation, hence `--reserve-gib`.
 With `[activation_checkpoint] offload` the layer inputs sent to host memory are tracked apart
 (`host_gib`, against `--host-gib` per rank: 1/8 of a 2 TB node by default), and the copies' time
-is modelled against the layer's compute (`offload`). A job that does not fit exits 1 with one line
-naming its biggest term and the levers it does not already use.
+is modelled against the layer's compute (`offload`). With `[training] enable_cpu_offload` (FSDP2's
+CPU offload) the sharded parameters, gradients and optimizer states are host memory too
+(`memtrack`), and their copies per step are modelled (`cpu_offload`). The host memory a node needs
+is the rank's times its ranks per node. A job that does not fit exits 1 with one line naming its
+biggest term (or the host memory) and the levers it does not already use.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from flashcp.titan.dryrun.hfload import plan_hf_import
 from flashcp.titan.dryrun import pipeline
 from flashcp.titan.dryrun.linear import gated_delta_stand_in
 from flashcp.titan.dryrun.memtrack import CategoryTracker
-from flashcp.titan.dryrun.report import low_precision_report, offload_time, Report
+from flashcp.titan.dryrun.report import cpu_offload_time, low_precision_report, offload_time, Report
 from flashcp.titan.models.offload import layer_input_bytes, LayerInputOffload
 from flashcp.titan.models.rotary import rotation
 from flashcp.titan.models.tiled_mlp import tile_count
@@ -55,7 +58,7 @@ KERNEL = "dryrun"  # the attention backend name the dry run registers while it r
 
 
 def dry_run(cfg: dict[str, Any], world_size: int, gpu_gib: float = 80.0, reserve_gib: float = 6.0,
-            host_gib: float = 256.0) -> Report:
+            host_gib: float = 256.0, ranks_per_node: int = 8) -> Report:
     """Build rank 0 of a `world_size`-rank job on fake tensors and measure one step (see the module doc)."""
     if cfg["model"]["attention"] != "flashcp":
         raise ConfigError("the dry run drives FlashCP's attention: model.attention must be 'flashcp'")
@@ -64,6 +67,9 @@ def dry_run(cfg: dict[str, Any], world_size: int, gpu_gib: float = 80.0, reserve
         raise ConfigError("the dry run sizes a mixture-of-experts job with [training] mixed_precision_param = "
                           "'bfloat16' only: torch's fake grouped matmul (the experts) takes bfloat16")  # fmt: skip
     pp = degrees.get("pp", 1)
+    if pp > 1 and cfg["training"]["enable_cpu_offload"]:
+        raise ConfigError("the dry run derives a pipeline's ranks from one stage's GPU memory: not with [training] "
+                          "enable_cpu_offload (each rank's host shards are not derived)")  # fmt: skip
     split = v = None
     run_cfg, run_world, layers = cfg, world_size, None
     if pp > 1:  # one stage measured as a job of its own, every stage derived from it (dryrun/pipeline.py)
@@ -76,7 +82,7 @@ def dry_run(cfg: dict[str, Any], world_size: int, gpu_gib: float = 80.0, reserve
             ckpt = cfg["checkpoint"]
             hf_import = plan_hf_import(trainer, ckpt["initial_load_path"]) if ckpt["initial_load_in_hf"] else None
             input_dict, labels = next(trainer.batch_generator(trainer.dataloader))
-            peak, by_category, host, top = _measure(trainer, input_dict, labels)
+            peak, by_category, host, host_by_category, top = _measure(trainer, input_dict, labels)
             plan = _plan_figures(trainer)
             shape, layout = _shape_and_layout(trainer, input_dict["dispatch"], run_cfg)
             est = estimate(shape, layout)
@@ -104,6 +110,9 @@ def dry_run(cfg: dict[str, Any], world_size: int, gpu_gib: float = 80.0, reserve
         peak_gib=peak / GIB, by_category=by_gib,
         estimate_gib=est, plan=plan, loss_chunks=chunks, seconds=time.perf_counter() - start,
         host_gib=host / GIB, host_limit_gib=host_gib, offload=offload_time(shape, layout) if layout.offload else None,
+        host_by_category={k: b / GIB for k, b in host_by_category.items()},
+        ranks_per_node=min(world_size, ranks_per_node),
+        cpu_offload=cpu_offload_time(shape, layout) if layout.cpu_offload else None,
         low_precision=low_precision_report(layout.low_precision), hf_import=hf_import, pipeline=piped,
         peak_tensors=[{**{k: v for k, v in t.items() if k != "bytes"}, "gib": t["bytes"] / GIB} for t in top],
     )  # fmt: skip
@@ -245,10 +254,11 @@ def _no_rejection_sampling() -> Iterator[None]:
         torch.nn.init._no_grad_trunc_normal_ = truncated
 
 
-def _measure(trainer, input_dict: dict[str, Any], labels: torch.Tensor) -> tuple[int, dict[str, int], int, list]:
+def _measure(trainer, input_dict: dict[str, Any], labels: torch.Tensor) -> tuple[int, dict[str, int], int,
+                                                                               dict[str, int], list]:
     """Peak bytes of one training step (optimizer states already allocated), by category, the peak
-    of host memory the offload holds, and the largest tensors live at the peak (named while the
-    gradients still exist)."""
+    of host memory the offloads hold, by category, and the largest tensors live at the peak (named
+    while the gradients still exist)."""
     from torchtitan.components.loss import IGNORE_INDEX
     from torchtitan.distributed import utils as dist_utils
 
@@ -259,7 +269,8 @@ def _measure(trainer, input_dict: dict[str, Any], labels: torch.Tensor) -> tuple
             p.grad = torch.zeros_like(p)
         optimizers.step()
         optimizers.zero_grad(set_to_none=True)
-        tracker = CategoryTracker(model, optimizers.optimizers[0])
+        offloaded = trainer.config.training.enable_cpu_offload  # FSDP's: the shards and AdamW's states on the host
+        tracker = CategoryTracker(model, optimizers.optimizers[0], offloaded=offloaded)
         handles = _label_regions(trainer, tracker)
         try:
             with tracker, _host_copies(tracker), gated_delta_stand_in(trainer, tracker):
@@ -275,7 +286,8 @@ def _measure(trainer, input_dict: dict[str, Any], labels: torch.Tensor) -> tuple
                 handle.remove()
             trainer.loss_fn = trainer.loss_fn.inner
     peak, by_category = tracker.peak_by_category()
-    return peak, {"flashcp_buffers": 0, "loss": 0, **by_category}, tracker.peak_host, top
+    host = tracker.peak_host_by_category
+    return peak, {"flashcp_buffers": 0, "loss": 0, **by_category}, tracker.peak_host, host, top
 
 
 @contextlib.contextmanager
@@ -415,6 +427,7 @@ def _shape_and_layout(trainer, dispatch, job: dict[str, Any]) -> tuple[ModelShap
         full_ac=isinstance(cfg.activation_checkpoint, FullAC.Config),
         mlp_tiles=max(1, tile_count(ac["mlp_tiles"], tokens, shape.ffn // dims.tp, 2)) if shape.ffn else 1,
         offload=ac["offload"], ep=dims.ep, key_rows=dispatch.kv_index.numel(),
+        cpu_offload=cfg.training.enable_cpu_offload,
     )  # fmt: skip
     return shape, dataclasses.replace(layout, low_precision=_low_precision(job, model, layout, dims.tp))
 
