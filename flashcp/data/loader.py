@@ -50,6 +50,11 @@ round, which keeps the state independent of the layout: from a token store it pa
 ranks' windows with the document offsets alone (`WindowPacker.skip_windows`), so its work does not
 grow with dp_world; text sources tokenise every window of the round.
 
+Mesh scope (`mesh_with(dp, planner)`, the trainer's `[flashcp] scope = "mesh"`): one window of
+dp x seq_len tokens per `next()`, the stream's next dp windows as one (documents cut only at its end),
+the same on every rank and planned over the whole DP x CP mesh. Its state counts windows of seq_len
+and holds the same cursor, so either scope resumes the other's state with the next unseen tokens.
+
 Balance (`balance_with`, called by the trainer for `[data] balance = "mesh"` / "mesh-cut": it
 needs the model's cost per token and per attended pair): the producer takes a whole optimizer
 step at once, the pieces of the `dp_world x micro` windows stream packing would give it
@@ -138,6 +143,7 @@ class WindowLoader:
         self._balance: StepBalance | None = None
         self._fingerprint = dict(fingerprint)
         self.dp_rank, self.dp_world, self.prefetch = dp_rank, dp_world, prefetch
+        self._span = 1  # windows of seq_len one batch holds (`mesh_with`: DP)
         self._window = 0  # global index of the next round's first window (producer side)
         self._skip = 0  # batches of the next balanced step already handed out before a restore
         self._ready: collections.deque = collections.deque()  # produced, not handed out (prefetch=0)
@@ -177,7 +183,7 @@ class WindowLoader:
         if mine is None or not self._advance(self.dp_world - self.dp_rank - 1):
             return None
         index = self._window + self.dp_rank
-        self._window += self.dp_world
+        self._window += self.dp_world * self._span
         return [(self._batch(mine, index, (time.perf_counter() - t0) * 1e3), self._snapshot())]
 
     def _produce_step(self, t0: float) -> list[tuple[dict[str, Any], dict[str, Any]]] | None:
@@ -318,6 +324,19 @@ class WindowLoader:
         self._dispatcher, self._use_worker, self._finish = dispatcher, worker, finish
         self._worker_timeout_s = worker_timeout_s
 
+    def mesh_with(self, dp: int, planner: Callable[[list[int]], Any]) -> None:
+        """Mesh scope: each `next()` is the stream's next `dp` windows as one window of dp x seq_len tokens
+        (documents cut only at its end), planned by `planner` over the whole mesh and the same on every
+        rank. The state still counts windows of seq_len and its cursor is the stream's, so a run resumes
+        in either scope, or under another DP, where it stopped. Call before iterating."""
+        if dp < 1:
+            raise DataError(f"the mesh scope's DP degree must be >= 1, got {dp}")
+        self._stop_producer()
+        old = self._packer
+        self._packer = WindowPacker(old.source, old.seq_len * dp, old.overflow, old.loop)
+        self._planner, self._span, self.dp_rank, self.dp_world = planner, dp, 0, 1
+        self._restore(self._state)
+
     def balance_with(self, micro: int, cost: WindowCost, cut_target: float | None = None,
                      max_delay: int | None = None, target: float = 1.05,
                      min_kept: float = MIN_KEPT) -> None:  # fmt: skip
@@ -330,6 +349,8 @@ class WindowLoader:
         Call at a step boundary (before iterating, or after a checkpoint's state was loaded)."""
         if micro < 1:
             raise DataError(f"micro steps per optimizer step must be >= 1, got {micro}")
+        if self._span > 1:
+            raise DataError("[data] balance and the mesh scope exclude each other: the mesh-wide plan is the balance")
         if cut_target is not None and not cut_target >= 1.0:
             raise DataError(f"the balance target must be >= 1.0, got {cut_target}")
         if max_delay is not None and max_delay < 0:

@@ -22,6 +22,8 @@ TorchTitan's; this subclass only changes how a batch reaches the model:
    gradients, like every weight's, are summed over the CP ranks by FSDP (dp_shard x cp).
    A Qwen3.5 model (Gated DeltaNet layers) gets its linear layers' dispatch beside the full one, built
    in the same place (`HybridDispatches`), and its blocks the dict of both steps (`hybrid_masks`).
+   With `[flashcp] scope = "mesh"` the window is the step's global batch (DP x C tokens), planned over
+   all DP x CP ranks, whose group replaces the CP group (`flashcp.titan.mesh_scope`).
 3. Labels stay whole-window until then, so TorchTitan's count of valid tokens (summed over
    data-parallel ranks only) is the global count; each rank's loss is its token sum over that
    count and the reported loss is the sum over DP x CP ranks. CP = 1 and CP = N therefore give
@@ -91,7 +93,8 @@ from flashcp.titan.models.spec import uncounted_pipeline_inference
 from flashcp.titan.models.windows import (
     attention_layers, build_hybrid_dispatches, build_layer_dispatches, HybridDispatches, planner_workload,
 )
-from flashcp.titan import compat
+from flashcp.titan import compat, mesh_scope
+from flashcp.titan.mesh_scope import MeshScope, WINDOW_LABELS
 from flashcp.titan.components.checkpoint import CheckpointError, Checkpointer
 from flashcp.titan.components.data import PipelineTokenizer, WindowDataLoader
 from flashcp.titan.hf.export import export, ExportError
@@ -108,6 +111,7 @@ class FlashCPSettings:
 
     enable: bool = True
     strategy: str = "flashcp"
+    scope: str = "group"  # "mesh": one plan over all DP x CP ranks (flashcp.titan.mesh_scope)
     target_imbalance: float = 1.05
     comm: str = "compact"
     backend: str = "auto"
@@ -156,15 +160,21 @@ class FlashCPTrainer(Trainer):
     def _setup_flashcp(self, config: Config) -> None:
         self.flashcp = config.flashcp
         dims = self.parallel_dims
-        if dims.cp_enabled:
+        self.mesh = MeshScope.of(dims) if self.flashcp.scope == "mesh" and self.flashcp.enable else None
+        if self.mesh is not None:  # the FlashCP group is the whole DP x CP mesh
+            self.cp_rank, self.cp_group = self.mesh.rank, self.mesh.group
+        elif dims.cp_enabled:
             cp_mesh = dims.get_mesh("cp")
             self.cp_rank, self.cp_group = cp_mesh.get_local_rank(), cp_mesh.get_group()
         else:
             self.cp_rank, self.cp_group = 0, None
-        self.cp_ranks_per_node = self._cp_ranks_per_node() if self.flashcp.comm == "two_level" else 0
+        two_level, ranks = self.flashcp.comm == "two_level", self.mesh.ranks if self.mesh else dims.cp
+        ranks_per_node = self._cp_ranks_per_node() if two_level or self.mesh else 0
+        self.cp_ranks_per_node = ranks_per_node if two_level else 0
         if self.cp_ranks_per_node:
-            g, nodes = self.cp_ranks_per_node, dims.cp // self.cp_ranks_per_node
-            logger.info(f"two-level KV exchange: the CP group spans {nodes} node(s) of {g} CP rank(s)"
+            g, nodes = self.cp_ranks_per_node, ranks // self.cp_ranks_per_node
+            logger.info(f"two-level KV exchange: the {'mesh' if self.mesh else 'CP'} group spans {nodes} node(s) "
+                        f"of {g} rank(s)"
                         + (" (set by [flashcp] ranks_per_node)" if self.flashcp.ranks_per_node else "")
                         + ("; on one node it is the needed exchange" if nodes == 1 else ""))  # fmt: skip
         self._configure_metrics()
@@ -179,8 +189,10 @@ class FlashCPTrainer(Trainer):
             self.metrics_processor.window_comm = exchange
             logger.info(f"sliding-window layers exchange K/V by {exchange} ([flashcp] window_comm = "
                         f"{self.flashcp.window_comm!r}), the full layers by {self.flashcp.comm}")  # fmt: skip
+        if self.mesh is not None:
+            mesh_scope.attach(self, ranks_per_node)
         if self.flashcp.enable:
-            worker = self.flashcp.plan_worker and dims.cp > 1
+            worker = self.flashcp.plan_worker and ranks > 1
             self.dataloader.loader.dispatch_with(self.window_dispatcher(), worker=worker, finish=self.pin_dispatch,
                                                  worker_timeout_s=self.flashcp.plan_worker_timeout_seconds)  # fmt: skip
         if config.validator.enable:
@@ -198,25 +210,31 @@ class FlashCPTrainer(Trainer):
         self.lr_schedulers.load_state_dict = self._load_schedule_before_the_end
 
     def _cp_ranks_per_node(self) -> int:
-        """The two-level exchange's ranks per node for this rank's CP group: `[flashcp] ranks_per_node`, else
-        where the launch put every CP group's ranks (torchrun numbers ranks node by node, LOCAL_WORLD_SIZE
-        per node; without it, one node). A layout the routes cannot describe stops every rank here, before
-        training, with one line (NodeLayoutError, a job error)."""
-        cp = self.parallel_dims.cp
-        if self.flashcp.ranks_per_node:  # simulated nodes (the config check: it divides cp)
+        """The two-level exchange's (and the mesh plan's) ranks per node for this rank's FlashCP group (mesh
+        scope: the DP x CP mesh's): `[flashcp] ranks_per_node`, else where the launch put every group's
+        ranks (torchrun numbers ranks node by node, LOCAL_WORLD_SIZE per node; without it, one node). A
+        layout the routes cannot describe stops every rank here, before training, with one line
+        (NodeLayoutError, a job error)."""
+        dims, mesh = self.parallel_dims, self.mesh
+        cp = mesh.ranks if mesh else dims.cp
+        if self.flashcp.ranks_per_node:  # simulated nodes (the config check: it divides cp, or DP x CP)
             return self.flashcp.ranks_per_node
         if cp == 1:
             return 1
         local = int(os.environ.get("LOCAL_WORLD_SIZE") or torch.distributed.get_world_size())
-        # Every CP group, so that all ranks agree: TorchTitan's CP mesh is the cp axis of pp x batch x cp x tp
-        # over the ranks in row-major order (ParallelDims.build_mesh); this rank's group is checked against it.
-        dims = self.parallel_dims
+        # Every group, so that all ranks agree: TorchTitan's CP mesh is the cp axis of pp x batch x cp x tp
+        # over the ranks in row-major order (ParallelDims.build_mesh), its loss mesh batch x cp flattened;
+        # this rank's group is checked against it.
         outer, tp = dims.pp * dims.dp_replicate * dims.dp_shard, dims.tp
-        groups = [[(b * cp + c) * tp + t for c in range(cp)] for b in range(outer) for t in range(tp)]
+        groups = mesh.groups if mesh else [[(b * cp + c) * tp + t for c in range(cp)] for b in range(outer)
+                                           for t in range(tp)]  # fmt: skip
         mine = torch.distributed.get_process_group_ranks(self.cp_group)
         if mine not in groups:
-            raise RuntimeError(f"this rank's CP group (global ranks {mine}) is not one of the pp x batch x cp x tp "
-                               f"mesh's: TorchTitan's mesh order changed")  # fmt: skip
+            raise RuntimeError(f"this rank's FlashCP group (global ranks {mine}) is not one of the pp x batch x cp "
+                               f"x tp mesh's: TorchTitan's mesh order changed")  # fmt: skip
+
+        what, fix = (("scope = 'mesh'", "scope = 'group', or DP x CP degrees") if mesh else
+                     ("comm = 'two_level'", "comm = 'needed' or 'compact', or a CP degree"))  # fmt: skip
 
         def ranks_per_node(ranks: list[int]) -> int:
             try:
@@ -224,9 +242,8 @@ class FlashCPTrainer(Trainer):
             except NodeLayoutError as e:
                 named = [str(r) for r in ranks] if len(ranks) <= 8 else [*map(str, ranks[:3]), "...", str(ranks[-1])]
                 raise NodeLayoutError(
-                    f"[flashcp] comm = 'two_level': {e} (global ranks {', '.join(named)}; "
-                    f"{local} ranks per node, LOCAL_WORLD_SIZE); use comm = 'needed' or 'compact', or a CP "
-                    "degree whose groups fill whole nodes or split them evenly"
+                    f"[flashcp] {what}: {e} (global ranks {', '.join(named)}; {local} ranks per node, "
+                    f"LOCAL_WORLD_SIZE); use {fix} whose groups fill whole nodes or split them evenly"
                 ) from None
 
         g = ranks_per_node(mine)  # a bad layout anywhere stops every rank, naming its own group if it is bad
@@ -402,6 +419,8 @@ class FlashCPTrainer(Trainer):
                 ) from ex
             self.metrics_processor.data_loading_times.append(time.perf_counter() - start)
             input_dict, labels = self._window_inputs(batch)
+            if self.mesh is not None:  # TorchTitan counts its DP group's labels; the rank's loss reads the window's
+                input_dict, labels = self.mesh.split_labels(input_dict, labels)
             self.metrics_processor.ntokens_since_last_log += labels.numel()
             yield input_dict, labels
 
@@ -500,7 +519,7 @@ class FlashCPTrainer(Trainer):
         """This rank's tokens, labels and in-document positions in dispatch order, and the `CPStep`."""
         dispatch = input_dict["dispatch"].to(self.device, non_blocking=True)
         inputs = input_dict["input"][:, dispatch.token_index]
-        labels = labels[:, dispatch.token_index]
+        labels = input_dict.get(WINDOW_LABELS, labels)[:, dispatch.token_index]
         if isinstance(dispatch, HybridDispatches):  # Qwen3.5: the full layers' CPStep, the linear ones' LinearStep
             step = hybrid_masks(dispatch, self.cp_group, self._flashcp_ropes)
         else:

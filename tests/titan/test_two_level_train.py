@@ -47,7 +47,7 @@ def test_the_job_file_offers_two_level_and_checks_ranks_per_node(tmp_path):
     assert tiny_job(tmp_path, flashcp={"comm": "two_level"})["flashcp"]["ranks_per_node"] == 0  # from the launch
     lines = "\n".join(config.key_lines(["flashcp"]))
     assert "[flashcp] comm = \"compact\"  (a string, one of compact, full, needed, two_level, ring)" in lines
-    assert "[flashcp] ranks_per_node = 0  (an integer)  two_level only" in lines
+    assert "[flashcp] ranks_per_node = 0  (an integer)  two_level or scope = 'mesh' only" in lines
     for bad in (3, -1):
         with pytest.raises(ConfigError) as e:
             tiny_job(tmp_path, parallelism=CP4, flashcp={"comm": "two_level", "ranks_per_node": bad})
@@ -60,7 +60,7 @@ def test_the_job_file_offers_two_level_and_checks_ranks_per_node(tmp_path):
     with pytest.raises(ConfigError) as e:
         tiny_job(tmp_path, parallelism=CP4, flashcp={"comm": "needed", "ranks_per_node": 2})
     assert str(e.value) == ("[flashcp] ranks_per_node = 2 has no effect with comm = 'needed': only comm = "
-                            "'two_level' uses it; remove it or choose that mode")  # fmt: skip
+                            "'two_level' or scope = 'mesh' uses it; remove it or choose that mode")  # fmt: skip
 
 
 def test_a_cp_group_must_sit_in_equal_contiguous_blocks_per_node():

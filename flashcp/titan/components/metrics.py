@@ -17,6 +17,9 @@ forward and backward, `flashcp.plan.ring.ring_transfers`), a data mixture's toke
 windows all ranks trained (`data/step_token_share/<name>`: of the steps since the last log, the
 `mix:` of the log line; `data/tokens/<name>` and `data/token_share/<name>`: since the run's first
 step, `so far`), counted by the loader from the first step on, and a progress line with an ETA.
+In mesh scope (`flashcp.titan.mesh_scope`) a window is the whole mesh's, planned over all DP x CP ranks:
+its figures describe the mesh, its attention pairs are shared by the DP groups, and `node_cut_docs` /
+`node_cut_nodes_max` count the documents cut across nodes and the most nodes one of them spans.
 
 TensorBoard: one run per dump folder (`<dump_folder>/<save_tb_folder>/run`), appended to by every
 launch. TorchTitan's folder per launch time showed a resumed run as a separate run repeating
@@ -62,9 +65,22 @@ class WindowStats:
     state_bytes: dict[str, float] = field(default_factory=dict)  # a linear layer's state / halo bytes (busiest, mean)
     split_docs: int = 0
     docs: int = 0
+    node_cut_docs: int = 0  # mesh scope: documents cut across nodes
+    node_cut_nodes: int = 0  # mesh scope: the most nodes one of them spans
     deferral: dict[str, float] = field(default_factory=dict)  # sums of the loader's per-step figures (max: max)
     source_tokens: dict[str, int] = field(default_factory=dict)  # a mixture: tokens trained per source so far
     new_source_tokens: dict[str, int] = field(default_factory=dict)  # of those, since the last log
+
+
+def node_spans(plan: Plan) -> list[int]:
+    """For each document a mesh plan cut across nodes (`plan_mesh`'s `node_cut`), the nodes holding a piece."""
+    g, cut = plan.info["ranks_per_node"], set(plan.info["node_cut"])
+    nodes: dict[int, set[int]] = {d: set() for d in cut}
+    for rank, shards in enumerate(plan.ranks):
+        for shard in shards:
+            if shard.doc in cut:
+                nodes[shard.doc].add(rank // g)
+    return [len(n) for n in nodes.values()]
 
 
 def attention_pairs(doc_lens: list[int], workload: Workload = CAUSAL) -> float:
@@ -139,6 +155,7 @@ class FlashCPMetrics(MetricsProcessor):
         self.exchange_row_bytes = 0  # bytes of one row the exchange moves (MLA: a latent row); 0: K/V's
         self.kv_dtype_bytes = 2  # bytes of one of their elements
         self.ranks_per_node = 0  # comm = "two_level": the CP group's ranks per node (fabric figures); 0: none
+        self.mesh_groups = 1  # DP groups one window spans (mesh scope: all of them, which share its attention)
         self.comm = "compact"  # the job's KV exchange: "ring" adds the ring's bytes and its ratio on the log line
         self.window_comm = "needed"  # the sliding-window layers' exchange (window_exchange; auto beside compact)
         self.stats = WindowStats()
@@ -179,7 +196,11 @@ class FlashCPMetrics(MetricsProcessor):
             old = s.deferral.get(key, 0.0)
             s.deferral[key] = max(old, value) if key == "delay_max" else old + value
         s.windows += 1
-        s.attention_pairs += attention_pairs(plan.doc_lens, self.attention_workload)
+        s.attention_pairs += attention_pairs(plan.doc_lens, self.attention_workload) / self.mesh_groups
+        if "node_cut" in plan.info:  # plan_mesh's
+            spans = node_spans(plan)
+            s.node_cut_docs += len(spans)
+            s.node_cut_nodes = max([s.node_cut_nodes, *spans])
         s.plan_ms += plan_ms
         s.docs += len(plan.doc_lens)
         if plan.cp_size > 1:
@@ -241,6 +262,9 @@ class FlashCPMetrics(MetricsProcessor):
                 "flashcp/imbalance_max": max(s.imbalance),
                 "flashcp/split_docs": s.split_docs / s.windows,
             }
+            if self.mesh_groups > 1:
+                out |= {"flashcp/node_cut_docs": s.node_cut_docs / s.windows,
+                        "flashcp/node_cut_nodes_max": s.node_cut_nodes}  # fmt: skip
             for mode, total in s.recv_bytes.items():
                 out[f"flashcp/kv_recv_bytes_per_layer_{mode}"] = total / s.windows
             if s.kv_full_bytes:  # `kv: x full` is against the K/V all-gather, latent rows or not
@@ -290,7 +314,7 @@ class FlashCPMetrics(MetricsProcessor):
         }
         if self.peak_flops:
             metrics["mfu(%)"] = 100 * flops / self.peak_flops
-        if self.parallel_dims.cp == 1:
+        if self.parallel_dims.cp == 1 and self.mesh_groups == 1:
             # TorchTitan divides each rank's loss by the whole window's token count, which under CP
             # is not the rank's own count: the max over ranks is only meaningful without CP.
             metrics["loss_metrics/global_max_loss"] = global_max_loss

@@ -22,6 +22,7 @@ from flashcp.data.sources import DataConfig
 from flashcp.titan.config.model import check_model, model_dims, model_latent
 from flashcp.titan.config.pipeline import check_pipeline
 from flashcp.titan.config.schema import RANKS_PER_NODE_COMMS, RENAMED_SECTIONS, SCHEMA
+from flashcp.titan.config.scope import check_mesh_scope
 from flashcp.titan.config.sizes import check_host_objects
 from flashcp.titan.config.titan import ac_keys, section_config, TITAN_KEYS
 
@@ -123,12 +124,15 @@ def _check_semantics(cfg: dict) -> None:
     _check_plan_worker(cfg)
     _check_settings_in_effect(cfg)
     _check_unsupported(cfg)
+    check_mesh_scope(cfg)
 
 
 def _check_ranks_per_node(cfg: dict) -> None:
     """`[flashcp] ranks_per_node` (the two-level exchange's simulated nodes) divides the CP degree."""
     fcp, cp = cfg["flashcp"], cfg["parallelism"]["context_parallel_degree"]
     g = fcp["ranks_per_node"]
+    if fcp["scope"] == "mesh" and g >= 0:  # it divides DP x CP: checked at start (flashcp.titan.mesh_scope)
+        return
     if g < 0 or (g and cp % g):
         raise ConfigError(
             f"[flashcp] ranks_per_node must be 0 (from the launch) or a divisor of context_parallel_degree "
@@ -186,8 +190,8 @@ def _check_settings_in_effect(cfg: dict) -> None:
     ]  # fmt: skip
     if cfg["model"]["attention"] == "flashcp":  # else [flashcp] is ignored whole (_check_attention warns)
         rules += [
-            ("flashcp", "ranks_per_node", fcp["comm"] in RANKS_PER_NODE_COMMS, f"comm = {fcp['comm']!r}",
-             f"comm = {_quoted(RANKS_PER_NODE_COMMS)}"),
+            ("flashcp", "ranks_per_node", fcp["comm"] in RANKS_PER_NODE_COMMS or fcp["scope"] == "mesh",
+             f"comm = {fcp['comm']!r}", f"comm = {_quoted(RANKS_PER_NODE_COMMS)} or scope = 'mesh'"),
             ("flashcp", "plan_worker_timeout_seconds", fcp["plan_worker"], "plan_worker = false", "plan_worker = true"),
             ("flashcp", "window_comm", fcp["comm"] != "ring", "comm = 'ring'", "a collective comm"),
         ]  # fmt: skip

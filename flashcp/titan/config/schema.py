@@ -23,6 +23,7 @@ from flashcp.titan.config.model import MODEL_KEYS
 from flashcp.titan.config.titan import class_keys, TITAN_KEYS
 
 BACKENDS = ("auto", *KERNELS)
+SCOPES = ("group", "mesh")  # [flashcp] scope: what one FlashCP plan covers
 RANKS_PER_NODE_COMMS = ("two_level",)  # [flashcp] comm modes whose exchange reads [flashcp] ranks_per_node
 GPU_BACKENDS = tuple(name for name in KERNELS if name != "reference")
 
@@ -62,15 +63,20 @@ OWN_SECTIONS: dict[str, dict[str, Key]] = {
     },
     "flashcp": {
         "strategy": Key(str, "flashcp", tuple(STRATEGIES), "how each window is sharded over the CP ranks"),
+        "scope": Key(str, "group", SCOPES, "group: each DP group plans its own window of seq_len tokens over its CP "
+                     "ranks | mesh: the step's global batch (DP x seq_len tokens) is one window planned over all "
+                     "DP x CP ranks (flashcp.plan.mesh, flashcp.titan.mesh_scope); needs strategy flashcp, comm "
+                     "compact | needed | two_level, data.balance = 'off'"),
         "target_imbalance": Key(float, 1.05, doc="max / mean attention workload the planner aims for"),
         "comm": Key(str, "compact", EXCHANGES, "KV exchange: compact (FlashCP) | full (Llama3 CP) | needed "
                     "(each rank exactly the rows it attends to) | two_level (the needed rows of a CP group that "
                     "spans nodes: over the fabric once per node, then NVLink; on one node the same as needed) | ring "
                     "(KV blocks passed around the ranks, one kernel call per step: Ring-Attn with strategy "
                     "ring, Ring-Attn (Zigzag) with per_doc; kernels torch or reference)"),
-        "ranks_per_node": Key(int, 0, doc="two_level only: the CP group's ranks per node; 0: from the launch "
-                              "(LOCAL_WORLD_SIZE and the CP mesh). Set, it simulates nodes (tests) and must "
-                              "divide context_parallel_degree"),
+        "ranks_per_node": Key(int, 0, doc="two_level or scope = 'mesh' only: the CP group's (mesh scope: the "
+                              "DP x CP mesh's) ranks per node; 0: from the launch (LOCAL_WORLD_SIZE and the mesh). "
+                              "Set, it simulates nodes (tests) and must divide context_parallel_degree (mesh "
+                              "scope: DP x CP)"),
         "window_comm": Key(str, "auto", WINDOW_COMMS, "sliding-window layers' (gpt-oss) KV exchange; auto: needed "
                            "(the W - 1 rows before each cut, all-to-all-v), two_level with comm = 'two_level'; "
                            "compact | full | needed | two_level (needs comm = 'two_level') as given"),
