@@ -47,9 +47,8 @@ from flashcp.gpucheck.lease_start import PARTS, check_args, outdir
 # fits one 10-minute command of a lent machine.
 BUDGETS_S = {"gpucheck": 210, "train": 195, "dryrun": 420, "frontier": 150}
 # The rehearsal's: a few seconds of work per run, but each run is a process that imports torch and
-# TorchTitan, which on a loaded 2-core machine takes tens of seconds (the frontier's 4 runs: 287 s at a
-# load average of 16).
-QUICK_BUDGETS_S = {"gpucheck": 200, "train": 420, "dryrun": 300, "frontier": 360}
+# TorchTitan, which on a loaded 2-core machine takes tens of seconds.
+QUICK_BUDGETS_S = {"gpucheck": 200, "train": 420, "dryrun": 300, "frontier": 240}
 # The check's sections within its part: the four correctness sections whole (window_sinks: about 10-20 s
 # on an H100, estimated; gdn: fla's Triton kernels compiled for two dtypes, then small runs, estimated),
 # the measuring ones shortened.
