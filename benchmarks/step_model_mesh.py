@@ -22,8 +22,9 @@ alike, then the slowest rank's kernel: every rank waits for the mesh's slowest e
 paper-ratio scale applies to it as to per-group FlashCP. Printed per setting: s/step of each, attended
 pairs kept vs stream packing (the mesh scope and the default change what is attended), the mesh scope's
 two-level layer (busiest rank's NIC and NVLink MiB, exchange and forward kernel ms), and the fastest FlashCP
-layout, outright and per attended pair (s/step over pairs kept). Results: benchmarks/results/step_model_mesh.json
-(the printed table: step_model_mesh.txt).
+layout, outright and per attended pair (s/step over pairs kept), and the two-level mesh scope's step at the
+default's pairs (its attention time, exchange included, scaled by the pairs: a linear estimate).
+Results: benchmarks/results/step_model_mesh.json (the printed table: step_model_mesh.txt).
 """
 
 from __future__ import annotations
@@ -95,6 +96,7 @@ def mesh_step_ms(step: StepModel, plan: Plan, two_level: bool) -> tuple[float, d
     dense = step.dense_ms(tokens)
     again += dense * (FULL_AC_DENSE - 1) if step.assume.full_ac else 0.0
     compute = dense + attention + again
+    traffic["attention_ms"] = attention + layer.inference * scale * m.full_layers * step.assume.full_ac
     return compute + max(0.0, step.fsdp_ms() - compute), traffic
 
 
@@ -122,6 +124,9 @@ def setting(attention, assume: MeshAssumptions, name: str, dataset: str, context
     pairs_kept = {"llama3": 1.0, "per_doc": 1.0, "flashcp+mesh": group["mesh_attention_pairs_kept"],
                   "flashcp+default": default_kept} | {s: float(np.mean(kept)) for s in MESH}  # fmt: skip
     flashcp = ("flashcp+mesh", "flashcp+default", *MESH)
+    # attention time taken as proportional to the pairs attended: the mesh scope at the default's pairs
+    attention = float(np.mean([t["attention_ms"] for t in traffic[MESH[1]]])) / 1e3
+    at_default = step_s[MESH[1]] - attention * (1 - default_kept / pairs_kept[MESH[1]])
     return {
         "setting": {"model": m.name, "dataset": dataset, "context": context, "dp": dp, "cp": cp, "steps": steps,
                     "seed": seed, "ranks_per_node": RANKS_PER_NODE},  # fmt: skip
@@ -131,6 +136,7 @@ def setting(attention, assume: MeshAssumptions, name: str, dataset: str, context
         "mesh_layer": {s: {k: float(np.mean([t[k] for t in v])) for k in v[0]} for s, v in traffic.items()},
         "fastest_flashcp": min(flashcp, key=step_s.__getitem__),
         "fastest_per_pair": min(flashcp, key=lambda s: step_s[s] / pairs_kept[s]),
+        "two_level_at_default_pairs_s": at_default,
     }
 
 
@@ -168,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{r['setting']['model']:11s} {dataset:7s} C={context // 1024}K DP={dp:<2d}  {cols}  "
                           f"NIC {t['nic_mib']:6.0f} NVLink {t['nvlink_mib']:6.0f} MiB, exchange "
                           f"{t['exchange_ms']:5.1f} / kernel {t['kernel_fwd_ms']:5.1f} ms  fastest "
-                          f"{r['fastest_flashcp']}, per pair {r['fastest_per_pair']}", flush=True)  # fmt: skip
+                          f"{r['fastest_flashcp']}, per pair {r['fastest_per_pair']}; two-level at the default's "
+                          f"pairs {r['two_level_at_default_pairs_s']:.2f}", flush=True)  # fmt: skip
     payload = {"command": "python benchmarks/step_model_mesh.py " + " ".join(sys.argv[1:] if argv is None else argv),
                "modelled": "all step times are modelled (flashcp.costmodel.step); planner counts are CPU-computed",
                "assumptions": {**asdict(assume), "attention_scale": dict(scales)}, "runs": runs}  # fmt: skip
