@@ -61,3 +61,20 @@ def test_cpu_offload_under_cp_and_fsdp_trains_the_same_losses_and_resumes_exactl
     first = pool.run(train_counting_policies, (resumed, 1))[0][0]
     rest = pool.run(train_counting_policies, (resumed,))[0][0]
     assert first == {1: moved[1]} and rest == {2: moved[2]}
+
+
+def test_launcher_refuses_a_cpu_offload_the_node_cannot_hold(tmp_path, monkeypatch):
+    """Llama 3 8B's dims (at least 6.7B parameters by the launcher's lower bound): 16 bytes each over 8
+    ranks is 12.5 GiB per rank, 100 GiB for a node of 8, more than its 64 GiB; over 16 ranks it fits."""
+    from flashcp.titan.config import ConfigError
+    from flashcp.titan.launch.preflight import check_offload_memory
+
+    cfg = tiny_job(tmp_path, model={"dim": 4096, "n_layers": 32, "n_heads": 32, "n_kv_heads": 8, "vocab_size": 128256},
+                   training={"enable_cpu_offload": True})  # fmt: skip
+    monkeypatch.setattr(os, "sysconf", {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": 16 << 20}.get)  # 64 GiB
+    with pytest.raises(ConfigError, match=r"the offloads keep 12.5 GiB of host memory per rank \(\[training\] "
+                                          r"enable_cpu_offload = true: 12.5 GiB of fp32 weights, gradients and AdamW "
+                                          r"states at least\), 100 GiB for this node's 8 ranks, which has 64 GiB"):  # fmt: skip
+        check_offload_memory(cfg, 8, 8)
+    check_offload_memory(cfg, 8, 16)
+    check_offload_memory(cfg | {"training": {**cfg["training"], "enable_cpu_offload": False}}, 8, 8)

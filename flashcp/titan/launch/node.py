@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_job(path, overrides)
         nproc, on_gpu = ranks.ranks_per_node(world_size_hint(cfg), nnodes)
         check_cpu_ranks(cfg, nproc, nnodes, on_gpu)
-        check_offload_memory(cfg, nproc)
+        check_offload_memory(cfg, nproc, nproc * nnodes)
         vocab = check_inputs(cfg)
         dump = cfg["job"]["dump_folder"]
         run_id = rendezvous.run_id(dump)

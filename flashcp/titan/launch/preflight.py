@@ -128,28 +128,40 @@ def checkpoint_bytes(cfg: dict[str, Any], vocab: int) -> int:
     return 12 * parameter_count(cfg, vocab)
 
 
-def check_offload_memory(cfg: dict[str, Any], ranks_per_node: int) -> None:
-    """ConfigError when `[activation_checkpoint] offload` would pin more host memory than the node has:
-    each rank holds every layer input but the last's (`flashcp.titan.models.offload`)."""
+def check_offload_memory(cfg: dict[str, Any], ranks_per_node: int, world_size: int | None = None) -> None:
+    """ConfigError when the offloads would keep more host memory than the node has: with
+    `[activation_checkpoint] offload` each rank pins every layer input but the last's
+    (`flashcp.titan.models.offload`); with `[training] enable_cpu_offload` (FSDP2's CPU offload) each
+    holds its shard of the fp32 weights, their gradients and AdamW's two moments, 16 bytes per
+    parameter (at least: `parameter_count`) over the world's ranks but dp_replicate's copies."""
     ac, train, par = cfg["activation_checkpoint"], cfg["training"], cfg["parallelism"]
-    if ac["mode"] != "full" or not ac["offload"]:
+    inputs = ac["mode"] == "full" and ac["offload"]
+    if not inputs and not train["enable_cpu_offload"]:
         return
     import torch
 
     from flashcp.titan.models.offload import offload_bytes_per_rank
 
     dim, n_layers = model_dims(cfg)[:2]
-    dtype_bytes = torch.finfo(getattr(torch, train["mixed_precision_param"])).bits // 8
-    tp = par["tensor_parallel_degree"] if par["enable_sequence_parallel"] else 1
-    per_rank = offload_bytes_per_rank(n_layers, train["seq_len"], par["context_parallel_degree"], dim, dtype_bytes,
-                                      train["local_batch_size"], tp)  # fmt: skip
+    held, per_rank = [], 0.0
+    if inputs:
+        dtype_bytes = torch.finfo(getattr(torch, train["mixed_precision_param"])).bits // 8
+        tp = par["tensor_parallel_degree"] if par["enable_sequence_parallel"] else 1
+        per_rank += offload_bytes_per_rank(n_layers, train["seq_len"], par["context_parallel_degree"], dim, dtype_bytes,
+                                           train["local_batch_size"], tp)  # fmt: skip
+        held.append(f"[activation_checkpoint] offload = true: {n_layers - 1} layer inputs")
+    if train["enable_cpu_offload"]:
+        shard = 16 * parameter_count(cfg, model_dims(cfg)[4] or 0) * par["data_parallel_replicate_degree"] / \
+            (world_size or ranks_per_node)  # fmt: skip
+        per_rank += shard
+        held.append(f"[training] enable_cpu_offload = true: {shard / 2**30:.1f} GiB of fp32 weights, gradients and "
+                    "AdamW states at least")  # fmt: skip
     have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if per_rank * ranks_per_node > have:
         raise ConfigError(
-            f"[activation_checkpoint] offload = true pins {per_rank / 2**30:.1f} GiB of host memory per rank "
-            f"({n_layers - 1} layer inputs), {per_rank * ranks_per_node / 2**30:.0f} GiB for this node's "
-            f"{ranks_per_node} ranks, which has {have / 2**30:.0f} GiB; set offload = false or raise "
-            "context_parallel_degree"
+            f"the offloads keep {per_rank / 2**30:.1f} GiB of host memory per rank ({'; '.join(held)}), "
+            f"{per_rank * ranks_per_node / 2**30:.0f} GiB for this node's {ranks_per_node} ranks, which has "
+            f"{have / 2**30:.0f} GiB; set them false or raise context_parallel_degree (more ranks)"
         )
 
 
