@@ -110,7 +110,7 @@ def _nodes(
             spare = [goal * mean - load[j] - room[j] * density if room[j] else -math.inf for j in range(nodes)]
             j = max(range(nodes), key=lambda j: (spare[j], -j))
             front = _fitting(lo, spare[j], density)
-            if front >= hi - lo or (spare[j] <= 0 and room[j] >= hi - lo):
+            if front >= hi - lo or spare[j] <= 0:
                 piece = Shard(d, lo, min(hi - lo, room[j]))
             elif front <= room[j]:
                 piece = Shard(d, lo, max(1, front))
