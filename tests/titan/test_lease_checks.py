@@ -56,7 +56,7 @@ def test_every_variant_is_in_the_rehearsal_and_on_the_gpu() -> None:
     assert 1 <= frontier_layers(79.1, quick=False) <= 4 and frontier_layers(8.0, quick=False) == 1
     names = [j.name for j in frontier_jobs(79.1, quick=False)]
     top = frontier_layers(79.1, quick=False)
-    assert names == [f"layers{top}", f"layers{top}_offload", *(["layers1"] if top > 1 else []), f"layers{top}_groups"]
+    assert names == [f"layers{top}", f"layers{top}_groups", f"layers{top}_offload", *(["layers1"] if top > 1 else [])]
 
 
 def test_a_forked_launcher_s_exit_and_output_are_the_run_s(tmp_path, monkeypatch) -> None:

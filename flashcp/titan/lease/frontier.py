@@ -2,9 +2,9 @@
 
 One rank of 1M tokens over CP 8 holds 128K tokens; on one GPU the tallest stack of 8B layers that
 fits (`jobs.frontier_layers`, at most 4) trains with the full-size embedding and loss, full activation
-checkpointing and automatic MLP tiles, with the offload off and on, and one layer without it; then, if
-the budget is left, the tallest stack with automatic head groups (each attention layer over groups of
-KV heads). The allocator's peaks of the two heights give the measured per-layer and fixed terms (part c
+checkpointing and automatic MLP tiles: plain, with automatic head groups (each attention layer over
+groups of KV heads), with the offload, and one layer plain (in that order: a budget cut short loses the
+last). The allocator's peaks of the two heights give the measured per-layer and fixed terms (part c
 sets the dry run's beside them, and beside every job's peak); everything goes to OUTDIR/frontier.json
 as each run ends.
 """

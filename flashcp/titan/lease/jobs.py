@@ -99,9 +99,9 @@ def frontier_layers(gpu_gib: float | None, quick: bool) -> int:
 
 
 def frontier_jobs(gpu_gib: float | None, quick: bool) -> list[Job]:
-    """Part d: the tallest stack that fits, with and without offload, one layer (the per-layer term
-    is the difference of the two heights), and last, run if the part's budget is left, the tallest stack
-    with head groups (part c sets its dry run beside its peak)."""
+    """Part d: the tallest stack that fits, then the same with head groups (part c sets its dry run
+    beside its peak), with offload, and one layer (the per-layer term is the difference of the two
+    heights); a part cut short by its budget loses the last."""
     top = frontier_layers(gpu_gib, quick)
     steps = ("--training.steps", "2", "--lr_scheduler.warmup_steps", "1")  # the peak: the second step's
     if quick:
@@ -111,11 +111,11 @@ def frontier_jobs(gpu_gib: float | None, quick: bool) -> list[Job]:
         config, common = "llama8b_128k", (*ONE_RANK, *MEASURED, *LLAMA8B, *steps,
                                           "--training.seq_len", str(FRONTIER_TOKENS),
                                           "--activation_checkpoint.mlp_tiles", "-1")  # fmt: skip
+    groups = ("--activation_checkpoint.head_groups", "2" if quick else "-1")  # automatic: 4 for 8B at 128K
     jobs = [Job(f"layers{top}", config, (*common, "--model.n_layers", str(top))),
+            Job(f"layers{top}_groups", config, (*common, "--model.n_layers", str(top), *groups)),
             Job(f"layers{top}_offload", config, (*common, "--model.n_layers", str(top),
                                                  "--activation_checkpoint.offload", "true"))]  # fmt: skip
     if top > 1:
         jobs.append(Job("layers1", config, (*common, "--model.n_layers", "1")))
-    # The top stack's attention over groups of KV heads (automatic: 4 for 8B at 128K; 2 of debug_cpu's 2)
-    groups = ("--activation_checkpoint.head_groups", "2" if quick else "-1")
-    return [*jobs, Job(f"layers{top}_groups", config, (*common, "--model.n_layers", str(top), *groups))]
+    return jobs
