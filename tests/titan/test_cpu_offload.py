@@ -5,7 +5,8 @@ On this GPU-less machine every tensor is on the CPU anyway, so these runs check 
 bytes moved: FSDP builds its parameters with `CPUOffloadPolicy` (unpinned here, `flashcp.titan.compat`)
 and the losses and gradient norms equal the run without it, bit for bit; one rank in the default
 tier, CP 2 x FSDP 2 ranks with a resume from its checkpoint in the slow tier. What it saves on a GPU
-is the dry run's (test_dryrun.py).
+is the dry run's (test_dryrun.py). TP 2 x CP 2 trains the same losses too (slow tier), and the launcher
+refuses a node whose memory cannot hold what its ranks keep.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ STEPS = 2
 
 def train_counting_policies(rank: int, group, cfg: dict, stop_after: int | None = None):
     """DistributedPool task (or a call in this process on one rank): a rank's losses, gradient norms and
-    how many FSDP units were given a CPU offload policy."""
+    how many CPU offload policies TorchTitan's FSDP recipe made (one per model)."""
     import torchtitan.distributed.fsdp as tt_fsdp  # after flashcp.titan (harness), which points it at the CPU
 
     if group is not None:
@@ -42,7 +43,7 @@ def test_cpu_offload_trains_what_the_job_trains_on_one_rank(tmp_path):
         kept, kept_norms, none = train_counting_policies(0, None, _job(tmp_path, "kept", False))
     with single_rank():
         moved, moved_norms, units = train_counting_policies(0, None, _job(tmp_path, "moved", True))
-    assert none == 0 and units > 0
+    assert none == 0 and units == 1
     assert sorted(moved) == list(range(1, STEPS + 1)) and moved[STEPS] < moved[1]  # it trains
     assert moved == kept and moved_norms == kept_norms
 
@@ -55,12 +56,23 @@ def test_cpu_offload_under_cp_and_fsdp_trains_the_same_losses_and_resumes_exactl
     pool = gloo_pool(4)
     kept, kept_norms, none = pool.run(train_counting_policies, (_job(tmp_path, "kept", False, **layout),))[0]
     moved, moved_norms, units = pool.run(train_counting_policies, (_job(tmp_path, "moved", True, **layout),))[0]
-    assert none == 0 and units > 0
+    assert none == 0 and units == 1
     assert moved == kept and moved_norms == kept_norms
     resumed = _job(tmp_path, "resumed", True, checkpoint={"enable": True, "interval": 1}, **layout)
     first = pool.run(train_counting_policies, (resumed, 1))[0][0]
     rest = pool.run(train_counting_policies, (resumed,))[0][0]
     assert first == {1: moved[1]} and rest == {2: moved[2]}
+
+
+@pytest.mark.slow
+def test_cpu_offload_under_tp_and_cp_trains_the_same_losses(tmp_path, gloo_pool):
+    """TP 2 x CP 2: the host shards are DTensors over FSDP x TP, their norm for clipping reduced over both."""
+    layout = {"parallelism": {"context_parallel_degree": 2, "tensor_parallel_degree": 2}}
+    pool = gloo_pool(4)
+    kept, kept_norms, none = pool.run(train_counting_policies, (_job(tmp_path, "kept", False, **layout),))[0]
+    moved, moved_norms, units = pool.run(train_counting_policies, (_job(tmp_path, "moved", True, **layout),))[0]
+    assert none == 0 and units == 1
+    assert moved == kept and moved_norms == kept_norms
 
 
 def test_launcher_refuses_a_cpu_offload_the_node_cannot_hold(tmp_path, monkeypatch):
