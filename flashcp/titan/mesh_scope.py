@@ -10,8 +10,9 @@ numbers its ranks, since torchrun numbers ranks node by node. FSDP, TP and EP ke
 
 Loss: TorchTitan counts the valid labels each rank yields and sums them over DP only. Every rank holds
 the whole window here, so it yields its DP group's C of them for that count (the global batch's valid
-tokens, once) and hands the window's labels on in the input dict for its own tokens' loss
-(`split_labels`): each rank's loss is its tokens' sum over the global count, as in per-group scope.
+tokens, once) and hands its own tokens' labels on in the input dict (`rank_inputs`): each rank's loss
+is its tokens' sum over the global count, as in per-group scope. Its tokens and labels are taken in
+dispatch order on the host, so only C / CP of the window's DP x C tokens reach the device.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from torchtitan.distributed import ParallelDims
 
 from flashcp.plan.mesh import plan_mesh
 
-WINDOW_LABELS = "window_labels"  # the input dict's key for the whole window's labels
+RANK_LABELS = "rank_labels"  # the input dict's key for this rank's labels, in dispatch order
 
 
 @dataclass(frozen=True)
@@ -55,11 +56,13 @@ class MeshScope:
         return functools.partial(plan_mesh, dp=self.dp, cp=self.cp, ranks_per_node=ranks_per_node,
                                  target_imbalance=target_imbalance)  # fmt: skip
 
-    def split_labels(self, input_dict: dict[str, Any], labels: torch.Tensor) -> tuple[dict[str, Any], torch.Tensor]:
-        """The window's labels into the input dict; this DP group's C labels as what TorchTitan counts."""
-        c = labels.shape[1] // self.dp
-        b = self.rank // self.cp
-        return {**input_dict, WINDOW_LABELS: labels}, labels[:, b * c:(b + 1) * c]
+    def rank_inputs(self, input_dict: dict[str, Any], labels: torch.Tensor) -> tuple[dict[str, Any], torch.Tensor]:
+        """This rank's tokens and labels (dispatch order) in the input dict; this DP group's C labels as what
+        TorchTitan counts."""
+        index = input_dict["dispatch"].token_index
+        c, b = labels.shape[1] // self.dp, self.rank // self.cp
+        mine = {**input_dict, "input": input_dict["input"][:, index], RANK_LABELS: labels[:, index]}
+        return mine, labels[:, b * c:(b + 1) * c]
 
 
 def attach(trainer: Any, ranks_per_node: int) -> None:

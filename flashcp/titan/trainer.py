@@ -94,7 +94,7 @@ from flashcp.titan.models.windows import (
     attention_layers, build_hybrid_dispatches, build_layer_dispatches, HybridDispatches, planner_workload,
 )
 from flashcp.titan import compat, mesh_scope
-from flashcp.titan.mesh_scope import MeshScope, WINDOW_LABELS
+from flashcp.titan.mesh_scope import MeshScope, RANK_LABELS
 from flashcp.titan.components.checkpoint import CheckpointError, Checkpointer
 from flashcp.titan.components.data import PipelineTokenizer, WindowDataLoader
 from flashcp.titan.hf.export import export, ExportError
@@ -419,8 +419,8 @@ class FlashCPTrainer(Trainer):
                 ) from ex
             self.metrics_processor.data_loading_times.append(time.perf_counter() - start)
             input_dict, labels = self._window_inputs(batch)
-            if self.mesh is not None:  # TorchTitan counts its DP group's labels; the rank's loss reads the window's
-                input_dict, labels = self.mesh.split_labels(input_dict, labels)
+            if self.mesh is not None:  # TorchTitan counts its DP group's labels; the rank's loss reads its own
+                input_dict, labels = self.mesh.rank_inputs(input_dict, labels)
             self.metrics_processor.ntokens_since_last_log += labels.numel()
             yield input_dict, labels
 
@@ -518,8 +518,10 @@ class FlashCPTrainer(Trainer):
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
         """This rank's tokens, labels and in-document positions in dispatch order, and the `CPStep`."""
         dispatch = input_dict["dispatch"].to(self.device, non_blocking=True)
-        inputs = input_dict["input"][:, dispatch.token_index]
-        labels = input_dict.get(WINDOW_LABELS, labels)[:, dispatch.token_index]
+        if RANK_LABELS in input_dict:  # mesh scope: this rank's tokens and labels, taken on the host
+            inputs, labels = input_dict["input"], input_dict[RANK_LABELS]
+        else:
+            inputs, labels = input_dict["input"][:, dispatch.token_index], labels[:, dispatch.token_index]
         if isinstance(dispatch, HybridDispatches):  # Qwen3.5: the full layers' CPStep, the linear ones' LinearStep
             step = hybrid_masks(dispatch, self.cp_group, self._flashcp_ropes)
         else:

@@ -8,7 +8,7 @@ dp_shard x cp, the first window holding a document across the DP boundary (token
 trainer's losses agree to 1e-5 with the needed exchange and with two_level on 2 simulated nodes (the
 mesh plan then cuts by node first, another plan of the same tokens). A mesh-scope run resumed from its
 checkpoint trains the uninterrupted run's losses; the loader's state resumes across scopes; the settings
-the mesh scope does not run are refused in one line. Each 4-rank comparison takes ~4 min on a loaded
+the mesh scope does not run are refused in one line. Each 4-rank comparison takes 2-4 min on a loaded
 2-core machine: the default tier keeps the float32 3-step runs and the loader's resume, the slow tier
 the float64 exactness, the 20 steps and the trainer's resume.
 """
@@ -184,6 +184,28 @@ def test_the_loader_resumes_across_scopes(tmp_path):
     after.mesh_with(2, mesh_planner)
     after.load_state_dict(state)  # group -> mesh
     assert torch.equal(next(after)["input"][:C], next(group[0])["input"])
+
+
+def test_the_metrics_describe_the_mesh_window():
+    """A mesh window's attention is shared by its DP groups (pairs / DP per CP group, as the MFU counts
+    them), and its documents cut across nodes are counted with the most nodes one spans."""
+    from torchtitan.distributed import ParallelDims
+
+    from flashcp.titan.components.metrics import attention_pairs, FlashCPMetrics
+
+    plan = plan_mesh([26, 46, 440], 4, 1, ranks_per_node=2)  # DP 4 x CP 1 on 2 nodes
+    assert plan.info["node_cut"] == [2]
+    dims = ParallelDims(dp_replicate=1, dp_shard=4, cp=1, tp=1, pp=1, ep=1, world_size=4)
+    metrics = FlashCPMetrics(FlashCPMetrics.Config(), parallel_dims=dims)
+    metrics.mesh_groups = 4
+    out: list[dict[str, float]] = []
+    metrics.logger.log = lambda values, step: out.append(values)
+    metrics.record_window(plan, plan_ms=1.0)
+    assert metrics.stats.attention_pairs == attention_pairs(plan.doc_lens) / 4
+    metrics.log(step=1, global_avg_loss=5.0, global_max_loss=6.0, grad_norm=1.0)
+    assert (out[0]["flashcp/node_cut_docs"], out[0]["flashcp/node_cut_nodes_max"]) == (1.0, 2)
+    # CP 1, yet TorchTitan's count per rank is its DP group's, not its own tokens': no max loss
+    assert "loss_metrics/global_max_loss" not in out[0]
 
 
 def test_what_the_mesh_scope_does_not_run_is_refused(tmp_path):

@@ -7,7 +7,7 @@ checkpointer is `flashcp.titan.components.checkpoint`):
 - `PipelineTokenizer`: the pipeline's tokenizer (HF tokenizer.json or SentencePiece) behind
   TorchTitan's tokenizer interface.
 - `WindowDataLoader`: one packed window per `next()`, planned for this rank's CP group inside the
-  loader; its state (window counter and document cursor, identical on every rank) is saved in
+  loader (with `[flashcp] scope = "mesh"`, the whole mesh's window of DP x C tokens, `flashcp.titan.mesh_scope`); its state (window counter and document cursor, identical on every rank) is saved in
   every checkpoint, so a resumed run continues with the next unseen window.
 """
 
