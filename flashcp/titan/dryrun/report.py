@@ -216,8 +216,10 @@ def format_report(r: Report) -> str:
         )
     if r.offload is not None:
         o = r.offload
+        held = (f"{r.host_gib:.1f} GiB per rank in host memory (tracked; {r.host_limit_gib:g} GiB allowed)"
+                if r.cpu_offload is None else "the layer inputs in host memory (with the shards: below)")  # fmt: skip
         lines.append(
-            f"offload: {r.host_gib:.1f} GiB per rank in host memory (tracked; {r.host_limit_gib:g} GiB allowed); "
+            f"offload: {held}; "
             f"{o['step_gib_each_way']:.1f} GiB each way per step, a layer's {o['layer_gib_each_way']:.2f} GiB in "
             f"{o['copy_ms']:.1f} ms at {o['link_gb_per_s']:g} GB/s against its dense forward's "
             f"{o['layer_forward_ms_at_peak']:.1f} ms at peak (modelled): {'hides' if o['hides'] else 'does NOT hide'}"
@@ -225,8 +227,9 @@ def format_report(r: Report) -> str:
     if r.cpu_offload is not None:
         c, h = r.cpu_offload, r.host_by_category
         lines.append(
-            f"cpu offload: parameters {h['parameters']:.2f}, gradients {h['gradients']:.2f}, optimizer states "
-            f"{h['optimizer_states']:.2f} GiB per rank in host memory (tracked; AdamW steps on the CPU); per step "
+            f"cpu offload: {r.host_gib:.2f} GiB per rank in host memory at its peak (tracked: layer inputs "
+            f"{h['layer_inputs']:.2f}, parameters {h['parameters']:.2f}, gradients {h['gradients']:.2f}, optimizer "
+            f"states {h['optimizer_states']:.2f}; AdamW steps on the CPU); per step "
             f"{c['up_gib_per_step']:.1f} GiB of fp32 shards up, {c['down_gib_per_step']:.1f} GiB of gradients down, "
             f"{c['copy_s_per_step']:.2f} s at {c['link_gb_per_s']:g} GB/s to hide behind the step (modelled)"
         )
