@@ -106,6 +106,11 @@ SLOW = {  # command -> (the test that runs the same entry point on a small job, 
     ".venv/bin/python -m flashcp.titan.dryrun --config llama8b_128k --world-size 8 --training.seq_len 2097152 "
     "--activation_checkpoint.mlp_tiles 16 --activation_checkpoint.offload true": (
         "tests/titan/test_dryrun.py::test_offload_moves_the_layer_inputs_to_host_memory", "a tiny job with offload"),
+    ".venv/bin/python -m flashcp.titan.dryrun --config llama8b_128k --world-size 8 --training.seq_len 4194304 "
+    "--activation_checkpoint.mlp_tiles 32 --parallelism.context_parallel_degree 8 --activation_checkpoint.offload true "
+    "--activation_checkpoint.head_groups 8 --training.enable_cpu_offload true": (
+        "tests/titan/test_dryrun.py::test_cpu_offload_moves_the_sharded_state_to_host_memory",
+        "a tiny job with and without CPU offload; the 8B job at 4M tokens takes tens of minutes on 2 loaded cores"),
     ".venv/bin/python benchmarks/compile_step.py": (
         "tests/titan/test_parity.py::test_compiled_blocks_train_the_eager_losses",
         "a tiny job on the same layouts, compiled and eager for 20 steps; the benchmark's timed runs take ~10 minutes"),
