@@ -112,6 +112,32 @@ def test_a_job_with_the_probe_dry_runs_as_without_it(tmp_path, capsys):
     assert json.loads(probe.stdout)["peak_gib"] == json.loads(plain.stdout)["peak_gib"]
 
 
+def test_mesh_scope_dry_runs_as_the_busiest_rank_of_the_mesh_plan(tmp_path, capsys, monkeypatch):
+    """[flashcp] scope = "mesh": the window is DP x C tokens planned by plan_mesh over the 8 ranks (2 nodes
+    of 4), and the rank measured is the one receiving the most K/V rows (here not rank 0): its receive
+    buffer holds the rows plan_mesh's plan of the same window gives that rank."""
+    from flashcp.plan.mesh import plan_mesh
+    from flashcp.titan import mesh_scope
+    from flashcp.titan.dryrun.report import format_report, Report
+
+    windows = []
+    monkeypatch.setattr(mesh_scope, "plan_mesh", lambda lens, **kw: windows.append(list(lens)) or plan_mesh(lens, **kw))
+    proc = _dry_run(tmp_path, capsys, "--flashcp.scope", "mesh", "--flashcp.comm", "needed",
+                    "--flashcp.ranks_per_node", "4", "--data.synthetic_lengths", "pile")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    needed = plan_mesh(windows[0], dp=2, cp=4, ranks_per_node=4).needed_tokens()
+    busiest = needed.index(max(needed))
+    mesh = report["mesh"]
+    assert sum(windows[0]) == 2 * 4096 and busiest != 0 and needed[0] < needed[busiest]
+    assert (mesh["ranks"], mesh["nodes"], mesh["busiest_rank"], mesh["measured_rank"]) == (8, 2, busiest, busiest)
+    assert mesh["kv_recv_rows_per_rank"] == needed and mesh["kv_recv_rows_measured"] == needed[busiest]
+    assert 0 < mesh["kv_fabric_share"] < 1
+    assert report["plan"]["kv_recv_bytes_per_layer_needed"] == needed[busiest] * mesh["kv_row_bytes"]
+    text = format_report(Report(**{k: v for k, v in report.items() if k not in ("fits", "host_gib_per_node")}))
+    assert f"as mesh rank {busiest} (the busiest)" in text and "mesh scope: one plan of 8192 tokens" in text
+
+
 def test_full_checkpointing_keeps_one_input_per_layer(tmp_path, capsys):
     """A wide, short job whose parameters outweigh its activations: the step's DTensor ops on the
     (fake) parameters must not count as activations, and an added layer adds its bf16 input only
@@ -172,6 +198,9 @@ def test_cpu_offload_moves_the_sharded_state_to_host_memory(tmp_path, capsys):
     assert gib(off["peak_gib"]) - gib(on["peak_gib"]) == gib(shards_at_peak)
     for name in ("activations", "loss", "flashcp_buffers", "model_buffers"):
         assert moved[name] == kept[name], name
+    est_kept, est_moved = off["estimate_gib"], on["estimate_gib"]  # the estimate drops the same terms
+    assert est_moved["optimizer_states"] == 0 < est_kept["optimizer_states"]
+    assert gib(est_kept["parameters"] - est_moved["parameters"]) == gib(est_kept["optimizer_states"]) // 2
     assert on["ranks_per_node"] == 8 and on["host_gib_per_node"] == 8 * on["host_gib"]
     assert on["cpu_offload"]["down_gib_per_step"] * 2 == on["cpu_offload"]["up_gib_per_step"] > 0
     assert set(on) >= set(off)  # today's keys kept

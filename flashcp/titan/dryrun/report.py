@@ -76,6 +76,9 @@ class Report:
     # the largest tensors live at the tracked peak (of the measured stage under PP): name, kind, shape,
     # dtype, gib, op (the aten op that made it; "" for what existed before the step)
     peak_tensors: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    # [flashcp] scope = "mesh": the mesh window's K/V rows received per layer by rank (needed rows), the
+    # busiest (the rank measured, `measured_rank`, and its receive buffer's rows), the share crossing nodes
+    mesh: dict[str, Any] | None = None
 
     @property
     def casts_gib(self) -> float:
@@ -164,10 +167,21 @@ def peak_tensor_lines(tensors: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def mesh_line(m: dict[str, Any]) -> str:
+    """The mesh window's plan: K/V received per rank, the busiest (measured), the share crossing nodes."""
+    mib = m["kv_row_bytes"] / 2**20
+    return (f"mesh scope: one plan of {m['window_tokens']} tokens over {m['ranks']} ranks ({m['nodes']} nodes of "
+            f"{m['ranks_per_node']}), {m['node_cut_docs']} documents cut across nodes; KV received per layer "
+            f"(needed rows): busiest rank {m['busiest_rank']} {m['kv_recv_rows_busiest'] * mib:.1f} MiB, mean "
+            f"{m['kv_recv_rows_mean'] * mib:.1f} MiB, {100 * m['kv_fabric_share']:.0f} % of it across nodes; "
+            f"measured as rank {m['measured_rank']} (receive buffer {m['kv_recv_rows_measured'] * mib:.1f} MiB)")
+
+
 def format_report(r: Report) -> str:
     deg = " x ".join(f"{k} {v}" for k, v in r.degrees.items() if v > 1) or "1 rank"
+    who = "rank 0" if r.mesh is None else f"mesh rank {r.mesh['measured_rank']} (the busiest)"
     lines = [
-        f"dry run: {r.config} as rank 0 of {r.world_size} ({deg}), one step on fake tensors in {r.seconds:.0f} s",
+        f"dry run: {r.config} as {who} of {r.world_size} ({deg}), one step on fake tensors in {r.seconds:.0f} s",
         f"{'category':<18}{'tracked GiB':>12}{'estimate GiB':>14}",
     ]
     for name, gib in sorted(r.by_category.items(), key=lambda kv: -kv[1]):
@@ -188,6 +202,8 @@ def format_report(r: Report) -> str:
             + (f"; the ring {mib['ring']:.1f} MiB forward, {mib['ring_backward']:.1f} MiB backward (KV and "
                f"float32 dK/dV sums)" if "ring" in mib else "")
         )
+    if r.mesh is not None:
+        lines.append(mesh_line(r.mesh))
     if "window" in r.plan:  # sliding-window layers: at most W - 1 rows before each cut shard
         mib = {k.removeprefix("kv_recv_bytes_per_layer_window_"): v / 2**20 for k, v in r.plan.items()
                if k.startswith("kv_recv_bytes_per_layer_window_")}  # fmt: skip

@@ -10,7 +10,8 @@ plan and this rank's dispatch are real), and runs one forward / backward / optim
 has FlashAttention-2's output and saved-tensor shapes; a hybrid's Gated DeltaNet layers run a stand-in
 with flash-linear-attention's footprint and the busiest rank's state summaries (`dryrun/linear.py`).
 It prints the peak per category next to the analytic estimate (`flashcp.titan.dryrun.estimate`)
-and the window's plan figures (`flashcp.titan.dryrun.report`). Not counted: the CUDA context, NCCL
+and the window's plan figures (`flashcp.titan.dryrun.report`); in mesh scope the window is the mesh's and the
+rank measured its busiest (`dryrun/mesh.py`). Not counted: the CUDA context, NCCL
 buffers and allocator fragmentation, hence `--reserve-gib`.
 With `[activation_checkpoint] offload` the layer inputs sent to host memory are tracked apart
 (`host_gib`, against `--host-gib` per rank: 1/8 of a 2 TB node by default), and the copies' time
@@ -48,6 +49,7 @@ from flashcp.titan.dryrun.hfload import plan_hf_import
 from flashcp.titan.dryrun import pipeline
 from flashcp.titan.dryrun.linear import gated_delta_stand_in
 from flashcp.titan.dryrun.memtrack import CategoryTracker
+from flashcp.titan.dryrun.mesh import as_busiest, mesh_figures
 from flashcp.titan.dryrun.report import cpu_offload_time, low_precision_report, offload_time, Report
 from flashcp.titan.models.offload import layer_input_bytes, LayerInputOffload
 from flashcp.titan.models.rotary import rotation
@@ -78,12 +80,18 @@ def dry_run(cfg: dict[str, Any], world_size: int, gpu_gib: float = 80.0, reserve
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp, _fake_world(run_world), _fake_kernel(), _balanced_routing(run_cfg):
         trainer = _build(_dry_job(run_cfg, tmp), layers)
+        plans = as_busiest(trainer) if trainer.mesh is not None else None
         try:
             ckpt = cfg["checkpoint"]
             hf_import = plan_hf_import(trainer, ckpt["initial_load_path"]) if ckpt["initial_load_in_hf"] else None
             input_dict, labels = next(trainer.batch_generator(trainer.dataloader))
             peak, by_category, host, host_by_category, top = _measure(trainer, input_dict, labels)
             plan = _plan_figures(trainer)
+            mesh = None
+            if plans:  # mesh scope: measured as the busiest rank of the mesh window's plan
+                row = trainer.metrics_processor.exchange_row_bytes or trainer.metrics_processor.kv_row_bytes
+                mesh = {**mesh_figures(plans[-1], row), "measured_rank": trainer.cp_rank,
+                        "kv_recv_rows_measured": input_dict["dispatch"].recv_size}  # fmt: skip
             shape, layout = _shape_and_layout(trainer, input_dict["dispatch"], run_cfg)
             est = estimate(shape, layout)
             stages = None
@@ -113,7 +121,7 @@ def dry_run(cfg: dict[str, Any], world_size: int, gpu_gib: float = 80.0, reserve
         host_by_category={k: b / GIB for k, b in host_by_category.items()},
         ranks_per_node=min(world_size, ranks_per_node),
         cpu_offload=cpu_offload_time(shape, layout) if layout.cpu_offload else None,
-        low_precision=low_precision_report(layout.low_precision), hf_import=hf_import, pipeline=piped,
+        low_precision=low_precision_report(layout.low_precision), hf_import=hf_import, pipeline=piped, mesh=mesh,
         peak_tensors=[{**{k: v for k, v in t.items() if k != "bytes"}, "gib": t["bytes"] / GIB} for t in top],
     )  # fmt: skip
 
