@@ -23,6 +23,8 @@ accumulation, i.e. calling `next()` several times. A batch is a dict:
                             overflow="truncate" a cut document counts whole)
   new_source_tokens  dict[str, int]  of those, what this batch's `next()` added: the round's
                             dp_world windows, or a whole balanced step on its last batch (0 on the others)
+  valid_labels  list[int]   mesh scope only: each DP group's labels other than -100 in its seq_len of
+                            the window (what TorchTitan normalises the loss by), from the lengths alone
 Reading, tokenising, packing, planning and the rank's dispatch (index building, pinning) run in a
 background thread `prefetch` batches ahead (`prefetch=0`: in the caller), so they stay off the
 training step's critical path: the trainer's main thread only copies the dispatch to the device.
@@ -54,6 +56,10 @@ Mesh scope (`mesh_with(dp, planner)`, the trainer's `[flashcp] scope = "mesh"`):
 dp x seq_len tokens per `next()`, the stream's next dp windows as one (documents cut only at its end),
 the same on every rank and planned over the whole DP x CP mesh. Its state counts windows of seq_len
 and holds the same cursor, so either scope resumes the other's state with the next unseen tokens.
+With a dispatcher, `input` and `labels` hold only this rank's tokens and their labels in dispatch
+order (`dispatch.token_index`): the window is laid out from lengths (`WindowPacker.next_step`, from a
+token store by the document offsets alone), planned, and only this rank's runs of tokens, and the
+token after each (its label), are read (`StepPieces.take`); text sources tokenise the whole window.
 
 Balance (`balance_with`, called by the trainer for `[data] balance = "mesh"` / "mesh-cut": it
 needs the model's cost per token and per attended pair): the producer takes a whole optimizer
@@ -90,12 +96,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from flashcp import plan_shards
 from flashcp.data.balance import WindowCost
 from flashcp.data.deferral import Deferral, MIN_KEPT
-from flashcp.data.packing import balanced_step, deferred_step, IGNORE_INDEX, Window, WindowPacker
+from flashcp.data.packing import balanced_step, deferred_step, IGNORE_INDEX, StepPieces, Window, WindowPacker
 from flashcp.data.errors import DataChanged, DataError
 from flashcp.data.mixture import build_data, MixedSource
 from flashcp.data.plan_worker import PlanWorker, TIMEOUT_S as WORKER_TIMEOUT_S
@@ -143,7 +150,7 @@ class WindowLoader:
         self._balance: StepBalance | None = None
         self._fingerprint = dict(fingerprint)
         self.dp_rank, self.dp_world, self.prefetch = dp_rank, dp_world, prefetch
-        self._span = 1  # windows of seq_len one batch holds (`mesh_with`: DP)
+        self._span, self._mesh = 1, False  # windows of seq_len one batch holds (`mesh_with`: DP), mesh scope
         self._window = 0  # global index of the next round's first window (producer side)
         self._skip = 0  # batches of the next balanced step already handed out before a restore
         self._ready: collections.deque = collections.deque()  # produced, not handed out (prefetch=0)
@@ -179,7 +186,7 @@ class WindowLoader:
             return self._produce_step(t0)
         if not self._advance(self.dp_rank):
             return None
-        mine = self._packer.next_window()
+        mine = self._packer.next_step(1) if self._mesh and self._dispatcher is not None else self._packer.next_window()
         if mine is None or not self._advance(self.dp_world - self.dp_rank - 1):
             return None
         index = self._window + self.dp_rank
@@ -216,29 +223,50 @@ class WindowLoader:
             items.append((batch, state))
         return items
 
-    def _batch(self, window: Window, index: int, load_ms: float) -> dict[str, Any]:
-        """A window as a batch, planned (and dispatched for this rank)."""
+    def _batch(self, window: Window | StepPieces, index: int, load_ms: float) -> dict[str, Any]:
+        """A window as a batch, planned (and dispatched for this rank); a mesh window's pieces (`StepPieces`,
+        lengths only) are read after planning, this rank's tokens alone."""
         t1 = time.perf_counter()
+        doc_lens = window.doc_lens if isinstance(window, Window) else window.length.tolist()
         if self._use_worker:
             self._worker = self._worker or PlanWorker(self._worker_timeout_s)
-            plan, dispatch = self._worker.run(self._planner, self._dispatcher, window.doc_lens)
+            plan, dispatch = self._worker.run(self._planner, self._dispatcher, doc_lens)
         else:
-            plan = self._planner(window.doc_lens)
+            plan = self._planner(doc_lens)
             dispatch = self._dispatcher(plan) if self._dispatcher is not None else None
         if dispatch is not None and self._finish is not None:
             dispatch = self._finish(dispatch)
+        t2 = time.perf_counter()
+        if isinstance(window, Window):
+            tokens, labels = window.input, window.labels
+        else:
+            tokens, labels = window.take(dispatch.token_index.numpy())
         batch = {
-            "input": torch.from_numpy(window.input),
-            "labels": torch.from_numpy(window.labels),
-            "doc_lens": window.doc_lens,
+            "input": torch.from_numpy(tokens),
+            "labels": torch.from_numpy(labels),
+            "doc_lens": doc_lens,
             "plan": plan,
             "window": index,
-            "load_ms": load_ms,
-            "plan_ms": (time.perf_counter() - t1) * 1e3,
+            "load_ms": load_ms + (time.perf_counter() - t2) * 1e3,
+            "plan_ms": (t2 - t1) * 1e3,
         }
         if dispatch is not None:
             batch["dispatch"] = dispatch
+        if self._mesh:
+            batch["valid_labels"] = self._valid_labels(window)
         return batch
+
+    def _valid_labels(self, window: Window | StepPieces) -> list[int]:
+        """A mesh window's labels other than -100 in each DP group's seq_len of it, from the lengths alone:
+        a label is -100 where a document ends, i.e. at every piece's end but the window's last piece's
+        when the window cut it (its label is the next token)."""
+        c = self._packer.seq_len // self._span
+        if isinstance(window, Window):
+            return (window.labels.reshape(self._span, c) != IGNORE_INDEX).sum(1).tolist()
+        ends = np.cumsum(window.length) - 1
+        if window.start[-1] + window.length[-1] < len(window.docs[int(window.doc[-1])]):
+            ends = ends[:-1]
+        return (c - np.bincount(ends // c, minlength=self._span)).tolist()
 
     def _advance(self, count: int) -> bool:
         """Pass over other ranks' windows (from offsets alone when the source allows); False at the end."""
@@ -334,7 +362,7 @@ class WindowLoader:
         self._stop_producer()
         old = self._packer
         self._packer = WindowPacker(old.source, old.seq_len * dp, old.overflow, old.loop)
-        self._planner, self._span, self.dp_rank, self.dp_world = planner, dp, 0, 1
+        self._planner, self._span, self._mesh, self.dp_rank, self.dp_world = planner, dp, True, 0, 1
         self._restore(self._state)
 
     def balance_with(self, micro: int, cost: WindowCost, cut_target: float | None = None,

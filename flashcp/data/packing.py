@@ -264,6 +264,22 @@ class StepPieces(NamedTuple):
         docs = [p.tokens for p, first in zip(pieces, new) if first]
         return cls(docs, *(np.asarray(c, dtype=np.int64) for c in columns))
 
+    def take(self, index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The tokens and labels (as `Window.of` makes them) at window positions `index`, in that order,
+        reading from each document only the runs of consecutive positions asked for and the token after
+        each (its label): a mesh-scope rank reads its shards alone, not the DP x C window."""
+        ends = np.cumsum(self.length)
+        piece = np.searchsorted(ends, index, side="right")
+        heads = np.flatnonzero((np.diff(index, prepend=-2) != 1) | (np.diff(piece, prepend=-1) != 0))
+        tokens, labels = np.empty(index.size, dtype=np.int64), np.full(index.size, IGNORE_INDEX, dtype=np.int64)
+        for h, t in zip(heads.tolist(), [*heads[1:].tolist(), index.size]):
+            k = int(piece[h])
+            lo = int(self.start[k] + index[h] - ends[k] + self.length[k])
+            doc = self.docs[int(self.doc[k])]
+            got = doc.span(lo, lo + t - h + 1) if hasattr(doc, "span") else doc[lo : lo + t - h + 1]
+            tokens[h:t], labels[h : h + len(got) - 1] = got[: t - h], got[1:]
+        return tokens, labels
+
     def documents(self) -> StepPieces:
         """The pieces that stream packing cut at a window's end and carried into the next joined
         again: one piece per document of the step (or per run of one, if its head came earlier)."""

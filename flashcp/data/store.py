@@ -181,14 +181,20 @@ class TokenStore:
         self._block_crcs[lo // step : -(-hi // step)] = [crc32(data[i : i + step]) for i in range(0, hi - lo, step)]
         self._verified[c] = True
 
-    def read(self, i: int) -> np.ndarray:
-        """Document i's token ids: a copy read from the file, each block of it checked against the CRC
-        of what was verified at its chunk's first read (`verify_chunk`), so a change made since, or a
-        file cut short, is StoreChanged naming the span before any of it is returned."""
+    def read(self, i: int, lo: int = 0, hi: int | None = None) -> np.ndarray:
+        """Document i's token ids [lo, hi) (all by default): a copy read from the file, each block of it
+        checked against the CRC of what was verified at its chunk's first read (`verify_chunk`), so a
+        change made since, or a file cut short, is StoreChanged naming the span before any of it is
+        returned. Only the chunks and blocks the range touches are read (a mesh-scope rank reads its
+        shards' ranges alone)."""
         if not 0 <= i < self.n_docs:
             raise IndexError(f"token store {self.path}: document {i} out of range [0, {self.n_docs})")
+        n = int(self.offsets[i + 1] - self.offsets[i])
+        hi = n if hi is None else hi
+        if not 0 <= lo < hi <= n:
+            raise IndexError(f"token store {self.path}: tokens [{lo}, {hi}) of document {i} not within [0, {n})")
         size, step = self.dtype.itemsize, self.block_bytes
-        start, stop = int(self.offsets[i]) * size, int(self.offsets[i + 1]) * size
+        start, stop = (int(self.offsets[i]) + lo) * size, (int(self.offsets[i]) + hi) * size
         for c in range(start // self.chunk_bytes, (stop - 1) // self.chunk_bytes + 1):
             if not self._verified[c]:
                 self.verify_chunk(c)

@@ -33,17 +33,25 @@ class StoreDoc:
 
     def __getitem__(self, index: slice) -> np.ndarray:
         if self._tokens is None:
-            parts = [[self._bos]] if self._bos is not None else []
+            self._tokens = self.span(0, len(self))
+        return self._tokens[index]
+
+    def span(self, lo: int, hi: int) -> np.ndarray:
+        """Tokens [lo, hi) of the framed document (clipped to its end), reading only those from the
+        store and keeping nothing: what a mesh-scope rank takes of a document it shares."""
+        b, n = int(self._bos is not None), int(self._store.lengths[self._index])
+        hi = min(hi, len(self))
+        parts = [[self._bos]] if b and lo == 0 < hi else []
+        if max(lo - b, 0) < min(hi - b, n):
             try:
-                parts.append(self._store.read(self._index))
+                parts.append(self._store.read(self._index, max(lo - b, 0), min(hi - b, n)))
             except StoreChanged as e:
                 raise DataChanged(str(e)) from e
             except StoreError as e:
                 raise DataError(str(e)) from e
-            if self._eos is not None:
-                parts.append([self._eos])
-            self._tokens = np.concatenate([np.asarray(p, dtype=np.int64) for p in parts])
-        return self._tokens[index]
+        if self._eos is not None and hi == len(self) > lo:
+            parts.append([self._eos])
+        return np.concatenate([np.asarray(p, dtype=np.int64) for p in parts]) if parts else np.zeros(0, np.int64)
 
 
 class StoreSource:

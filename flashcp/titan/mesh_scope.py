@@ -8,11 +8,12 @@ thread or plan worker; the FlashCP group is TorchTitan's flattened "loss" mesh (
 x cp), whose rank m = dp group x CP + CP rank lies on global rank m x TP + t: node-major, as `plan_mesh`
 numbers its ranks, since torchrun numbers ranks node by node. FSDP, TP and EP keep their meshes.
 
-Loss: TorchTitan counts the valid labels each rank yields and sums them over DP only. Every rank holds
-the whole window here, so it yields its DP group's C of them for that count (the global batch's valid
-tokens, once) and hands its own tokens' labels on in the input dict (`rank_inputs`): each rank's loss
-is its tokens' sum over the global count, as in per-group scope. Its tokens and labels are taken in
-dispatch order on the host, so only C / CP of the window's DP x C tokens reach the device.
+Loss: TorchTitan counts the valid labels each rank yields and sums them over DP only. The loader hands
+each rank its own tokens and labels in dispatch order (read alone from a token store: `StepPieces.take`)
+and each DP group's count of valid labels (`valid_labels`, from the lengths), so a rank yields a stand-in
+of its DP group's C labels with that count for TorchTitan (the global batch's valid tokens, once) and its
+own labels in the input dict (`rank_inputs`): each rank's loss is its tokens' sum over the global count,
+as in per-group scope. Only C / CP of the window's DP x C tokens reach the device.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 from torchtitan.distributed import ParallelDims
 
+from flashcp.data.packing import IGNORE_INDEX
 from flashcp.plan.mesh import plan_mesh
 
 RANK_LABELS = "rank_labels"  # the input dict's key for this rank's labels, in dispatch order
@@ -56,13 +58,14 @@ class MeshScope:
         return functools.partial(plan_mesh, dp=self.dp, cp=self.cp, ranks_per_node=ranks_per_node,
                                  target_imbalance=target_imbalance)  # fmt: skip
 
-    def rank_inputs(self, input_dict: dict[str, Any], labels: torch.Tensor) -> tuple[dict[str, Any], torch.Tensor]:
-        """This rank's tokens and labels (dispatch order) in the input dict; this DP group's C labels as what
-        TorchTitan counts."""
-        index = input_dict["dispatch"].token_index
-        c, b = labels.shape[1] // self.dp, self.rank // self.cp
-        mine = {**input_dict, "input": input_dict["input"][:, index], RANK_LABELS: labels[:, index]}
-        return mine, labels[:, b * c:(b + 1) * c]
+    def rank_inputs(self, input_dict: dict[str, Any], labels: torch.Tensor, valid_labels: list[int],
+                    tokens: int) -> tuple[dict[str, Any], torch.Tensor]:  # fmt: skip
+        """This rank's labels (the loader's, in dispatch order, beside its tokens) in the input dict, and what
+        TorchTitan counts: C = `tokens` / DP labels of which this DP group's `valid_labels` are not -100 (it
+        reads only their number and that count)."""
+        counted = torch.full((1, tokens // self.dp), IGNORE_INDEX, dtype=labels.dtype)
+        counted[:, : valid_labels[self.rank // self.cp]] = 0
+        return {**input_dict, RANK_LABELS: labels}, counted
 
 
 def attach(trainer: Any, ranks_per_node: int) -> None:

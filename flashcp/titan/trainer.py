@@ -420,7 +420,8 @@ class FlashCPTrainer(Trainer):
             self.metrics_processor.data_loading_times.append(time.perf_counter() - start)
             input_dict, labels = self._window_inputs(batch)
             if self.mesh is not None:  # TorchTitan counts its DP group's labels; the rank's loss reads its own
-                input_dict, labels = self.mesh.rank_inputs(input_dict, labels)
+                input_dict, labels = self.mesh.rank_inputs(input_dict, labels, batch["valid_labels"],
+                                                           sum(batch["doc_lens"]))  # fmt: skip
             self.metrics_processor.ntokens_since_last_log += labels.numel()
             yield input_dict, labels
 
