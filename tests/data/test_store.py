@@ -51,6 +51,18 @@ def test_documents_and_ranges_read_back(tmp_path):
         store.document(-1)
 
 
+def test_a_range_of_a_document_reads_only_its_chunks(tmp_path):
+    """A mesh-scope rank reads part of a document: only the chunks under it are checked and read."""
+    path = write_store(tmp_path / "s")
+    write_token(path, 6, 12)  # document 2's third token, chunk [6, 8)
+    store = open_store(path)
+    assert store.read(2, 0, 2).tolist() == [9, 10] and store.read(0, 1).tolist() == [6, 7]
+    with pytest.raises(StoreChanged, match=r"checksum mismatch in tokens \[6, 8\)"):
+        store.read(2, 1, 3)
+    with pytest.raises(IndexError, match=r"tokens \[2, 5\) of document 2 not within \[0, 4\)"):
+        store.read(2, 2, 5)
+
+
 def test_uint32_tokens(tmp_path):
     docs = [[1, 70000], [2**32 - 1]]
     store = open_store(write_store(tmp_path / "s", docs, dtype="uint32"))
