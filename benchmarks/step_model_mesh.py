@@ -1,7 +1,7 @@
 """Predicted step time of the mesh scope (one plan over all DP x CP ranks) beside per-group planning (MODELLED).
 
-    python benchmarks/step_model_mesh.py [--models 8b 70b] [--contexts 131072 1048576] [--dp 8 64]
-                                         [--datasets wlbllm pile] [--cp 8] [--steps S] [--seed X] [--json]
+    python benchmarks/step_model_mesh.py [--models 8b 70b] [--contexts 131072 524288 1048576] [--dp 8 64]
+                                         [--datasets wlbllm pile] [--cp 8] [--steps S] [--seeds X ...] [--json]
 
 Each step is stream packing's next dp x C tokens, as in step_model.py (the same stream, calibration and
 `StepModel`: dense at the published MFU, full activation checkpointing, FSDP, the paper-calibrated attention
@@ -33,6 +33,8 @@ import argparse
 import json
 import sys
 from dataclasses import asdict
+from functools import lru_cache
+from itertools import product
 from pathlib import Path
 
 import numpy as np
@@ -100,26 +102,37 @@ def mesh_step_ms(step: StepModel, plan: Plan, two_level: bool) -> tuple[float, d
     return compute + max(0.0, step.fsdp_ms() - compute), traffic
 
 
+@lru_cache(maxsize=1)
+def mesh_plans(dataset: str, context: int, dp: int, cp: int, steps: int, seed: int
+               ) -> tuple[list[list[int]], list[Plan], list[float]]:  # fmt: skip
+    """The steps' lengths, their mesh plans and pairs kept vs stream packing: the model does not change them,
+    so the grid's models share one planning."""
+    stream = Stream(sampler(dataset, seed), steps * dp * context)
+    lens = [stream.step(dp * context)[0] for _ in range(steps)]
+    plans, kept = [], []
+    for batch in lens:
+        pieces = window_pieces(batch, context)
+        plans.append(plan_mesh(pieces, dp, cp, RANKS_PER_NODE, MESH_TARGET))
+        kept.append(pairs(pieces) / pairs([n for w in stream_windows(batch, context) for n in w]))
+    return lens, plans, kept
+
+
 def setting(attention, assume: MeshAssumptions, name: str, dataset: str, context: int, dp: int, cp: int,
             steps: int, seed: int) -> dict:  # fmt: skip
     """Every system on `steps` steps of one setting (see the module docstring)."""
-    stream = Stream(sampler(dataset, seed), steps * dp * context)
-    lens = [stream.step(dp * context)[0] for _ in range(steps)]
+    lens, plans, kept = mesh_plans(dataset, context, dp, cp, steps, seed)
     step = StepModel(attention, MODELS[name], cp, dp, assume)
     m = step.model
     cost = window_cost(m.dense_flops_per_token, 12.0 * m.heads * m.head_dim * m.n_layers, cp, assume.full_ac)
     default, default_kept = default_windows(dataset, seed, context, dp, steps, cost)
     group = evaluate(step, lens, context, default, cost)
-    mesh_ms, traffic, kept, imbalance = {s: [] for s in MESH}, {s: [] for s in MESH}, [], []
-    for batch in lens:
-        pieces = window_pieces(batch, context)
-        plan = plan_mesh(pieces, dp, cp, RANKS_PER_NODE, MESH_TARGET)
+    mesh_ms, traffic = {s: [] for s in MESH}, {s: [] for s in MESH}
+    for plan in plans:
         for system in MESH:
             ms, t = mesh_step_ms(step, plan, system.endswith("two_level"))
             mesh_ms[system].append(ms)
             traffic[system].append(t)
-        kept.append(pairs(pieces) / pairs([n for w in stream_windows(batch, context) for n in w]))
-        imbalance.append(plan.metrics()["imbalance"])
+    imbalance = [plan.metrics()["imbalance"] for plan in plans]
     step_s = {s: group["step_s"][s] for s in PER_GROUP} | {s: float(np.mean(v)) / 1e3 for s, v in mesh_ms.items()}
     pairs_kept = {"llama3": 1.0, "per_doc": 1.0, "flashcp+mesh": group["mesh_attention_pairs_kept"],
                   "flashcp+default": default_kept} | {s: float(np.mean(kept)) for s in MESH}  # fmt: skip
@@ -140,15 +153,30 @@ def setting(attention, assume: MeshAssumptions, name: str, dataset: str, context
     }
 
 
+def save(path: Path, run: dict, assumptions: dict, argv: list[str] | None) -> dict:
+    """Merge one setting's run into the results file (the same setting replaced, others kept), after every
+    setting: a grid stopped part way keeps what it priced, and grids run one after another add up."""
+    old = json.loads(path.read_text()) if path.exists() else {"runs": []}
+    runs = [r for r in old["runs"] if r["setting"] != run["setting"]] + [run]
+    command = "python benchmarks/step_model_mesh.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    commands = [c for c in old.get("commands", [old["command"]] if "command" in old else []) if c != command]
+    payload = {"commands": [*commands, command],
+               "modelled": "all step times are modelled (flashcp.costmodel.step); planner counts are CPU-computed",
+               "assumptions": assumptions, "runs": runs}  # fmt: skip
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=1) + "\n")
+    return payload
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", choices=["8b", "70b"], default=["8b", "70b"])
-    p.add_argument("--contexts", nargs="+", type=int, default=[131072, 1048576])
+    p.add_argument("--contexts", nargs="+", type=int, default=[131072, 524288, 1048576])
     p.add_argument("--dp", nargs="+", type=int, default=[8, 64])
     p.add_argument("--datasets", nargs="+", default=["wlbllm", "pile"])
     p.add_argument("--cp", type=int, default=8)
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", nargs="+", type=int, default=[0])
     p.add_argument("--ratio-windows", type=int, default=30, help="windows per dataset of the paper's setting")
     p.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
     p.add_argument("--json", action="store_true")
@@ -156,31 +184,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.cp > RANKS_PER_NODE:
         p.error(f"--cp must be <= {RANKS_PER_NODE}: per-group baselines are priced on one node")
     attention, _ = load_cost_model([SHARED_PROFILES], [SHARED_PROFILES])
-    scales = paper_ratio_scales(modelled_speedups(paper_layer_times(attention, args.ratio_windows, args.seed)),
+    scales = paper_ratio_scales(modelled_speedups(paper_layer_times(attention, args.ratio_windows, args.seeds[0])),
                                 PAPER_SPEEDUP)  # fmt: skip
     assume = MeshAssumptions(attention_scale=scales)
-    runs = []
     print("MODELLED s/step (pairs kept vs stream packing); the mesh scope's two-level layer: busiest rank's NIC / "
           "NVLink MiB, exchange / slowest rank's forward kernel and copies ms")
-    for dataset in args.datasets:
-        for context in args.contexts:
-            for dp in args.dp:
-                for name in args.models:
-                    r = setting(attention, assume, name, dataset, context, dp, args.cp, args.steps, args.seed)
-                    runs.append(r)
-                    cols = "  ".join(f"{s} {r['step_s'][s]:7.2f} ({100 * r['pairs_kept'][s]:5.1f} %)"
-                                     for s in r["step_s"])  # fmt: skip
-                    t = r["mesh_layer"]["mesh_scope_two_level"]
-                    print(f"{r['setting']['model']:11s} {dataset:7s} C={context // 1024}K DP={dp:<2d}  {cols}  "
-                          f"NIC {t['nic_mib']:6.0f} NVLink {t['nvlink_mib']:6.0f} MiB, exchange "
-                          f"{t['exchange_ms']:5.1f} / kernel {t['kernel_fwd_ms']:5.1f} ms  fastest "
-                          f"{r['fastest_flashcp']}, per pair {r['fastest_per_pair']}; two-level at the default's "
-                          f"pairs {r['two_level_at_default_pairs_s']:.2f}", flush=True)  # fmt: skip
-    payload = {"command": "python benchmarks/step_model_mesh.py " + " ".join(sys.argv[1:] if argv is None else argv),
-               "modelled": "all step times are modelled (flashcp.costmodel.step); planner counts are CPU-computed",
-               "assumptions": {**asdict(assume), "attention_scale": dict(scales)}, "runs": runs}  # fmt: skip
-    args.results.mkdir(parents=True, exist_ok=True)
-    (args.results / "step_model_mesh.json").write_text(json.dumps(payload, indent=1) + "\n")
+    for dataset, context, dp, seed, name in product(args.datasets, args.contexts, args.dp, args.seeds, args.models):
+        r = setting(attention, assume, name, dataset, context, dp, args.cp, args.steps, seed)
+        cols = "  ".join(f"{s} {r['step_s'][s]:7.2f} ({100 * r['pairs_kept'][s]:5.1f} %)" for s in r["step_s"])
+        t = r["mesh_layer"]["mesh_scope_two_level"]
+        print(f"{r['setting']['model']:11s} {Path(dataset).stem:7s} C={context // 1024}K DP={dp:<2d} seed {seed}  "
+              f"{cols}  NIC {t['nic_mib']:6.0f} NVLink {t['nvlink_mib']:6.0f} MiB, exchange {t['exchange_ms']:5.1f} "
+              f"/ kernel {t['kernel_fwd_ms']:5.1f} ms  fastest {r['fastest_flashcp']}, per pair "
+              f"{r['fastest_per_pair']}; two-level at the default's pairs {r['two_level_at_default_pairs_s']:.2f}",
+              flush=True)  # fmt: skip
+        payload = save(args.results / "step_model_mesh.json", r, {**asdict(assume), "attention_scale": dict(scales)},
+                       argv)  # fmt: skip
     if args.json:
         print(json.dumps(payload))
     return 0

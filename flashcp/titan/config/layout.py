@@ -13,7 +13,7 @@ from flashcp.titan.config.converters import converter_problem
 from flashcp.titan.config.keys import ConfigError
 from flashcp.titan.config.model import model_dims
 from flashcp.titan.config.schema import GPU_BACKENDS
-from flashcp.titan.config.scope import check_mesh_layout
+from flashcp.titan.config.scope import check_mesh_layout, resolve_scope
 from flashcp.titan.config.sizes import check_weights
 
 
@@ -89,6 +89,7 @@ def check_layout(cfg: dict, world_size: int, has_cuda: bool | None = None) -> di
         )
     global_bs = cfg["training"]["global_batch_size"]
     dp = deg["dp_replicate"] * deg["dp_shard"]
+    resolve_scope(cfg, dp, cp)  # scope = "auto" becomes group or mesh here, where DP is known
     check_mesh_layout(cfg, dp, cp)
     if global_bs != -1 and (global_bs < 1 or global_bs % (dp * cfg["training"]["local_batch_size"])):
         raise ConfigError(

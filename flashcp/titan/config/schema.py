@@ -20,10 +20,11 @@ from flashcp.plan import STRATEGIES
 from flashcp.titan.config.converters import CONVERTER_KEYS
 from flashcp.titan.config.keys import field_default, Key, key_from_hint
 from flashcp.titan.config.model import MODEL_KEYS
+from flashcp.titan.config.scope import MESH_MIN_SEQ_LEN
 from flashcp.titan.config.titan import class_keys, TITAN_KEYS
 
 BACKENDS = ("auto", *KERNELS)
-SCOPES = ("group", "mesh")  # [flashcp] scope: what one FlashCP plan covers
+SCOPES = ("auto", "group", "mesh")  # [flashcp] scope: what one FlashCP plan covers
 RANKS_PER_NODE_COMMS = ("two_level",)  # [flashcp] comm modes whose exchange reads [flashcp] ranks_per_node
 GPU_BACKENDS = tuple(name for name in KERNELS if name != "reference")
 
@@ -63,10 +64,13 @@ OWN_SECTIONS: dict[str, dict[str, Key]] = {
     },
     "flashcp": {
         "strategy": Key(str, "flashcp", tuple(STRATEGIES), "how each window is sharded over the CP ranks"),
-        "scope": Key(str, "group", SCOPES, "group: each DP group plans its own window of seq_len tokens over its CP "
+        "scope": Key(str, "auto", SCOPES, "group: each DP group plans its own window of seq_len tokens over its CP "
                      "ranks | mesh: the step's global batch (DP x seq_len tokens) is one window planned over all "
                      "DP x CP ranks (flashcp.plan.mesh, flashcp.titan.mesh_scope); needs strategy flashcp, comm "
-                     "compact | needed | two_level, data.balance = 'off'"),
+                     "compact | needed | two_level, data.balance = 'off' | auto: mesh (and data.balance 'off') when "
+                     f"DP > 1, seq_len >= {MESH_MIN_SEQ_LEN} and the job sets no [data] balance key nor anything the "
+                     "mesh scope refuses, else group; the start logs which and why (modelled step, docs/training.md "
+                     "\"Default scope\")"),
         "target_imbalance": Key(float, 1.05, doc="max / mean attention workload the planner aims for"),
         "comm": Key(str, "compact", EXCHANGES, "KV exchange: compact (FlashCP) | full (Llama3 CP) | needed "
                     "(each rank exactly the rows it attends to) | two_level (the needed rows of a CP group that "
