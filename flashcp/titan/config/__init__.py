@@ -95,8 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"{path}: OK for {world} ranks: " + ", ".join(f"{k}={v}" for k, v in deg.items()))
-    print(cfg["_scope"])
     _warn(cfg)
     if cfg["model"]["attention"] == "flashcp":  # the jobs the dry run builds
+        print(cfg["_scope"])  # how the DP groups are planned (scope.resolve_scope)
         print(f"memory per GPU, checked without GPUs: {dryrun_command(path, world, overrides)}")
     return 0

@@ -174,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         device = "GPU" if on_gpu else "CPU (gloo)"
         print(f"flashcp: {path.resolve()} on {nnodes} node(s) x {nproc} {device} rank(s), output in {dump}",
               flush=True)  # fmt: skip
-        print(f"flashcp: {cfg['_scope']}", flush=True)  # how the DP groups are planned, once (scope.resolve_scope)
+        if cfg["model"]["attention"] == "flashcp":  # how the DP groups are planned, once (scope.resolve_scope)
+            print(f"flashcp: {cfg['_scope']}", flush=True)
         argv = [f"--config={path}", *overrides, f"--job.dump_folder={dump}"]  # absolute: every rank agrees
         return ranks.launch(dump, argv, nproc, nnodes, on_gpu, stop_timeout, run_id, locks)
     finally:
