@@ -6,11 +6,14 @@ On one node `plan_mesh` is `plan_shards(.., "flashcp")`, so both run the same pl
 `float64`) the losses and every parameter's first gradient agree to 1e-10, with FSDP sharding over
 dp_shard x cp, the first window holding a document across the DP boundary (token C). In float32 the
 trainer's losses agree to 1e-5 with the needed exchange and with two_level on 2 simulated nodes (the
-mesh plan then cuts by node first, another plan of the same tokens). A mesh-scope run resumed from its
-checkpoint trains the uninterrupted run's losses; the loader's state resumes across scopes; the settings
-the mesh scope does not run are refused in one line. Each 4-rank comparison takes 2-4 min on a loaded
-2-core machine: the default tier keeps the float32 3-step runs and the loader's resume, the slow tier
-the float64 exactness, the 20 steps and the trainer's resume.
+mesh plan then cuts by node first, another plan of the same tokens). Beside TP and EP, float32, 3 steps,
+the mesh job's losses and first gradients agree with its group-scope reference to 1e-5 (observed: bit for
+bit): DP 2 x TP 2 (each mesh rank a TP group) against CP 2 x TP 2 over one window of 2C, and Qwen3-MoE
+with DP 2 x CP 2 x EP 2 against CP 4 x EP 2 (the same plan: the same tokens reach each rank and expert).
+A mesh-scope run resumed from its checkpoint trains the uninterrupted run's losses; the loader's state
+resumes across scopes; the settings the mesh scope does not run are refused in one line. Each 4-rank
+comparison takes 2-4 min on a loaded 2-core machine: the default tier keeps the float32 3-step runs and
+the loader's resume, the slow tier the float64 exactness, the 20 steps, TP, EP and the trainer's resume.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Any
 import pytest
 import torch
 from harness import float64, single_rank, tiny_job, train, train_on_pool_rank
+from test_moe_train import MOE
 
 from flashcp import plan_shards
 from flashcp.data.loader import build_loader
@@ -33,6 +37,7 @@ from flashcp.titan.config import check_layout, ConfigError
 C = 256  # the mesh run's seq_len; the CP 4 run's window is 2C
 MESH = {"data_parallel_shard_degree": 2, "context_parallel_degree": 2}
 CP4 = {"data_parallel_shard_degree": 1, "context_parallel_degree": 4}
+NEEDED = {"comm": "needed"}
 DATA = {"balance": "off", "prefetch": 0}
 TOLERANCES = {"float64": 1e-10, "float32": 1e-5}  # absolute on losses (~8.3), relative (to the largest entry) on gradients
 
@@ -41,16 +46,27 @@ def _dtype(dtype: str) -> contextlib.AbstractContextManager:
     return float64() if dtype == "float64" else contextlib.nullcontext()
 
 
-def _seed(tmp: Path, dtype: str) -> dict[str, Any]:
+def _seed(tmp: Path, dtype: str, **sections: Any) -> dict[str, Any]:
     with single_rank(), _dtype(dtype):
-        train(tiny_job(tmp / "seed", checkpoint={"enable": True, "create_seed_checkpoint": True}), seed_checkpoint=True)
+        train(tiny_job(tmp / "seed", checkpoint={"enable": True, "create_seed_checkpoint": True}, **sections),
+              seed_checkpoint=True)  # fmt: skip
     return {"enable": True, "initial_load_path": str(tmp / "seed/checkpoint/step-0")}
 
 
-def _job(tmp: Path, name: str, mesh: bool, steps: int, seed: dict, **flashcp: Any) -> dict:
-    return tiny_job(tmp / name, checkpoint=seed, data=DATA, parallelism=MESH if mesh else CP4,
+def _job(tmp: Path, name: str, mesh: bool, steps: int, seed: dict, flashcp: dict = NEEDED,
+         layout: tuple[dict, dict] = (MESH, CP4), **sections: Any) -> dict:  # fmt: skip
+    """The mesh job (`layout`'s first parallelism, seq_len C) or its reference (the second, group scope,
+    one window of 2C over as many FlashCP ranks)."""
+    return tiny_job(tmp / name, checkpoint=seed, data=DATA, parallelism=layout[0] if mesh else layout[1],
                     training={"steps": steps, "seq_len": C if mesh else 2 * C},
-                    flashcp={"scope": "mesh" if mesh else "group", **flashcp})  # fmt: skip
+                    flashcp={"scope": "mesh" if mesh else "group", **flashcp}, **sections)  # fmt: skip
+
+
+def _flashcp_ranks(cfg: dict) -> int:
+    """The ranks of one FlashCP group: the CP group's, or in mesh scope the DP x CP mesh's."""
+    p = cfg["parallelism"]
+    dp = p["data_parallel_replicate_degree"] * p["data_parallel_shard_degree"]
+    return (dp if cfg["flashcp"]["scope"] == "mesh" else 1) * p["context_parallel_degree"]
 
 
 def _train_rank(rank: int, group: Any, cfg: dict, dtype: str, stop_after: int | None = None) -> tuple[dict, dict, set]:
@@ -80,9 +96,9 @@ def _relative(ours: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def _reference(pool: Any, cfg: dict, dtype: str) -> tuple[dict, dict]:
-    """The CP 4 job's losses and first gradients."""
+    """The group-scope job's losses and first gradients (CP 4, or a layout's reference)."""
     ref, ref_grads, ref_plans = pool.run(_train_rank, (cfg, dtype))[0]
-    assert ref_plans == {("flashcp", 4, 2 * C)} and len(ref) == cfg["training"]["steps"], (ref_plans, ref)
+    assert ref_plans == {("flashcp", _flashcp_ranks(cfg), 2 * C)} and len(ref) == cfg["training"]["steps"], ref_plans
     return ref, ref_grads
 
 
@@ -92,7 +108,7 @@ def _compare(pool: Any, reference: tuple[dict, dict], mesh_cfg: dict, dtype: str
     ref, ref_grads = reference
     runs = pool.run(_train_rank, (mesh_cfg, dtype))
     losses, grads, plans = runs[0]
-    assert plans == {("mesh", 4, 2 * C)}, plans
+    assert plans == {("mesh", _flashcp_ranks(mesh_cfg), 2 * C)}, plans
     assert all(r[0] == losses for r in runs)  # every rank logs the loss summed over the mesh
     assert losses.keys() == ref.keys()
     worst = max(abs(losses[s] - ref[s]) for s in ref)
@@ -124,17 +140,17 @@ def test_mesh_scope_float64_equals_cp4_over_one_window_of_2c(tmp_path, gloo_pool
     print(f"first window {doc_lens}: document {across[0]} crosses token {C}, held by mesh ranks {sorted(holders)}")
     seed = _seed(tmp_path, "float64")
     pool = gloo_pool(4)
-    reference = _reference(pool, _job(tmp_path, "cp4", False, 2, seed, comm="needed"), "float64")
-    worst, worst_grad = _compare(pool, reference, _job(tmp_path, "mesh", True, 2, seed, comm="needed"), "float64")
+    reference = _reference(pool, _job(tmp_path, "cp4", False, 2, seed), "float64")
+    worst, worst_grad = _compare(pool, reference, _job(tmp_path, "mesh", True, 2, seed), "float64")
     print(f"float64 DP 2 x CP 2 mesh scope vs CP 4 (2C): loss {worst:.1e}, gradients {worst_grad:.1e} (relative)")
 
 
 def _float32_runs(tmp_path: Path, pool: Any, steps: int) -> None:
     seed = _seed(tmp_path, "float32")
-    reference = _reference(pool, _job(tmp_path, "cp4", False, steps, seed, comm="needed"), "float32")
+    reference = _reference(pool, _job(tmp_path, "cp4", False, steps, seed), "float32")
     two_level = {"comm": "two_level", "ranks_per_node": 2, "plan_worker": True}  # planned in the worker process
-    for name, flashcp in (("needed", {"comm": "needed"}), ("two_level", two_level)):
-        worst, worst_grad = _compare(pool, reference, _job(tmp_path, name, True, steps, seed, **flashcp), "float32")
+    for name, flashcp in (("needed", NEEDED), ("two_level", two_level)):
+        worst, worst_grad = _compare(pool, reference, _job(tmp_path, name, True, steps, seed, flashcp), "float32")
         print(f"float32 {steps} steps, mesh scope {name} vs CP 4 (2C): loss {worst:.1e}, gradients {worst_grad:.1e}")
 
 
@@ -147,13 +163,41 @@ def test_mesh_scope_trains_the_cp4_losses_over_20_steps(tmp_path, gloo_pool):
     _float32_runs(tmp_path, gloo_pool(4), 20)
 
 
+# (mesh, reference) layouts on 4 ranks whose FlashCP group is 2 or 4 ranks beside TP or EP
+TP2 = ({"data_parallel_shard_degree": 2, "context_parallel_degree": 1, "tensor_parallel_degree": 2},
+       {"data_parallel_shard_degree": 1, "context_parallel_degree": 2, "tensor_parallel_degree": 2})  # fmt: skip
+EP2 = ({**MESH, "expert_parallel_degree": 2}, {**CP4, "expert_parallel_degree": 2})
+
+
+def _beside(tmp_path: Path, pool: Any, layout: tuple[dict, dict], **sections: Any) -> tuple[float, float]:
+    """The mesh job of `layout` against its reference, float32, 3 steps from one seed checkpoint."""
+    seed = _seed(tmp_path, "float32", **sections)
+    reference = _reference(pool, _job(tmp_path, "group", False, 3, seed, layout=layout, **sections), "float32")
+    return _compare(pool, reference, _job(tmp_path, "mesh", True, 3, seed, layout=layout, **sections), "float32")
+
+
+@pytest.mark.slow
+def test_mesh_scope_with_tp2_trains_the_losses_of_one_window_over_cp2(tmp_path, gloo_pool):
+    """DP 2 x TP 2: the mesh's two ranks each hold a TP group (same tokens, weights split over tp)."""
+    worst, worst_grad = _beside(tmp_path, gloo_pool(4), TP2)
+    print(f"float32 3 steps, DP 2 x TP 2 mesh scope vs CP 2 x TP 2 (2C): loss {worst:.1e}, gradients {worst_grad:.1e}")
+
+
+@pytest.mark.slow
+def test_mesh_scope_with_ep2_trains_the_cp4_losses_of_qwen3_moe(tmp_path, gloo_pool):
+    """Qwen3-MoE, experts split by EP 2 over ranks borrowed from dp_shard x cp in both runs."""
+    worst, worst_grad = _beside(tmp_path, gloo_pool(4), EP2, model=MOE)
+    print(f"float32 3 steps, Qwen3-MoE DP 2 x CP 2 x EP 2 mesh scope vs CP 4 x EP 2 (2C): loss {worst:.1e}, "
+          f"gradients {worst_grad:.1e}")  # fmt: skip
+
+
 @pytest.mark.slow
 def test_a_mesh_scope_run_resumes_to_the_uninterrupted_losses(tmp_path, gloo_pool):
     seed = _seed(tmp_path, "float32")
     pool = gloo_pool(4)
 
     def job(name: str) -> dict:
-        cfg = _job(tmp_path, name, True, 4, seed, comm="needed")
+        cfg = _job(tmp_path, name, True, 4, seed)
         cfg["checkpoint"] |= {"interval": 2}
         return cfg
 
