@@ -11,9 +11,10 @@ the mesh job's losses and first gradients agree with its group-scope reference t
 bit): DP 2 x TP 2 (each mesh rank a TP group) against CP 2 x TP 2 over one window of 2C, and Qwen3-MoE
 with DP 2 x CP 2 x EP 2 against CP 4 x EP 2 (the same plan: the same tokens reach each rank and expert).
 A mesh-scope run resumed from its checkpoint trains the uninterrupted run's losses; the loader's state
-resumes across scopes; the settings the mesh scope does not run are refused in one line. Each 4-rank
+resumes across scopes, and a group-scope checkpoint resumed in mesh scope trains the uninterrupted mesh
+run's next windows; the settings the mesh scope does not run are refused in one line. Each 4-rank
 comparison takes 2-4 min on a loaded 2-core machine: the default tier keeps the float32 3-step runs and
-the loader's resume, the slow tier the float64 exactness, the 20 steps, TP, EP and the trainer's resume.
+the loader's resume, the slow tier the float64 exactness, the 20 steps, TP, EP and the trainer's resumes.
 """
 
 from __future__ import annotations
@@ -69,17 +70,19 @@ def _flashcp_ranks(cfg: dict) -> int:
     return (dp if cfg["flashcp"]["scope"] == "mesh" else 1) * p["context_parallel_degree"]
 
 
-def _train_rank(rank: int, group: Any, cfg: dict, dtype: str, stop_after: int | None = None) -> tuple[dict, dict, set]:
-    """DistributedPool task: a rank's losses, every parameter's whole first gradient and the (strategy,
-    ranks, tokens) of the plans its windows had."""
+def _train_rank(rank: int, group: Any, cfg: dict, dtype: str, stop_after: int | None = None) -> tuple:
+    """DistributedPool task: a rank's losses, every parameter's whole first gradient, the (strategy,
+    ranks, tokens) of the plans its windows had and each window's document lengths, in order."""
     from flashcp.titan.components.metrics import FlashCPMetrics
 
     grads: dict[str, torch.Tensor] = {}
     plans: set[tuple[str, int, int]] = set()
+    windows: list[list[int]] = []
     record = FlashCPMetrics.record_window
 
     def recording(self: FlashCPMetrics, plan: Any, *args: Any, **kwargs: Any) -> None:
         plans.add((plan.strategy, plan.cp_size, plan.context))
+        windows.append(list(plan.doc_lens))
         record(self, plan, *args, **kwargs)
 
     FlashCPMetrics.record_window = recording
@@ -88,7 +91,7 @@ def _train_rank(rank: int, group: Any, cfg: dict, dtype: str, stop_after: int | 
             losses = train_on_pool_rank(rank, group, cfg, stop_after=stop_after, first_grads=grads)
     finally:
         FlashCPMetrics.record_window = record
-    return losses, grads, plans
+    return losses, grads, plans, windows
 
 
 def _relative(ours: torch.Tensor, ref: torch.Tensor) -> float:
@@ -97,7 +100,7 @@ def _relative(ours: torch.Tensor, ref: torch.Tensor) -> float:
 
 def _reference(pool: Any, cfg: dict, dtype: str) -> tuple[dict, dict]:
     """The group-scope job's losses and first gradients (CP 4, or a layout's reference)."""
-    ref, ref_grads, ref_plans = pool.run(_train_rank, (cfg, dtype))[0]
+    ref, ref_grads, ref_plans, _ = pool.run(_train_rank, (cfg, dtype))[0]
     assert ref_plans == {("flashcp", _flashcp_ranks(cfg), 2 * C)} and len(ref) == cfg["training"]["steps"], ref_plans
     return ref, ref_grads
 
@@ -107,7 +110,7 @@ def _compare(pool: Any, reference: tuple[dict, dict], mesh_cfg: dict, dtype: str
     asserted within tolerance."""
     ref, ref_grads = reference
     runs = pool.run(_train_rank, (mesh_cfg, dtype))
-    losses, grads, plans = runs[0]
+    losses, grads, plans, _ = runs[0]
     assert plans == {("mesh", _flashcp_ranks(mesh_cfg), 2 * C)}, plans
     assert all(r[0] == losses for r in runs)  # every rank logs the loss summed over the mesh
     assert losses.keys() == ref.keys()
@@ -206,6 +209,26 @@ def test_a_mesh_scope_run_resumes_to_the_uninterrupted_losses(tmp_path, gloo_poo
     rest = pool.run(_train_rank, (job("resumed"), "float32"))[0][0]
     assert sorted(first) == [1, 2] and sorted(rest) == [3, 4]
     assert {**first, **rest} == pytest.approx(whole, abs=1e-6)
+
+
+@pytest.mark.slow
+def test_a_group_scope_checkpoint_resumes_in_mesh_scope(tmp_path, gloo_pool):
+    """DP 2 x CP 2 saved at step 2 in group scope (the same FSDP shards as the mesh's) and resumed in mesh
+    scope trains steps 3-4 on the uninterrupted mesh run's windows 3-4: the next DP windows as one. Its
+    losses differ from that run's by what steps 1-2 changed: documents cut at the DP boundary there."""
+    seed = _seed(tmp_path, "float32")
+    pool = gloo_pool(4)
+
+    def job(name: str, scope: str) -> dict:
+        return tiny_job(tmp_path / name, checkpoint=seed | {"interval": 2}, data=DATA, parallelism=MESH,
+                        training={"steps": 4, "seq_len": C}, flashcp={"scope": scope, **NEEDED})  # fmt: skip
+
+    whole, _, _, whole_windows = pool.run(_train_rank, (job("whole", "mesh"), "float32"))[0]
+    first = pool.run(_train_rank, (job("switched", "group"), "float32", 2))[0]
+    rest, _, plans, windows = pool.run(_train_rank, (job("switched", "mesh"), "float32"))[0]
+    assert sorted(first[0]) == [1, 2] and first[2] == {("flashcp", 2, C)} and sorted(rest) == [3, 4]
+    assert plans == {("mesh", 4, 2 * C)} and windows == whole_windows[2:], (windows, whole_windows)
+    print(f"group -> mesh at step 2: steps 3-4 {rest} vs uninterrupted mesh {whole}")
 
 
 def test_the_loader_resumes_across_scopes(tmp_path):
