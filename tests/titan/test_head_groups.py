@@ -1,7 +1,8 @@
 """Head-group attention (flashcp.titan.models.head_groups) is TorchTitan's attention layer with FlashCP's
-op: in float64 a layer run over G = 2 or 4 groups of KV heads gives the plain layer's output and the
-gradients of its input and of every weight within 1e-12 at CP 1, 2 and 4 with every KV exchange, and
-its forward saves no tensor of all heads; a trainer with `head_groups = 2` trains the plain job's
+op: in float64 a decoder block whose attention runs over G = 1, 2 or 4 groups of KV heads and whose
+norms, MLP and residual run over 3 sequence tiles gives the plain block's output and the gradients of
+its input and of every weight within 1e-12 at CP 1, 2 and 4 with every KV exchange, and its forward
+saves no tensor of all heads; a trainer with `head_groups = 2` trains the plain job's
 losses (20 windows at CP 2 x FSDP 2 and CP 4 with full AC in the slow tier, eager and compiled), and a
 compiled layer is one graph with the eager results; the job check refuses what it does not run, in one
 line naming the key."""
@@ -26,10 +27,12 @@ from flashcp.titan.models import attention
 from flashcp.titan.models.attention import CPStep, flashcp_ropes
 from flashcp.titan.models.head_groups import AUTO, group_count, HeadGroupedAttention, use_head_groups
 from flashcp.titan.models.spec import model_spec
+from flashcp.titan.models.tiled_block import TiledTransformerBlock, use_tiled_blocks
 from torchtitan.models.common.rope import CosSinRoPE
 
 DOC_LENS = (21, 3, 30, 10)  # 64 tokens: documents cut across ranks at CP 2 and 4
-TOLERANCE = 1e-12  # absolute, float64: the output projection's summation order only
+TOLERANCE = 1e-12  # absolute, float64: the output projection's and the tiles' summation order only
+TILES = 3  # sequence tiles of the block's norms, MLP and residual (not dividing a rank's rows)
 MODELS = {"llama3": {"name": "llama3"}, "qwen3": {"name": "qwen3", "head_dim": 12}}  # qwen3: QK-norm, own head_dim
 COMMS = ("compact", "needed", "two_level", "ring")
 
@@ -58,23 +61,28 @@ def _float64_rope() -> Iterator[None]:
         attention.rotate = saved
 
 
-def _layers(name: str, groups: int) -> tuple[torch.nn.Module, torch.nn.Module, dict]:
-    """(the plain attention layer, the same weights over `groups` head groups, the model's RoPEs), float64."""
+def _blocks(name: str, groups: int) -> tuple[torch.nn.Module, torch.nn.Module, dict]:
+    """(the plain decoder block, the same weights with its attention over `groups` head groups and its
+    token-wise work over TILES sequence tiles, the model's RoPEs), float64."""
     model = {"flavor": "custom", "dim": 64, "n_layers": 1, "n_heads": 8, "n_kv_heads": 4, "multiple_of": 32,
              "vocab_size": 97} | MODELS[name]  # fmt: skip
     cfg = validate({"model": model, "flashcp": {"backend": "reference"}, "training": {"seq_len": sum(DOC_LENS)}})
     config = model_spec(cfg["model"], cfg["flashcp"], 97, sum(DOC_LENS)).model
     grouped = copy.deepcopy(config)
     use_head_groups(grouped, groups)
+    use_tiled_blocks(grouped, TILES)
     torch.manual_seed(0)
     plain = config.build()
     plain.init_states()
     ropes = flashcp_ropes(plain)
-    plain_layer, grouped_layer = plain.layers["0"].attention.double(), grouped.build().layers["0"].attention.double()
-    assert isinstance(grouped_layer, HeadGroupedAttention) == (groups != 1)  # 1: the plain layer
-    assert set(grouped_layer.state_dict()) == set(plain_layer.state_dict())  # checkpoints load either way
-    grouped_layer.load_state_dict(plain_layer.state_dict())
-    return plain_layer, grouped_layer, ropes
+    plain_block, grouped_block = plain.layers["0"].double(), grouped.build().layers["0"].double()
+    assert isinstance(grouped_block, TiledTransformerBlock)
+    assert isinstance(grouped_block.attention, HeadGroupedAttention) == (groups != 1)  # 1: the plain attention
+    assert set(grouped_block.state_dict()) == set(plain_block.state_dict())  # checkpoints load either way
+    for p in plain_block.parameters():  # norm weights off 1, so their gradients are not trivial
+        p.data.add_(0.1 * torch.randn_like(p))
+    grouped_block.load_state_dict(plain_block.state_dict())
+    return plain_block, grouped_block, ropes
 
 
 def _dispatch(comm: str, cp: int, rank: int):
@@ -85,7 +93,7 @@ def _dispatch(comm: str, cp: int, rank: int):
 
 
 def _run(layer: torch.nn.Module, ropes: dict, dispatch, group) -> tuple[list[torch.Tensor], list[tuple]]:
-    """Output, input and weight gradients of `layer` on this rank's rows; the shapes forward saved."""
+    """Output, input and weight gradients of a block on this rank's rows; the shapes forward saved."""
     gen = torch.Generator().manual_seed(1)
     x_all, g_all = torch.randn(2, 1, sum(DOC_LENS), 64, generator=gen, dtype=torch.float64)
     x, g = x_all[:, dispatch.token_index].clone().requires_grad_(), g_all[:, dispatch.token_index]
@@ -99,7 +107,7 @@ def _run(layer: torch.nn.Module, ropes: dict, dispatch, group) -> tuple[list[tor
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = layer(x, CPStep.of(ropes, dispatch, group), dispatch.positions[None])
     (out * g).sum().backward()
-    return [out.detach(), x.grad, *(p.grad for p in layer.parameters())], saved
+    return [out.detach(), x.grad, *(p.grad for _, p in sorted(layer.named_parameters()))], saved
 
 
 def compare_rank(rank: int, group, name: str, cp: int) -> dict[tuple[str, int], float]:
@@ -107,14 +115,15 @@ def compare_rank(rank: int, group, name: str, cp: int) -> dict[tuple[str, int], 
     gradients, by (comm, groups)."""
     worst = {}
     for groups in (1, 2, 4):
-        plain, grouped, ropes = _layers(name, groups)
+        plain, grouped, ropes = _blocks(name, groups)
         for comm in COMMS:
             dispatch = _dispatch(comm, cp, rank)
             with _float64_rope():
                 want, _ = _run(plain, ropes, dispatch, group)
                 got, saved = _run(grouped, ropes, dispatch, group)
             if groups != 1:  # no q, k, v or o of every head kept
-                assert not [s for s in saved if len(s) == 4 and s[2] in (plain.n_heads, plain.n_kv_heads)], saved
+                heads = (plain.attention.n_heads, plain.attention.n_kv_heads)
+                assert not [s for s in saved if len(s) == 4 and s[2] in heads], saved
             worst[comm, groups] = max((a - b).abs().max().item() for a, b in zip(got, want, strict=True))
     return worst
 
@@ -139,7 +148,8 @@ def test_automatic_groups_keep_one_groups_working_set_within_the_budget(monkeypa
     assert group_count(AUTO, 196608, 24, 6, 128, 2) == 3  # 2.8 GiB: 2 groups do not fit, 3 (dividing 6) do
     assert group_count(AUTO, 2**24, 32, 8, 128, 2) == 8  # never more groups than KV heads
     monkeypatch.setattr(head_groups, "GROUP_BYTES", 2 * 12 * 64 * 8 * 8 // 4)  # 64 tokens in 4 groups
-    plain, grouped, ropes = _layers("llama3", AUTO)
+    plain, grouped, ropes = _blocks("llama3", AUTO)
+    plain, grouped = plain.attention, grouped.attention
     dispatch = _dispatch("compact", 1, 0)
     with _float64_rope():
         want, _ = _run(plain, ropes, dispatch, None)
@@ -152,7 +162,8 @@ def test_automatic_groups_keep_one_groups_working_set_within_the_budget(monkeypa
 def test_a_compiled_grouped_layer_is_one_graph_with_the_eager_results(backend):
     """Compiled as `[compile] enable` compiles a block (inductor, one graph) the groups' checkpoints and
     FlashCP's op trace with `fullgraph=True` and give the eager layer's output and gradients."""
-    _, grouped, ropes = _layers("llama3", 2)
+    _, grouped, ropes = _blocks("llama3", 2)
+    grouped = grouped.attention
     dispatch = _dispatch("compact", 1, 0)
     torch._dynamo.reset()
     with _float64_rope():
