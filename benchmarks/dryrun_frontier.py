@@ -11,7 +11,7 @@ Row sets:
   fit again with FSDP's CPU offload of the sharded parameters, gradients and optimizer states
   (`training.enable_cpu_offload`).
 - `70b`: Llama 3 70B at 2M on 32 (TP 8 x CP 4) and 64 ranks (TP 8 x CP 8), offload on (head groups
-  do not run under TP).
+  do not run under TP), and with `--cpu-offload` FSDP's CPU offload where that does not fit.
 Every row tiles to at most 16K tokens a tile (`mlp_tiles`). Each row is one
 `python -m flashcp.titan.dryrun ... --json` run whose command is stored beside its report; a rerun
 replaces the rows with the same command in `--out` and keeps the others. The table printed at the
@@ -98,7 +98,7 @@ def main() -> None:
                         help="row sets to run (repeatable; default all)")  # fmt: skip
     parser.add_argument("--tokens", action="append", help="only rows of these context lengths (e.g. 4M, 512K)")
     parser.add_argument("--cpu-offload", action="store_true",
-                        help="with --rows levers: also rerun the rows that do not fit with FSDP's CPU offload")
+                        help="rows of levers and 70b that do not fit: again with FSDP's CPU offload")
     args = parser.parse_args()
     kept = {}
     if args.out.exists():
@@ -115,7 +115,7 @@ def main() -> None:
                       f"fits {report['fits']}", flush=True)  # fmt: skip
                 kept[report["command"]] = report
                 args.out.write_text("".join(json.dumps(r) + "\n" for r in kept.values()))
-                if which == "levers" and args.cpu_offload and not report["fits"] and CPU_OFFLOAD[0] not in cmd:
+                if which != "base" and args.cpu_offload and not report["fits"] and CPU_OFFLOAD[0] not in cmd:
                     todo.append([*overrides, *CPU_OFFLOAD])
     print(table(list(kept.values())))
 
