@@ -114,9 +114,11 @@ SLOW = {  # command -> (the test that runs the same entry point on a small job, 
     ".venv/bin/python benchmarks/compile_step.py": (
         "tests/titan/test_parity.py::test_compiled_blocks_train_the_eager_losses",
         "a tiny job on the same layouts, compiled and eager for 20 steps; the benchmark's timed runs take ~10 minutes"),
-    ".venv/bin/python benchmarks/dryrun_frontier.py": (
+    **{f".venv/bin/python benchmarks/dryrun_frontier.py {rows}": (
         "tests/titan/test_dryrun.py::test_offload_moves_the_layer_inputs_to_host_memory",
-        "each of its rows is one such dry run; all 25 take about an hour"),
+        "each of its rows is one such dry run (head groups: tests/titan/test_dryrun.py's CPU offload job); the 25 "
+        "base rows take about an hour, a 4M-6M row 20-75 minutes")
+       for rows in ("--rows base", "--rows levers --tokens 4M --tokens 5M --tokens 6M", "--rows 70b --cpu-offload")},
     ".venv/bin/python -m flashcp.titan.dryrun --config llama3_8b_extend_128k --world-size 8": (
         "tests/titan/test_dryrun_no_data.py::test_a_job_without_its_files_dry_runs_as_with_the_stand_ins_given",
         "a tiny job with every file absent (the same file resolves every shipped job's stand-ins); the recipe "
