@@ -189,7 +189,8 @@ def test_bad_files_name_the_key(tmp_path, sections, message):
 @pytest.mark.parametrize(
     "sections, message",
     [
-        ({"parallelism": {"context_parallel_degree": 4}, "flashcp": {"comm": "compact", "ranks_per_node": 2}},
+        ({"parallelism": {"context_parallel_degree": 4},
+          "flashcp": {"comm": "compact", "ranks_per_node": 2, "scope": "group"}},
          "[flashcp] ranks_per_node = 2 has no effect with comm = 'compact': only comm = 'two_level' or scope = 'mesh' "
          "uses it"),
         ({"flashcp": {"plan_worker": False, "plan_worker_timeout_seconds": 20.0}},

@@ -114,17 +114,23 @@ def test_a_job_with_the_probe_dry_runs_as_without_it(tmp_path, capsys):
     assert json.loads(probe.stdout)["peak_gib"] == json.loads(plain.stdout)["peak_gib"]
 
 
-def test_mesh_scope_dry_runs_as_the_busiest_rank_of_the_mesh_plan(tmp_path, capsys, monkeypatch):
-    """[flashcp] scope = "mesh": the window is DP x C tokens planned by plan_mesh over the 8 ranks (2 nodes
-    of 4), and the rank measured is the one receiving the most K/V rows (here not rank 0): its receive
-    buffer holds the rows plan_mesh's plan of the same window gives that rank."""
+@pytest.mark.parametrize("scope", ["auto", pytest.param("mesh", marks=pytest.mark.slow)])
+def test_mesh_scope_dry_runs_as_the_busiest_rank_of_the_mesh_plan(tmp_path, capsys, monkeypatch, scope):
+    """[flashcp] scope = "mesh" (or "auto" resolving to it, its threshold lowered to this job's 4096
+    tokens): the window is DP x C tokens planned by plan_mesh over the 8 ranks (2 nodes of 4), and the
+    rank measured is the one receiving the most K/V rows (here not rank 0): its receive buffer holds
+    the rows plan_mesh's plan of the same window gives that rank."""
     from flashcp.plan.mesh import plan_mesh
     from flashcp.titan import mesh_scope
+    from flashcp.titan.config import scope as scope_rule
     from flashcp.titan.dryrun.report import format_report, Report
 
     windows = []
     monkeypatch.setattr(mesh_scope, "plan_mesh", lambda lens, **kw: windows.append(list(lens)) or plan_mesh(lens, **kw))
-    proc = _dry_run(tmp_path, capsys, "--flashcp.scope", "mesh", "--flashcp.comm", "needed",
+    monkeypatch.setattr(scope_rule, "MESH_MIN_SEQ_LEN", 4096)
+    if scope == "auto":  # a job setting a [data] balance key keeps per-group planning
+        monkeypatch.setitem(globals(), "JOB", JOB.replace('balance = "off"\n', ""))
+    proc = _dry_run(tmp_path, capsys, "--flashcp.scope", scope, "--flashcp.comm", "needed",
                     "--flashcp.ranks_per_node", "4", "--data.synthetic_lengths", "pile")  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout)

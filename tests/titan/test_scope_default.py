@@ -48,3 +48,20 @@ def test_an_explicit_scope_or_balance_is_kept():
     assert (cfg["flashcp"]["scope"], line) == ("mesh", "[flashcp] scope = 'mesh' (set in the job)")
     cfg, _ = _resolved(8, data={"balance": "deferral"})
     assert (cfg["flashcp"]["scope"], cfg["data"]["balance"]) == ("group", "deferral")
+
+
+def test_ranks_per_node_under_auto_is_refused_where_auto_becomes_per_group(tmp_path):
+    """With auto the config check cannot know whether `ranks_per_node` takes effect (it does in mesh
+    scope): the layout check refuses it once auto became per-group with a comm that ignores it, and keeps
+    it where auto became the mesh scope."""
+    from flashcp.titan.config import ConfigError, check_layout
+
+    short = validate({"training": {"seq_len": 4096}, "flashcp": {"comm": "needed", "ranks_per_node": 4},
+                      "parallelism": {"context_parallel_degree": 4}})  # fmt: skip
+    with pytest.raises(ConfigError, match=r"^\[flashcp\] ranks_per_node = 4 has no effect with comm = 'needed' and "
+                                          r"\[flashcp\] scope = 'group' \(auto, seq_len 4096 < 1048576"):
+        check_layout(short, 8, has_cuda=False)
+    long = validate({**LONG, "flashcp": {"comm": "needed", "ranks_per_node": 4},
+                     "parallelism": {"context_parallel_degree": 4}})  # fmt: skip
+    check_layout(long, 8, has_cuda=False)
+    assert long["flashcp"]["scope"] == "mesh"

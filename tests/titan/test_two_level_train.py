@@ -58,7 +58,7 @@ def test_the_job_file_offers_two_level_and_checks_ranks_per_node(tmp_path):
     with pytest.raises(ConfigError, match="comm must be one of compact, full, needed, two_level, ring; got 'zigzag'"):
         tiny_job(tmp_path, flashcp={"comm": "zigzag"})
     with pytest.raises(ConfigError) as e:
-        tiny_job(tmp_path, parallelism=CP4, flashcp={"comm": "needed", "ranks_per_node": 2})
+        tiny_job(tmp_path, parallelism=CP4, flashcp={"comm": "needed", "ranks_per_node": 2, "scope": "group"})
     assert str(e.value) == ("[flashcp] ranks_per_node = 2 has no effect with comm = 'needed': only comm = "
                             "'two_level' or scope = 'mesh' uses it; remove it or choose that mode")  # fmt: skip
 

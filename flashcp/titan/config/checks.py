@@ -190,7 +190,8 @@ def _check_settings_in_effect(cfg: dict) -> None:
     ]  # fmt: skip
     if cfg["model"]["attention"] == "flashcp":  # else [flashcp] is ignored whole (_check_attention warns)
         rules += [
-            ("flashcp", "ranks_per_node", fcp["comm"] in RANKS_PER_NODE_COMMS or fcp["scope"] == "mesh",
+            # scope = "auto" may become "mesh" once DP is known: flashcp.titan.config.scope.resolve_scope checks then
+            ("flashcp", "ranks_per_node", fcp["comm"] in RANKS_PER_NODE_COMMS or fcp["scope"] != "group",
              f"comm = {fcp['comm']!r}", f"comm = {_quoted(RANKS_PER_NODE_COMMS)} or scope = 'mesh'"),
             ("flashcp", "plan_worker_timeout_seconds", fcp["plan_worker"], "plan_worker = false", "plan_worker = true"),
             ("flashcp", "window_comm", fcp["comm"] != "ring", "comm = 'ring'", "a collective comm"),

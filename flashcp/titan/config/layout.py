@@ -12,7 +12,7 @@ from flashcp.attention.kernels import gpu_backend_problem
 from flashcp.titan.config.converters import converter_problem
 from flashcp.titan.config.keys import ConfigError
 from flashcp.titan.config.model import model_dims
-from flashcp.titan.config.schema import GPU_BACKENDS
+from flashcp.titan.config.schema import GPU_BACKENDS, RANKS_PER_NODE_COMMS
 from flashcp.titan.config.scope import check_mesh_layout, resolve_scope
 from flashcp.titan.config.sizes import check_weights
 
@@ -89,7 +89,12 @@ def check_layout(cfg: dict, world_size: int, has_cuda: bool | None = None) -> di
         )
     global_bs = cfg["training"]["global_batch_size"]
     dp = deg["dp_replicate"] * deg["dp_shard"]
-    resolve_scope(cfg, dp, cp)  # scope = "auto" becomes group or mesh here, where DP is known
+    resolved = resolve_scope(cfg, dp, cp)  # scope = "auto" becomes group or mesh here, where DP is known
+    fcp = cfg["flashcp"]
+    if fcp["scope"] == "group" and fcp["comm"] not in RANKS_PER_NODE_COMMS and "ranks_per_node" in cfg["_given"].get(
+            "flashcp", ()):  # the config check let it pass for "auto", which might have become "mesh"
+        raise ConfigError(f"[flashcp] ranks_per_node = {fcp['ranks_per_node']} has no effect with comm = "
+                          f"{fcp['comm']!r} and {resolved}: only comm = 'two_level' or scope = 'mesh' uses it")
     check_mesh_layout(cfg, dp, cp)
     if global_bs != -1 and (global_bs < 1 or global_bs % (dp * cfg["training"]["local_batch_size"])):
         raise ConfigError(

@@ -64,7 +64,11 @@ def dry_run(cfg: dict[str, Any], world_size: int, gpu_gib: float = 80.0, reserve
     """Build rank 0 of a `world_size`-rank job on fake tensors and measure one step (see the module doc)."""
     if cfg["model"]["attention"] != "flashcp":
         raise ConfigError("the dry run drives FlashCP's attention: model.attention must be 'flashcp'")
-    degrees = check_layout(_cpu_checkable(cfg), world_size, has_cuda=False)
+    checked = _cpu_checkable(cfg)
+    degrees = check_layout(checked, world_size, has_cuda=False)
+    if checked["flashcp"]["scope"] != cfg["flashcp"]["scope"]:  # "auto" resolved by DP and seq_len, as the launcher does
+        cfg = copy.deepcopy(cfg)
+        cfg["flashcp"]["scope"], cfg["data"]["balance"] = checked["flashcp"]["scope"], checked["data"]["balance"]
     if model_experts(cfg) is not None and cfg["training"]["mixed_precision_param"] != "bfloat16":
         raise ConfigError("the dry run sizes a mixture-of-experts job with [training] mixed_precision_param = "
                           "'bfloat16' only: torch's fake grouped matmul (the experts) takes bfloat16")  # fmt: skip
