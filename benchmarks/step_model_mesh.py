@@ -63,6 +63,11 @@ RANKS_PER_NODE = 8
 MESH_TARGET = 1.02  # balance.py's
 
 
+def _short(dataset: str) -> str:
+    """A distribution's name, or a lengths file's file name."""
+    return dataset if "/" not in dataset else Path(dataset).name
+
+
 def mesh_layer(step: StepModel, plan: Plan, two_level: bool) -> tuple[StepTime, dict[str, float]]:
     """One attention layer of the mesh-wide plan (the module docstring) and its exchange's figures."""
     cost, shape, g = step.attention, step.model.attention, RANKS_PER_NODE
@@ -193,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         r = setting(attention, assume, name, dataset, context, dp, args.cp, args.steps, seed)
         cols = "  ".join(f"{s} {r['step_s'][s]:7.2f} ({100 * r['pairs_kept'][s]:5.1f} %)" for s in r["step_s"])
         t = r["mesh_layer"]["mesh_scope_two_level"]
-        print(f"{r['setting']['model']:11s} {dataset if "/" not in dataset else Path(dataset).name:7s} C={context // 1024}K DP={dp:<2d} seed {seed}  "
+        print(f"{r['setting']['model']:11s} {_short(dataset):7s} C={context // 1024}K DP={dp:<2d} seed {seed}  "
               f"{cols}  NIC {t['nic_mib']:6.0f} NVLink {t['nvlink_mib']:6.0f} MiB, exchange {t['exchange_ms']:5.1f} "
               f"/ kernel {t['kernel_fwd_ms']:5.1f} ms  fastest {r['fastest_flashcp']}, per pair "
               f"{r['fastest_per_pair']}; two-level at the default's pairs {r['two_level_at_default_pairs_s']:.2f}",
