@@ -99,6 +99,11 @@ class Report:
     def biggest(self) -> str:
         return max(self.by_category, key=self.by_category.get)
 
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> Report:
+        """The report an `as_json()` object holds (its derived keys, `fits` and `host_gib_per_node`, dropped)."""
+        return cls(**{f.name: obj[f.name] for f in dataclasses.fields(cls) if f.name in obj})
+
     def as_json(self) -> dict[str, Any]:
         return {"fits": self.fits, **dataclasses.asdict(self), "host_gib_per_node": self.host_gib_per_node}
 
