@@ -27,9 +27,13 @@ the projections at TorchTitan's 33 % MFU (`DENSE_MFU`, whatever their width). Th
 runs its attention forward twice (forward, AC's recompute) and backward once; a grouped layer runs
 each group's forward three times (forward, the block's recompute, the group's own recompute before
 its backward: its q/k/v and output projections, exchange and kernel) and its backward once, so it
-adds one forward of the layer, at G calls of 1/G of the heads. "prefetch" (not built: the groups run
-one after the other) is the same with group g+1's exchange hidden behind group g's kernel in each
-pass, only the first group's exposed. The block adds the MLP (and its AC recompute), the same for all G.
+adds one forward of the layer, at G calls of 1/G of the heads. "prefetch" (`head_group_prefetch`) is
+the same with group g+1's exchange hidden behind group g's kernel in each pass, only the first
+group's exposed, and with what it costs: each group's k and v projected a second time in each pass
+(the launch ahead runs outside the group's autograd). The block adds the MLP (and its AC recompute),
+the same for all G. The tables are one node (CP 8, compact exchange, NVLink) and two nodes (CP 16,
+the two-level exchange, `flashcp.costmodel.fabric`'s default fabric of 8 GPUs a node and one 400 Gb/s
+NIC a GPU), where each group's exchange crosses the fabric.
 Printed per G: one group's forward call on the slowest rank in kernel blocks (heads x query blocks) and
 in waves of one block per SM of an H100's 132, the kernel model's rate 1 / (1 + half_ctas / blocks) there
 (half_ctas = 44 in the fit), one group's forward exchange, the layer's time and its ratio to G = 1.
@@ -48,6 +52,7 @@ import torch
 
 import flashcp.titan  # noqa: F401  (TorchTitan shims before torchtitan)
 from flashcp.costmodel import AttentionShape, CostModel, load_cost_model
+from flashcp.costmodel.fabric import multinode_model
 from flashcp.costmodel.model import key_rows
 from flashcp.costmodel.step import LLAMA3_8B
 from flashcp.dispatch import build_dispatch
@@ -94,19 +99,23 @@ def window(tokens: int, docs: str) -> list[int]:
     return Stream(sampler("prolong", 0), tokens).lens.tolist()
 
 
-def grouped_layer_ms(model: CostModel, plan, groups: int, prefetch: bool) -> dict[str, float]:
+def grouped_layer_ms(model: CostModel, plan, groups: int, prefetch: bool, comm: str) -> dict[str, float]:
     """One Llama 3 8B attention layer's training time (ms, slowest rank) with `groups` groups and full AC
     (see the module docstring), and what one group's forward call looks like on the kernel's grid."""
     m = LLAMA3_8B
     shape = AttentionShape(heads=m.heads // groups, kv_heads=m.kv_heads // groups, head_dim=m.head_dim)
-    t = model.collective_step(plan, "compact", shape)
+    t = model.collective_step(plan, comm, shape)
     tokens = plan.tokens_per_rank
     proj = model.memory.gemm_ms(2 * tokens * m.dim * m.head_dim * (2 * m.heads + 2 * m.kv_heads) / groups)
     passes = 2 if groups == 1 else 3  # forwards per layer (group): forward, AC's recompute, the group's own
     forward = t.attn_fwd + t.other_fwd + proj  # one group's forward but its exchange
     backward = t.attn_bwd + t.other_bwd + 2 * proj + t.comm_bwd
-    # a pass's exchanges: each group's in turn, or with prefetch the first one's and what outlasts a kernel
+    # a pass's exchanges: each group's in turn, or with prefetch the first one's and what outlasts a kernel,
+    # and each group's k and v projected again for its launch ahead
+    prefetch = prefetch and groups > 1  # one group has nothing to launch ahead
     exchanges = t.comm_fwd + (groups - 1) * (max(0.0, t.comm_fwd - t.attn_fwd) if prefetch else t.comm_fwd)
+    if prefetch:
+        exchanges += groups * model.memory.gemm_ms(2 * tokens * m.dim * m.head_dim * 2 * m.kv_heads / groups)
     total = groups * (passes * forward + backward) + passes * exchanges
     rank = plan.ranks[int(np.argmax(t.per_rank_fwd))]
     ctas = model.kernel.counts([s.length for s in rank], key_rows(rank), shape.heads)[0]
@@ -114,31 +123,38 @@ def grouped_layer_ms(model: CostModel, plan, groups: int, prefetch: bool) -> dic
             "exchange_ms": t.comm_fwd}  # fmt: skip
 
 
+SETTINGS = ((1, 8, "compact"), (2, 16, "two_level"))  # (nodes, CP, exchange) of the tables
+
+
 def h100_model() -> None:
-    """Print the modelled H100 table (module docstring) for 512K and 128K tokens a rank."""
-    model, _ = load_cost_model([PROFILES], [PROFILES])
+    """Print the modelled H100 table (module docstring) for 512K and 128K tokens a rank, on one and two nodes."""
+    one_node, _ = load_cost_model([PROFILES], [PROFILES])
     m = LLAMA3_8B
-    print(f"MODELLED (flashcp.costmodel, H100 kernel profile, H200 NVLink nccl-tests tables): Llama 3 8B layer, CP "
-          f"{CP} on one node, FlashCP plan, compact exchange, full AC, bf16; layer = attention (projections, exchange, "
-          f"kernel, copies), block = layer + MLP")  # fmt: skip
-    for per_rank in (2**19, 2**17):
-        for docs in ("one", "prolong"):
-            lens = window(per_rank * CP, docs)
-            plan = plan_shards(lens, CP, "flashcp")
-            mlp = 4 * model.memory.gemm_ms(2 * per_rank * 3 * m.dim * FFN)  # forward, AC's recompute, backward x2
-            print(f"\n{per_rank // 1024}K tokens a rank ({per_rank * CP // 2**20}M a window), "
-                  f"{'one document' if docs == 'one' else f'{len(lens)} ProLong-like documents'}; MLP {mlp:.0f} ms")
-            print("| G | q, k, v, o of a group (GiB) | kernel blocks a call (waves on 132 SMs) | rate | exchange "
-                  "a group (ms) | layer (ms) | ratio | with prefetch (ms) | ratio | block ratio |")  # fmt: skip
-            print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-            base = grouped_layer_ms(model, plan, 1, False)["ms"]
-            for groups in GROUPS:
-                seq, pre = grouped_layer_ms(model, plan, groups, False), grouped_layer_ms(model, plan, groups, True)
-                gib = 2 * (m.heads + m.kv_heads) * per_rank * m.head_dim * 2 / groups / 2**30
-                print(f"| {groups} | {gib:.2f} | {seq['ctas']:.0f} ({seq['ctas'] / H100_SMS:.0f}) | "
-                      f"{seq['efficiency']:.4f} | {seq['exchange_ms']:.2f} | {seq['ms']:.0f} | "
-                      f"{seq['ms'] / base:.3f} | {pre['ms']:.0f} | {pre['ms'] / base:.3f} | "
-                      f"{(seq['ms'] + mlp) / (base + mlp):.3f} |")  # fmt: skip
+    print("MODELLED (flashcp.costmodel, H100 kernel profile, H200 NVLink nccl-tests tables, the default fabric): "
+          "Llama 3 8B layer, FlashCP plan, full AC, bf16; layer = attention (projections, exchange, kernel, "
+          "copies), block = layer + MLP")  # fmt: skip
+    for nodes, cp, comm in SETTINGS:
+        model = one_node if nodes == 1 else multinode_model(one_node)
+        for per_rank in (2**19, 2**17):
+            for docs in ("one", "prolong"):
+                lens = window(per_rank * cp, docs)
+                plan = plan_shards(lens, cp, "flashcp")
+                mlp = 4 * model.memory.gemm_ms(2 * per_rank * 3 * m.dim * FFN)  # forward, AC's recompute, backward x2
+                print(f"\nCP {cp} on {nodes} node{'s' * (nodes > 1)} ({comm} exchange), {per_rank // 1024}K tokens a "
+                      f"rank ({per_rank * cp // 2**20}M a window), "
+                      f"{'one document' if docs == 'one' else f'{len(lens)} ProLong-like documents'}; MLP {mlp:.0f} ms")
+                print("| G | q, k, v, o of a group (GiB) | kernel blocks a call (waves on 132 SMs) | rate | exchange "
+                      "a group (ms) | layer (ms) | ratio | with prefetch (ms) | ratio | block ratio |")  # fmt: skip
+                print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+                base = grouped_layer_ms(model, plan, 1, False, comm)["ms"]
+                for groups in GROUPS:
+                    seq = grouped_layer_ms(model, plan, groups, False, comm)
+                    pre = grouped_layer_ms(model, plan, groups, True, comm)
+                    gib = 2 * (m.heads + m.kv_heads) * per_rank * m.head_dim * 2 / groups / 2**30
+                    print(f"| {groups} | {gib:.2f} | {seq['ctas']:.0f} ({seq['ctas'] / H100_SMS:.0f}) | "
+                          f"{seq['efficiency']:.4f} | {seq['exchange_ms']:.2f} | {seq['ms']:.0f} | "
+                          f"{seq['ms'] / base:.3f} | {pre['ms']:.0f} | {pre['ms'] / base:.3f} | "
+                          f"{(seq['ms'] + mlp) / (base + mlp):.3f} |")  # fmt: skip
 
 
 def main() -> None:

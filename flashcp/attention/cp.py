@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from flashcp.attention.collectives import collectives, Collectives, gather_kv, launch_kv_exchange
+from flashcp.attention.collectives import collectives, Collectives, gather_kv, KVExchange, launch_kv_exchange
 from flashcp.attention.kernels import varlen_attention
 from flashcp.attention.ring import ring_attention
 from flashcp.attention.sinks import sink_attention
@@ -73,15 +73,20 @@ def cp_varlen_attention(
     overlap: bool = False,
     window: int | None = None,
     sinks: torch.Tensor | None = None,
+    exchange: KVExchange | None = None,
 ) -> torch.Tensor:
     """Document-masked causal attention of this rank's tokens over the whole CP window.
 
     `q [T, Hq, D]`, `k, v [T, Hkv, D]` are this rank's rows; `dispatch = build_dispatch(plan, rank, comm)`
     (on q's device); `group` is the CP process group (or any `Collectives`). Returns `[T, Hq, D]`
     in the same row order. `window`: each query's last W keys (the dispatch must be built for it);
-    `sinks`: one learned sink logit per query head (see the module docstring).
+    `sinks`: one learned sink logit per query head (see the module docstring); `exchange`: the KV
+    exchange of these k, v's values, launched ahead (`launch_kv_exchange(..., async_op=True)`), which
+    the op consumes instead of launching its own.
     """
     _check(q, k, v, dispatch, comm)
+    if exchange is not None:
+        _check_exchange(exchange, k, v, dispatch, comm)
     if window is not None and comm == "ring":
         raise ValueError("comm='ring' runs full attention only: window layers exchange by compact, full, needed "
                          "or two_level")  # fmt: skip
@@ -104,10 +109,24 @@ def cp_varlen_attention(
                 "build_dispatch(plan, rank, comm, overlap=True)"
             )
         if split.local.max_seqlen_q and split.remote.max_seqlen_q:  # both parts hold shards
-            return _overlapped(q, k, v, dispatch, group, split, backend, softmax_scale, sinks)
-    exchange = launch_kv_exchange(k, v, dispatch, group)
+            return _overlapped(q, k, v, dispatch, group, split, backend, softmax_scale, sinks, exchange)
+    if exchange is None:
+        exchange = launch_kv_exchange(k, v, dispatch, group)
     k_all, v_all = gather_kv(k, v, exchange, dispatch.kv_index, dispatch, group)
     return _kernel(q, k_all, v_all, dispatch, backend, softmax_scale, window, sinks)
+
+
+def _check_exchange(exchange: KVExchange, k: torch.Tensor, v: torch.Tensor, dispatch: Dispatch, comm: str) -> None:
+    """A KV exchange launched ahead fits the call: not consumed yet, and its buffer holds the rows and
+    widths this call's exchange would (`[recv | local]`, K and V side by side)."""
+    if comm == "ring":
+        raise ValueError("comm='ring' passes K/V blocks around the ring: it takes no exchange launched ahead")
+    if exchange.buffer is None:
+        raise ValueError("the KV exchange launched ahead was consumed already: launch one per call")
+    want = (dispatch.recv_size + k.shape[0], k[0].numel() + v[0].numel())
+    if tuple(exchange.buffer.shape) != want:
+        raise ValueError(f"the KV exchange launched ahead holds {tuple(exchange.buffer.shape)} rows x widths, this "
+                         f"call's would hold {want}: launch it on this call's k and v with this dispatch")  # fmt: skip
 
 
 def _kernel(q, k, v, shards: Dispatch | ShardSubset, backend, softmax_scale, window, sinks) -> torch.Tensor:
@@ -118,9 +137,11 @@ def _kernel(q, k, v, shards: Dispatch | ShardSubset, backend, softmax_scale, win
     return sink_attention(q, k, v, sinks, *shape, softmax_scale=softmax_scale, backend=backend, window=window)
 
 
-def _overlapped(q, k, v, dispatch, group, split: OverlapSplit, backend, softmax_scale, sinks) -> torch.Tensor:
-    """Local-only shards run between launching the exchange and waiting for it."""
-    exchange = launch_kv_exchange(k, v, dispatch, group, async_op=True)
+def _overlapped(q, k, v, dispatch, group, split: OverlapSplit, backend, softmax_scale, sinks,
+                exchange: KVExchange | None) -> torch.Tensor:  # fmt: skip
+    """Local-only shards run between launching the exchange (unless it was launched ahead) and waiting for it."""
+    if exchange is None:
+        exchange = launch_kv_exchange(k, v, dispatch, group, async_op=True)
     loc, rem = split.local, split.remote
     window = dispatch.window
     local_kv = k.index_select(0, loc.kv_index), v.index_select(0, loc.kv_index)

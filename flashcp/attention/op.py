@@ -54,12 +54,14 @@ import torch
 from torch._C import DispatchKey
 from torch.autograd.graph import get_gradient_edge
 
+from flashcp.attention.collectives import KVExchange, launch_kv_exchange
 from flashcp.attention.cp import cp_varlen_attention
 from flashcp.attention.latent import cp_latent_attention
 from flashcp.dispatch import Dispatch
 
 _steps: dict[int, tuple[Dispatch, Any]] = {}  # key value -> (dispatch, group), while the key tensor lives
 _graphs: dict[int, tuple[torch.Tensor, list]] = {}  # handle value -> (output, gradient edges of q, k, v[, sinks])
+_exchanges: dict[int, KVExchange] = {}  # handle value -> a KV exchange launched ahead, until an op consumes it
 _ids = itertools.count()
 _AUTOGRAD_KEYS = (DispatchKey.AutogradFunctionality, DispatchKey.AutogradOther, DispatchKey.AutogradNestedTensor)
 
@@ -79,9 +81,10 @@ def step_key(dispatch: Dispatch, group: Any = None) -> torch.Tensor:
     return _register(_steps, (dispatch, group))
 
 
-def live_entries() -> tuple[int, int]:
-    """Registered steps and kept forward graphs (tests check that nothing accumulates)."""
-    return len(_steps), len(_graphs)
+def live_entries() -> tuple[int, int, int]:
+    """Registered steps, kept forward graphs and exchanges launched ahead (tests check that nothing
+    accumulates)."""
+    return len(_steps), len(_graphs), len(_exchanges)
 
 
 @contextmanager
@@ -151,23 +154,39 @@ def _kept_grads(grad: torch.Tensor, handle: torch.Tensor, op: str) -> list[torch
     return [g.contiguous() for g in grads]
 
 
+def launch_exchange_ahead(k: torch.Tensor, v: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """Start the KV exchange of `k, v` (this rank's rows, `[T, Hkv, D]`) for the step `key` names,
+    without waiting for it, and return a handle naming it for the `cp_attention` call that consumes it
+    (`exchange=`; that call's k and v must carry these values). Eager code only: a compiled graph
+    cannot hold the handle across its ops. The exchange lives as long as the handle."""
+    if torch.compiler.is_compiling():
+        raise RuntimeError("launch_exchange_ahead runs in eager code only (a compiled graph launches its own)")
+    dispatch, group = _step(key, "launch_exchange_ahead")
+    if dispatch.comm == "ring":
+        raise ValueError("comm='ring' passes K/V blocks around the ring: there is no exchange to launch ahead")
+    return _register(_exchanges, launch_kv_exchange(k, v, dispatch, group, async_op=True))
+
+
 @torch.library.custom_op("flashcp::cp_attention", mutates_args=())
 def _cp_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key: torch.Tensor, sinks: torch.Tensor | None,
-    backend: str, overlap: bool, scale: float | None, record: bool, compiled: bool,
+    exchange: torch.Tensor | None, backend: str, overlap: bool, scale: float | None, record: bool, compiled: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     dispatch, group = _step(key, "cp_attention")
+    ahead = None if exchange is None else _exchanges.pop(int(exchange), None)
+    if exchange is not None and ahead is None:
+        raise RuntimeError("cp_attention: the exchange launched ahead was consumed or released (launch one per call)")
 
     def run(q, k, v, sinks=None):
         return cp_varlen_attention(q, k, v, dispatch, group, comm=dispatch.comm, backend=backend,
                                    softmax_scale=scale, overlap=overlap, window=dispatch.window,
-                                   sinks=sinks)  # fmt: skip
+                                   sinks=sinks, exchange=ahead)  # fmt: skip
 
     return _run_kept(run, (q, k, v, *(() if sinks is None else (sinks,))), record, compiled)
 
 
 @_cp_attention.register_fake
-def _(q, k, v, key, sinks, backend, overlap, scale, record, compiled):
+def _(q, k, v, key, sinks, exchange, backend, overlap, scale, record, compiled):
     return torch.empty_like(q, memory_format=torch.contiguous_format), key.new_empty(())
 
 
@@ -198,7 +217,7 @@ def _backward(ctx, grad, _grad_handle):
     (handle,) = ctx.saved_tensors
     grads = torch.ops.flashcp.cp_attention_backward(grad, handle, ctx.kv_shape, *ctx.sinks_meta)
     dsinks = grads[3] if len(grads) == 4 else None
-    return grads[0], grads[1], grads[2], None, dsinks, None, None, None, None, None
+    return grads[0], grads[1], grads[2], None, dsinks, None, None, None, None, None, None
 
 
 _cp_attention.register_autograd(_backward, setup_context=_setup_context)
@@ -214,15 +233,18 @@ def cp_attention(
     overlap: bool = False,
     softmax_scale: float | None = None,
     sinks: torch.Tensor | None = None,
+    exchange: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`cp_varlen_attention(q, k, v, dispatch, group, ..., window=dispatch.window, sinks=sinks)` of the
     step `key = step_key(dispatch, group)` names, as one opaque op that torch.compile keeps in its
-    graph (same results, same gradients; the sinks' is this rank's share)."""
+    graph (same results, same gradients; the sinks' is this rank's share). `exchange`: the handle of
+    this call's KV exchange from `launch_exchange_ahead` (eager code), consumed here."""
     tensors = (q, k, v) if sinks is None else (q, k, v, sinks)
     record = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     scale = None if softmax_scale is None else float(softmax_scale)
     compiled = torch.compiler.is_compiling()
-    return torch.ops.flashcp.cp_attention(q, k, v, key, sinks, backend, overlap, scale, record, compiled)[0]
+    return torch.ops.flashcp.cp_attention(q, k, v, key, sinks, exchange, backend, overlap, scale, record,
+                                          compiled)[0]  # fmt: skip
 
 
 @torch.library.custom_op("flashcp::cp_latent_attention", mutates_args=())

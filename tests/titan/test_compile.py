@@ -126,7 +126,7 @@ def test_fifty_random_windows_compile_once_and_match_eager(name):
             assert all((a[0] - b[0]).abs().max().item() <= TOLERANCE for a, b in zip(want, got))
     assert counter.frame_count == 2
     gc.collect()
-    assert live_entries() == (0, 0)
+    assert live_entries() == (0, 0, 0)
 
 
 # q's buffer is as large as the attention projection's output when heads x head_dim = dim: then

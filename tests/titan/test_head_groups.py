@@ -61,15 +61,16 @@ def _float64_rope() -> Iterator[None]:
         attention.rotate = saved
 
 
-def _blocks(name: str, groups: int) -> tuple[torch.nn.Module, torch.nn.Module, dict]:
-    """(the plain decoder block, the same weights with its attention over `groups` head groups and its
-    token-wise work over TILES sequence tiles, the model's RoPEs), float64."""
+def _blocks(name: str, groups: int, prefetch: bool = False) -> tuple[torch.nn.Module, torch.nn.Module, dict]:
+    """(the plain decoder block, the same weights with its attention over `groups` head groups (each
+    group's exchange launched ahead with `prefetch`) and its token-wise work over TILES sequence tiles,
+    the model's RoPEs), float64."""
     model = {"flavor": "custom", "dim": 64, "n_layers": 1, "n_heads": 8, "n_kv_heads": 4, "multiple_of": 32,
              "vocab_size": 97} | MODELS[name]  # fmt: skip
     cfg = validate({"model": model, "flashcp": {"backend": "reference"}, "training": {"seq_len": sum(DOC_LENS)}})
     config = model_spec(cfg["model"], cfg["flashcp"], 97, sum(DOC_LENS)).model
     grouped = copy.deepcopy(config)
-    use_head_groups(grouped, groups)
+    use_head_groups(grouped, groups, prefetch)
     use_tiled_blocks(grouped, TILES)
     torch.manual_seed(0)
     plain = config.build()
@@ -112,11 +113,11 @@ def _run(layer: torch.nn.Module, ropes: dict, dispatch, group) -> tuple[list[tor
 
 def compare_rank(rank: int, group, name: str, cp: int) -> dict[tuple[str, int], float]:
     """DistributedPool task (and the CP 1 case in process): max |grouped - plain| over the output and
-    gradients, by (comm, groups)."""
+    gradients, by (comm, groups, prefetch)."""
     worst = {}
-    for groups in (1, 2, 4):
-        plain, grouped, ropes = _blocks(name, groups)
-        for comm in COMMS:
+    for groups, prefetch in ((1, False), (2, False), (4, False), (4, True)):
+        plain, grouped, ropes = _blocks(name, groups, prefetch)
+        for comm in COMMS[:-1] if prefetch else COMMS:  # the ring has no exchange to launch ahead
             dispatch = _dispatch(comm, cp, rank)
             with _float64_rope():
                 want, _ = _run(plain, ropes, dispatch, group)
@@ -124,7 +125,7 @@ def compare_rank(rank: int, group, name: str, cp: int) -> dict[tuple[str, int], 
             if groups != 1:  # no q, k, v or o of every head kept
                 heads = (plain.attention.n_heads, plain.attention.n_kv_heads)
                 assert not [s for s in saved if len(s) == 4 and s[2] in heads], saved
-            worst[comm, groups] = max((a - b).abs().max().item() for a, b in zip(got, want, strict=True))
+            worst[comm, groups, prefetch] = max((a - b).abs().max().item() for a, b in zip(got, want, strict=True))
     return worst
 
 
@@ -134,8 +135,65 @@ def test_head_groups_equal_the_plain_layer(gloo_pool, name, cp):
     runs = [compare_rank(0, None, name, cp)] if cp == 1 else gloo_pool(4, sizes=(2, 4)).run(
         compare_rank, (name, cp), size=cp)  # fmt: skip
     worst = {case: max(run[case] for run in runs) for case in runs[0]}
-    print(f"{name} CP {cp}, G = 1, 2, 4, {', '.join(COMMS)}: max |grouped - plain| {max(worst.values()):.1e}")
+    print(f"{name} CP {cp}, G = 1, 2, 4 (and 4 with prefetch), {', '.join(COMMS)}: max |grouped - plain| "
+          f"{max(worst.values()):.1e}")  # fmt: skip
     assert max(worst.values()) <= TOLERANCE, worst
+
+
+def prefetch_rank(rank: int, group, block_checkpoint: bool) -> tuple[dict[bool, str], dict[bool, list], int]:
+    """DistributedPool task: with 4 groups at CP 2 (compact), the order of KV exchange launches (L) and kernel
+    calls (K) in forward and backward, and the collectives' records, without and with prefetch; the
+    exchanges launched ahead left registered afterwards. `block_checkpoint`: the block under full AC."""
+    from flashcp.attention import collectives, cp, op
+    from torch.utils.checkpoint import checkpoint
+
+    events: list[str] = []
+
+    def logged(name: str, fn):
+        def call(*args, **kwargs):
+            events.append(name)
+            return fn(*args, **kwargs)
+
+        return call
+
+    orders, records = {}, {}
+    for prefetch in (False, True):
+        _, grouped, ropes = _blocks("llama3", 4, prefetch)
+        dispatch = _dispatch("compact", 2, rank)
+        step = CPStep.of(ropes, dispatch, group)
+        x = torch.randn(1, dispatch.token_index.numel(), 64, dtype=torch.float64, requires_grad=True)
+        saved = collectives.launch_exchange, cp._kernel
+        collectives.launch_exchange, cp._kernel = logged("L", saved[0]), logged("K", saved[1])
+        events.clear()
+        try:
+            with collectives.record_comm() as log, _float64_rope():
+                if block_checkpoint:
+                    out = checkpoint(grouped, x, step, dispatch.positions[None], use_reentrant=False)
+                else:
+                    out = grouped(x, step, dispatch.positions[None])
+                events.append("|")
+                out.sum().backward()
+        finally:
+            collectives.launch_exchange, cp._kernel = saved
+        orders[prefetch] = "".join(events)
+        records[prefetch] = sorted((r.op, r.pass_, r.sent_rows, r.recv_rows, r.row_bytes) for r in log)
+    return orders, records, op.live_entries()[2]
+
+
+@pytest.mark.parametrize("block_checkpoint", [False, True])
+def test_prefetch_launches_each_groups_exchange_before_the_previous_groups_kernel(gloo_pool, block_checkpoint):
+    """With `prefetch`, group g + 1's exchange (forward) and g - 1's (the recomputes of backward, last group
+    first) are launched before group g's kernel, under the block's full AC too (its recompute reruns the
+    forward); the collectives and their bytes are the same as without, and no exchange is left behind."""
+    runs = gloo_pool(4, sizes=(2, 4)).run(prefetch_rank, (block_checkpoint,), size=2)
+    for orders, records, left in runs:
+        one = "LKLKLKLK"  # 4 groups: launch, kernel, launch, kernel, ...
+        ahead = "LLKLKLKK"  # the next group's launch before each kernel but the last
+        passes = 2 if block_checkpoint else 1  # in backward: the block's recompute, then the groups' recomputes
+        assert orders[False] == one + "|" + one * passes, orders
+        assert orders[True] == ahead + "|" + ahead * passes, orders
+        assert records[True] == records[False] and len(records[False]) == 4 * (passes + 2), records
+        assert left == 0
 
 
 def test_automatic_groups_keep_one_groups_working_set_within_the_budget(monkeypatch):
@@ -191,21 +249,26 @@ def _train_rank(rank: int, group, cfg: dict) -> tuple[dict, dict]:
     return train_on_pool_rank(rank, group, cfg, norms), norms
 
 
-@pytest.mark.parametrize("cp,dp,ac,steps,compiled", [
-    (2, 2, "none", 4, False),
-    pytest.param(2, 2, "none", 20, False, marks=pytest.mark.slow),  # 220 s on a loaded 2-core machine
-    pytest.param(4, 1, "full", 20, False, marks=pytest.mark.slow),
-    pytest.param(2, 2, "none", 20, True, marks=pytest.mark.slow),  # 264 s; measured 2.2e-7 (losses), 1.1e-7 (norms)
-    pytest.param(4, 1, "full", 20, True, marks=pytest.mark.slow),  # 402 s; measured 1.1e-7, 1.3e-7
+@pytest.mark.parametrize("cp,dp,ac,steps,compiled,prefetch", [
+    (2, 2, "none", 4, False, False),
+    (4, 1, "full", 4, False, True),
+    pytest.param(2, 2, "none", 20, False, False, marks=pytest.mark.slow),  # 220 s on a loaded 2-core machine
+    pytest.param(4, 1, "full", 20, False, False, marks=pytest.mark.slow),
+    pytest.param(2, 2, "none", 20, False, True, marks=pytest.mark.slow),
+    pytest.param(4, 1, "full", 20, False, True, marks=pytest.mark.slow),
+    pytest.param(2, 2, "none", 20, True, False, marks=pytest.mark.slow),  # 264 s; measured 2.2e-7 (losses), 1.1e-7 (norms)
+    pytest.param(4, 1, "full", 20, True, False, marks=pytest.mark.slow),  # 402 s; measured 1.1e-7, 1.3e-7
 ])  # fmt: skip
-def test_a_job_with_head_groups_trains_the_plain_losses(tmp_path, gloo_pool, cp, dp, ac, steps, compiled):
+def test_a_job_with_head_groups_trains_the_plain_losses(tmp_path, gloo_pool, cp, dp, ac, steps, compiled, prefetch):
     """`[activation_checkpoint] head_groups = 2` (full AC: nested in the block's recompute) trains the
-    plain job's losses and gradient norms (fp32; 20 windows in the slow tier), eager and with
-    `[compile] enable` (inductor; the plain job compiled too)."""
+    plain job's losses and gradient norms (fp32; 20 windows in the slow tier), eager, eager with each
+    group's exchange launched ahead (`head_group_prefetch`) and with `[compile] enable` (inductor; the
+    plain job compiled too)."""
     def job(dump: str, groups: int) -> dict:
         return tiny_job(tmp_path / dump, training={"steps": steps},
                         parallelism={"context_parallel_degree": cp, "data_parallel_shard_degree": dp},
-                        activation_checkpoint={"mode": ac, "head_groups": groups},
+                        activation_checkpoint={"mode": ac, "head_groups": groups,
+                                               "head_group_prefetch": prefetch and groups > 1},
                         compile={"enable": compiled, "components": ["model"]})  # fmt: skip
 
     pool = gloo_pool(4, sizes=(2, 4))
@@ -213,8 +276,8 @@ def test_a_job_with_head_groups_trains_the_plain_losses(tmp_path, gloo_pool, cp,
     grouped, grouped_norms = pool.run(_train_rank, (job("grouped", 2),))[0]
     loss = max(abs(grouped[s] - plain[s]) / plain[s] for s in plain)
     norm = max(abs(grouped_norms[s] - plain_norms[s]) / plain_norms[s] for s in plain_norms)
-    print(f"CP {cp} x FSDP {dp} AC {ac}{' compiled' * compiled}, 2 head groups vs plain over {steps} steps: loss "
-          f"{loss:.1e}, grad norm {norm:.1e} (relative)")  # fmt: skip
+    print(f"CP {cp} x FSDP {dp} AC {ac}{' compiled' * compiled}{' prefetch' * prefetch}, 2 head groups vs plain "
+          f"over {steps} steps: loss {loss:.1e}, grad norm {norm:.1e} (relative)")  # fmt: skip
     assert sorted(grouped) == list(range(1, steps + 1)) and grouped[steps] < grouped[1]
     assert loss <= TRAIN_TOLERANCE and norm <= TRAIN_TOLERANCE, (grouped, plain)
 
@@ -234,8 +297,25 @@ def test_a_job_with_head_groups_trains_the_plain_losses(tmp_path, gloo_pool, cp,
          r"^\[activation_checkpoint\] head_groups = 2: not with a gpt_oss model "),
         ({"activation_checkpoint": {"head_groups": 2}, "model": {"name": "deepseek_v3", "flavor": "debugmodel"}},
          r"^\[activation_checkpoint\] head_groups = 2: not with a deepseek_v3 model "),
+        ({"activation_checkpoint": {"head_group_prefetch": True}},
+         r"^\[activation_checkpoint\] head_group_prefetch = true: not with head_groups = 1 "),
+        ({"activation_checkpoint": {"head_groups": 2, "head_group_prefetch": True},
+          "compile": {"enable": True, "components": ["model"]}},
+         r"^\[activation_checkpoint\] head_group_prefetch = true: not with the model compiled "),
+        ({"activation_checkpoint": {"head_groups": 2, "head_group_prefetch": True}, "flashcp": {"comm": "ring"}},
+         r"^\[activation_checkpoint\] head_group_prefetch = true: not with \[flashcp\] comm = 'ring' "),
     ],
 )
 def test_the_job_check_refuses_what_head_groups_do_not_run(tmp_path, sections, message):
     with pytest.raises(ConfigError, match=message):
         tiny_job(tmp_path, replace=("model",) if "name" in sections.get("model", {}) else (), **sections)
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_the_jobs_model_carries_head_group_prefetch(tmp_path, prefetch):
+    from flashcp.titan.launch.job import trainer_config
+
+    cfg = tiny_job(tmp_path, activation_checkpoint={"head_groups": 2, "head_group_prefetch": prefetch})
+    layers = trainer_config(cfg).model_spec.model.layers
+    assert {(type(layer.attention), layer.attention.prefetch) for layer in layers} == {
+        (HeadGroupedAttention.Config, prefetch)}

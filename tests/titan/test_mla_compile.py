@@ -95,4 +95,4 @@ def test_inductor_block_matches_eager_gradients(block, cp):
     assert max(worst.values()) <= TOLERANCE, worst
     del compiled, want, got
     gc.collect()
-    assert live_entries() == (0, 0)
+    assert live_entries() == (0, 0, 0)

@@ -285,6 +285,15 @@ def _check_head_groups(cfg: dict) -> None:
     model, groups = cfg["model"], cfg["activation_checkpoint"]["head_groups"]
     if groups == 0 or groups < -1:
         raise ConfigError(f"[activation_checkpoint] head_groups must be -1 (automatic) or >= 1, got {groups}")
+    if cfg["activation_checkpoint"]["head_group_prefetch"]:
+        refused = [(groups == 1, "head_groups = 1 (no groups: set head_groups to 2 or more, or -1)"),
+                   (model_compiled(cfg), "the model compiled (a compiled block launches each group's exchange "
+                                         "itself)"),
+                   (cfg["flashcp"]["comm"] == "ring", "[flashcp] comm = 'ring' (the ring has no exchange to launch "
+                                                      "ahead)")]  # fmt: skip
+        for bad, what in refused:
+            if bad:
+                raise ConfigError(f"[activation_checkpoint] head_group_prefetch = true: not with {what}")
     if groups == 1:
         return
     refused = [

@@ -142,6 +142,9 @@ OWN_KEYS: dict[str, dict[str, Key]] = {
         "head_groups": Key(int, 1, doc="every mode: each attention layer runs over this many groups of KV heads, "
                            "each recomputed in backward, so q, K/V and o exist for one group at a time (flashcp."
                            "titan.models.head_groups); 1: off; -1: automatic, groups whose q, k, v, o fit 1 GiB"),
+        "head_group_prefetch": Key(bool, False, doc="with head_groups: each group's K/V exchange is launched before "
+                                   "the previous group's kernel, so it crosses the wire while that one computes "
+                                   "(eager model only; one more group's exchange buffer held)"),
     },
 }
 
@@ -189,7 +192,7 @@ TITAN_KEYS = _section_keys()
 def ac_keys(mode: str) -> set[str]:
     """The [activation_checkpoint] keys that apply to `mode`."""
     cls = AC_MODES[mode]
-    own = {"mode", "mlp_tiles", "head_groups"} | ({"offload"} if mode == "full" else set())
+    own = {"mode", "mlp_tiles", "head_groups", "head_group_prefetch"} | ({"offload"} if mode == "full" else set())
     return own | ({f.name for f in dataclasses.fields(cls)} if cls is not None else set())
 
 

@@ -35,6 +35,7 @@ def trainer_config(cfg: dict[str, Any]) -> FlashCPTrainer.Config:
                       offload=cfg["activation_checkpoint"]["offload"],
                       mlp_tiles=cfg["activation_checkpoint"]["mlp_tiles"],
                       head_groups=cfg["activation_checkpoint"]["head_groups"],
+                      head_group_prefetch=cfg["activation_checkpoint"]["head_group_prefetch"],
                       converters=converter_configs(cfg),
                       compiled=model_compiled(cfg))  # fmt: skip
     sections = titan_configs(cfg)  # training, optimizer, parallelism, checkpoint, ... (TorchTitan's classes)

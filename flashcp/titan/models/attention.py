@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan.models.common.rope import RoPE
 from torchtitan.protocols.module import Module
 
-from flashcp.attention.op import cp_attention, step_key
+from flashcp.attention.op import cp_attention, launch_exchange_ahead, step_key
 from flashcp.dispatch import Dispatch
 from flashcp.titan.models.rotary import rotate, rotation, rotation_key, tableless
 from flashcp.titan.models.windows import LayerDispatches
@@ -156,8 +156,10 @@ class FlashCPAttention(Module):
         attention_masks: CPStep,
         scale: float | None = None,
         out_transform: Callable | None = None,
+        exchange: torch.Tensor | None = None,
         **kwargs,
     ) -> torch.Tensor:
+        """`exchange`: this call's KV exchange, launched ahead by `launch_exchange` on k and v of these values."""
         _, rows = step_rows(attention_masks, self.rotation_key, q_BLNH.shape[0])
         if rows is not None:
             q_BLNH, k_BLNH = rotate(self.rope, q_BLNH, k_BLNH, rows)
@@ -165,8 +167,17 @@ class FlashCPAttention(Module):
             scale = (q_BLNH.shape[-1] ** -0.5 if scale is None else scale) * self.scale_factor
         out = cp_attention(q_BLNH[0], k_BLNH[0], v_BLNH[0], attention_masks.key_for(self.window), self.backend,
                            overlap=self.overlap, softmax_scale=scale,
-                           sinks=None if out_transform is None else sinks_of(out_transform))  # fmt: skip
+                           sinks=None if out_transform is None else sinks_of(out_transform),
+                           exchange=exchange)  # fmt: skip
         return out.unsqueeze(0)
+
+    def launch_exchange(self, k_BLNH: torch.Tensor, v_BLNH: torch.Tensor, attention_masks: CPStep) -> torch.Tensor:
+        """Start, without waiting, the KV exchange that `forward` on k and v of these values would run (k
+        rotated as there), and return its handle for forward's `exchange=` (eager code only)."""
+        _, rows = step_rows(attention_masks, self.rotation_key, k_BLNH.shape[0])
+        if rows is not None:
+            _, k_BLNH = rotate(self.rope, k_BLNH, k_BLNH, rows)
+        return launch_exchange_ahead(k_BLNH[0], v_BLNH[0], attention_masks.key_for(self.window))
 
 
 def sinks_of(out_transform: Callable) -> torch.Tensor:

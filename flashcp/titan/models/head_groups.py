@@ -27,7 +27,7 @@ whose q, k, v and o for this rank's tokens fit `GROUP_BYTES`.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +58,8 @@ class HeadGroupedAttention(GQAttention):
     @dataclass(kw_only=True, slots=True)
     class Config(GQAttention.Config):
         head_groups: int = 2
+        prefetch: bool = False
+        """Launch group g + 1's KV exchange before group g's kernel (eager; see the module docstring)."""
 
     def __init__(self, config: Config) -> None:
         super().__init__(config)
@@ -66,6 +68,7 @@ class HeadGroupedAttention(GQAttention):
         if config.head_groups != AUTO and (config.head_groups < 1 or self.n_kv_heads % config.head_groups):
             raise ValueError(f"head_groups ({config.head_groups}) must divide the layer's {self.n_kv_heads} KV heads")
         self.head_groups = config.head_groups
+        self.prefetch = config.prefetch
 
     def forward(self, x_BLD: torch.Tensor, attention_masks, positions: torch.Tensor | None = None) -> torch.Tensor:
         if isinstance(self.wo.weight, DTensor):
@@ -74,37 +77,88 @@ class HeadGroupedAttention(GQAttention):
                              self.head_dim, x_BLD.element_size())  # fmt: skip
         if groups == 1:
             return super().forward(x_BLD, attention_masks, positions)
+        ahead = _Ahead() if self.prefetch and _exchanges(attention_masks) else None
         out = None
         for group in range(groups):
-            part = checkpoint(self._group, x_BLD, attention_masks, positions, group, groups, use_reentrant=False,
-                              preserve_rng_state=False)  # fmt: skip
+            part = checkpoint(self._group, x_BLD, attention_masks, positions, group, groups, ahead,
+                              use_reentrant=False, preserve_rng_state=False)  # fmt: skip
             out = part if out is None else out + part
+        if ahead is not None:
+            ahead.backward = True  # the groups' recomputes run in backward, last group first
         return out if self.wo.bias is None else out + self.wo.bias
 
     def _group(self, x_BLD: torch.Tensor, attention_masks, positions: torch.Tensor | None, group: int,
-               groups: int) -> torch.Tensor:  # fmt: skip
-        """Group `group`'s share of the layer's output: its heads' attention through its columns of wo."""
-        fused, hd = self.qkv_linear, self.head_dim
-        kv_heads = self.n_kv_heads // groups
-        rows = kv_heads * fused.r_dim * hd  # per KV head: its heads_per_kv query heads, then k, then v
-        bias = None if fused.wqkv.bias is None else fused.wqkv.bias.narrow(0, group * rows, rows)
-        qkv = F.linear(x_BLD, fused.wqkv.weight.narrow(0, group * rows, rows), bias)
-        qkv = qkv.view(*x_BLD.shape[:2], kv_heads, fused.r_dim, hd)
-        xq, xk, xv = torch.split(qkv, [fused.heads_per_kv, 1, 1], dim=-2)
-        xq, xk, xv = (t.reshape(*x_BLD.shape[:2], -1, hd).contiguous() for t in (xq, xk, xv))  # as TorchTitan's
-        if self.q_norm is not None:  # per head, as in GQAttention
-            xq, xk = self.q_norm(xq), self.k_norm(xk)
+               groups: int, ahead: _Ahead | None) -> torch.Tensor:  # fmt: skip
+        """Group `group`'s share of the layer's output: its heads' attention through its columns of wo.
+        With `ahead`, its exchange is the one launched ahead (or launched now), and the next group's
+        is launched before its kernel runs."""
+        xq, xk, xv = self._project(x_BLD, group, groups, keys_only=False)
+        exchange = None
+        if ahead is not None:
+            exchange = ahead.pending.pop(group, None)  # a 0-d handle: never test its truth
+            if exchange is None:
+                exchange = self._launch(x_BLD, attention_masks, group, groups)
+            after = group - 1 if ahead.backward else group + 1
+            if 0 <= after < groups:
+                ahead.pending[after] = self._launch(x_BLD, attention_masks, after, groups)
         xq, xk = self.rope(xq, xk, positions)
         out = self.inner_attention(xq, xk, xv, attention_masks=attention_masks, scale=self.scaling,
-                                   enable_gqa=self.enable_gqa)  # fmt: skip
-        cols = xq.shape[2] * hd
+                                   enable_gqa=self.enable_gqa, exchange=exchange)  # fmt: skip
+        cols = xq.shape[2] * self.head_dim
         return F.linear(out.flatten(2), self.wo.weight.narrow(1, group * cols, cols))
 
+    def _project(self, x_BLD: torch.Tensor, group: int, groups: int, keys_only: bool) -> tuple[torch.Tensor, ...]:
+        """Group `group`'s q, k, v `[B, L, heads, head_dim]` after the QK-norm, from its rows of `wqkv`
+        (TorchTitan's layout: per KV head its heads_per_kv query heads, then k, then v); `keys_only`:
+        (k, v) from the k and v rows alone."""
+        fused, hd = self.qkv_linear, self.head_dim
+        kv_heads = self.n_kv_heads // groups
+        rows = kv_heads * fused.r_dim * hd
+        weight = fused.wqkv.weight.narrow(0, group * rows, rows)
+        bias = None if fused.wqkv.bias is None else fused.wqkv.bias.narrow(0, group * rows, rows)
+        split = [fused.heads_per_kv, 1, 1]
+        if keys_only:  # the k and v rows of each KV head, side by side
 
-def use_head_groups(model_config, groups: int) -> None:
+            def keys(t: torch.Tensor) -> torch.Tensor:
+                return t.unflatten(0, (kv_heads, fused.r_dim, hd))[:, fused.heads_per_kv :].flatten(0, 2)
+
+            weight, bias, split = keys(weight), None if bias is None else keys(bias), [1, 1]
+        qkv = F.linear(x_BLD, weight, bias).view(*x_BLD.shape[:2], kv_heads, sum(split), hd)
+        parts = [t.reshape(*x_BLD.shape[:2], -1, hd).contiguous() for t in torch.split(qkv, split, dim=-2)]
+        if self.q_norm is not None:  # per head, as in GQAttention
+            parts = ([self.k_norm(t) for t in parts[:1]] + parts[1:] if keys_only
+                     else [self.q_norm(parts[0]), self.k_norm(parts[1]), parts[2]])  # fmt: skip
+        return tuple(parts)
+
+    @torch.no_grad()
+    def _launch(self, x_BLD: torch.Tensor, attention_masks, group: int, groups: int) -> torch.Tensor:
+        """Group `group`'s k and v, projected again from its rows of wqkv, and their exchange launched."""
+        xk, xv = self._project(x_BLD, group, groups, keys_only=True)
+        return self.inner_attention.launch_exchange(xk, xv, attention_masks)
+
+
+@dataclass
+class _Ahead:
+    """One forward's exchanges launched ahead, by group, until that group's call consumes it; the groups run
+    first to last in forward, last to first in the recomputes of backward (`backward` once forward is done)."""
+
+    pending: dict[int, torch.Tensor] = field(default_factory=dict)
+    backward: bool = False
+
+
+def _exchanges(attention_masks) -> bool:
+    """Whether this step's layers exchange K/V in a collective one can launch ahead: eager code, more than
+    one CP rank, not the ring."""
+    dispatch = getattr(attention_masks, "dispatch", None)
+    return (not torch.compiler.is_compiling() and dispatch is not None and dispatch.cp_size > 1
+            and dispatch.comm != "ring")  # fmt: skip
+
+
+def use_head_groups(model_config, groups: int, prefetch: bool = False) -> None:
     """Make every layer's attention of a TorchTitan decoder config a `HeadGroupedAttention`, in place
-    (groups 1: unchanged; AUTO: sized by GROUP_BYTES at each call). Every layer must be a full-attention
-    `GQAttention` with FlashCP's inner attention (`use_flashcp_attention` first): ValueError otherwise."""
+    (groups 1: unchanged; AUTO: sized by GROUP_BYTES at each call; `prefetch`: each group's KV exchange
+    launched while the one before computes). Every layer must be a full-attention `GQAttention` with
+    FlashCP's inner attention (`use_flashcp_attention` first): ValueError otherwise."""
     if groups == 1:
         return
     for i, layer in enumerate(model_config.layers):
@@ -117,4 +171,4 @@ def use_head_groups(model_config, groups: int) -> None:
         if groups != AUTO and (groups < 1 or n_kv_heads % groups):
             raise ValueError(f"head_groups ({groups}) must divide the model's {n_kv_heads} KV heads")
         fields = {f.name: getattr(attention, f.name) for f in dataclasses.fields(attention)}
-        layer.attention = HeadGroupedAttention.Config(**fields, head_groups=groups)
+        layer.attention = HeadGroupedAttention.Config(**fields, head_groups=groups, prefetch=prefetch)

@@ -64,7 +64,7 @@ from flashcp.titan.models.tiled_block import use_tiled_blocks
 def model_spec(
     model_cfg: dict[str, Any], flashcp_cfg: dict[str, Any], tokenizer_vocab: int, seq_len: int,
     offload: bool = False, mlp_tiles: int = 0, converters: list[ModelConfigConverter.Config] | None = None,
-    compiled: bool = False, head_groups: int = 1,
+    compiled: bool = False, head_groups: int = 1, head_group_prefetch: bool = False,
 ) -> ModelSpec:
     """The job's model as a TorchTitan ModelSpec, with FlashCP attention when selected; `offload`: full
     activation checkpointing's layer inputs wait in host memory (`[activation_checkpoint] offload`);
@@ -74,7 +74,8 @@ def model_spec(
     TorchTitan's registries apply them, so before the model is built, parallelised and compiled;
     `compiled`: the blocks are compiled (`[compile] enable` with "model"), which changes how a
     checkpointed MoE block counts its tokens (`register_expert_balancing`); `head_groups` != 1: each
-    attention layer runs over groups of KV heads (`[activation_checkpoint] head_groups`, `head_groups`)."""
+    attention layer runs over groups of KV heads (`[activation_checkpoint] head_groups`, `head_groups`), each
+    group's KV exchange launched ahead with `head_group_prefetch`."""
     arch = job_architecture(model_cfg, tokenizer_vocab, seq_len)
     if tokenizer_vocab > arch.vocab_size:
         raise ConfigError(
@@ -100,7 +101,7 @@ def model_spec(
         # refuses YaRN with model.attention other than flashcp); gpt-oss's folds in the default one.
         use_flashcp_attention(model, backend=flashcp_cfg["backend"], overlap=flashcp_cfg["overlap"],
                               scale_factor=attention_scale_factor(arch.name, arch.rope))  # fmt: skip
-        use_head_groups(model, head_groups)
+        use_head_groups(model, head_groups, head_group_prefetch)
         parallelize = parallelize_flashcp
     else:
         parallelize = _parallelize_titan_cp
