@@ -14,7 +14,8 @@ from torch.utils.checkpoint import checkpoint
 
 from flashcp import plan_shards
 from flashcp.attention import cp_varlen_attention, record_comm
-from flashcp.attention.op import cp_attention, live_entries, step_key
+from flashcp.attention.op import cp_attention, launch_exchange_ahead, live_entries, step_key
+from flashcp.attention.ring import build_ring_dispatch
 from flashcp.attention.simulate import run_ranks
 from flashcp.dispatch import build_dispatch, COMM_MODES
 
@@ -63,7 +64,53 @@ def test_the_op_is_cp_varlen_attention_bit_for_bit(comm, overlap):
             assert torch.equal(a, b), (comm, overlap, name)
     assert op_log == eager_log  # the same collectives: no second exchange, no recompute
     gc.collect()
-    assert live_entries() == (0, 0)
+    assert live_entries() == (0, 0, 0)
+
+
+@pytest.mark.parametrize("comm", [c for c in COMM_MODES if c != "ring"])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_an_exchange_launched_ahead_gives_the_ops_results_bit_for_bit(comm, overlap):
+    """`launch_exchange_ahead` then `cp_attention(exchange=)`: the op's output and gradients and the same
+    collectives, and the exchange is gone once consumed."""
+    def op(q, k, v, d, group):
+        return cp_attention(q, k, v, step_key(d, group), "reference", overlap=overlap, softmax_scale=0.3)
+
+    def ahead(q, k, v, d, group):
+        key = step_key(d, group)
+        exchange = launch_exchange_ahead(k.detach(), v.detach(), key)
+        assert live_entries()[2] >= 1
+        return cp_attention(q, k, v, key, "reference", overlap=overlap, softmax_scale=0.3, exchange=exchange)
+
+    with record_comm() as op_log:
+        want = _run(comm, overlap, op)
+    with record_comm() as ahead_log:
+        got = _run(comm, overlap, ahead)
+    for rank_want, rank_got in zip(want, got):
+        for name, a, b in zip(("out", "dq", "dk", "dv"), rank_want, rank_got):
+            assert torch.equal(a, b), (comm, overlap, name)
+    assert ahead_log == op_log
+    gc.collect()
+    assert live_entries() == (0, 0, 0)
+
+
+def test_an_exchange_launched_ahead_is_refused_when_it_does_not_fit():
+    plan = plan_shards(DOC_LENS, 1, "flashcp")
+    d = build_dispatch(plan, 0, "compact")
+    q, k, v = (t[d.token_index] for t in _window()[:3])
+    key = step_key(d)
+    exchange = launch_exchange_ahead(k, v, key)
+    cp_attention(q, k, v, key, "reference", exchange=exchange)
+    with pytest.raises(RuntimeError, match="exchange launched ahead was consumed"):
+        cp_attention(q, k, v, key, "reference", exchange=exchange)  # one exchange, one call
+    with pytest.raises(ValueError, match=r"holds \(164, 32\) rows x widths, this call's would hold \(164, 64\)"):
+        cp_attention(q, torch.cat([k, k], 1), torch.cat([v, v], 1), key, "reference",
+                     exchange=launch_exchange_ahead(k, v, key))  # fmt: skip
+    ring = step_key(build_ring_dispatch(plan_shards(DOC_LENS, 2, "flashcp"), 0))
+    with pytest.raises(ValueError, match="comm='ring' passes K/V blocks around the ring"):
+        launch_exchange_ahead(k, v, ring)
+    del key, ring, exchange
+    gc.collect()
+    assert live_entries() == (0, 0, 0)
 
 
 def test_no_grad_keeps_no_graph_and_checkpointing_drops_the_forwards():
@@ -73,24 +120,24 @@ def test_no_grad_keeps_no_graph_and_checkpointing_drops_the_forwards():
     key = step_key(d)
     with torch.no_grad():
         cp_attention(q, k, v, key, "reference")
-    assert live_entries() == (1, 0)  # the step, no forward graph
+    assert live_entries() == (1, 0, 0)  # the step, no forward graph
 
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out = cp_attention(*leaves, key, "reference")
-    assert live_entries() == (1, 1)
+    assert live_entries() == (1, 1, 0)
     out.backward(g)
-    assert live_entries() == (1, 0)  # the backward consumed it
+    assert live_entries() == (1, 0, 0)  # the backward consumed it
     plain = [t.grad for t in leaves]
 
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out = checkpoint(lambda *qkv: cp_attention(*qkv, key, "reference"), *leaves, use_reentrant=False)
-    assert live_entries() == (1, 0)  # the forward's graph went with its unsaved handle
+    assert live_entries() == (1, 0, 0)  # the forward's graph went with its unsaved handle
     out.backward(g)  # recomputes the op, whose graph the backward then uses and drops
-    assert live_entries() == (1, 0)
+    assert live_entries() == (1, 0, 0)
     assert all(torch.equal(t.grad, p) for t, p in zip(leaves, plain))
     del key
     gc.collect()
-    assert live_entries() == (0, 0)
+    assert live_entries() == (0, 0, 0)
 
 
 def test_a_released_step_key_is_an_error_naming_it():

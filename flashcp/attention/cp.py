@@ -16,6 +16,10 @@ with the dispatch, built on the host: `build_dispatch(plan, rank, comm, overlap=
 second kernel call plus gathers of q and the output, so it only pays when the exchange is slow
 relative to the local-only attention; `benchmarks/attention.py` measures it.
 
+An exchange launched earlier (`launch_kv_exchange(k, v, dispatch, group, async_op=True)` on k and v
+of the same values; head groups launch the next group's this way) is passed as `exchange=` and
+consumed in place of the op's own launch, with the same gradients.
+
 Sliding-window layers (gpt-oss, HF `sliding_window = W`) pass `window=W` with a dispatch built for
 it (`build_dispatch(plan, rank, comm, window=W)`, `build_two_level_dispatch(..., window=W)`): each
 cut shard receives at most the W - 1 rows before it. Learned sinks (`sinks [Hq]`,

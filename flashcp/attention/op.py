@@ -36,6 +36,12 @@ output: without them, inductor wrote the output projection into a block's rotate
 head_dim = dim) and the backward used the overwritten values.
 Eager code needs no copy: autograd's version counters reject a later in-place write.
 
+`launch_exchange_ahead(k, v, key)` starts a call's KV exchange before the call (eager code: head
+groups launch group g + 1's while g computes) and returns a handle tensor naming it in a third
+registry; `cp_attention(..., exchange=handle)` consumes it inside the op (its kept graph then holds
+the gather from that buffer, so the gradients are the op's own). A handle that is never consumed
+releases its exchange when it dies.
+
 `flashcp::cp_latent_attention` (`latent_attention(q, latent, k_pe, wkv_b, key, ...)`) is MLA's
 latent exchange (`flashcp.attention.latent.cp_latent_attention`) on the same machinery: the same
 step keys, the same kept graph (`_run_kept`, `_kept_grads`) and copies; its backward op returns dq,
