@@ -28,7 +28,7 @@ from scripts.make_tiny_hf import make_tiny_hf  # noqa: E402
 from tests.titan.test_dryrun_no_data import _job  # noqa: E402
 
 from flashcp.titan.config import CONFIG_DIR, resolve_config_path  # noqa: E402
-from flashcp.titan.dryrun import cli, run  # noqa: E402
+from flashcp.titan.dryrun import cli, fakes, run  # noqa: E402
 from flashcp.titan.dryrun.hfload import plan_hf_import  # noqa: E402
 from flashcp.titan.dryrun.standin import with_stand_ins  # noqa: E402
 
@@ -98,7 +98,7 @@ def _world_size(name: str, cfg: dict) -> int:
 def test_every_shipped_import_plans_its_load_at_its_world_size(name, tmp_path):
     cfg, _ = with_stand_ins(_job(name, tmp_path))
     world = _world_size(name, cfg)
-    with tempfile.TemporaryDirectory() as tmp, run._fake_world(world), run._fake_kernel(), run._balanced_routing(cfg):
+    with tempfile.TemporaryDirectory() as tmp, fakes.fake_world(world), fakes.fake_kernel(), fakes.balanced_routing(cfg):
         trainer = run._build(run._dry_job(cfg, tmp))
         try:
             line = plan_hf_import(trainer, cfg["checkpoint"]["initial_load_path"])

@@ -25,7 +25,7 @@ set replaces the dense MLP's: the token dispatcher's copies of the routed rows (
 dim each: the reordered input, the all-to-all's receive buffer, its expert-major permutation, the
 experts' output, its unpermuted copy and the all-to-all back, 6 in all) and the experts'
 intermediates (4 x tokens x top_k x expert width), assuming balanced routing (the dry run's
-dispatcher splits evenly, `flashcp.titan.dryrun.run._balanced_routing`); the router's fp32 scores
+dispatcher splits evenly, `flashcp.titan.dryrun.fakes.balanced_routing`); the router's fp32 scores
 (3 x tokens x experts) are added. A step whose routing is skewed receives more on its busiest rank.
 
 Multi-head latent attention (DeepSeek-V3: `ModelShape.latent_rank` > 0) counts its own projections

@@ -24,39 +24,31 @@ biggest term (or the host memory) and the levers it does not already use.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
-import math
-import os
 import tempfile
 import time
-from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from flashcp.attention import kernels
 from flashcp.attention.op import latent_attention
 from flashcp.titan.config import check_layout, ConfigError
-from flashcp.titan.config.converters import converted_linears
 from flashcp.titan.config.model import model_experts
-from flashcp.titan.dryrun.estimate import estimate, GIB, Layout, LowPrecision, ModelShape
+from flashcp.titan.dryrun.estimate import estimate, GIB
+from flashcp.titan.dryrun.fakes import (
+    balanced_routing, fake_kernel, fake_world, host_copies, KERNEL, no_rejection_sampling,
+)  # fmt: skip
 from flashcp.titan.dryrun.hfload import plan_hf_import
 from flashcp.titan.dryrun import pipeline
 from flashcp.titan.dryrun.linear import gated_delta_stand_in
 from flashcp.titan.dryrun.memtrack import CategoryTracker
 from flashcp.titan.dryrun.mesh import as_busiest, mesh_figures
 from flashcp.titan.dryrun.report import cpu_offload_time, low_precision_report, offload_time, Report
-from flashcp.titan.models.offload import layer_input_bytes, LayerInputOffload
-from flashcp.titan.models.rotary import rotation
-from flashcp.titan.models.tiled_mlp import tile_count
-from flashcp.titan.models.windows import HybridDispatches, LayerDispatches
-
-KERNEL = "dryrun"  # the attention backend name the dry run registers while it runs
+from flashcp.titan.dryrun.shape import plan_figures, shape_and_layout
+from flashcp.titan.models.offload import layer_input_bytes
 
 
 def dry_run(cfg: dict[str, Any], world_size: int, gpu_gib: float = 80.0, reserve_gib: float = 6.0,
@@ -82,7 +74,7 @@ def dry_run(cfg: dict[str, Any], world_size: int, gpu_gib: float = 80.0, reserve
         split, v = pipeline.stage_split(cfg)
         run_cfg, run_world, layers = pipeline.stage_job(cfg), world_size // pp, pipeline.measured_layers(split)
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp, _fake_world(run_world), _fake_kernel(), _balanced_routing(run_cfg):
+    with tempfile.TemporaryDirectory() as tmp, fake_world(run_world), fake_kernel(), balanced_routing(run_cfg):
         trainer = _build(_dry_job(run_cfg, tmp), layers)
         plans = as_busiest(trainer) if trainer.mesh is not None else None
         try:
@@ -90,13 +82,13 @@ def dry_run(cfg: dict[str, Any], world_size: int, gpu_gib: float = 80.0, reserve
             hf_import = plan_hf_import(trainer, ckpt["initial_load_path"]) if ckpt["initial_load_in_hf"] else None
             input_dict, labels = next(trainer.batch_generator(trainer.dataloader))
             peak, by_category, host, host_by_category, top = _measure(trainer, input_dict, labels)
-            plan = _plan_figures(trainer)
+            plan = plan_figures(trainer)
             mesh = None
             if plans:  # mesh scope: measured as the busiest rank of the mesh window's plan
                 row = trainer.metrics_processor.exchange_row_bytes or trainer.metrics_processor.kv_row_bytes
                 mesh = {**mesh_figures(plans[-1], row), "measured_rank": trainer.cp_rank,
                         "kv_recv_rows_measured": input_dict["dispatch"].recv_size}  # fmt: skip
-            shape, layout = _shape_and_layout(trainer, input_dict["dispatch"], run_cfg)
+            shape, layout = shape_and_layout(trainer, input_dict["dispatch"], run_cfg)
             est = estimate(shape, layout)
             stages = None
             if pp > 1:
@@ -160,66 +152,6 @@ def _dry_job(cfg: dict[str, Any], folder: str) -> dict[str, Any]:
     return out
 
 
-GPUS_PER_NODE = 8  # the nodes the dry run lays the ranks on (DGX / HGX), fewer where 8 does not divide the world
-
-
-@contextlib.contextmanager
-def _fake_world(world_size: int) -> Iterator[None]:
-    """TorchTitan's fake mode reads the world from NGPU / RANK; the process group ends with the run.
-    LOCAL_WORLD_SIZE places the ranks on nodes, as torchrun would (`[flashcp] comm = "two_level"`)."""
-    names = ("NGPU", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
-    saved = {name: os.environ.get(name) for name in names}
-    os.environ.update(NGPU=str(world_size), RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(math.gcd(world_size, GPUS_PER_NODE)))  # fmt: skip
-    try:
-        yield
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
-@contextlib.contextmanager
-def _fake_kernel() -> Iterator[None]:
-    """torch's varlen_attn without its CUDA check: fake tensors stay on the CPU, and its fake kernel
-    gives FlashAttention-2's shapes (real GPUs run flash-attn's kernel, whose buffers are the same)."""
-    torch_ = kernels.BACKENDS["torch"]
-    kernels.BACKENDS[KERNEL] = kernels.Backend(KERNEL, lambda q, k: None, torch_.run, torch_.run_lse, torch_.run_backward)
-    try:
-        yield
-    finally:
-        del kernels.BACKENDS[KERNEL]
-
-
-@contextlib.contextmanager
-def _balanced_routing(cfg: dict[str, Any]) -> Iterator[None]:
-    """Expert parallelism's all-to-all splits as if the router spread tokens evenly over the EP ranks.
-
-    TorchTitan's dispatcher copies the exchanged token counts to the host to size the all-to-all,
-    values fake tensors lack; here every rank sends and receives tokens x top_k / EP rows to and
-    from each EP rank (the balance the router's bias update drives towards). A skewed step's
-    receive buffer is larger, up to EP times on one rank (`estimate.moe_bytes`)."""
-    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
-
-    exchange = AllToAllTokenDispatcher._sync_token_count_exchange
-
-    def balanced(self, local_counts: torch.Tensor, global_counts: torch.Tensor, ep: int):
-        rows = cfg["training"]["seq_len"] * cfg["training"]["local_batch_size"] // \
-            cfg["parallelism"]["context_parallel_degree"] * self.top_k  # fmt: skip
-        splits = [rows // ep + (i < rows % ep) for i in range(ep)]
-        return global_counts.reshape(-1), splits, splits
-
-    AllToAllTokenDispatcher._sync_token_count_exchange = balanced
-    try:
-        yield
-    finally:
-        AllToAllTokenDispatcher._sync_token_count_exchange = exchange
-
-
 def _build(cfg: dict[str, Any], layers: list[int] | None = None):
     """The trainer with every tensor from parallelisation on fake (device meshes, built before, stay real);
     `layers`: the model cut to these decoder layers (a pipeline stage's, `dryrun/pipeline.py`)."""
@@ -241,7 +173,7 @@ def _build(cfg: dict[str, Any], layers: list[int] | None = None):
 
     config.model_spec = dataclasses.replace(config.model_spec, parallelize_fn=parallelize_then_fake)
     try:
-        with _no_rejection_sampling():
+        with no_rejection_sampling():
             trainer = FlashCPTrainer(config)
     finally:
         if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is mode:
@@ -251,19 +183,6 @@ def _build(cfg: dict[str, Any], layers: list[int] | None = None):
     # keep "cpu" and the trainer's "cpu:0" apart.
     trainer.device = torch.device("cpu")
     return trainer
-
-
-@contextlib.contextmanager
-def _no_rejection_sampling() -> Iterator[None]:
-    """trunc_normal_ redraws until no value is out of bounds (`mask.any()`), which reads values that fake
-    tensors lack; the weights' values do not matter here, so initialisation draws a plain normal
-    (torch 2.11-2.13 look `_no_grad_trunc_normal_` up at each call)."""
-    truncated = torch.nn.init._no_grad_trunc_normal_
-    torch.nn.init._no_grad_trunc_normal_ = lambda tensor, mean, std, *args, **kwargs: tensor.normal_(mean, std)
-    try:
-        yield
-    finally:
-        torch.nn.init._no_grad_trunc_normal_ = truncated
 
 
 def _measure(trainer, input_dict: dict[str, Any], labels: torch.Tensor) -> tuple[int, dict[str, int], int,
@@ -285,7 +204,7 @@ def _measure(trainer, input_dict: dict[str, Any], labels: torch.Tensor) -> tuple
         tracker = CategoryTracker(model, optimizers.optimizers[0], offloaded=offloaded)
         handles = _label_regions(trainer, tracker)
         try:
-            with tracker, _host_copies(tracker), gated_delta_stand_in(trainer, tracker):
+            with tracker, host_copies(tracker), gated_delta_stand_in(trainer, tracker):
                 valid = (labels != IGNORE_INDEX).sum()
                 trainer.forward_backward_step(input_dict=input_dict, labels=labels, global_valid_tokens=valid)
                 dist_utils.clip_grad_norm_(params, trainer.config.training.max_norm, foreach=True,
@@ -300,23 +219,6 @@ def _measure(trainer, input_dict: dict[str, Any], labels: torch.Tensor) -> tuple
     peak, by_category = tracker.peak_by_category()
     host = tracker.peak_host_by_category
     return peak, {"flashcp_buffers": 0, "loss": 0, **by_category}, tracker.peak_host, host, top
-
-
-@contextlib.contextmanager
-def _host_copies(tracker: CategoryTracker) -> Iterator[None]:
-    """The offload's copies to the host (pinned host memory on a GPU; here fake tensors like the rest)
-    are counted as host memory, not the GPU's."""
-    to_host = LayerInputOffload._to_host
-
-    def counted(self: LayerInputOffload, tensor: torch.Tensor) -> torch.Tensor:
-        with tracker.host():
-            return to_host(self, tensor)
-
-    LayerInputOffload._to_host = counted
-    try:
-        yield
-    finally:
-        LayerInputOffload._to_host = to_host
 
 
 class _LabelledLoss:
@@ -377,102 +279,3 @@ def _label_regions(trainer, tracker: CategoryTracker) -> list[Any]:
     handles += [lm_head.register_forward_pre_hook(push("loss")), lm_head.register_forward_hook(pop)]
     trainer.loss_fn = _LabelledLoss(trainer.loss_fn, tracker)
     return handles
-
-
-def _plan_figures(trainer) -> dict[str, float | str]:
-    """The window's imbalance and KV bytes received per layer (compact / full / needed; an MLA model's
-    in latent rows, with the bytes of one latent and one K/V row; a model with sliding-window layers
-    also a window layer's compact / needed and those of the exchange its layers run, `window_comm`, with
-    W and the layer counts)."""
-    metrics = trainer.metrics_processor
-    figures = {key.removeprefix("flashcp/"): value for key, value in metrics._flashcp_metrics().items()}
-    workload = metrics.attention_workload
-    if workload.window_layers:
-        figures |= {"window": workload.window, "window_layers": workload.window_layers,
-                    "full_layers": workload.full_layers, "window_comm": metrics.window_comm}  # fmt: skip
-    if metrics.exchange_row_bytes:  # MLA: the bytes above are latent rows; a K/V row's for comparison
-        figures |= {"latent_row_bytes": metrics.exchange_row_bytes, "kv_row_bytes": metrics.kv_row_bytes}
-    return figures
-
-
-def _shape_and_layout(trainer, dispatch, job: dict[str, Any]) -> tuple[ModelShape, Layout]:
-    """The model's shape and this rank's layout; FlashCP's rows are a full layer's, the largest (a
-    sliding-window layer receives at most W - 1 rows before each cut shard)."""
-    from torchtitan.distributed.activation_checkpoint import FullAC
-
-    if isinstance(dispatch, (LayerDispatches, HybridDispatches)):
-        dispatch = dispatch.full
-
-    model, dims, cfg = trainer.model_config, trainer.parallel_dims, trainer.config
-    ac = job["activation_checkpoint"]
-    attention = model.first_attention
-    tokens = cfg.training.seq_len // dims.cp
-    rope_row = rotation(attention.rope, torch.zeros(1, dtype=torch.long))  # one position's RoPE row
-    first = next(i for i, layer in enumerate(model.layers) if layer.attention is not None)  # a hybrid's: not "0"
-    block = trainer.model_parts[0].layers[str(first)]
-    tables = hasattr((getattr(block, "attention", None) or block.attn).rope, "cache")  # TorchTitan's, else per step
-    moe = next((layer.moe for layer in model.layers if layer.moe is not None), None)
-    dense = [layer.feed_forward for layer in model.layers if layer.moe is None]  # DeepSeek's first layers
-    experts = {} if moe is None else dict(
-        experts=moe.num_experts, top_k=moe.router.top_k,
-        expert_ffn=moe.routed_experts.inner_experts.hidden_dim, dense_layers=len(dense),
-        shared_ffn=moe.shared_experts.w1.out_features if moe.shared_experts else 0,
-    )  # fmt: skip
-    if getattr(attention, "kv_lora_rank", 0):  # MLA: latent rows cross the CP group (attention/latent.py)
-        rope = attention.qk_rope_head_dim
-        heads = dict(kv_heads=attention.n_heads, head_dim=attention.qk_nope_head_dim + rope,
-                     v_head_dim=attention.v_head_dim, latent_rank=attention.kv_lora_rank, rope_dim=rope,
-                     q_lora_rank=attention.q_lora_rank)  # fmt: skip
-    else:
-        heads = dict(kv_heads=attention.n_kv_heads or attention.n_heads,
-                     head_dim=attention.head_dim or model.dim // attention.n_heads)  # fmt: skip
-    shape = ModelShape(
-        dim=model.dim, layers=len(model.layers), heads=attention.n_heads, **heads,
-        ffn=dense[0].w1.out_features if dense else 0, vocab=model.vocab_size,
-        rope_rows=len(model.layers) * attention.rope.max_seq_len if tables else tokens,
-        rope_row_bytes=rope_row.numel() * rope_row.element_size(), **experts,
-    )  # fmt: skip
-    chunks = getattr(trainer.loss_fn, "num_chunks", 1)
-    layout = Layout(
-        fsdp=dims.dp_shard * dims.cp, tp=dims.tp, sequence_parallel=cfg.parallelism.enable_sequence_parallel,
-        tokens=tokens, kv_rows=_kv_rows(dispatch), loss_tokens=tokens // chunks,
-        full_ac=isinstance(cfg.activation_checkpoint, FullAC.Config),
-        mlp_tiles=max(1, tile_count(ac["mlp_tiles"], tokens, shape.ffn // dims.tp, 2)) if shape.ffn else 1,
-        offload=ac["offload"], ep=dims.ep, key_rows=dispatch.kv_index.numel(),
-        cpu_offload=cfg.training.enable_cpu_offload,
-    )  # fmt: skip
-    return shape, dataclasses.replace(layout, low_precision=_low_precision(job, model, layout, dims.tp))
-
-
-def _kv_rows(dispatch) -> int:
-    """K/V rows of one layer's exchange at its peak: the receive buffer with the gathered keys or, in the
-    two-level exchange's second stage, with the first stage's output, its copy joined to the local rows
-    and the rows sent on (`flashcp.attention.two_level.launch`). The ring's peak is its backward: two KV
-    blocks in flight and four blocks of float32 dK/dV sums (this rank's, the travelling, the arriving
-    and one step's share; two bf16 rows each), whatever the window (`flashcp.attention.ring`)."""
-    if dispatch.comm == "ring":
-        return (2 + 4 * 2) * dispatch.token_index.numel()
-    route = getattr(dispatch, "route", None)
-    staged = 0
-    if route is not None:
-        first = sum(route.stage1_recv_splits)
-        staged = 2 * first + dispatch.token_index.numel() + route.stage2_index.numel()
-    return dispatch.recv_size + max(dispatch.kv_index.numel(), staged)
-
-
-def _low_precision(job: dict[str, Any], model_config: Any, lay: Layout, tp: int) -> LowPrecision | None:
-    """The job's converted linears as this rank runs them: TorchTitan's TP splits wo and w2 along their
-    input (row-wise), the others along their output; the MLP runs a tile's tokens at a time, the output
-    projection a loss slice's."""
-    names = job["model"]["converters"]
-    if not names:
-        return None
-    linears = []
-    for fqn, lin in converted_linears(model_config, job):
-        k, n = lin.in_features, lin.out_features
-        k, n = (k // tp, n) if fqn.rsplit(".", 1)[-1] in ("wo", "w2") else (k, n // tp)
-        tokens = lay.loss_tokens if fqn == "lm_head" else \
-            math.ceil(lay.tokens / lay.mlp_tiles) if ".feed_forward." in fqn else lay.tokens  # fmt: skip
-        linears.append((k, n, tokens))
-    gw_hp = names[0] == "float8" and job["float8"]["recipe_name"] == "rowwise_with_gw_hp"
-    return LowPrecision(names[0], tuple(linears), grad_weight_hp=gw_hp)
