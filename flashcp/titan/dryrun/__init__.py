@@ -2,6 +2,13 @@
 
 - `cli`: `python -m flashcp.titan.dryrun` (`__main__`): arguments, exit codes, the one-line verdict;
 - `run`: the job's rank 0 built and stepped on fake tensors;
+- `fakes`: the world it steps in (the fake process group, the dry-run kernel, balanced expert routing,
+  the offload's copies counted as host memory);
+- `shape`: the model's shape, the rank's layout and the plan figures the estimate and report read off
+  the built job;
+- `mesh`: in mesh scope, the mesh's busiest rank measured;
+- `linear`: a hybrid's Gated DeltaNet layers as stand-ins with the GPU kernel's footprint;
+- `pipeline`: a pipelined job's memory per stage, one stage measured;
 - `standin`: the shipped tokenizer, synthetic documents, no validation or load for the files a job
   names and this machine lacks;
 - `hfload`: a Hugging Face import's load planned for that rank as the checkpointer plans it;
