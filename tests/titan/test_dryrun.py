@@ -397,3 +397,18 @@ def test_tiled_blocks_keep_the_norms_float32_temporaries_to_a_tile(tmp_path, cap
                      and t["dtype"] == "float32" and "layers." in t["name"]] for tiles, r in reports.items()}  # fmt: skip
     assert whole[0] and not whole[4], whole
     assert reports[4]["by_category"]["activations"] < reports[0]["by_category"]["activations"]
+
+
+def test_head_groups_cut_the_attention_working_set_and_prefetch_holds_one_more_exchange(tmp_path, capsys):
+    """With 2 head groups a layer's q, k, v, K/V buffer and o exist for one group at a time, so the tracked
+    peak falls; with `head_group_prefetch` the next group's exchange (its buffer) is in flight beside the
+    group's kernel: the dry run steps it on the fake process group's asynchronous collectives, and its peak
+    is not below the one without."""
+    reports = {}
+    for groups, prefetch in ((1, "false"), (2, "false"), (2, "true")):
+        proc = _dry_run(tmp_path, capsys, "--training.seq_len", "65536", "--activation_checkpoint.head_groups",
+                        str(groups), "--activation_checkpoint.head_group_prefetch", prefetch)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        reports[groups, prefetch] = json.loads(proc.stdout)["peak_gib"]
+    assert reports[2, "false"] < reports[1, "false"], reports
+    assert reports[2, "true"] >= reports[2, "false"], reports
