@@ -13,7 +13,8 @@
   and as `python -m flashcp.titan.probe` on a checkpoint or HF folder;
 - `lease/`: the GPU lease's TorchTitan parts (the trainer's variants, the dry run against the
   allocator, 8B layers at the frontier), which `scripts/gpu_lease.sh` runs;
-- `trainer`: TorchTitan's Trainer with a FlashCP context-parallel dimension; `export`: the
+- `trainer`: TorchTitan's Trainer with a FlashCP context-parallel dimension, on `safe_trainer`'s
+  run safety around TorchTitan's loop (stop, save, restore checks); `export`: the
   `python -m flashcp.titan.export` command; `compat`: the version shims, each commented with the
   versions that need it.
 

@@ -36,11 +36,8 @@ micro steps by the model's predicted time per window (`flashcp.data.balance`,
 `flashcp.data.deferral`): the MFU's FLOPs per token and per attended pair at measured dense and
 attention efficiencies (`flashcp.costmodel.proxy`).
 
-Around the loop: on SIGTERM / SIGINT the ranks agree to stop at the next step boundary and save a
-checkpoint there (`flashcp.run.preemption`); after a restore, the learning rate applied is the
-config's schedule at the restored step (the saved optimizer's rate was the old schedule's), a run
-restored past `training.steps` is a job error and one restored at it says it is complete,
-instead of silently training nothing.
+Around the loop (a stop on SIGTERM / SIGINT, unsound states never saved, restores checked, HF export
+at the end) the run's safety is the base class's, `flashcp.titan.safe_trainer.SafeTrainer`.
 
 With `[validation]`, TorchTitan's validator slot holds `flashcp.titan.components.validate.FlashCPValidator`,
 which reads held-out windows through `window_inputs` / `flashcp_inputs`, the same steps as
@@ -62,18 +59,13 @@ implementations can be compared inside one application.
 from __future__ import annotations
 
 import functools
-import math
 import os
-import shutil
-import signal
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 from torchtitan.distributed.activation_checkpoint import FullAC
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
@@ -83,7 +75,7 @@ from flashcp.attention.ring import build_ring_dispatch
 from flashcp.costmodel.model import window_exchange
 from flashcp.costmodel.proxy import window_cost
 from flashcp.data.balance import WindowCost
-from flashcp.data.errors import DataChanged, DataError
+from flashcp.data.errors import DataError
 from flashcp.data.plan_worker import TIMEOUT_S as PLAN_WORKER_TIMEOUT_S
 from flashcp.dispatch import build_dispatch
 from flashcp.plan.plan import row_bytes
@@ -93,16 +85,15 @@ from flashcp.titan.models.spec import uncounted_pipeline_inference
 from flashcp.titan.models.windows import (
     attention_layers, build_hybrid_dispatches, build_layer_dispatches, HybridDispatches, planner_workload,
 )
-from flashcp.titan import compat, mesh_scope
+from flashcp.titan import mesh_scope
 from flashcp.titan.mesh_scope import MeshScope, RANK_LABELS
-from flashcp.titan.components.checkpoint import CheckpointError, Checkpointer
+from flashcp.titan.components.checkpoint import Checkpointer
 from flashcp.titan.components.data import PipelineTokenizer, WindowDataLoader
-from flashcp.titan.hf.export import export, ExportError
 from flashcp.titan.components.metrics import FlashCPMetrics
 from flashcp.titan.components.validate import FlashCPValidator
 from flashcp.titan.probe import loop as probe_loop
 from flashcp.titan.probe.prompts import ProbeSettings
-from flashcp.run.preemption import StopRequest
+from flashcp.titan.safe_trainer import SafeTrainer
 
 
 @dataclass(kw_only=True, slots=True)
@@ -129,7 +120,7 @@ def document_positions(doc_lens: list[int]) -> torch.Tensor:
     return torch.arange(int(lens.sum())) - torch.repeat_interleave(starts, lens)
 
 
-class FlashCPTrainer(Trainer):
+class FlashCPTrainer(SafeTrainer):
     @dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
         """TorchTitan's config with FlashCP's components as defaults and the `[flashcp]` settings."""
@@ -145,19 +136,8 @@ class FlashCPTrainer(Trainer):
     metrics_processor: FlashCPMetrics
     dataloader: WindowDataLoader
 
-    def __init__(self, config: Config) -> None:
-        # Signals are caught from here on: one during building or loading stops at the first step boundary.
-        self.stop_request = StopRequest()
-        self._restored_step: int | None = None
-        self._losses_finite: torch.Tensor | None = None  # every loss since the last save finite (on the device)
-        try:
-            super().__init__(config)
-            self._setup_flashcp(config)
-        except BaseException:
-            self.stop_request.close()
-            raise
-
-    def _setup_flashcp(self, config: Config) -> None:
+    def _setup(self, config: Config) -> None:
+        """FlashCP's setup after TorchTitan's (SafeTrainer's hook, inside its guard), then the run-safety hooks."""
         self.flashcp = config.flashcp
         dims = self.parallel_dims
         self.mesh = MeshScope.of(dims) if self.flashcp.scope == "mesh" and self.flashcp.enable else None
@@ -203,11 +183,7 @@ class FlashCPTrainer(Trainer):
         if balance is not None:
             windows = self.gradient_accumulation_steps * self.num_pipeline_parallel_microbatches  # per DP rank and step
             self.dataloader.loader.balance_with(windows, self._window_cost(), **balance)
-        self.stop_request.connect()
-        self.checkpointer.on_restore = self._after_restore
-        self.checkpointer.save_problem = self._save_problem
-        self._load_schedule = self.lr_schedulers.load_state_dict
-        self.lr_schedulers.load_state_dict = self._load_schedule_before_the_end
+        self._connect_run_safety()
 
     def _cp_ranks_per_node(self) -> int:
         """The two-level exchange's (and the mesh plan's) ranks per node for this rank's FlashCP group (mesh
@@ -251,112 +227,11 @@ class FlashCPTrainer(Trainer):
             ranks_per_node(ranks)
         return g
 
-    def _load_schedule_before_the_end(self, state: dict[str, Any]) -> None:
-        """Restore the lr scheduler's step unless it is past `training.steps` (refused in _after_restore).
-
-        Past the end TorchTitan's schedule cannot be evaluated (with no decay steps it asserts),
-        which the checkpoint loader would report as a damaged checkpoint.
-        """
-        if state["last_epoch"] <= self.config.training.steps:
-            self._load_schedule(state)
-
-    def _after_restore(self) -> None:
-        """Called once a checkpoint has been loaded (self.step is its step).
-
-        Restored past `training.steps` is a job error (CheckpointError: train.py exits 2 with one
-        line): the config asks for fewer steps than were trained, most likely a mistake. Restored
-        exactly at `training.steps` is a finished run started again (a scheduler's retry, a
-        rerun of the same command): it says the run is complete and ends successfully.
-
-        The learning rate the restored optimizer holds is the old schedule's; TorchTitan's
-        scheduler recomputes the config's, which is the one logged, so it is applied here too.
-        """
-        steps = self.config.training.steps
-        self._restored_step = self.step
-        if self.step > steps:
-            raise CheckpointError(
-                f"the checkpoint restored is at step {self.step}, past [training] steps = {steps}: nothing to "
-                "train; raise training.steps to continue this run (or pick checkpoint.load_step)"
-            )
-        changed = []
-        for scheduler in self.lr_schedulers:
-            for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
-                if not math.isclose(group["lr"], lr, rel_tol=1e-6, abs_tol=1e-15):
-                    changed.append((group["lr"], lr))
-                group["lr"] = lr
-        if changed:
-            saved, config = changed[0]
-            logger.warning(
-                f"lr schedule differs from the checkpoint's (saved lr {saved:.3e} for step {self.step + 1}, the "
-                f"config gives {config:.3e}): following the config from step {self.step + 1}"
-            )
-        self.metrics_processor.resume_from(self.step)
-
-    def train(self) -> None:
-        """TorchTitan's loop, unless the checkpoint restored is already at `training.steps`: a finished
-        run started again (a scheduler's retry, the same command rerun) says so once and ends."""
-        self.checkpointer.load(step=self.config.checkpoint.load_step)
-        steps = self.config.training.steps
-        complete = self.step >= steps
-        if not complete:
-            with compat.no_final_wait_alone():
-                super().train()
-        self._export_hf()
-        if complete and torch.distributed.get_rank() == 0:
-            folder = Path(self.checkpointer.folder).resolve()
-            print(f"flashcp: the run is already complete: the checkpoint at step {self.step} reached [training] "
-                  f"steps = {steps}; nothing to train. To extend it, raise training.steps; to start afresh, "
-                  f"choose another job.dump_folder (or move {folder} away)", flush=True)  # fmt: skip
-
-    def _export_hf(self) -> None:
-        """With `checkpoint.last_save_in_hf`, rank 0 exports the final checkpoint to `step-N-hf` beside it
-        (`flashcp.titan.hf.export`) once training is over, so the other ranks wait in no collective
-        meanwhile; a run started again after a crashed export exports then."""
-        ckpt, steps = self.checkpointer, self.config.training.steps
-        if not (ckpt.enable and self.config.checkpoint.last_save_in_hf and self.step == steps):
-            return
-        source = ckpt.step_folder(steps)
-        target = source.with_name(f"{source.name}-hf")
-        if torch.distributed.get_rank() != 0 or target.exists() or not source.is_dir():
-            return
-        # A crashed export's temporary folder (this run holds the checkpoint folder).
-        for leftover in target.parent.glob(f".{target.name}.partial-*"):
-            shutil.rmtree(leftover, ignore_errors=True)
-        try:
-            export(source, target, dtype=self.config.checkpoint.export_dtype)
-        except ExportError as e:
-            raise CheckpointError(f"checkpoint.last_save_in_hf: {e}") from e
-        logger.info(f"Hugging Face export of step {steps} written to {target}")
-
     def train_step(self, data_iterator: Iterator[tuple[dict[str, Any], torch.Tensor]]) -> None:
         """TorchTitan's step, then the retrieval probe when `[probe]` asks for it at this step."""
         super().train_step(data_iterator)
         if self.probe is not None and self.config.probe.due(self.step):
             probe_loop.run(self, self.probe, self.step)
-
-    def should_continue_training(self) -> bool:
-        """TorchTitan's test, plus a stop agreed by all ranks after a SIGTERM / SIGINT."""
-        if not super().should_continue_training():
-            return False
-        signum = self.stop_request.agreed()
-        if signum:
-            self._stop(signal.Signals(signum).name)
-        return not signum
-
-    def _stop(self, cause: str) -> None:
-        """Save at this step boundary (unless that checkpoint exists) and say where, on rank 0."""
-        ckpt = self.checkpointer
-        if self.step == 0:
-            where = "nothing trained, nothing saved"
-        elif not ckpt.enable:
-            where = "checkpoints are disabled, nothing saved"
-        else:
-            if not ckpt.saved_step(self.step) and self.step != self._restored_step:
-                ckpt.save_now(self.step)
-            where = f"checkpoint saved to {ckpt.step_folder(self.step).resolve()}"
-        if torch.distributed.get_rank() == 0:
-            logger.info(f"{cause}: every rank stops after step {self.step}")
-            print(f"flashcp: preempted at step {self.step}: {where}", flush=True)
 
     def _window_cost(self) -> WindowCost:
         """What the loader balances by: the model's FLOPs at measured efficiencies (`flashcp.costmodel.proxy`),
@@ -458,38 +333,6 @@ class FlashCPTrainer(Trainer):
         """This rank's dispatch of a window's plan, pinned; runs in the (validation) loader's thread."""
         return self.pin_dispatch(self.window_dispatcher()(plan))
 
-    def forward_backward_step(self, **kwargs: Any) -> torch.Tensor:
-        """TorchTitan's step, noting on the device (no sync) whether every loss since the last save was finite.
-
-        TorchTitan checks the loss only on logging steps: a state that went to inf / NaN between two
-        would otherwise be saved, published and resumed from.
-        """
-        loss = super().forward_backward_step(**kwargs)
-        # With TP the chunked loss (ChunkedLossWrapper) is a replicated DTensor; its local value, as
-        # TorchTitan's own loss reduction takes it, since the flag is all-reduced as a plain tensor.
-        local = loss.detach().to_local() if isinstance(loss, DTensor) else loss.detach()
-        finite = torch.isfinite(local)
-        self._losses_finite = finite if self._losses_finite is None else self._losses_finite & finite
-        return loss
-
-    def _save_problem(self) -> Exception | None:
-        """Why this state must not be saved, the same verdict on every rank (a collective: all ranks save):
-        a loss that was not finite since the last save, or data that any rank's loader found changed."""
-        flag = self._losses_finite
-        finite = torch.ones((), device=self.device) if flag is None else flag.to(self.device, torch.float32)
-        fault = self.dataloader.loader.fault
-        sound = torch.stack([finite.reshape(()), torch.tensor(float(fault is None), device=self.device)])
-        torch.distributed.all_reduce(sound, op=torch.distributed.ReduceOp.MIN)
-        self._losses_finite = None
-        finite_everywhere, data_unchanged = sound.tolist()
-        if not data_unchanged:
-            faults: list[str | None] = [None] * torch.distributed.get_world_size()
-            torch.distributed.all_gather_object(faults, None if fault is None else str(fault))
-            return DataChanged(next(f for f in faults if f is not None))
-        if not finite_everywhere:
-            return CheckpointError(f"the loss was not finite (inf or NaN) at some step up to {self.step}")
-        return None
-
     def _window_inputs(self, batch: dict[str, Any]) -> tuple[dict[str, Any], torch.Tensor]:
         self.metrics_processor.record_window(batch["plan"], batch["plan_ms"], batch.get("deferral"),
                                              batch.get("source_tokens"),
@@ -533,6 +376,4 @@ class FlashCPTrainer(Trainer):
     def close(self) -> None:
         if hasattr(self, "dataloader"):  # absent when __init__ failed before building it
             self.dataloader.close()
-        if hasattr(self, "stop_request"):
-            self.stop_request.close()
-        super().close()  # the checkpointer's purge thread finishes its deletions
+        super().close()  # SafeTrainer's: the stop request, then TorchTitan's
