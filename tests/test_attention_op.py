@@ -45,6 +45,18 @@ def _run(comm: str, overlap: bool, attend, scale: float | None = None) -> list[t
     return run_ranks(2, program)
 
 
+def _same_results(want: list[tuple[torch.Tensor, ...]], got: list[tuple[torch.Tensor, ...]], *case) -> None:
+    for rank_want, rank_got in zip(want, got, strict=True):
+        for name, a, b in zip(("out", "dq", "dk", "dv"), rank_want, rank_got):
+            assert torch.equal(a, b), (*case, name)
+
+
+def _one_rank():
+    """A compact dispatch of the window on one rank, and its q, k, v and output gradient in its order."""
+    d = build_dispatch(plan_shards(DOC_LENS, 1, "flashcp"), 0, "compact")
+    return d, *(t[d.token_index] for t in _window())
+
+
 @pytest.mark.parametrize("comm", COMM_MODES)
 @pytest.mark.parametrize("overlap", [False, True])
 def test_the_op_is_cp_varlen_attention_bit_for_bit(comm, overlap):
@@ -59,9 +71,7 @@ def test_the_op_is_cp_varlen_attention_bit_for_bit(comm, overlap):
         want = _run(comm, overlap, eager)
     with record_comm() as op_log:
         got = _run(comm, overlap, op)
-    for rank_want, rank_got in zip(want, got):
-        for name, a, b in zip(("out", "dq", "dk", "dv"), rank_want, rank_got):
-            assert torch.equal(a, b), (comm, overlap, name)
+    _same_results(want, got, comm, overlap)
     assert op_log == eager_log  # the same collectives: no second exchange, no recompute
     gc.collect()
     assert live_entries() == (0, 0, 0)
@@ -85,18 +95,14 @@ def test_an_exchange_launched_ahead_gives_the_ops_results_bit_for_bit(comm, over
         want = _run(comm, overlap, op)
     with record_comm() as ahead_log:
         got = _run(comm, overlap, ahead)
-    for rank_want, rank_got in zip(want, got):
-        for name, a, b in zip(("out", "dq", "dk", "dv"), rank_want, rank_got):
-            assert torch.equal(a, b), (comm, overlap, name)
+    _same_results(want, got, comm, overlap)
     assert ahead_log == op_log
     gc.collect()
     assert live_entries() == (0, 0, 0)
 
 
 def test_an_exchange_launched_ahead_is_refused_when_it_does_not_fit():
-    plan = plan_shards(DOC_LENS, 1, "flashcp")
-    d = build_dispatch(plan, 0, "compact")
-    q, k, v = (t[d.token_index] for t in _window()[:3])
+    d, q, k, v, _ = _one_rank()
     key = step_key(d)
     exchange = launch_exchange_ahead(k, v, key)
     cp_attention(q, k, v, key, "reference", exchange=exchange)
@@ -114,9 +120,7 @@ def test_an_exchange_launched_ahead_is_refused_when_it_does_not_fit():
 
 
 def test_no_grad_keeps_no_graph_and_checkpointing_drops_the_forwards():
-    plan = plan_shards(DOC_LENS, 1, "flashcp")
-    d = build_dispatch(plan, 0, "compact")
-    q, k, v, g = (t[d.token_index] for t in _window())
+    d, q, k, v, g = _one_rank()
     key = step_key(d)
     with torch.no_grad():
         cp_attention(q, k, v, key, "reference")
@@ -141,9 +145,7 @@ def test_no_grad_keeps_no_graph_and_checkpointing_drops_the_forwards():
 
 
 def test_a_released_step_key_is_an_error_naming_it():
-    plan = plan_shards(DOC_LENS, 1, "flashcp")
-    d = build_dispatch(plan, 0, "compact")
-    q, k, v = (t[d.token_index] for t in _window()[:3])
+    d, q, k, v, _ = _one_rank()
     key = step_key(d)
     stale = torch.tensor(int(key))  # the same number, but not the registered tensor
     del key
