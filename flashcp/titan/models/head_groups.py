@@ -25,12 +25,13 @@ recomputes run last to first, g - 1's before g's. The launch runs outside the gr
 projects the group's k and v again from their rows of wqkv (under no_grad, k-normed and rotated as
 the op would), starts the exchange (`FlashCPAttention.launch_exchange`) and hands its handle to
 that group's op call, which consumes it instead of launching its own; the group's own k and v keep
-the gradient path (their values are the same). So it costs a second k/v projection per group and
+the gradient path (the same values, up to the rounding of a narrower GEMM on GPUs). So it costs a second k/v projection per group and
 holds one more group's exchange buffer, for hiding each group's exchange but the first of a pass;
 `benchmarks/head_groups.py --model-only` prices both. Eager code only (a compiled block, like one
 without groups, launches each exchange in its op), never with the ring or one CP rank (nothing to
-exchange ahead). Collectives are issued in the same order on every rank (each group's before the
-next's), so NCCL's in-order execution never makes a group wait for one launched after it.
+exchange ahead). Collectives are issued in the same order on every rank, a group's own exchange
+before the one it launches ahead, so NCCL's in-order execution never makes a group wait for one
+launched after it.
 
 `groups = AUTO` picks G from the shapes each call sees: the fewest groups (a divisor of n_kv_heads)
 whose q, k, v and o for this rank's tokens fit `GROUP_BYTES`.
