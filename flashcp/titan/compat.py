@@ -353,3 +353,37 @@ def fsdp_one_group_property() -> property | None:
 
     found = FSDPState.__dict__.get("_fsdp_param_group")
     return found if isinstance(found, property) else None
+
+
+def mod_tracker_pre_hook_on_non_leaves(tracker: Any) -> Any:
+    """torch 2.13's `ModTracker._fw_pre_hook` (torch.distributed._tools.mod_tracker, private; the dry
+    run's memory tracker runs one) with its backward hook registered on the non-leaf inputs only.
+
+    torch's registers `register_multi_grad_hook` on every input requiring grad; for a leaf its closure
+    holds the leaf's AccumulateGrad node, which holds the leaf, from a hook stored on the leaf: a cycle
+    through C++ that gc does not free, so each leaf input lived to the step's end. A chunked loss feeds
+    its lm_head detached slices of the final norm's output, so that whole output (a rank's tokens x dim)
+    stayed alive through the backward: the dry run counted it in every later peak (1 GiB at 1M tokens
+    on 8 ranks, 4 GiB at 4M), where training frees it once the loss returns. A module whose inputs are
+    all leaves leaves its backward when the backward ends, as torch's does without grad inputs."""
+    import weakref
+
+    from torch.autograd.graph import register_multi_grad_hook
+    from torch.utils._pytree import tree_flatten
+
+    def pre_hook(mod: torch.nn.Module, inputs: Any) -> None:
+        if torch._dynamo.eval_frame._is_in_optimized_module():
+            return
+        name, w_mod = tracker._get_mod_name(mod), weakref.ref(mod)
+        tracker._get_append_fn(w_mod, name, False)()
+        if tracker._user_pre_fw_hook is not None:
+            tracker._user_pre_fw_hook(mod, inputs)
+        args, _ = tree_flatten(inputs)
+        tensors = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad and a.grad_fn is not None]
+        if not tracker.is_bw:
+            if tensors:
+                register_multi_grad_hook(tensors, tracker._get_pop_fn(w_mod, name, True))
+            else:
+                tracker._post_bw_callbacks_to_enqueue.append(tracker._get_pop_fn(w_mod, name, True))
+
+    return pre_hook

@@ -50,7 +50,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.utils.weak import WeakIdKeyDictionary
 
-from flashcp.titan.compat import extra_fsdp_param_groups, fsdp_one_group_property
+from flashcp.titan.compat import extra_fsdp_param_groups, fsdp_one_group_property, mod_tracker_pre_hook_on_non_leaves
 
 GROUPS = {
     "parameters": (Ref.SHARDED_PARAM, Ref.UNSHARDED_PARAM, Ref.ALL_GATHER),
@@ -84,6 +84,8 @@ class CategoryTracker(FSDPMemTracker):
         self._op = ""  # the aten op being dispatched
         self._made: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> (op, module, shape, dtype, label)
         self._peak_top: list[tuple[int, Any, Any, tuple]] = []  # (bytes, reftype, storage weakref, _made's)
+        # torch's module tracker kept leaf inputs alive to the step's end (see the shim)
+        self._mod_tracker._fw_pre_hook = mod_tracker_pre_hook_on_non_leaves(self._mod_tracker)
 
     def __enter__(self) -> CategoryTracker:
         if self._depth == 0:
