@@ -412,3 +412,27 @@ def test_head_groups_cut_the_attention_working_set_and_prefetch_holds_one_more_e
         reports[groups, prefetch] = json.loads(proc.stdout)["peak_gib"]
     assert reports[2, "false"] < reports[1, "false"], reports
     assert reports[2, "true"] >= reports[2, "false"], reports
+
+
+def test_the_final_norms_output_is_gone_when_the_layers_backward_runs(tmp_path, capsys, monkeypatch):
+    """A chunked loss feeds its lm_head detached slices of the final norm's output, which torch's module
+    tracker kept alive to the step's end (its backward hook on leaf inputs): the dry run then counted
+    that output in every peak of the backward. It is freed once the loss returns, as in training."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from flashcp.titan.dryrun import run
+
+    alive: list[bool] = []
+    measure = run._measure
+
+    def probed(trainer, input_dict, labels):
+        model = trainer.model_parts[0]
+        outputs: list[StorageWeakRef] = []
+        model.norm.register_forward_hook(lambda m, i, out: outputs.append(StorageWeakRef(out.untyped_storage())))
+        model.layers["0"].register_full_backward_pre_hook(lambda m, g: alive.append(not outputs[-1].expired()))
+        return measure(trainer, input_dict, labels)
+
+    monkeypatch.setattr(run, "_measure", probed)
+    proc = _dry_run(tmp_path, capsys, "--training.seq_len", "65536", "--activation_checkpoint.mlp_tiles", "4")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert alive == [False]
