@@ -29,8 +29,8 @@ each group's forward three times (forward, the block's recompute, the group's ow
 its backward: its q/k/v and output projections, exchange and kernel) and its backward once, so it
 adds one forward of the layer, at G calls of 1/G of the heads. "prefetch" (`head_group_prefetch`) is
 the same with group g+1's exchange hidden behind group g's kernel in each pass, only the first
-group's exposed, and with what it costs: each group's k and v projected a second time in each pass
-(the launch ahead runs outside the group's autograd). The block adds the MLP (and its AC recompute),
+group's exposed, and with what it costs: each group's k and v but the first's projected a second
+time in each pass (the launch ahead runs outside the group's autograd). The block adds the MLP (and its AC recompute),
 the same for all G. The tables are one node (CP 8, compact exchange, NVLink) and two nodes (CP 16,
 the two-level exchange, `flashcp.costmodel.fabric`'s default fabric of 8 GPUs a node and one 400 Gb/s
 NIC a GPU), where each group's exchange crosses the fabric.
@@ -111,11 +111,11 @@ def grouped_layer_ms(model: CostModel, plan, groups: int, prefetch: bool, comm: 
     forward = t.attn_fwd + t.other_fwd + proj  # one group's forward but its exchange
     backward = t.attn_bwd + t.other_bwd + 2 * proj + t.comm_bwd
     # a pass's exchanges: each group's in turn, or with prefetch the first one's and what outlasts a kernel,
-    # and each group's k and v projected again for its launch ahead
+    # and each group's k and v but the first's projected again for its launch ahead
     prefetch = prefetch and groups > 1  # one group has nothing to launch ahead
     exchanges = t.comm_fwd + (groups - 1) * (max(0.0, t.comm_fwd - t.attn_fwd) if prefetch else t.comm_fwd)
     if prefetch:
-        exchanges += groups * model.memory.gemm_ms(2 * tokens * m.dim * m.head_dim * 2 * m.kv_heads / groups)
+        exchanges += (groups - 1) * model.memory.gemm_ms(2 * tokens * m.dim * m.head_dim * 2 * m.kv_heads / groups)
     total = groups * (passes * forward + backward) + passes * exchanges
     rank = plan.ranks[int(np.argmax(t.per_rank_fwd))]
     ctas = model.kernel.counts([s.length for s in rank], key_rows(rank), shape.heads)[0]

@@ -22,16 +22,17 @@ the hybrids' gated attention).
 `prefetch` (`[activation_checkpoint] head_group_prefetch`): group g + 1's KV exchange is launched
 before group g's kernel, so it crosses the wire while g computes; in backward, where the groups'
 recomputes run last to first, g - 1's before g's. The launch runs outside the groups' autograd: it
-projects the group's k and v again from their rows of wqkv (under no_grad, k-normed and rotated as
-the op would), starts the exchange (`FlashCPAttention.launch_exchange`) and hands its handle to
-that group's op call, which consumes it instead of launching its own; the group's own k and v keep
-the gradient path (the same values, up to the rounding of a narrower GEMM on GPUs). So it costs a second k/v projection per group and
-holds one more group's exchange buffer, for hiding each group's exchange but the first of a pass;
-`benchmarks/head_groups.py --model-only` prices both. Eager code only (a compiled block, like one
-without groups, launches each exchange in its op), never with the ring or one CP rank (nothing to
-exchange ahead). Collectives are issued in the same order on every rank, a group's own exchange
-before the one it launches ahead, so NCCL's in-order execution never makes a group wait for one
-launched after it.
+projects the next group's k and v again from their rows of wqkv (under no_grad, k-normed and rotated
+as the op would; a pass's first group launches its own, already projected), starts the exchange
+(`FlashCPAttention.launch_exchange`) and hands its handle to that group's op call, which consumes it
+instead of launching its own; the group's own k and v keep the gradient path (the same values, up to
+the rounding of a narrower GEMM on GPUs). So it costs a second k/v projection for every group but a
+pass's first, and holds one more group's exchange buffer, for hiding each group's exchange but the
+first of a pass; `benchmarks/head_groups.py --model-only` prices both. Eager code only (a compiled
+block, like one without groups, launches each exchange in its op), never with the ring or one CP rank
+(nothing to exchange ahead). Collectives are issued in the same order on every rank, a group's own
+exchange before the one it launches ahead, so NCCL's in-order execution never makes a group wait for
+one launched after it.
 
 `groups = AUTO` picks G from the shapes each call sees: the fewest groups (a divisor of n_kv_heads)
 whose q, k, v and o for this rank's tokens fit `GROUP_BYTES`.
@@ -90,7 +91,7 @@ class HeadGroupedAttention(GQAttention):
                              self.head_dim, x_BLD.element_size())  # fmt: skip
         if groups == 1:
             return super().forward(x_BLD, attention_masks, positions)
-        ahead = _Ahead() if self.prefetch and _exchanges(attention_masks) else None
+        ahead = _Ahead() if self.prefetch and _launches_ahead(attention_masks) else None
         out = None
         for group in range(groups):
             part = checkpoint(self._group, x_BLD, attention_masks, positions, group, groups, ahead,
@@ -109,8 +110,9 @@ class HeadGroupedAttention(GQAttention):
         exchange = None
         if ahead is not None:
             exchange = ahead.pending.pop(group, None)  # a 0-d handle: never test its truth
-            if exchange is None:
-                exchange = self._launch(x_BLD, attention_masks, group, groups)
+            if exchange is None:  # a pass's first group: its own k and v, as its op would send them
+                with torch.no_grad():
+                    exchange = self.inner_attention.launch_exchange(xk, xv, attention_masks)
             after = group - 1 if ahead.backward else group + 1
             if 0 <= after < groups:
                 ahead.pending[after] = self._launch(x_BLD, attention_masks, after, groups)
@@ -145,7 +147,8 @@ class HeadGroupedAttention(GQAttention):
 
     @torch.no_grad()
     def _launch(self, x_BLD: torch.Tensor, attention_masks, group: int, groups: int) -> torch.Tensor:
-        """Group `group`'s k and v, projected again from its rows of wqkv, and their exchange launched."""
+        """Group `group`'s k and v, projected ahead of its call from its rows of wqkv, and their exchange
+        launched."""
         xk, xv = self._project(x_BLD, group, groups, keys_only=True)
         return self.inner_attention.launch_exchange(xk, xv, attention_masks)
 
@@ -159,7 +162,7 @@ class _Ahead:
     backward: bool = False
 
 
-def _exchanges(attention_masks) -> bool:
+def _launches_ahead(attention_masks) -> bool:
     """Whether this step's layers exchange K/V in a collective one can launch ahead: eager code, more than
     one CP rank, not the ring."""
     dispatch = getattr(attention_masks, "dispatch", None)
